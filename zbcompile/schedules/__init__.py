@@ -1,0 +1,31 @@
+"""Pipeline schedules as data: IR, generators, the zb-auto solver, lowering, validator, simulator.
+
+Pure Python; importing this package never imports torch (ortools and matplotlib load lazily).
+
+    from zbcompile.schedules import Costs, make_schedule, simulate
+    costs = Costs(f=18.5, b=18.1, w=9.3, comm=0.6, mem_f=1.0, mem_w=0.5)
+    sched = make_schedule("zb-auto", stages=8, microbatches=24, costs=costs, memory_limit=8.0)
+    res = simulate(sched, costs)   # makespan, span, bubble_rate, stage_bubble_rate, peak_memory
+"""
+
+from .costs import Costs, StageCosts
+from .ir import Action, Schedule
+from .lower import lower
+from .registry import SCHEDULE_NAMES, make_schedule
+from .simulate import SimResult, simulate
+from .timing import ScheduleError
+from .validate import validate
+
+__all__ = [
+    "Action",
+    "Costs",
+    "SCHEDULE_NAMES",
+    "Schedule",
+    "ScheduleError",
+    "SimResult",
+    "StageCosts",
+    "lower",
+    "make_schedule",
+    "simulate",
+    "validate",
+]

@@ -1,0 +1,123 @@
+"""Per-stage costs and the memory model.
+
+Times (``f``, ``b``, ``w``, ``comm``) are in any one unit (ms in the paper). ``b`` is the
+input-gradient backward (the paper's T_B), ``w`` the weight-gradient backward; a fused backward
+costs ``b + w``. Memory follows the paper: F adds ``mem_f`` (M_B), I frees ``mem_f - mem_w``,
+W frees ``mem_w`` (M_W), a fused B frees ``mem_f``. Every field is a scalar or one value per stage;
+for multi-chunk schedules a "stage" is a chunk.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+Number = Union[int, float]
+PerStage = Union[Number, Sequence[Number]]
+
+
+def _per_stage(name: str, value: PerStage, stages: int) -> tuple[float, ...]:
+    if isinstance(value, (int, float)):
+        values = (float(value),) * stages
+    else:
+        values = tuple(float(v) for v in value)
+        if len(values) != stages:
+            raise ValueError(
+                f"cost {name!r} has {len(values)} values but the schedule has {stages} stages; "
+                "give one value per stage (chunk) or a scalar"
+            )
+    for v in values:
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"cost {name!r} must be finite and non-negative, got {v}")
+    return values
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Costs resolved to one value per stage (see ``Costs``)."""
+
+    f: tuple[float, ...]
+    b: tuple[float, ...]
+    w: tuple[float, ...]
+    comm: float
+    mem_f: tuple[float, ...]
+    mem_w: tuple[float, ...]
+
+    @property
+    def stages(self) -> int:
+        return len(self.f)
+
+    def duration(self, stage: int, kind: str) -> float:
+        """Compute time of one action; communication actions take no compute time."""
+        if kind == "F":
+            return self.f[stage]
+        if kind == "I":
+            return self.b[stage]
+        if kind == "W":
+            return self.w[stage]
+        if kind == "B":
+            return self.b[stage] + self.w[stage]
+        return 0.0
+
+    def memory_delta(self, stage: int, kind: str) -> float:
+        """Change of activation memory when the action runs."""
+        if kind == "F":
+            return self.mem_f[stage]
+        if kind == "I":
+            return -(self.mem_f[stage] - self.mem_w[stage])
+        if kind == "W":
+            return -self.mem_w[stage]
+        if kind == "B":
+            return -self.mem_f[stage]
+        return 0.0
+
+    def work(self, stage: int) -> float:
+        """Busy time of one microbatch on a stage: F + B + W."""
+        return self.f[stage] + self.b[stage] + self.w[stage]
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Costs of F/B/W per stage, communication delay and the memory of one microbatch.
+
+    Defaults are uniform unit costs with no communication, ``mem_f=1`` and ``mem_w=0.5``.
+    """
+
+    f: PerStage = 1.0
+    b: PerStage = 1.0
+    w: PerStage = 1.0
+    comm: Number = 0.0
+    mem_f: PerStage = 1.0
+    mem_w: PerStage = 0.5
+
+    def resolve(self, stages: int) -> StageCosts:
+        """One value per stage; raises ValueError on a length mismatch or a negative value."""
+        if not isinstance(self.comm, (int, float)) or not math.isfinite(self.comm) or self.comm < 0:
+            raise ValueError(f"comm must be a finite non-negative number, got {self.comm!r}")
+        mem_f = _per_stage("mem_f", self.mem_f, stages)
+        mem_w = _per_stage("mem_w", self.mem_w, stages)
+        for s, (mf, mw) in enumerate(zip(mem_f, mem_w)):
+            if mw > mf:
+                raise ValueError(f"stage {s}: mem_w ({mw}) exceeds mem_f ({mf}); W's stash is part of F's activations")
+        return StageCosts(
+            f=_per_stage("f", self.f, stages),
+            b=_per_stage("b", self.b, stages),
+            w=_per_stage("w", self.w, stages),
+            comm=float(self.comm),
+            mem_f=mem_f,
+            mem_w=mem_w,
+        )
+
+
+def resolve_costs(costs: Costs | StageCosts | None, stages: int) -> StageCosts:
+    """Accept ``None`` (defaults), ``Costs`` or already resolved ``StageCosts``."""
+    if costs is None:
+        costs = Costs()
+    if isinstance(costs, StageCosts):
+        if costs.stages != stages:
+            raise ValueError(f"costs are resolved for {costs.stages} stages, the schedule has {stages}")
+        return costs
+    if not isinstance(costs, Costs):
+        raise TypeError(f"costs must be a zbcompile.schedules.Costs, got {type(costs).__name__}")
+    return costs.resolve(stages)

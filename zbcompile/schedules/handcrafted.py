@@ -1,0 +1,119 @@
+"""Handcrafted schedules: GPipe, 1F1B, interleaved 1F1B, ZB-H1 and ZB-H2.
+
+Each generator returns per-rank compute-only programs. Stage s of a single-chunk pipeline runs on
+rank s. Shapes (p stages, m microbatches, stage s counted from 0):
+
+- GPipe: all F, then all B.
+- 1F1B: min(p-1-s, m) warm-up F, then (F, B) pairs, then the remaining B.
+- ZB-H1: 1F1B's order with B split into I and W; stage s holds back its first s W passes so that
+  they fill the drain. Peak memory p M_B; bubble (p-1)(T_F + T_B - T_W).
+- ZB-H2: 2(p-1-s)+1 warm-up F, then (I, W, F) triples in which stage s leaves out its last 2s W
+  passes, then (I, W) pairs, then the held-back W. Peak memory (2p-1) M_B; bubble
+  (p-1)(T_F + T_B - 2 T_W) when T_F + T_B >= 2 T_W.
+- Interleaved 1F1B (Megatron-LM's): v chunks per rank, stage c*P + r on rank r.
+"""
+
+from __future__ import annotations
+
+from .ir import Action, Schedule
+
+
+def _single_chunk(name: str, stages: int, microbatches: int, rows: list[list[Action]]) -> Schedule:
+    return Schedule(name, stages, microbatches, tuple(range(stages)), tuple(tuple(r) for r in rows))
+
+
+def gpipe(stages: int, microbatches: int) -> Schedule:
+    rows = [
+        [Action(s, "F", k) for k in range(microbatches)] + [Action(s, "B", k) for k in range(microbatches)]
+        for s in range(stages)
+    ]
+    return _single_chunk("gpipe", stages, microbatches, rows)
+
+
+def one_f_one_b(stages: int, microbatches: int) -> Schedule:
+    rows = []
+    for s in range(stages):
+        warmup = min(stages - 1 - s, microbatches)
+        row = [Action(s, "F", k) for k in range(warmup)]
+        for i in range(microbatches - warmup):
+            row += [Action(s, "F", warmup + i), Action(s, "B", i)]
+        row += [Action(s, "B", k) for k in range(microbatches - warmup, microbatches)]
+        rows.append(row)
+    return _single_chunk("1f1b", stages, microbatches, rows)
+
+
+def zb_h1(stages: int, microbatches: int) -> Schedule:
+    rows = []
+    for s in range(stages):
+        warmup = min(stages - 1 - s, microbatches)
+        held_back = min(s, microbatches)
+        row = [Action(s, "F", k) for k in range(warmup)]
+        next_w = 0
+        for i in range(microbatches):
+            if warmup + i < microbatches:
+                row.append(Action(s, "F", warmup + i))
+            row.append(Action(s, "I", i))
+            if i >= held_back:
+                row.append(Action(s, "W", next_w))
+                next_w += 1
+        row += [Action(s, "W", k) for k in range(next_w, microbatches)]
+        rows.append(row)
+    return _single_chunk("zb-h1", stages, microbatches, rows)
+
+
+def zb_h2(stages: int, microbatches: int) -> Schedule:
+    rows = []
+    for s in range(stages):
+        warmup = min(2 * (stages - 1 - s) + 1, microbatches)
+        steady = microbatches - warmup
+        held_back = min(2 * s, steady)  # W passes moved to the tail: the parallelogram's corner
+        row = [Action(s, "F", k) for k in range(warmup)]
+        next_w = 0
+        for i in range(steady):
+            row.append(Action(s, "I", i))
+            if i < steady - held_back:
+                row.append(Action(s, "W", next_w))
+                next_w += 1
+            row.append(Action(s, "F", warmup + i))
+        for i in range(steady, microbatches):
+            row += [Action(s, "I", i), Action(s, "W", next_w)]
+            next_w += 1
+        row += [Action(s, "W", k) for k in range(next_w, microbatches)]
+        rows.append(row)
+    return _single_chunk("zb-h2", stages, microbatches, rows)
+
+
+def interleaved_one_f_one_b(stages: int, microbatches: int, ranks: int | None = None) -> Schedule:
+    """Megatron-LM's interleaved 1F1B; ``stages`` counts chunks, default two chunks per rank."""
+    ranks = ranks if ranks is not None else stages // 2
+    if ranks < 1 or stages % ranks:
+        raise ValueError(
+            f"interleaved-1f1b: {stages} stages (chunks) cannot be spread evenly over {ranks} ranks; "
+            "use a multiple of the rank count (default: two chunks per rank, so an even stage count)"
+        )
+    chunks = stages // ranks
+    if microbatches % ranks:
+        raise ValueError(
+            f"interleaved-1f1b needs microbatches to be a multiple of the rank count: got "
+            f"{microbatches} microbatches for {ranks} ranks; use {ranks * max(1, -(-microbatches // ranks))}"
+        )
+    total = microbatches * chunks
+
+    def forward_slot(k: int, r: int) -> Action:
+        chunk = (k // ranks) % chunks
+        return Action(chunk * ranks + r, "F", (k // (ranks * chunks)) * ranks + k % ranks)
+
+    def backward_slot(k: int, r: int) -> Action:
+        chunk = chunks - 1 - (k // ranks) % chunks
+        return Action(chunk * ranks + r, "B", (k // (ranks * chunks)) * ranks + k % ranks)
+
+    rows = []
+    for r in range(ranks):
+        warmup = min((ranks - r - 1) * 2 + (chunks - 1) * ranks, total)
+        row = [forward_slot(k, r) for k in range(warmup)]
+        for i in range(total - warmup):
+            row += [forward_slot(warmup + i, r), backward_slot(i, r)]
+        row += [backward_slot(k, r) for k in range(total - warmup, total)]
+        rows.append(row)
+    stage_to_rank = tuple(s % ranks for s in range(stages))
+    return Schedule("interleaved-1f1b", stages, microbatches, stage_to_rank, tuple(tuple(r) for r in rows))

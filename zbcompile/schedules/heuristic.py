@@ -1,0 +1,131 @@
+"""The zb-auto heuristic and the ZB-V generator, both built on the list scheduler.
+
+zb-auto's heuristic tries every ``GreedyPolicy`` (the paper's reference code grid-searches three
+flags the same way) plus the handcrafted 1F1B (with B split into I then W), ZB-H1 and ZB-H2 where
+they fit in memory, and keeps the best under the objective. So it is never worse than those.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from .costs import StageCosts
+from .greedy import POLICIES, GreedyPolicy, MemoryTooSmall, list_schedule
+from .handcrafted import one_f_one_b, zb_h1, zb_h2
+from .ir import Action, Schedule
+from .simulate import peak_memory, simulate
+
+_TOLERANCE = 1e-9
+
+
+def split_backward(schedule: Schedule) -> Schedule:
+    """Replace every fused B by I immediately followed by W (same memory, earlier gradient send)."""
+    rows = []
+    for row in schedule.actions:
+        out = []
+        for a in row:
+            out += [Action(a.stage, "I", a.microbatch), Action(a.stage, "W", a.microbatch)] if a.kind == "B" else [a]
+        rows.append(tuple(out))
+    return Schedule(schedule.name, schedule.stages, schedule.microbatches, schedule.stage_to_rank, tuple(rows))
+
+
+def fits(schedule: Schedule, costs: StageCosts, limits: Sequence[float] | None) -> bool:
+    if limits is None:
+        return True
+    return all(p <= l + _TOLERANCE * max(1.0, l) for p, l in zip(peak_memory(schedule, costs), limits))
+
+
+def minimum_memory(stage_to_rank: Sequence[int], costs: StageCosts) -> tuple[float, ...]:
+    """The smallest per-rank limit under which a schedule exists: one microbatch of every stage."""
+    ranks = 1 + max(stage_to_rank)
+    return tuple(sum(costs.mem_f[s] for s, r in enumerate(stage_to_rank) if r == rank) for rank in range(ranks))
+
+
+def check_memory_feasible(name: str, stage_to_rank: Sequence[int], costs: StageCosts, limits) -> None:
+    if limits is None:
+        return
+    needed = minimum_memory(stage_to_rank, costs)
+    short = [r for r, (l, n) in enumerate(zip(limits, needed)) if l + _TOLERANCE < n]
+    if short:
+        raise ValueError(
+            f"{name}: memory_limit {[limits[r] for r in short]} on ranks {short} is below one microbatch's "
+            f"activations {[needed[r] for r in short]}; raise it to at least that"
+        )
+
+
+def best_of(candidates: Sequence[Schedule], costs: StageCosts, objective: str) -> tuple[Schedule, float]:
+    scored = [(simulate(c, costs).objective(objective), i) for i, c in enumerate(candidates)]
+    value, index = min(scored)
+    return candidates[index], value
+
+
+def zb_auto_heuristic(
+    stages: int,
+    microbatches: int,
+    costs: StageCosts,
+    limits: Sequence[float] | None,
+    objective: str = "span",
+    policies: Sequence[GreedyPolicy] = POLICIES,
+) -> Schedule:
+    """Best of the list-scheduler policies and the handcrafted schedules that fit in memory."""
+    placement = tuple(range(stages))
+    check_memory_feasible("zb-auto", placement, costs, limits)
+    candidates = []
+    for policy in policies:
+        try:
+            candidates.append(list_schedule("zb-auto", stages, microbatches, placement, costs, limits, policy))
+        except MemoryTooSmall:
+            continue
+    for hand in (split_backward(one_f_one_b(stages, microbatches)), zb_h1(stages, microbatches), zb_h2(stages, microbatches)):
+        if fits(hand, costs, limits):
+            candidates.append(hand)
+    if not candidates:
+        raise ValueError(f"zb-auto: no schedule fits memory_limit {list(limits)}; raise it")
+    best, _ = best_of(candidates, costs, objective)
+    source = best.name
+    return Schedule("zb-auto", stages, microbatches, placement, best.actions, {"heuristic_source": source})
+
+
+def v_placement(stages: int) -> tuple[int, ...]:
+    """Two chunks per rank in a V: stage s on rank s for the first half, 2p-1-s for the second."""
+    ranks = stages // 2
+    return tuple(s if s < ranks else stages - 1 - s for s in range(stages))
+
+
+def zbv(stages: int, microbatches: int, costs: StageCosts, limits: Sequence[float] | None = None, objective: str = "span") -> Schedule:
+    """ZB-V: V placement, list-scheduled at 1F1B's memory unless a limit is given."""
+    if stages < 2 or stages % 2:
+        raise ValueError(f"zbv puts two chunks on each rank: stages (chunks) must be even and >= 2, got {stages}")
+    placement = v_placement(stages)
+    ranks = stages // 2
+    if limits is None:  # 1F1B memory: p microbatches of a whole rank's activations
+        limits = tuple(ranks * (costs.mem_f[r] + costs.mem_f[stages - 1 - r]) for r in range(ranks))
+    check_memory_feasible("zbv", placement, costs, limits)
+    candidates = []
+    for policy in POLICIES:
+        try:
+            candidates.append(list_schedule("zbv", stages, microbatches, placement, costs, limits, policy))
+        except MemoryTooSmall:
+            continue
+    if not candidates:
+        raise ValueError(f"zbv: no schedule fits memory_limit {list(limits)}; raise it")
+    best, _ = best_of(candidates, costs, objective)
+    return best.with_info(memory_limit=list(limits))
+
+
+def analytic_lower_bound(schedule_stages: int, microbatches: int, stage_to_rank: Sequence[int], costs: StageCosts, objective: str) -> float:
+    """Memory-free bound. span: the busiest rank's work. makespan: a rank cannot start before the
+    first forward reaches its earliest stage, and then has all its own work to do."""
+    ranks = 1 + max(stage_to_rank)
+    busy = [0.0] * ranks
+    for s, r in enumerate(stage_to_rank):
+        busy[r] += microbatches * costs.work(s)
+    if objective == "span":
+        return max(busy)
+    arrival, first = 0.0, [math.inf] * ranks
+    for s, r in enumerate(stage_to_rank):
+        first[r] = min(first[r], arrival)
+        if s + 1 < schedule_stages:
+            arrival += costs.f[s] + (costs.comm if stage_to_rank[s + 1] != r else 0.0)
+    return max(f + b for f, b in zip(first, busy))
