@@ -1,0 +1,89 @@
+"""The one place that reaches into private torch APIs (AOTAutograd, FX tracing meta, FLOP
+formulas). A torch upgrade that moves them touches this file only."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+import torch.fx.traceback as fx_traceback
+from torch._functorch._aot_autograd.descriptors import (
+    BufferAOTInput,
+    GradAOTOutput,
+    ParamAOTInput,
+    PlainAOTInput,
+    PlainAOTOutput,
+    TangentAOTInput,
+)
+from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import flop_counter
+
+# What tracing with fake tensors raises when Python control flow depends on tensor values.
+DATA_DEPENDENT_ERRORS = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
+
+__all__ = [
+    "DATA_DEPENDENT_ERRORS",
+    "BufferAOTInput",
+    "GradAOTOutput",
+    "ParamAOTInput",
+    "PlainAOTInput",
+    "PlainAOTOutput",
+    "TangentAOTInput",
+    "annotate_nodes",
+    "export_joint",
+    "count_flops",
+    "has_flop_formula",
+    "make_fx",
+    "preserve_node_meta",
+]
+
+aten = torch.ops.aten
+
+preserve_node_meta = fx_traceback.preserve_node_meta
+
+
+def annotate_nodes(annotation: dict[str, Any]) -> contextlib.AbstractContextManager:
+    """Nodes traced inside this context carry `annotation` in `node.meta["custom"]`."""
+    return fx_traceback.annotate(annotation)
+
+
+def export_joint(module: torch.nn.Module, args: tuple) -> torch.fx.GraphModule:
+    """AOTAutograd joint forward+backward graph of `module(*args)`; placeholders and the output
+    carry descriptors in `meta["desc"]` (see torch/_functorch/_aot_autograd/descriptors.py)."""
+    with contextlib.ExitStack() as stack:
+        joint = aot_export_joint_with_descriptors(stack, module, args)
+        return joint.graph_module
+
+
+def _cpu_sdpa_flop(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return flop_counter.sdpa_flop_count(query, key, value)
+
+
+def _cpu_sdpa_backward_flop(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return flop_counter.sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+# torch ships no formula for the CPU flash-attention kernels; they count like the GPU ones.
+_EXTRA_FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
+    aten._scaled_dot_product_flash_attention_for_cpu: flop_counter.shape_wrapper(_cpu_sdpa_flop),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: flop_counter.shape_wrapper(
+        _cpu_sdpa_backward_flop
+    ),
+}
+
+
+def has_flop_formula(target: Any) -> bool:
+    packet = getattr(target, "overloadpacket", target)
+    return packet in flop_counter.flop_registry or packet in _EXTRA_FLOP_FORMULAS
+
+
+def count_flops(target: Any, args: tuple, kwargs: dict, out: Any) -> int:
+    """FLOPs of one call of an aten overload, with (fake) tensors as arguments; 0 for ops that
+    have no formula in `torch.utils.flop_counter` (elementwise ops, views)."""
+    packet = getattr(target, "overloadpacket", target)
+    formula = flop_counter.flop_registry.get(packet) or _EXTRA_FLOP_FORMULAS.get(packet)
+    return int(formula(*args, out_val=out, **kwargs)) if formula else 0

@@ -1,0 +1,128 @@
+"""Runs the passes in order; the only place that knows the order.
+
+    trace_model -> partition_stages -> export_stage_joints -> split_backward -> costs
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from zbcompile.passes import _fx
+from zbcompile.passes.cost import GraphCost, graph_cost
+from zbcompile.passes.joint import Program, StageJoint, export_stage_joints
+from zbcompile.passes.partition import Stage, StagePartition, partition_stages
+from zbcompile.passes.split_backward import SplitBackward, split_backward
+from zbcompile.passes.trace import TracedModel, trace_model
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Static cost of one stage for one microbatch: FLOPs/bytes of F, B and W; `mem_b` bytes F
+    keeps for the backward (M_B), `mem_w` bytes W still needs once B has run (M_W)."""
+
+    forward: GraphCost
+    input_backward: GraphCost
+    weight_backward: GraphCost
+    mem_b: int
+    mem_w: int
+
+
+@dataclass(frozen=True)
+class StageProgram:
+    """Everything the runtime needs to run one stage: its place in the pipeline (`stage`), the
+    forward F, the input-gradient graph B, the weight-gradient graph W and their costs."""
+
+    stage: Stage
+    joint: StageJoint
+    split: SplitBackward
+    cost: StageCost
+
+    @property
+    def index(self) -> int:
+        return self.stage.index
+
+    @property
+    def forward(self) -> Program:
+        return self.joint.forward
+
+    @property
+    def input_backward(self) -> Program:
+        return self.split.input_backward
+
+    @property
+    def weight_backward(self) -> Program:
+        return self.split.weight_backward
+
+
+@dataclass(frozen=True)
+class CompiledPipeline:
+    """The compiler's result: the traced model, its partition, one StageProgram per stage, and
+    the seconds each phase took."""
+
+    traced: TracedModel
+    partition: StagePartition
+    programs: tuple[StageProgram, ...]
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+
+
+def compile_pipeline(
+    model: nn.Module,
+    loss_fn: Callable[..., torch.Tensor] | None,
+    args: tuple,
+    kwargs: dict[str, Any],
+    target: Any,
+    stages: int,
+    split_points: Sequence[str] | None = None,
+) -> CompiledPipeline:
+    """Compile one microbatch's forward + loss (`args`, `kwargs`, `target` are a microbatch)."""
+    seconds: dict[str, float] = {}
+
+    def timed(phase: str, fn, *a, **k):
+        start = time.perf_counter()
+        result = fn(*a, **k)
+        seconds[phase] = time.perf_counter() - start
+        return result
+
+    traced = timed("trace", trace_model, model, loss_fn, args, kwargs, target)
+    partition = timed("partition", partition_stages, traced, stages, split_points)
+    joints = timed("joint", export_stage_joints, partition)
+    splits = timed("split_backward", lambda: [split_backward(j) for j in joints])
+    programs = timed(
+        "cost",
+        lambda: tuple(
+            StageProgram(stage, joint, split, _stage_cost(joint, split))
+            for stage, joint, split in zip(partition.stages, joints, splits)
+        ),
+    )
+    return CompiledPipeline(traced, partition, programs, seconds)
+
+
+def _stage_cost(joint: StageJoint, split: SplitBackward) -> StageCost:
+    saved = [n for n in joint.backward.signature.inputs if n.startswith(("saved:", "in:"))]
+    held_from_forward, stash_bytes = _weight_memory(split)
+    return StageCost(
+        forward=graph_cost(joint.forward.graph),
+        input_backward=graph_cost(split.input_backward.graph),
+        weight_backward=graph_cost(split.weight_backward.graph),
+        mem_b=joint.held_bytes(saved),
+        mem_w=joint.held_bytes(held_from_forward) + stash_bytes,
+    )
+
+
+def _weight_memory(split: SplitBackward) -> tuple[set[str], int]:
+    """What W keeps alive after B: the forward values it reads (directly, or through a stash
+    entry that is a view of one), and the bytes of new tensors B computed for it."""
+    graph = split.input_backward.graph.graph
+    roots = _fx.storage_roots(graph)
+    placeholder_names = dict(zip(graph.find_nodes(op="placeholder"), split.input_backward.signature.inputs))
+    returned = graph.output_node().args[0]
+    stash = [n for n, name in zip(returned, split.input_backward.signature.outputs) if name.startswith("stash:")]
+    held = {n for n in split.weight_reads if not n.startswith("stash:")}
+    held |= {placeholder_names[roots[n]] for n in stash if roots[n].op == "placeholder"}
+    owned = {roots[n] for n in stash if roots[n].op != "placeholder"}
+    return held, sum(_fx.node_bytes(n) for n in owned)

@@ -1,0 +1,108 @@
+"""Small FX helpers shared by the passes: value sizes and copying node sets into new graphs."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import fx
+
+
+def tensor_bytes(value: object) -> int:
+    """Bytes of a tensor (or the tensors in a tuple/list); 0 for anything else."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (tuple, list)):
+        return sum(tensor_bytes(v) for v in value)
+    return 0
+
+
+def node_bytes(node: fx.Node) -> int:
+    return tensor_bytes(node.meta.get("val"))
+
+
+def is_multi_output(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), (tuple, list))
+
+
+def copy_nodes(graph: fx.Graph, nodes: Iterable[fx.Node], env: dict[fx.Node, fx.Node]) -> None:
+    """Append copies of `nodes` (in the given order) to `graph`, reading inputs through `env`
+    and recording each copy in it. Meta (shapes, annotations) travels with the copy."""
+    for node in nodes:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+
+
+def finish(graph: fx.Graph, root: torch.nn.Module | dict | None = None, name: str = "GraphModule") -> fx.GraphModule:
+    """Lint `graph` and wrap it in a recompiled GraphModule named `name`."""
+    graph.lint()
+    module = fx.GraphModule(root if root is not None else {}, graph, class_name=name)
+    module.recompile()
+    return module
+
+
+def is_view_op(node: fx.Node) -> bool:
+    """Ops whose result aliases an input (aten views, getitem)."""
+    target = node.target
+    if node.op != "call_function":
+        return False
+    if isinstance(target, torch._ops.OpOverload):
+        return any(r.alias_info is not None and not r.alias_info.is_write for r in target._schema.returns)
+    return getattr(target, "__name__", "") == "getitem"
+
+
+def state_only_nodes(graph: fx.Graph, state: set[fx.Node]) -> set[fx.Node]:
+    """call_function nodes that read only `state` placeholders (parameters, buffers) or nothing
+    through views and input-free factories (`t(weight)`, `arange`): cheaper to recompute in each
+    graph that reads them than to save."""
+    result: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        inputs = node.all_input_nodes
+        if all(a in state or a in result for a in inputs) and (is_view_op(node) or not inputs):
+            result.add(node)
+    return result
+
+
+def with_state_ancestors(nodes: set[fx.Node], recompute: set[fx.Node]) -> set[fx.Node]:
+    """`nodes` plus the recomputable nodes they (transitively) read."""
+    result = set(nodes)
+    frontier = [a for n in nodes for a in n.all_input_nodes if a in recompute]
+    while frontier:
+        node = frontier.pop()
+        if node not in result:
+            result.add(node)
+            frontier.extend(a for a in node.all_input_nodes if a in recompute)
+    return result
+
+
+def ancestors(roots: Iterable[fx.Node], stop: set[fx.Node] = frozenset()) -> set[fx.Node]:
+    """Every node the roots depend on (roots included), not walking past `stop` nodes (which
+    are included when reached)."""
+    result: set[fx.Node] = set()
+    frontier = [r for r in roots if r is not None]
+    while frontier:
+        node = frontier.pop()
+        if node in result:
+            continue
+        result.add(node)
+        if node not in stop:
+            frontier.extend(node.all_input_nodes)
+    return result
+
+
+def storage_roots(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
+    """For every node, the node whose result owns its memory: views (and getitems of view ops
+    like `split`) map to their base; everything else, placeholders included, owns its own."""
+    roots: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        root = node
+        if node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node):
+            base = node.args[0]
+            if getattr(node.target, "__name__", "") == "getitem":
+                if is_view_op(base):  # an element of split/unbind shares the input's storage
+                    root = roots[base]
+            elif is_view_op(node):
+                root = roots[base]
+        roots[node] = root
+    return roots

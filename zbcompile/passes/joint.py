@@ -1,0 +1,263 @@
+"""Pass 3: per stage, the AOTAutograd joint graph, separated into a forward graph F and one
+backward graph.
+
+Every graph the compiler produces is a pure function over named values (the runtime keeps them
+in a per-microbatch environment). The names:
+
+    param:<fqn>, buffer:<fqn>   the model's own parameters and buffers
+    in:<value>                  a stage input (boundary value, model input or target)
+    out:<value>                 a stage output (boundary value; `out:loss` on the last stage)
+    tangent:<value>             the gradient of a stage output, from downstream (`tangent:loss`)
+    grad:<value>                the gradient of a stage input, sent upstream
+    grad:param:<fqn>            a parameter's gradient
+    saved:<node>                an activation F keeps for the backward
+    stash:<node>                a value the input-gradient graph B keeps for W
+
+Example (stage 1 of a two-layer MLP):
+
+    F:        (param:fc2.weight, param:fc2.bias, in:relu, in:target_0) -> (out:loss, saved:relu, ...)
+    backward: (param:fc2.weight, saved:..., tangent:loss) -> (grad:relu, grad:param:fc2.weight, ...)
+
+Parameter views (`t(weight)`) are recomputed where needed rather than saved.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+import torch
+from torch import fx
+
+from zbcompile import _torch_internals as ti
+from zbcompile.passes import _fx
+from zbcompile.passes.partition import Stage, StagePartition
+
+
+@dataclass(frozen=True)
+class Signature:
+    """Environment names of a graph's placeholders and of the values it returns, in order."""
+
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Program:
+    """A graph and its calling convention: `graph(*env[inputs]) -> env[outputs]`."""
+
+    graph: fx.GraphModule
+    signature: Signature
+
+    def run(self, env: dict[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> None:
+        """Call the graph on the values named in its signature, looked up in `env` and then in
+        `state` (parameters and buffers), and store its results into `env`."""
+        results = self.graph(*[env[n] if n in env else state[n] for n in self.signature.inputs])
+        env.update(zip(self.signature.outputs, results))
+
+
+@dataclass(frozen=True)
+class StageJoint:
+    """F and the whole backward of one stage.
+
+    forward: inputs are the parameters and buffers it reads and every `in:` value; outputs are
+        the `out:` values, then the `saved:` activations. backward: reads parameters, `saved:`
+        values, `in:` values it needs and the `tangent:`s; returns `grad:<value>` for each stage
+        input that gets a gradient, then `grad:param:<fqn>` for each parameter.
+    tangents: the stage outputs that take a gradient (`tangent:` names in the backward).
+    """
+
+    stage: int
+    forward: Program
+    backward: Program
+    tangents: tuple[str, ...]
+    input_grads: tuple[str, ...]
+    param_grads: tuple[str, ...]
+    storage: dict[str, tuple[str, int]]
+
+    def held_bytes(self, names: Iterable[str]) -> int:
+        """Bytes of memory the values `names` keep alive (views of one tensor counted once)."""
+        roots = dict(self.storage[n] for n in names if n in self.storage)
+        return sum(roots.values())
+
+
+def export_stage_joints(partition: StagePartition, loss_name: str = "loss") -> tuple[StageJoint, ...]:
+    """Trace every stage's joint graph, last stage first, so that a stage gives a tangent only to
+    outputs whose gradient the next stage can produce."""
+    joints: list[StageJoint] = []
+    grads_from_next: set[str] = set()
+    for stage in reversed(partition.stages):
+        last = stage.index == len(partition.stages) - 1
+        joint = export_stage_joint(stage, partition, grads_from_next, loss_name if last else None)
+        # gradients this stage provides to its predecessor: its own, and relayed ones
+        grads_from_next = {v for v in joint.input_grads} | {v for v in stage.relays if v in grads_from_next}
+        joints.append(joint)
+    return tuple(reversed(joints))
+
+
+def export_stage_joint(
+    stage: Stage, partition: StagePartition, grads_from_next: set[str], loss_name: str | None
+) -> StageJoint:
+    module = _detach_outputs_without_grad(stage, grads_from_next, loss_name)
+    joint = ti.export_joint(module, _example_inputs(stage, partition))
+    _refuse_mutated_state(joint, stage)
+    return _separate_forward(joint, stage, loss_name)
+
+
+def _example_inputs(stage: Stage, partition: StagePartition) -> tuple[torch.Tensor, ...]:
+    """Tensors shaped like the stage's inputs; boundary values that carry a gradient require one."""
+    examples = []
+    for name, node in zip(stage.graph_inputs, stage.module.graph.find_nodes(op="placeholder")):
+        value = node.meta["val"]
+        info = partition.values.get(name)
+        differentiable = info is not None and info.differentiable
+        examples.append(torch.zeros(value.shape, dtype=value.dtype, requires_grad=differentiable))
+    return tuple(examples)
+
+
+def _detach_outputs_without_grad(stage: Stage, grads_from_next: set[str], loss_name: str | None) -> fx.GraphModule:
+    """A copy of the stage module whose outputs that get no gradient downstream are detached."""
+    if loss_name is not None:
+        return stage.module
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    _fx.copy_nodes(graph, [n for n in stage.module.graph.nodes if n.op != "output"], env)
+    outputs = []
+    for name, node in zip(stage.graph_outputs, stage.module.graph.output_node().args[0]):
+        value = env[node]
+        if name not in grads_from_next:
+            value = graph.call_function(torch.ops.aten.detach.default, (value,))
+        outputs.append(value)
+    graph.output(tuple(outputs))
+    return _fx.finish(graph, stage.module, name=type(stage.module).__name__)
+
+
+def _refuse_mutated_state(joint: fx.GraphModule, stage: Stage) -> None:
+    for desc in joint.graph.output_node().meta["desc"]:
+        mutated = getattr(desc, "mutated_input", None)
+        if mutated is not None:
+            raise ValueError(
+                f"stage {stage.index} mutates {getattr(mutated, 'target', mutated)} in place during the "
+                "forward; pipelined training cannot reproduce per-batch state updates. Remove the "
+                "mutation (or use eval() mode for modules that update running statistics)."
+            )
+
+
+def _placeholder_name(desc: object, stage: Stage) -> str:
+    if isinstance(desc, ti.ParamAOTInput):
+        return f"param:{desc.target}"
+    if isinstance(desc, ti.BufferAOTInput):
+        return f"buffer:{desc.target}"
+    if isinstance(desc, ti.PlainAOTInput):
+        return f"in:{stage.graph_inputs[desc.idx]}"
+    if isinstance(desc, ti.TangentAOTInput) and isinstance(desc.output, ti.PlainAOTOutput):
+        return f"tangent:{stage.graph_outputs[desc.output.idx]}"
+    raise NotImplementedError(f"stage {stage.index}: unsupported joint graph input {desc}")
+
+
+def _output_name(desc: object, stage: Stage, loss_name: str | None) -> str | None:
+    if isinstance(desc, ti.PlainAOTOutput):
+        return f"out:{loss_name or stage.graph_outputs[desc.idx]}"
+    if isinstance(desc, ti.GradAOTOutput):
+        of = desc.grad_of
+        if isinstance(of, ti.ParamAOTInput):
+            return f"grad:param:{of.target}"
+        if isinstance(of, ti.PlainAOTInput):
+            return f"grad:{stage.graph_inputs[of.idx]}"
+        return None  # a buffer's gradient: buffers are not trained
+    raise NotImplementedError(f"stage {stage.index}: unsupported joint graph output {desc}")
+
+
+def _separate_forward(joint: fx.GraphModule, stage: Stage, loss_name: str | None) -> StageJoint:
+    graph = joint.graph
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    names = {n: _placeholder_name(n.meta["desc"], stage) for n in placeholders}
+    if loss_name is not None:  # the loss's tangent is `tangent:loss`, whatever its output's name
+        names = {n: (f"tangent:{loss_name}" if v.startswith("tangent:") else v) for n, v in names.items()}
+    output_node = graph.output_node()
+    outputs = []
+    for node, desc in zip(output_node.args[0], output_node.meta["desc"]):
+        name = _output_name(desc, stage, loss_name) if desc is not None else None
+        if node is not None and name is not None:
+            outputs.append((node, name))
+    forward_outputs = [(n, v) for n, v in outputs if v.startswith("out:")]
+    grad_outputs = [(n, v) for n, v in outputs if v.startswith("grad:")]
+
+    state = {n for n in placeholders if names[n].startswith(("param:", "buffer:"))}
+    tangents = {n for n in placeholders if names[n].startswith("tangent:")}
+    recompute = _fx.state_only_nodes(graph, state)
+    forward_nodes = _fx.ancestors([n for n, _ in forward_outputs]) - set(placeholders)
+    # every element of a forward op's tuple result is a forward value (a saved mean or rstd)
+    forward_nodes |= {u for n in forward_nodes if _fx.is_multi_output(n) for u in n.users}
+    backward_nodes = _fx.ancestors([n for n, _ in grad_outputs], stop=forward_nodes) - set(placeholders) - forward_nodes
+    backward_nodes = _fx.with_state_ancestors(backward_nodes, recompute)
+    forward_values = forward_nodes | {n for n in placeholders if names[n].startswith("in:")}
+    saved = [
+        n
+        for n in graph.nodes
+        if n in forward_values - recompute and any(u in backward_nodes for u in n.users)
+    ]
+    for node in saved:
+        names.setdefault(node, f"saved:{node.name}")
+    roots = _fx.storage_roots(graph)
+    storage = {
+        names[n]: (roots[n].name, _fx.node_bytes(roots[n])) for n in [*saved, *tangents]
+    }
+
+    forward = extract_program(
+        graph,
+        body=forward_nodes,
+        inputs=[n for n in placeholders if not names[n].startswith("tangent:")],
+        outputs=[*forward_outputs, *[(n, names[n]) for n in saved if n.op != "placeholder"]],
+        names=names,
+        class_name=f"Stage{stage.index}Forward",
+    )
+    backward_inputs = [
+        n for n in graph.nodes if (n in state or n in tangents or n in saved) and any(u in backward_nodes for u in n.users)
+    ]
+    backward = extract_program(
+        graph,
+        body=backward_nodes,
+        inputs=backward_inputs,
+        outputs=grad_outputs,
+        names=names,
+        class_name=f"Stage{stage.index}Backward",
+    )
+    return StageJoint(
+        stage=stage.index,
+        forward=forward,
+        backward=backward,
+        tangents=tuple(names[n].removeprefix("tangent:") for n in placeholders if n in tangents),
+        input_grads=tuple(v.removeprefix("grad:") for _, v in grad_outputs if not v.startswith("grad:param:")),
+        param_grads=tuple(v.removeprefix("grad:param:") for _, v in grad_outputs if v.startswith("grad:param:")),
+        storage=storage,
+    )
+
+
+def _safe(name: str) -> str:
+    """A readable Python identifier for an environment name (`param:blocks.0.fc.weight` ->
+    `blocks_0_fc_weight`)."""
+    body = name.split(":", 1)[1] if name.startswith(("param:", "buffer:", "in:")) else name
+    return re.sub(r"\W", "_", body)
+
+
+def extract_program(
+    graph: fx.Graph,
+    body: set[fx.Node],
+    inputs: list[fx.Node],
+    outputs: list[tuple[fx.Node, str]],
+    names: dict[fx.Node, str],
+    class_name: str,
+) -> Program:
+    """A Program computing `outputs` (node, environment name) from `inputs` by running the
+    `body` nodes (in graph order). Inputs are named by `names`."""
+    new_graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in inputs:
+        env[node] = new_graph.placeholder(_safe(names[node]))
+        env[node].meta = dict(node.meta)
+    _fx.copy_nodes(new_graph, [n for n in graph.nodes if n in body and n not in env], env)
+    new_graph.output(tuple(env[n] for n, _ in outputs))
+    module = _fx.finish(new_graph, name=class_name)
+    return Program(module, Signature(tuple(names[n] for n in inputs), tuple(name for _, name in outputs)))

@@ -1,0 +1,462 @@
+"""Pass 2: cut the traced forward graph into contiguous pipeline stages.
+
+`partition_stages(traced, stages, split_points=None)` orders the *anchored* nodes (those that
+depend on a model input or the target) as traced and cuts that sequence into `stages` runs.
+Nodes that depend only on parameters, buffers and constants (weight transposes, `arange`,
+masks) are not placed: every stage that needs one recomputes it, so a stage only ever receives
+activations. Without split points the cut minimises the costliest stage (FLOPs plus bytes,
+`cost.node_cost`) and, among cuts within `balance_tolerance` of that optimum, the bytes that
+cross stage boundaries. A value needed by a stage further down is relayed through the stages
+in between, so all communication is between neighbours.
+
+Example: a 2-layer MLP cut in two (`fc1 -> relu -> fc2 -> mse`):
+
+    stage 0: inputs (input_0)       params fc1.*   outputs (relu)
+    stage 1: inputs (relu, target_0) params fc2.*   outputs (loss)
+
+Each `Stage.module` is a GraphModule whose placeholders are `graph_inputs` (boundary values it
+reads, then targets) and whose parameters and buffers are `get_attr`s of the original model's
+own objects under their FQNs, so AOTAutograd sees them as parameters.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass
+from typing import Sequence
+
+import networkx as nx
+import torch
+from torch import fx
+
+from zbcompile.passes import _fx
+from zbcompile.passes.cost import node_cost
+from zbcompile.passes.trace import BUFFER, INPUT, PARAM, TARGET, TracedModel
+
+
+@dataclass(frozen=True)
+class ValueInfo:
+    """Shape and dtype of a value that crosses a stage boundary; `differentiable` when a gradient
+    may flow back through it (floating point and computed from parameters)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    differentiable: bool
+
+    @property
+    def nbytes(self) -> int:
+        return torch.Size(self.shape).numel() * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage of the forward graph.
+
+    inputs: boundary values arriving from the previous stage (stage 0: the model's tensor
+        inputs), by global value name. outputs: boundary values sent to the next stage (the
+        last stage: none; its graph returns the loss). relays: inputs forwarded unchanged into
+        outputs. graph_inputs: the module's placeholders in order (inputs it reads, then target
+        tensors); graph_outputs: what the module returns (values it computes for outputs, or
+        the loss).
+    """
+
+    index: int
+    module: fx.GraphModule
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    relays: tuple[str, ...]
+    graph_inputs: tuple[str, ...]
+    graph_outputs: tuple[str, ...]
+    param_fqns: tuple[str, ...]
+    buffer_fqns: tuple[str, ...]
+    cost: float
+
+
+@dataclass(frozen=True)
+class StagePartition:
+    """Stages in pipeline order, the stage of every anchored forward node (by node name), the
+    bytes crossing each boundary, shapes of boundary values, and parameters used by more than
+    one stage (tied weights) with the stages using them (the first one owns the parameter)."""
+
+    stages: tuple[Stage, ...]
+    stage_of_node: dict[str, int]
+    boundary_bytes: tuple[int, ...]
+    values: dict[str, ValueInfo]
+    shared_params: dict[str, tuple[int, ...]]
+
+
+def partition_stages(
+    traced: TracedModel,
+    stages: int,
+    split_points: Sequence[str] | None = None,
+    balance_tolerance: float = 0.05,
+) -> StagePartition:
+    if stages < 1:
+        raise ValueError(f"stages must be at least 1, got {stages}")
+    graph = traced.graph_module.graph
+    anchors = _anchored_nodes(graph)
+    allowed = _allowed_cuts(anchors)
+    live_bytes = _live_bytes(anchors, graph)
+    if split_points is not None:
+        cuts = _cuts_at_split_points(anchors, allowed, list(split_points), stages)
+    else:
+        if stages - 1 > len(allowed):
+            raise ValueError(
+                f"stages={stages} but the model can be cut at only {len(allowed)} places, so it has "
+                f"at most {len(allowed) + 1} stages; ask for fewer stages."
+            )
+        costs = [node_cost(n) for n in anchors]
+        cuts = _balanced_cuts(costs, live_bytes, allowed, stages, balance_tolerance)
+    bounds = [0, *cuts, len(anchors)]
+    stage_of = {n: k for k in range(stages) for n in anchors[bounds[k] : bounds[k + 1]]}
+    return _build_stages(traced, anchors, stage_of, bounds, live_bytes)
+
+
+# --- classifying nodes -------------------------------------------------------------------------
+
+
+def _role(node: fx.Node) -> str | None:
+    return node.meta.get("zb_role") if node.op == "placeholder" else None
+
+
+def _value_name(node: fx.Node) -> str:
+    return node.meta["zb_name"] if node.op == "placeholder" else node.name
+
+
+def _anchored_nodes(graph: fx.Graph) -> list[fx.Node]:
+    """call_function nodes that depend on an input or target, or draw random numbers; in trace
+    order."""
+    anchored: set[fx.Node] = set()
+    order = []
+    for node in graph.nodes:
+        if _role(node) in (INPUT, TARGET):
+            anchored.add(node)
+        elif node.op == "call_function" and (
+            any(a in anchored for a in node.all_input_nodes) or _is_random(node)
+        ):
+            anchored.add(node)
+            order.append(node)
+    return order
+
+
+def _is_random(node: fx.Node) -> bool:
+    tags = getattr(node.target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags
+
+
+def _target_dependent(graph: fx.Graph) -> set[fx.Node]:
+    dependent = {n for n in graph.nodes if _role(n) == TARGET}
+    for node in graph.nodes:
+        if node.op == "call_function" and any(a in dependent for a in node.all_input_nodes):
+            dependent.add(node)
+    return dependent
+
+
+def _allowed_cuts(anchors: list[fx.Node]) -> list[int]:
+    """Positions i (a stage starts at anchors[i]) that keep a multi-output op with its getitems
+    and every node that reads the target in the last stage."""
+    position = {n: i for i, n in enumerate(anchors)}
+    blocked = [False] * (len(anchors) + 1)
+    for node in anchors:
+        if _fx.is_multi_output(node):
+            last_getitem = max((position[u] for u in node.users if u in position), default=position[node])
+            for i in range(position[node] + 1, last_getitem + 1):
+                blocked[i] = True
+    graph = anchors[0].graph if anchors else None
+    dependent = _target_dependent(graph) if graph is not None else set()
+    first_target_use = min((position[n] for n in dependent if n in position), default=len(anchors))
+    return [i for i in range(1, len(anchors)) if not blocked[i] and i <= first_target_use]
+
+
+def _requires_grad(graph: fx.Graph) -> set[fx.Node]:
+    """Floating-point values computed from parameters through differentiable ops (an
+    over-approximation: a stage that turns out not to need a gradient gets none)."""
+    result: set[fx.Node] = set()
+    for node in graph.nodes:
+        if _role(node) == PARAM:
+            result.add(node)
+        elif node.op == "call_function" and node.target is not torch.ops.aten.detach.default:
+            value = node.meta.get("val")
+            floating = isinstance(value, (tuple, list)) or (
+                isinstance(value, torch.Tensor) and value.is_floating_point()
+            )
+            if floating and any(a in result for a in node.all_input_nodes):
+                result.add(node)
+    return result
+
+
+# --- choosing the cuts -------------------------------------------------------------------------
+
+
+def _boundary_values(anchors: list[fx.Node], graph: fx.Graph) -> list[tuple[fx.Node, int, int]]:
+    """(value, first position it can cross, last position that reads it) for every tensor
+    value an anchored node reads from an earlier position. Inputs live from position 0;
+    targets never cross (they enter the last stage directly)."""
+    position = {n: i for i, n in enumerate(anchors)}
+    result = []
+    for node in graph.nodes:
+        if _role(node) == INPUT:
+            start = 0
+        elif node in position and not _fx.is_multi_output(node):
+            start = position[node] + 1
+        else:
+            continue
+        uses = [position[u] for u in node.users if u in position]
+        if uses and max(uses) >= start:
+            result.append((node, start, max(uses)))
+    return result
+
+
+def _live_bytes(anchors: list[fx.Node], graph: fx.Graph) -> list[int]:
+    """live_bytes[i]: bytes of values made before anchors[i] and read at or after it."""
+    delta = [0] * (len(anchors) + 2)
+    for node, start, last in _boundary_values(anchors, graph):
+        size = _fx.node_bytes(node)
+        delta[start] += size
+        delta[last + 1] -= size
+    live, running = [], 0
+    for i in range(len(anchors) + 1):
+        running += delta[i]
+        live.append(running)
+    return live
+
+
+def _prefix_sums(costs: list[float]) -> list[float]:
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    return prefix
+
+
+def _min_bottleneck(prefix: list[float], allowed: list[int], stages: int) -> float:
+    """Smallest cap such that the sequence splits into at most `stages` runs at allowed cuts
+    with every run costing at most cap (bisection over a greedy feasibility test)."""
+    total = prefix[-1]
+    n = len(prefix) - 1
+
+    def runs_needed(cap: float) -> int:
+        start, count = 0, 1
+        while prefix[n] - prefix[start] > cap:
+            # the furthest allowed cut within reach of `start`
+            reach = bisect.bisect_right(prefix, prefix[start] + cap) - 1
+            k = bisect.bisect_right(allowed, reach) - 1
+            if k < 0 or allowed[k] <= start:
+                return stages + 1
+            start, count = allowed[k], count + 1
+        return count
+
+    low, high = 0.0, total
+    for _ in range(64):
+        mid = (low + high) / 2
+        if runs_needed(mid) <= stages:
+            high = mid
+        else:
+            low = mid
+    return high
+
+
+def _balanced_cuts(
+    costs: list[float], live_bytes: list[int], allowed: list[int], stages: int, tolerance: float
+) -> list[int]:
+    """stages-1 cuts: every stage within (1 + tolerance) of the best bottleneck; among those,
+    the fewest boundary bytes, then the most even stages (sum of squared stage costs)."""
+    if stages == 1:
+        return []
+    prefix = _prefix_sums(costs)
+    cap = _min_bottleneck(prefix, allowed, stages) * (1 + tolerance) + 1e-9
+    points = [0, *allowed, len(costs)]  # where a stage may start; the last entry is the end
+    infinity = (float("inf"), float("inf"))
+    # best[j]: (boundary bytes, sum of squared stage costs) of the best prefix ending at points[j]
+    best = [(0.0, 0.0)] + [infinity] * (len(points) - 1)
+    parents: list[list[int]] = []
+    for round_ in range(stages):
+        last_round = round_ == stages - 1
+        new_best = [infinity] * len(points)
+        parent = [-1] * len(points)
+        lo = 0
+        for j in range(1, len(points)):
+            if last_round and j != len(points) - 1:
+                continue
+            while prefix[points[j]] - prefix[points[lo]] > cap:
+                lo += 1
+            candidates = [i for i in range(lo, j) if best[i] != infinity]
+            if not candidates:
+                continue
+            boundary = 0 if last_round else live_bytes[points[j]]
+            i = min(candidates, key=lambda i: _extend(best[i], prefix[points[j]] - prefix[points[i]], boundary))
+            new_best[j] = _extend(best[i], prefix[points[j]] - prefix[points[i]], boundary)
+            parent[j] = i
+        best = new_best
+        parents.append(parent)
+    j = len(points) - 1
+    if best[j] == infinity:
+        raise ValueError("no balanced cut found; pass split_points to choose the stages yourself")
+    cuts = []
+    for parent in reversed(parents):
+        j = parent[j]
+        cuts.append(points[j])
+    return sorted(cuts)[1:]  # the first entry is the model's start
+
+
+def _extend(score: tuple[float, float], run_cost: float, boundary: int) -> tuple[float, float]:
+    return score[0] + boundary, score[1] + run_cost * run_cost
+
+
+def _cuts_at_split_points(
+    anchors: list[fx.Node], allowed: list[int], split_points: list[str], stages: int
+) -> list[int]:
+    if len(split_points) != stages - 1:
+        raise ValueError(
+            f"split_points names {len(split_points)} module(s) where a stage begins, so it makes "
+            f"{len(split_points) + 1} stages, but stages={stages}; pass {stages - 1} split points."
+        )
+    cuts = []
+    modules_seen = sorted({n.meta.get("custom", {}).get("module", "") for n in anchors} - {""})
+    for point in split_points:
+        position = next(
+            (
+                i
+                for i, n in enumerate(anchors)
+                if _inside(n.meta.get("custom", {}).get("module", ""), point)
+            ),
+            None,
+        )
+        if position is None:
+            raise ValueError(
+                f"split point '{point}' names no module that runs on the model's inputs; "
+                f"modules seen while tracing include {modules_seen[:12]}"
+            )
+        if position not in allowed:
+            raise ValueError(
+                f"split point '{point}' would cut inside an operation with several outputs or "
+                "before the loss reads its target; choose a module boundary earlier in the model."
+            )
+        if cuts and position <= cuts[-1]:
+            raise ValueError(
+                f"split point '{point}' does not come after the previous split point; list split "
+                "points in the order the modules run."
+            )
+        cuts.append(position)
+    return cuts
+
+
+def _inside(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+# --- building the stage graphs -----------------------------------------------------------------
+
+
+def _build_stages(
+    traced: TracedModel,
+    anchors: list[fx.Node],
+    stage_of: dict[fx.Node, int],
+    bounds: list[int],
+    live_bytes: list[int],
+) -> StagePartition:
+    graph = traced.graph_module.graph
+    root = traced.model
+    stages_count = len(bounds) - 1
+    differentiable = _requires_grad(graph)
+    output_value = graph.output_node().args[0][0]
+
+    def producer_stage(node: fx.Node) -> int:
+        return 0 if _role(node) == INPUT else stage_of[node]
+
+    # boundary: stage k receives every value produced before it and read by a later stage
+    crossing: list[list[fx.Node]] = [[] for _ in range(stages_count)]
+    for node, _, _ in _boundary_values(anchors, graph):
+        readers = [stage_of[u] for u in node.users if u in stage_of]
+        for k in range(producer_stage(node) + 1, max(readers) + 1):
+            crossing[k].append(node)
+
+    dependencies = _dependency_graph(graph)
+    anchored = set(anchors) | {n for n in graph.nodes if _role(n) in (INPUT, TARGET)}
+    stages = []
+    shared: dict[str, list[int]] = {}
+    for k in range(stages_count):
+        own = anchors[bounds[k] : bounds[k + 1]]
+        own_set = set(own)
+        free = _free_ancestors(own, dependencies, anchored)
+        reads = {a for n in own for a in n.all_input_nodes} - own_set - free
+        read_inputs = [n for n in graph.nodes if n in reads]  # graph order
+        stage_inputs = [n for n in crossing[k]] if k > 0 else [n for n in graph.nodes if _role(n) == INPUT]
+        boundary_reads = [n for n in read_inputs if _role(n) != TARGET]
+        targets = [n for n in read_inputs if _role(n) == TARGET]
+        missing = [n for n in boundary_reads if n not in stage_inputs]
+        assert not missing, f"stage {k} reads {missing} that never reach it"
+        next_inputs = crossing[k + 1] if k + 1 < stages_count else []
+        produced_out = [n for n in next_inputs if n in own_set]
+        relays = [n for n in next_inputs if n not in own_set]
+        graph_outputs = produced_out if k + 1 < stages_count else [output_value]
+
+        params = [n for n in graph.nodes if n in free and _role(n) == PARAM]
+        buffers = [n for n in graph.nodes if n in free and _role(n) == BUFFER]
+        for p in params:
+            shared.setdefault(p.meta["zb_name"], []).append(k)
+
+        new_graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for node in [*boundary_reads, *targets]:
+            env[node] = new_graph.placeholder(_value_name(node))
+            env[node].meta = dict(node.meta)
+        for node in [*params, *buffers]:
+            env[node] = new_graph.get_attr(node.meta["zb_name"])
+            env[node].meta = dict(node.meta)
+        body = [n for n in graph.nodes if (n in free and n.op == "call_function") or n in own_set]
+        _fx.copy_nodes(new_graph, body, env)
+        new_graph.output(tuple(env[n] for n in graph_outputs))
+        module = _fx.finish(new_graph, root, name=f"Stage{k}")
+        stages.append(
+            Stage(
+                index=k,
+                module=module,
+                inputs=tuple(_value_name(n) for n in stage_inputs),
+                outputs=tuple(_value_name(n) for n in next_inputs),
+                relays=tuple(_value_name(n) for n in relays),
+                graph_inputs=tuple(_value_name(n) for n in [*boundary_reads, *targets]),
+                graph_outputs=tuple(_value_name(n) for n in graph_outputs),
+                param_fqns=tuple(p.meta["zb_name"] for p in params),
+                buffer_fqns=tuple(b.meta["zb_name"] for b in buffers),
+                cost=sum(node_cost(n) for n in own),
+            )
+        )
+
+    values = {}
+    for node in {n for cross in crossing for n in cross}:
+        value = node.meta["val"]
+        values[_value_name(node)] = ValueInfo(
+            tuple(value.shape), value.dtype, node in differentiable and value.is_floating_point()
+        )
+    return StagePartition(
+        stages=tuple(stages),
+        stage_of_node={n.name: k for n, k in stage_of.items()},
+        boundary_bytes=tuple(live_bytes[b] for b in bounds[1:-1]),
+        values=values,
+        shared_params={fqn: tuple(ks) for fqn, ks in shared.items() if len(ks) > 1},
+    )
+
+
+def _dependency_graph(graph: fx.Graph) -> nx.DiGraph:
+    dependencies = nx.DiGraph()
+    for node in graph.nodes:
+        dependencies.add_node(node)
+        for source in node.all_input_nodes:
+            dependencies.add_edge(source, node)
+    return dependencies
+
+
+def _free_ancestors(own: list[fx.Node], dependencies: nx.DiGraph, anchored: set[fx.Node]) -> set[fx.Node]:
+    """Parameters, buffers and input-independent nodes the stage's anchored nodes need."""
+    free: set[fx.Node] = set()
+    frontier = [a for n in own for a in n.all_input_nodes]
+    while frontier:
+        node = frontier.pop()
+        if node in free:
+            continue
+        if _role(node) in (PARAM, BUFFER) or (node.op == "call_function" and node not in anchored):
+            free.add(node)
+            frontier.extend(dependencies.predecessors(node))
+    return free
+

@@ -1,0 +1,243 @@
+"""Pass 1: capture forward + loss of one microbatch as an aten-level, functional FX graph.
+
+`trace_model(model, loss_fn, args, kwargs, target)` runs `loss_fn(model(*args, **kwargs), target)`
+under `make_fx` with fake tensors and functionalization. The returned graph takes one placeholder
+per parameter, buffer, tensor input and target tensor (see `TracedModel`) and returns the scalar
+loss. Every call_function node carries the FQN of the innermost module that created it in
+`node.meta["custom"]["module"]`, which the partitioner uses for split points.
+
+Example (a two-layer MLP, loss = mse):
+
+    placeholders: fc1.weight, fc1.bias, fc2.weight, fc2.bias (params), input_0 (input), target_0
+    t = aten.t(fc1.weight)                       module: fc1
+    addmm = aten.addmm(fc1.bias, input_0, t)     module: fc1
+    relu = aten.relu(addmm)                      module: act
+    ...
+    mse_loss = aten.mse_loss(addmm_1, target_0)  module: ""
+    return mse_loss
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+from zbcompile import _torch_internals as ti
+
+# meta["zb_role"] of placeholders
+PARAM, BUFFER, INPUT, TARGET = "param", "buffer", "input", "target"
+
+
+@dataclass(frozen=True)
+class TracedModel:
+    """The forward + loss graph of one microbatch.
+
+    graph_module: placeholders, in order: parameters, buffers, tensor inputs, target tensors.
+        Each placeholder has `meta["zb_role"]` (PARAM, BUFFER, INPUT or TARGET) and
+        `meta["zb_name"]` (the FQN for parameters and buffers; "input_<i>"/"target_<i>" for the
+        tensor leaves of (args, kwargs) and of the target, in pytree order). One output: the loss.
+    param_fqns / buffer_fqns: the model's parameters and buffers (tied weights once, under the
+        name `named_parameters()` reports).
+    model: the traced module, whose parameter and buffer objects the stages keep using.
+    input_spec: pytree spec of (args, kwargs); `constants` holds its non-tensor leaves (None where
+        a tensor goes), which the graph has baked in.
+    target_spec: pytree spec of the target (None when there is no loss_fn).
+    """
+
+    graph_module: fx.GraphModule
+    model: nn.Module
+    param_fqns: tuple[str, ...]
+    buffer_fqns: tuple[str, ...]
+    input_spec: pytree.TreeSpec
+    constants: tuple[Any, ...]
+    target_spec: pytree.TreeSpec | None
+
+    def placeholders(self, role: str) -> list[fx.Node]:
+        return [n for n in self.graph_module.graph.find_nodes(op="placeholder") if n.meta["zb_role"] == role]
+
+
+def trace_model(
+    model: nn.Module,
+    loss_fn: Callable[..., torch.Tensor] | None,
+    args: tuple,
+    kwargs: dict[str, Any],
+    target: Any = None,
+) -> TracedModel:
+    """Trace `loss_fn(model(*args, **kwargs), target)` (or `model(...)` itself when loss_fn is
+    None, which must then return the scalar loss). Raises ValueError naming the module and the
+    source line for data-dependent control flow, and naming the buffer for buffers the forward
+    mutates (BatchNorm running statistics)."""
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    input_leaves, input_spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    input_tensors = [x for x in input_leaves if isinstance(x, torch.Tensor)]
+    constants = tuple(None if isinstance(x, torch.Tensor) else x for x in input_leaves)
+    target_leaves, target_spec = pytree.tree_flatten(target) if loss_fn is not None else ([], None)
+    if any(not isinstance(t, torch.Tensor) for t in target_leaves):
+        raise TypeError("target must be a tensor or a pytree (tuple/list/dict) of tensors")
+
+    def forward_and_loss(param_values, buffer_values, tensors, targets):
+        tensor_iter = iter(tensors)
+        leaves = [next(tensor_iter) if c is None else c for c in constants]
+        call_args, call_kwargs = pytree.tree_unflatten(leaves, input_spec)
+        state = {**dict(zip(params, param_values)), **dict(zip(buffers, buffer_values))}
+        output = torch.func.functional_call(model, state, call_args, call_kwargs, tie_weights=True)
+        loss = output if loss_fn is None else loss_fn(output, pytree.tree_unflatten(list(targets), target_spec))
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
+            what = "the model" if loss_fn is None else "loss_fn"
+            raise TypeError(f"{what} must return a scalar floating-point loss tensor; got {_describe(loss)}")
+        return loss
+
+    # Fresh tensors, so that an input passed twice (an autoencoder's input and target) or two
+    # views of one storage trace as distinct graph inputs.
+    example = (
+        list(params.values()),
+        list(buffers.values()),
+        [t.detach().clone() for t in input_tensors],
+        [t.detach().clone() for t in target_leaves],
+    )
+    with ti.preserve_node_meta(), _module_annotations(model) as module_stack:
+        try:
+            graph_module = ti.make_fx(
+                torch.func.functionalize(forward_and_loss, remove="mutations"), tracing_mode="fake"
+            )(*example)
+        except ti.DATA_DEPENDENT_ERRORS as error:
+            raise ValueError(_data_dependent_message(module_stack, error)) from error
+
+    roles = (
+        [(PARAM, fqn) for fqn in params]
+        + [(BUFFER, fqn) for fqn in buffers]
+        + [(INPUT, f"input_{i}") for i in range(len(input_tensors))]
+        + [(TARGET, f"target_{i}") for i in range(len(target_leaves))]
+    )
+    placeholders = list(graph_module.graph.find_nodes(op="placeholder"))
+    for node, (role, name) in zip(placeholders, roles, strict=True):
+        node.meta["zb_role"], node.meta["zb_name"] = role, name
+    _refuse_state_mutation(graph_module.graph)
+    graph_module.graph.eliminate_dead_code()  # autograd's unused `detach`es of saved values
+    _drop_pytree_codegen(graph_module)
+    return TracedModel(
+        graph_module=graph_module,
+        model=model,
+        param_fqns=tuple(params),
+        buffer_fqns=tuple(buffers),
+        input_spec=input_spec,
+        constants=constants,
+        target_spec=target_spec,
+    )
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
+
+
+@contextlib.contextmanager
+def _module_annotations(model: nn.Module):
+    """Annotate every traced node with the FQN of the innermost module running; yields the live
+    stack of module FQNs (so an error can say where tracing stopped)."""
+    stack: list[tuple[str, contextlib.AbstractContextManager]] = []
+
+    def enter(name, module, args):
+        context = ti.annotate_nodes({"module": name})
+        context.__enter__()
+        stack.append((name, context))
+
+    def leave(name, module, args, output):
+        if stack and stack[-1][0] == name:
+            stack.pop()[1].__exit__(None, None, None)
+
+    handles = []
+    for name, module in model.named_modules():
+        if name:
+            handles.append(module.register_forward_pre_hook(functools.partial(enter, name)))
+            handles.append(module.register_forward_hook(functools.partial(leave, name)))
+    names = _NameStack(stack)
+    try:
+        yield names
+    finally:
+        for handle in handles:
+            handle.remove()
+        while stack:
+            stack.pop()[1].__exit__(None, None, None)
+
+
+class _NameStack:
+    """A read-only view of the module stack, snapshotted when an error escapes."""
+
+    def __init__(self, stack: list) -> None:
+        self._stack = stack
+
+    def current(self) -> str:
+        return self._stack[-1][0] if self._stack else "<root>"
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_DIR = os.path.dirname(os.path.dirname(__file__))
+
+
+def _user_frame(error: BaseException) -> str:
+    """'file:line: code' of the innermost frame outside torch and zbcompile."""
+    frames = [
+        f
+        for f in traceback.extract_tb(error.__traceback__)
+        if not f.filename.startswith((_TORCH_DIR, _OWN_DIR)) and "functorch" not in f.filename
+    ]
+    if not frames:
+        return "<unknown source line>"
+    frame = frames[-1]
+    return f"{frame.filename}:{frame.lineno}: {frame.line}"
+
+
+def _data_dependent_message(module_stack: _NameStack, error: BaseException) -> str:
+    return (
+        f"zbcompile cannot trace data-dependent control flow in module '{module_stack.current()}' "
+        f"at {_user_frame(error)}. The branch depends on tensor values, which are unknown while "
+        "tracing. Rewrite it with tensor ops (torch.where, masking) or move it out of the model's "
+        f"forward. (torch said: {str(error).splitlines()[0]})"
+    )
+
+
+def _refuse_state_mutation(graph: fx.Graph) -> None:
+    """After functionalization a mutation of a graph input survives only as `copy_` into the
+    placeholder (or as an op that writes an input in place, like `native_batch_norm`'s running
+    statistics)."""
+    for node in graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        for argument, value in zip(node.target._schema.arguments, node.args):
+            written = argument.alias_info is not None and argument.alias_info.is_write
+            if node.target is torch.ops.aten.native_batch_norm.default and argument.name in (
+                "running_mean",
+                "running_var",
+            ):
+                written = value is not None and node.args[5]  # training=True updates the stats
+            if written and isinstance(value, fx.Node) and value.op == "placeholder":
+                raise ValueError(_mutation_message(value, node))
+
+
+def _mutation_message(placeholder: fx.Node, node: fx.Node) -> str:
+    role, name = placeholder.meta["zb_role"], placeholder.meta["zb_name"]
+    module = node.meta.get("custom", {}).get("module", "<root>")
+    return (
+        f"the forward of module '{module}' mutates {role} '{name}' in place ({node.target}). "
+        "Pipelined training splits the batch into microbatches, so per-batch state updates such as "
+        "BatchNorm running statistics would differ from the unpipelined model. Use a norm without "
+        "running statistics (LayerNorm, GroupNorm, BatchNorm with track_running_stats=False), or "
+        "put the module in eval() mode."
+    )
+
+
+def _drop_pytree_codegen(graph_module: fx.GraphModule) -> None:
+    """make_fx wraps inputs in pytree flattening; the passes want flat positional placeholders."""
+    graph_module.graph._codegen = fx.graph.CodeGen()
+    graph_module.recompile()

@@ -1,0 +1,2 @@
+"""Executes compiled stage programs: per-stage execution (`stage`), the single-process runner
+(`local`)."""

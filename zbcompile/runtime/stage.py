@@ -1,0 +1,106 @@
+"""Runs one stage's F, B and W for any microbatch, keeping each microbatch's values in its own
+environment and freeing every value right after its last use. Transport-agnostic: the caller
+hands in what arrives from the neighbours and sends what comes back."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from zbcompile.compiler import StageProgram
+
+
+class StageExecutor:
+    """Executes F/B/W of one stage.
+
+    `state` maps `param:<fqn>` / `buffer:<fqn>` to tensors. Parameter gradients are accumulated
+    per microbatch in the order W runs (schedules keep W in microbatch order, so every schedule
+    accumulates identically); `take_grads()` hands them over at the end of a step.
+    """
+
+    def __init__(self, program: StageProgram, state: Mapping[str, torch.Tensor]) -> None:
+        self.program = program
+        self.state = state
+        self.envs: dict[int, dict[str, torch.Tensor]] = {}
+        self.grads: dict[str, torch.Tensor] = {}
+        self.peak_live_bytes = 0
+        joint, split = program.joint, program.split
+        self._backward_reads = {n for n in joint.backward.signature.inputs if not n.startswith(("param:", "buffer:"))}
+        self._weight_reads = set(split.weight_reads)
+
+    # --- actions ---------------------------------------------------------------------------
+
+    def forward(self, microbatch: int, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """F. `inputs`: every stage input (and target) by value name. Returns the stage outputs
+        by value name (`{"loss": ...}` on the last stage)."""
+        stage = self.program.stage
+        env = {f"in:{name}": value for name, value in inputs.items()}
+        self.program.forward.run(env, self.state)
+        if stage.outputs:
+            outputs = {v: env[f"out:{v}"] if f"out:{v}" in env else env[f"in:{v}"] for v in stage.outputs}
+        else:
+            outputs = {name.removeprefix("out:"): env[name] for name in self.program.forward.signature.outputs if name.startswith("out:")}
+        self.envs[microbatch] = {k: v for k, v in env.items() if k in self._backward_reads}
+        self._note_memory()
+        return outputs
+
+    def input_backward(self, microbatch: int, output_grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """B. `output_grads`: gradients of the stage outputs (`{"loss": scale}` on the last
+        stage). Returns the gradients of the stage inputs that carry one."""
+        env = self.envs[microbatch]
+        for name in self.program.joint.tangents:
+            env[f"tangent:{name}"] = output_grads[name]
+        self.program.input_backward.run(env, self.state)
+        grads = {}
+        for name in self.program.stage.inputs:
+            own = env.get(f"grad:{name}")
+            relayed = output_grads.get(name) if name in self.program.stage.relays else None
+            if own is not None and relayed is not None:
+                grads[name] = own + relayed
+            elif own is not None or relayed is not None:
+                grads[name] = own if own is not None else relayed
+        self.envs[microbatch] = {k: v for k, v in env.items() if k in self._weight_reads}
+        self._note_memory()
+        return grads
+
+    def weight_backward(self, microbatch: int) -> None:
+        """W: parameter gradients of `microbatch`, accumulated; the microbatch's values freed."""
+        env = self.envs.pop(microbatch)
+        self.program.weight_backward.run(env, self.state)
+        for fqn in self.program.joint.param_grads:
+            grad = env[f"grad:param:{fqn}"]
+            if fqn in self.grads:
+                self.grads[fqn].add_(grad)
+            else:
+                self.grads[fqn] = grad.detach().clone()
+        self._note_memory()
+
+    def backward(self, microbatch: int, output_grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Fused backward: B then W at once."""
+        grads = self.input_backward(microbatch, output_grads)
+        self.weight_backward(microbatch)
+        return grads
+
+    # --- bookkeeping -----------------------------------------------------------------------
+
+    def take_grads(self) -> dict[str, torch.Tensor]:
+        if self.envs:
+            raise RuntimeError(
+                f"stage {self.program.index}: microbatches {sorted(self.envs)} still hold activations at the "
+                "end of the step; the schedule is missing their W actions"
+            )
+        grads, self.grads = self.grads, {}
+        return grads
+
+    def live_bytes(self) -> int:
+        """Bytes of activation memory the stashed values hold (shared storages counted once)."""
+        storages = {}
+        for env in self.envs.values():
+            for value in env.values():
+                storage = value.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
+
+    def _note_memory(self) -> None:
+        self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes())
