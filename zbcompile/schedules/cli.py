@@ -1,0 +1,107 @@
+"""``zbcompile schedule``: build schedules, print their scores and grids, draw their timelines."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Sequence
+
+from .costs import Costs
+from .ir import Schedule
+from .registry import OBJECTIVES, SCHEDULE_NAMES, make_schedule
+from .render import layout, to_png, to_svg
+from .simulate import simulate
+
+_LIMITED = ("zb-auto", "zbv")  # the schedules a memory limit shapes; others are only measured
+
+
+def _floats(text: str) -> float | list[float]:
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or a comma-separated list of numbers, got {text!r}")
+    return values[0] if len(values) == 1 else values
+
+
+def memory_limit_for(spec: str | None, name: str, stages: int, costs: Costs) -> float | list[float] | None:
+    """``Np`` is N times 1F1B's peak (p microbatches of each rank's activations); else a number."""
+    if spec is None:
+        return None
+    if not spec.endswith("p"):
+        return _floats(spec)
+    factor = float(spec[:-1] or 1)
+    mem_f = costs.resolve(stages).mem_f
+    if name == "zbv":
+        ranks = stages // 2
+        return [factor * ranks * (mem_f[r] + mem_f[stages - 1 - r]) for r in range(ranks)]
+    return [factor * stages * m for m in mem_f]
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("schedule", help="build, score and draw pipeline schedules", description=__doc__)
+    p.add_argument("--stages", type=int, required=True, help="pipeline stages (chunks for zbv/interleaved)")
+    p.add_argument("--microbatches", type=int, required=True)
+    p.add_argument("--f", type=_floats, default=1.0, help="forward time, scalar or one per stage (1.2,1,1,1.5)")
+    p.add_argument("--b", type=_floats, default=1.0, help="input-gradient backward time")
+    p.add_argument("--w", type=_floats, default=1.0, help="weight-gradient backward time")
+    p.add_argument("--comm", type=float, default=0.0, help="point-to-point delay between ranks")
+    p.add_argument("--mem-f", type=_floats, default=1.0, help="activation memory of one microbatch (M_B)")
+    p.add_argument("--mem-w", type=_floats, default=0.5, help="memory W still needs after I (M_W)")
+    p.add_argument("--memory-limit", default=None, help="1p, 2p (multiples of 1F1B's peak) or a number")
+    p.add_argument("--schedule", default="1f1b,zb-h1,zb-h2,zb-auto", help=f"comma-separated: {','.join(SCHEDULE_NAMES)}")
+    p.add_argument("--objective", choices=OBJECTIVES, default="span")
+    p.add_argument("--time-budget", type=float, default=None, help="zb-auto solver seconds (default 3)")
+    p.add_argument("--out", default=None, help="timeline picture path (.svg; a .png is written beside it)")
+    p.add_argument("--no-grid", action="store_true", help="do not print the per-rank action grid")
+    p.set_defaults(func=run)
+
+
+def _picture_paths(out: str, name: str, several: bool) -> tuple[str, str]:
+    stem, ext = os.path.splitext(out)
+    stem = f"{stem}-{name}" if several else stem
+    return stem + (ext or ".svg"), stem + ".png"
+
+
+def run(args: argparse.Namespace) -> int:
+    names = [n.strip() for n in args.schedule.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SCHEDULE_NAMES]
+    if unknown:
+        raise SystemExit(f"unknown schedule(s) {unknown}; choose from {', '.join(SCHEDULE_NAMES)}")
+    costs = Costs(f=args.f, b=args.b, w=args.w, comm=args.comm, mem_f=args.mem_f, mem_w=args.mem_w)
+    built: list[Schedule] = []
+    for name in names:
+        limit = memory_limit_for(args.memory_limit, name, args.stages, costs) if name in _LIMITED else None
+        built.append(
+            make_schedule(name, args.stages, args.microbatches, costs, limit, args.objective, time_budget=args.time_budget)
+        )
+    print(format_table(built, costs))
+    for sched in built:
+        if not args.no_grid:
+            print(f"\n{sched.name}:")
+            print(sched.grid())
+        if args.out:
+            svg_path, png_path = _picture_paths(args.out, sched.name, len(built) > 1)
+            boxes = layout(sched, costs)
+            res = simulate(sched, costs)
+            title = f"{sched.name}: p={sched.stages} m={sched.microbatches} span={res.span:.3f} makespan={res.makespan:.3f}"
+            with open(svg_path, "w") as fh:
+                fh.write(to_svg(boxes, title))
+            to_png(boxes, png_path, title)
+            print(f"wrote {svg_path} and {png_path}")
+    return 0
+
+
+def format_table(schedules: Sequence[Schedule], costs: Costs) -> str:
+    """Makespan, span, both bubble rates, peak memory, solve time and lower bound per schedule."""
+    header = f"{'schedule':<17}{'makespan':>11}{'span':>11}{'bubble':>9}{'stage-bub':>10}{'peak mem':>10}{'time s':>9}{'lower bd':>11}"
+    lines = [header, "-" * len(header)]
+    for s in schedules:
+        r = simulate(s, costs)
+        bound = s.info.get("lower_bound")
+        lines.append(
+            f"{s.name:<17}{r.makespan:>11.3f}{r.span:>11.3f}{r.bubble_rate:>9.4f}{r.stage_bubble_rate:>10.4f}"
+            f"{max(r.peak_memory):>10.2f}{s.info.get('solve_time_s', 0.0):>9.2f}"
+            f"{(f'{bound:.3f}' if bound is not None else '-'):>11}"
+        )
+    lines.append("bubble = 1 - busy/(ranks*makespan); stage-bub = 1 - busy/(ranks*span) (the paper's)")
+    return "\n".join(lines)

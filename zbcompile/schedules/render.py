@@ -1,0 +1,95 @@
+"""Timeline pictures in the style of the paper's figures: one row per rank, one box per action.
+
+One layout (a list of ``Box``), two renderers: ``to_svg`` (hand-written SVG, one ``<rect>`` per box
+with ``data-action``/``class`` naming it and the microbatch number inside) and ``to_png``
+(matplotlib, imported lazily). Any timeline can be drawn, e.g. predicted vs measured, by building
+``Box`` objects directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+from xml.sax.saxutils import escape
+
+from .costs import Costs, StageCosts
+from .ir import Schedule
+from .simulate import simulate
+
+COLOURS = {"F": "#8fb4e3", "I": "#7fd1c7", "B": "#7fd1c7", "W": "#a8d98a"}
+_ROW_HEIGHT, _LABEL_WIDTH, _TITLE_HEIGHT = 28, 70, 24
+
+
+@dataclass(frozen=True)
+class Box:
+    rank: int
+    start: float
+    end: float
+    label: str  # text inside the box (the microbatch number)
+    kind: str  # F, I, W or B: chooses the colour
+    action: str = ""  # full action name, kept as an attribute in the SVG
+
+
+def layout(schedule: Schedule, costs: Costs | StageCosts | None = None) -> list[Box]:
+    """Boxes of the simulated timing of ``schedule`` (compute actions only)."""
+    sim = simulate(schedule, costs)
+    return [
+        Box(rank, sim.start[a], sim.end[a], str(a.microbatch), a.kind, str(a))
+        for rank, row in enumerate(schedule.actions)
+        for a in row
+        if a.is_compute
+    ]
+
+
+def to_svg(boxes: Sequence[Box], title: str = "", width: float = 1200.0) -> str:
+    """An SVG document with one ``<rect class="action F" data-action="0F3">`` per box."""
+    ranks = 1 + max((b.rank for b in boxes), default=0)
+    t0 = min((b.start for b in boxes), default=0.0)
+    t1 = max((b.end for b in boxes), default=1.0)
+    xscale = (width - _LABEL_WIDTH - 10) / max(t1 - t0, 1e-12)
+    height = _TITLE_HEIGHT + ranks * _ROW_HEIGHT + 10
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height}" font-family="sans-serif">',
+        f'<text x="4" y="16" font-size="13">{escape(title)}</text>',
+    ]
+    for r in range(ranks):
+        y = _TITLE_HEIGHT + r * _ROW_HEIGHT
+        out.append(f'<text x="4" y="{y + 18}" font-size="12">rank {r}</text>')
+    for b in boxes:
+        x = _LABEL_WIDTH + (b.start - t0) * xscale
+        w = max((b.end - b.start) * xscale, 0.5)
+        y = _TITLE_HEIGHT + b.rank * _ROW_HEIGHT
+        colour = COLOURS.get(b.kind, "#cccccc")
+        out.append(
+            f'<rect class="action {escape(b.kind)}" data-action="{escape(b.action)}" x="{x:.2f}" y="{y + 2}" '
+            f'width="{w:.2f}" height="{_ROW_HEIGHT - 4}" fill="{colour}" stroke="#333" stroke-width="0.5"/>'
+        )
+        font = min(11.0, max(5.0, w * 0.6))
+        out.append(
+            f'<text x="{x + w / 2:.2f}" y="{y + _ROW_HEIGHT / 2 + 4}" font-size="{font:.1f}" '
+            f'text-anchor="middle">{escape(b.label)}</text>'
+        )
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def to_png(boxes: Sequence[Box], path: str, title: str = "") -> None:
+    """The same picture through matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranks = 1 + max((b.rank for b in boxes), default=0)
+    fig, ax = plt.subplots(figsize=(14, 0.45 * ranks + 1))
+    for b in boxes:
+        ax.barh(b.rank, b.end - b.start, left=b.start, height=0.85, color=COLOURS.get(b.kind, "#cccccc"), edgecolor="#333", linewidth=0.3)
+        if ranks <= 16 and len(boxes) <= 2000:
+            ax.text((b.start + b.end) / 2, b.rank, b.label, ha="center", va="center", fontsize=5)
+    ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
+    ax.invert_yaxis()
+    ax.set_xlabel("time")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
