@@ -106,13 +106,14 @@ def export_stage_joint(
 
 
 def _example_inputs(stage: Stage, partition: StagePartition) -> tuple[torch.Tensor, ...]:
-    """Tensors shaped like the stage's inputs; boundary values that carry a gradient require one."""
+    """Tensors shaped and strided like the stage's inputs; boundary values that carry a gradient
+    require one."""
     examples = []
     for name, node in zip(stage.graph_inputs, stage.module.graph.find_nodes(op="placeholder")):
         value = node.meta["val"]
         info = partition.values.get(name)
-        differentiable = info is not None and info.differentiable
-        examples.append(torch.zeros(value.shape, dtype=value.dtype, requires_grad=differentiable))
+        example = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype).zero_()
+        examples.append(example.requires_grad_(info is not None and info.differentiable))
     return tuple(examples)
 
 
@@ -239,7 +240,8 @@ def _safe(name: str) -> str:
     """A readable Python identifier for an environment name (`param:blocks.0.fc.weight` ->
     `blocks_0_fc_weight`)."""
     body = name.split(":", 1)[1] if name.startswith(("param:", "buffer:", "in:")) else name
-    return re.sub(r"\W", "_", body)
+    identifier = re.sub(r"\W", "_", body)
+    return f"_{identifier}" if identifier[0].isdigit() else identifier
 
 
 def extract_program(

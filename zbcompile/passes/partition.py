@@ -37,10 +37,13 @@ from zbcompile.passes.trace import BUFFER, INPUT, PARAM, TARGET, TracedModel
 
 @dataclass(frozen=True)
 class ValueInfo:
-    """Shape and dtype of a value that crosses a stage boundary; `differentiable` when a gradient
-    may flow back through it (floating point and computed from parameters)."""
+    """Shape, strides and dtype of a value that crosses a stage boundary (the receiving stage's
+    graph was traced with these strides: a transposed attention output stays transposed);
+    `differentiable` when a gradient may flow back through it (floating point, computed from
+    parameters)."""
 
     shape: tuple[int, ...]
+    stride: tuple[int, ...]
     dtype: torch.dtype
     differentiable: bool
 
@@ -427,7 +430,7 @@ def _build_stages(
     for node in {n for cross in crossing for n in cross}:
         value = node.meta["val"]
         values[_value_name(node)] = ValueInfo(
-            tuple(value.shape), value.dtype, node in differentiable and value.is_floating_point()
+            tuple(value.shape), tuple(value.stride()), value.dtype, node in differentiable and value.is_floating_point()
         )
     return StagePartition(
         stages=tuple(stages),

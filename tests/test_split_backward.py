@@ -1,0 +1,258 @@
+"""The B/W split: B then W reproduces the unsplit backward bit for bit; B holds no
+weight-gradient work; the graphs of one transformer block read as expected."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from expecttest import TestCase
+from torch import nn
+
+from zbcompile.compiler import compile_pipeline
+from zbcompile.models.gpt import GPT, Block, GPTConfig, lm_loss
+from zbcompile.passes.cost import node_flops
+
+aten = torch.ops.aten
+
+
+def _random_env(program, state, generator):
+    """Random values for every non-parameter input of `program` (shapes from the graph)."""
+    env = {}
+    for node, name in zip(program.graph.graph.find_nodes(op="placeholder"), program.signature.inputs):
+        if name in state:
+            continue
+        value = node.meta["val"]
+        if value.is_floating_point():
+            env[name] = torch.randn(value.shape, dtype=value.dtype, generator=generator)
+        else:
+            env[name] = torch.randint(0, 8, value.shape, dtype=value.dtype, generator=generator)
+    return env
+
+
+def _compile_gpt(stages: int, layers: int = 4):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=8, hidden=16, heads=4, layers=layers))
+    tokens = torch.randint(0, 64, (2, 8))
+    return model, compile_pipeline(model, lm_loss, (tokens,), {}, tokens.roll(1, 1), stages)
+
+
+class SplitReproducesBackward(TestCase):
+    def test_every_gpt_stage(self):
+        """Run F on real inputs, then the unsplit backward and B followed by W on the same
+        values: every gradient is bitwise equal."""
+        model, compiled = _compile_gpt(stages=4)
+        state = {f"param:{n}": p.detach() for n, p in model.named_parameters()}
+        generator = torch.Generator().manual_seed(1)
+        for program in compiled.programs:
+            env = _random_env(program.forward, state, generator)
+            program.forward.run(env, state)
+            for name in program.joint.tangents:
+                shape_source = env.get(f"out:{name}")
+                env[f"tangent:{name}"] = (
+                    torch.randn(shape_source.shape, generator=generator) if name != "loss" else torch.tensor(0.25)
+                )
+            unsplit = dict(env)
+            program.joint.backward.run(unsplit, state)
+            split = dict(env)
+            program.input_backward.run(split, state)
+            program.weight_backward.run(split, state)
+            grads = [n for n in program.joint.backward.signature.outputs]
+            self.assertTrue(grads, f"stage {program.index} has no gradients")
+            for name in grads:
+                self.assertTrue(torch.equal(unsplit[name], split[name]), f"stage {program.index}: {name} differs")
+
+    def test_first_stage_has_empty_input_backward(self):
+        _, compiled = _compile_gpt(stages=2)
+        first = compiled.programs[0]
+        self.assertEqual(first.input_backward.signature.outputs, ())
+        self.assertEqual([n for n in first.input_backward.graph.graph.nodes if n.op == "call_function"], [])
+        self.assertGreater(first.cost.weight_backward.flops, 0)
+
+    def test_values_only_b_needs_are_freed_after_b(self):
+        _, compiled = _compile_gpt(stages=2)
+        last = compiled.programs[-1]
+        freed = set(last.split.freed_after_input)
+        self.assertTrue(freed, "the last stage's B should free the loss's saved values")
+        self.assertFalse(freed & set(last.split.weight_reads))
+
+
+def _block_pipeline(hidden: int, seq: int, heads: int, batch: int = 2):
+    """A 3-stage model whose middle stage is exactly one transformer block."""
+    torch.manual_seed(0)
+    config = GPTConfig(hidden=hidden, heads=heads, seq_len=seq, layers=1)
+    model = nn.Sequential(nn.Linear(hidden, hidden), Block(config), nn.Linear(hidden, hidden))
+    x = torch.randn(batch, seq, hidden)
+    compiled = compile_pipeline(model, nn.functional.mse_loss, (x,), {}, torch.randn(batch, seq, hidden), 3, ["1", "2"])
+    return compiled.programs[1]
+
+
+def _calls(program, target):
+    return [n for n in program.graph.graph.nodes if n.op == "call_function" and n.target is target]
+
+
+class TransformerBlockSplit(TestCase):
+    def test_b_has_no_weight_gradient_matmul(self):
+        block = _block_pipeline(hidden=8, seq=4, heads=2)
+        b, w = block.input_backward, block.weight_backward
+        # four Linear layers: one input-gradient matmul each in B, one weight-gradient matmul each in W
+        self.assertEqual(len(_calls(b, aten.mm.default)), 4)
+        self.assertEqual(len(_calls(w, aten.mm.default)), 4)
+        self.assertEqual([o for o in b.signature.outputs if not o.startswith("stash:")], ["grad:view_1"])
+        self.assertFalse([o for o in b.signature.outputs if o.startswith("grad:param:")])
+
+    def test_layer_norm_backward_is_split_by_output_mask(self):
+        block = _block_pipeline(hidden=8, seq=4, heads=2)
+        for program, mask in ((block.input_backward, [True, False, False]), (block.weight_backward, [False, True, True])):
+            nodes = _calls(program, aten.native_layer_norm_backward.default)
+            self.assertEqual(len(nodes), 2)
+            self.assertEqual({tuple(n.args[-1]) for n in nodes}, {tuple(mask)})
+        returned = block.weight_backward.signature.outputs
+        for fqn in ("1.ln1.weight", "1.ln1.bias", "1.ln2.weight", "1.ln2.bias"):
+            self.assertIn(f"grad:param:{fqn}", returned)
+
+    def test_weight_backward_holds_40_percent_of_backward_flops(self):
+        """The paper's Table 1: W = 24sbh^2 against B = sbh(24h + 8s)."""
+        block = _block_pipeline(hidden=256, seq=128, heads=4)
+        b = block.cost.input_backward.flops
+        w = block.cost.weight_backward.flops
+        self.assertGreaterEqual(w / (b + w), 0.40)
+
+    def test_graph_listings(self):
+        block = _block_pipeline(hidden=8, seq=4, heads=2)
+        self.assertExpectedInline(_listing(block.forward), """\
+inputs: param:1.ln1.weight, param:1.ln1.bias, param:1.attn.qkv.weight, param:1.attn.qkv.bias, param:1.attn.proj.weight, param:1.attn.proj.bias, param:1.ln2.weight, param:1.ln2.bias, param:1.mlp.fc.weight, param:1.mlp.fc.bias, param:1.mlp.proj.weight, param:1.mlp.proj.bias, in:view_1
+native_layer_norm = native_layer_norm.default(view_1, [8], _1_ln1_weight, _1_ln1_bias, 1e-05)
+getitem = getitem(native_layer_norm, 0)
+getitem_1 = getitem(native_layer_norm, 1)
+getitem_2 = getitem(native_layer_norm, 2)
+t = t.default(_1_attn_qkv_weight)
+view = view.default(getitem, [8, 8])
+addmm = addmm.default(_1_attn_qkv_bias, view, t)
+view_2 = view.default(addmm, [2, 4, 24])
+split = split.Tensor(view_2, 8, -1)
+getitem_3 = getitem(split, 0)
+getitem_4 = getitem(split, 1)
+getitem_5 = getitem(split, 2)
+view_3 = view.default(getitem_3, [2, 4, 2, 4])
+transpose = transpose.int(view_3, 1, 2)
+view_4 = view.default(getitem_4, [2, 4, 2, 4])
+transpose_1 = transpose.int(view_4, 1, 2)
+view_5 = view.default(getitem_5, [2, 4, 2, 4])
+transpose_2 = transpose.int(view_5, 1, 2)
+_scaled_dot_product_flash_attention_for_cpu = _scaled_dot_product_flash_attention_for_cpu.default(transpose, transpose_1, transpose_2, 0.0, True)
+getitem_6 = getitem(_scaled_dot_product_flash_attention_for_cpu, 0)
+getitem_7 = getitem(_scaled_dot_product_flash_attention_for_cpu, 1)
+transpose_3 = transpose.int(getitem_6, 1, 2)
+view_6 = view.default(transpose_3, [2, 4, 8])
+t_1 = t.default(_1_attn_proj_weight)
+view_7 = view.default(view_6, [8, 8])
+addmm_1 = addmm.default(_1_attn_proj_bias, view_7, t_1)
+view_8 = view.default(addmm_1, [2, 4, 8])
+add = add.Tensor(view_1, view_8)
+native_layer_norm_1 = native_layer_norm.default(add, [8], _1_ln2_weight, _1_ln2_bias, 1e-05)
+getitem_8 = getitem(native_layer_norm_1, 0)
+getitem_9 = getitem(native_layer_norm_1, 1)
+getitem_10 = getitem(native_layer_norm_1, 2)
+t_2 = t.default(_1_mlp_fc_weight)
+view_9 = view.default(getitem_8, [8, 8])
+addmm_2 = addmm.default(_1_mlp_fc_bias, view_9, t_2)
+view_10 = view.default(addmm_2, [2, 4, 32])
+gelu = gelu.default(view_10)
+t_3 = t.default(_1_mlp_proj_weight)
+view_11 = view.default(gelu, [8, 32])
+addmm_3 = addmm.default(_1_mlp_proj_bias, view_11, t_3)
+view_12 = view.default(addmm_3, [2, 4, 8])
+add_1 = add.Tensor(add, view_12)
+outputs: out:add_1, saved:getitem_1, saved:getitem_2, saved:view, saved:transpose, saved:transpose_1, saved:transpose_2, saved:getitem_6, saved:getitem_7, saved:view_6, saved:add, saved:getitem_9, saved:getitem_10, saved:view_8, saved:view_9, saved:view_10""")
+        self.assertExpectedInline(_listing(block.input_backward), """\
+inputs: param:1.ln1.weight, param:1.ln1.bias, param:1.attn.qkv.weight, param:1.attn.proj.weight, param:1.ln2.weight, param:1.ln2.bias, param:1.mlp.fc.weight, param:1.mlp.proj.weight, in:view_1, tangent:add_1, saved:getitem_1, saved:getitem_2, saved:transpose, saved:transpose_1, saved:transpose_2, saved:getitem_6, saved:getitem_7, saved:add, saved:getitem_9, saved:getitem_10, saved:view_9
+t = t.default(_1_attn_qkv_weight)
+detach = detach.default(saved_getitem_6)
+t_1 = t.default(_1_attn_proj_weight)
+t_2 = t.default(_1_mlp_fc_weight)
+t_3 = t.default(_1_mlp_proj_weight)
+view_12 = view.default(tangent_add_1, [8, 8])
+t_4 = t.default(t_3)
+mm = mm.default(view_12, t_4)
+view_14 = view.default(mm, [2, 4, 32])
+gelu_backward = gelu_backward.default(view_14, saved_view_9)
+view_15 = view.default(gelu_backward, [8, 32])
+t_8 = t.default(t_2)
+mm_2 = mm.default(view_15, t_8)
+view_17 = view.default(mm_2, [2, 4, 8])
+native_layer_norm_backward = native_layer_norm_backward.default(view_17, saved_add, [8], saved_getitem_9, saved_getitem_10, _1_ln2_weight, _1_ln2_bias, [True, False, False])
+getitem_11 = getitem(native_layer_norm_backward, 0)
+add_2 = add.Tensor(tangent_add_1, getitem_11)
+view_18 = view.default(add_2, [8, 8])
+t_12 = t.default(t_1)
+mm_4 = mm.default(view_18, t_12)
+view_20 = view.default(mm_4, [2, 4, 8])
+view_21 = view.default(view_20, [2, 4, 2, 4])
+transpose_4 = transpose.int(view_21, 1, 2)
+detach_1 = detach.default(detach)
+_scaled_dot_product_flash_attention_for_cpu_backward = _scaled_dot_product_flash_attention_for_cpu_backward.default(transpose_4, saved_transpose, saved_transpose_1, saved_transpose_2, detach_1, saved_getitem_7, 0.0, True)
+getitem_14 = getitem(_scaled_dot_product_flash_attention_for_cpu_backward, 0)
+getitem_15 = getitem(_scaled_dot_product_flash_attention_for_cpu_backward, 1)
+getitem_16 = getitem(_scaled_dot_product_flash_attention_for_cpu_backward, 2)
+transpose_5 = transpose.int(getitem_16, 1, 2)
+view_22 = view.default(transpose_5, [2, 4, 8])
+transpose_6 = transpose.int(getitem_15, 1, 2)
+view_23 = view.default(transpose_6, [2, 4, 8])
+transpose_7 = transpose.int(getitem_14, 1, 2)
+view_24 = view.default(transpose_7, [2, 4, 8])
+cat = cat.default([view_24, view_23, view_22], 2)
+view_25 = view.default(cat, [8, 24])
+t_16 = t.default(t)
+mm_6 = mm.default(view_25, t_16)
+view_27 = view.default(mm_6, [2, 4, 8])
+native_layer_norm_backward_1 = native_layer_norm_backward.default(view_27, view_1, [8], saved_getitem_1, saved_getitem_2, _1_ln1_weight, _1_ln1_bias, [True, False, False])
+getitem_17 = getitem(native_layer_norm_backward_1, 0)
+add_3 = add.Tensor(add_2, getitem_17)
+outputs: grad:view_1, stash:view_12, stash:view_15, stash:view_17, stash:view_18, stash:view_25, stash:view_27""")
+        self.assertExpectedInline(_listing(block.weight_backward), """\
+inputs: param:1.ln1.weight, param:1.ln1.bias, param:1.ln2.weight, param:1.ln2.bias, in:view_1, saved:getitem_1, saved:getitem_2, saved:view, saved:view_6, saved:add, saved:getitem_9, saved:getitem_10, saved:view_8, saved:view_10, stash:view_12, stash:view_15, stash:view_17, stash:view_18, stash:view_25, stash:view_27
+t_5 = t.default(stash_view_12)
+mm_1 = mm.default(t_5, saved_view_10)
+t_6 = t.default(mm_1)
+sum_1 = sum.dim_IntList(stash_view_12, [0], True)
+view_13 = view.default(sum_1, [8])
+t_7 = t.default(t_6)
+t_9 = t.default(stash_view_15)
+mm_3 = mm.default(t_9, saved_view_8)
+t_10 = t.default(mm_3)
+sum_2 = sum.dim_IntList(stash_view_15, [0], True)
+view_16 = view.default(sum_2, [32])
+t_11 = t.default(t_10)
+native_layer_norm_backward_default = native_layer_norm_backward.default(stash_view_17, saved_add, [8], saved_getitem_9, saved_getitem_10, _1_ln2_weight, _1_ln2_bias, [False, True, True])
+getitem_20 = getitem(native_layer_norm_backward_default, 2)
+getitem = getitem(native_layer_norm_backward_default, 1)
+t_13 = t.default(stash_view_18)
+mm_5 = mm.default(t_13, saved_view_6)
+t_14 = t.default(mm_5)
+sum_3 = sum.dim_IntList(stash_view_18, [0], True)
+view_19 = view.default(sum_3, [8])
+t_15 = t.default(t_14)
+t_17 = t.default(stash_view_25)
+mm_7 = mm.default(t_17, saved_view)
+t_18 = t.default(mm_7)
+sum_4 = sum.dim_IntList(stash_view_25, [0], True)
+view_26 = view.default(sum_4, [24])
+t_19 = t.default(t_18)
+native_layer_norm_backward_default_1 = native_layer_norm_backward.default(stash_view_27, view_1, [8], saved_getitem_1, saved_getitem_2, _1_ln1_weight, _1_ln1_bias, [False, True, True])
+getitem_22 = getitem(native_layer_norm_backward_default_1, 2)
+getitem_21 = getitem(native_layer_norm_backward_default_1, 1)
+outputs: grad:param:1.ln1.weight, grad:param:1.ln1.bias, grad:param:1.attn.qkv.weight, grad:param:1.attn.qkv.bias, grad:param:1.attn.proj.weight, grad:param:1.attn.proj.bias, grad:param:1.ln2.weight, grad:param:1.ln2.bias, grad:param:1.mlp.fc.weight, grad:param:1.mlp.fc.bias, grad:param:1.mlp.proj.weight, grad:param:1.mlp.proj.bias""")
+
+
+def _listing(program) -> str:
+    """One line per op: `name = target(args)`; placeholders by environment name."""
+    lines = [f"inputs: {', '.join(program.signature.inputs)}"]
+    for node in program.graph.graph.nodes:
+        if node.op != "call_function":
+            continue
+        target = "getitem" if node.target is operator.getitem else str(node.target).removeprefix("aten.")
+        args = ", ".join(str(a) for a in node.args)
+        lines.append(f"{node.name} = {target}({args})")
+    lines.append(f"outputs: {', '.join(program.signature.outputs)}")
+    return "\n".join(lines)
