@@ -80,7 +80,11 @@ class Schedule:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage_to_rank", tuple(int(r) for r in self.stage_to_rank))
-        object.__setattr__(self, "actions", tuple(tuple(row) for row in self.actions))
+        object.__setattr__(
+            self,
+            "actions",
+            tuple(tuple(a if isinstance(a, Action) else Action.parse(a) for a in row) for row in self.actions),
+        )
         object.__setattr__(self, "info", dict(self.info))
         if len(self.stage_to_rank) != self.stages:
             raise ValueError(
