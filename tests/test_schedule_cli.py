@@ -1,0 +1,53 @@
+"""`zbcompile schedule`: the table, the grid and the pictures."""
+
+import argparse
+import re
+
+from zbcompile.schedules import cli, make_schedule
+from zbcompile.schedules.render import Box, layout, to_svg
+
+
+def _run(argv):
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers())
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_svg_has_one_box_per_action():
+    sched = make_schedule("zb-h1", 3, 4)
+    svg = to_svg(layout(sched), title="zb-h1")
+    rects = re.findall(r'<rect class="action (\w)" data-action="(\w+)"', svg)
+    assert sorted(a for _, a in rects) == sorted(str(a) for row in sched.actions for a in row)
+    assert {k for k, _ in rects} == {"F", "I", "W"}
+    assert svg.count("<text") == len(rects) + 1 + sched.ranks  # labels, title, rank names
+
+
+def test_renderer_accepts_plain_boxes():
+    svg = to_svg([Box(0, 0.0, 1.0, "0", "F", "0F0"), Box(1, 0.5, 2.0, "0", "B", "1B0")])
+    assert svg.count("<rect") == 2
+
+
+def test_cli_prints_table_grid_and_writes_pictures(tmp_path, capsys):
+    out = tmp_path / "timeline.svg"
+    code = _run(
+        ["schedule", "--stages", "4", "--microbatches", "8", "--f", "1.2,1,1,1.5", "--b", "1", "--w", "0.5",
+         "--comm", "0.1", "--memory-limit", "1p", "--schedule", "1f1b,zb-auto", "--time-budget", "0",
+         "--out", str(out)]
+    )
+    assert code == 0
+    text = capsys.readouterr().out
+    assert re.search(r"^1f1b\s+\d+\.\d{3}\s+\d+\.\d{3}\s+0\.\d{4}", text, re.M)
+    assert re.search(r"^zb-auto\s", text, re.M)
+    assert "Step 00: 0F0" in text
+    for name in ("1f1b", "zb-auto"):
+        assert (tmp_path / f"timeline-{name}.svg").read_text().count("<rect") == 4 * 8 * (2 if name == "1f1b" else 3)
+        assert (tmp_path / f"timeline-{name}.png").stat().st_size > 1000
+
+
+def test_memory_limit_spec():
+    from zbcompile.schedules.costs import Costs
+
+    assert cli.memory_limit_for("2p", "zb-auto", 4, Costs(mem_f=[1, 2, 1, 1])) == [8, 16, 8, 8]
+    assert cli.memory_limit_for("1p", "zbv", 4, Costs()) == [4, 4]
+    assert cli.memory_limit_for("7.5", "zb-auto", 4, Costs()) == 7.5
