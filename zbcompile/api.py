@@ -175,8 +175,11 @@ class PipelinedModule:
     def _feed(compiled: CompiledPipeline, args: tuple, kwargs: dict, target: Any):
         traced = compiled.traced
         leaves = pytree.tree_leaves((tuple(args), dict(kwargs)))
-        inputs = {f"input_{i}": t for i, t in enumerate(x for x in leaves if isinstance(x, torch.Tensor))}
-        targets = {f"target_{i}": t for i, t in enumerate(pytree.tree_leaves(target))} if traced.target_spec else {}
+        # the graphs were traced on contiguous tensors
+        tensors = [x.contiguous() for x in leaves if isinstance(x, torch.Tensor)]
+        inputs = {f"input_{i}": t for i, t in enumerate(tensors)}
+        target_tensors = [t.contiguous() for t in pytree.tree_leaves(target)]
+        targets = {f"target_{i}": t for i, t in enumerate(target_tensors)} if traced.target_spec else {}
         return inputs, targets
 
     def _accumulate_grads(self, executors: list[StageExecutor]) -> None:

@@ -22,6 +22,14 @@ class GPTConfig:
     tie_embeddings: bool = True
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding initialised with std 0.02 (GPT-2), so that the tied LM head starts with
+    small logits."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=0.02)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -70,8 +78,8 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig = GPTConfig()) -> None:
         super().__init__()
         self.config = config
-        self.tok_emb = nn.Embedding(config.vocab_size, config.hidden)
-        self.pos_emb = nn.Embedding(config.seq_len, config.hidden)
+        self.tok_emb = Embedding(config.vocab_size, config.hidden)
+        self.pos_emb = Embedding(config.seq_len, config.hidden)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.layers))
         self.ln_f = nn.LayerNorm(config.hidden)

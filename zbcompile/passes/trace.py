@@ -96,13 +96,13 @@ def trace_model(
             raise TypeError(f"{what} must return a scalar floating-point loss tensor; got {_describe(loss)}")
         return loss
 
-    # Fresh tensors, so that an input passed twice (an autoencoder's input and target) or two
-    # views of one storage trace as distinct graph inputs.
+    # Fresh contiguous tensors (the runtime feeds contiguous microbatches), so that an input
+    # passed twice (an autoencoder's input and target) traces as two distinct graph inputs.
     example = (
         list(params.values()),
         list(buffers.values()),
-        [t.detach().clone() for t in input_tensors],
-        [t.detach().clone() for t in target_leaves],
+        [t.detach().clone(memory_format=torch.contiguous_format) for t in input_tensors],
+        [t.detach().clone(memory_format=torch.contiguous_format) for t in target_leaves],
     )
     with ti.preserve_node_meta(), _module_annotations(model) as module_stack:
         try:
