@@ -17,7 +17,7 @@ from zbcompile.runtime.local import run_local_step
 from zbcompile.runtime.stage import StageExecutor
 from zbcompile.schedules import Costs, Schedule, make_schedule
 
-DEFAULT_SCHEDULE = "1f1b"
+DEFAULT_SCHEDULE = "zb-auto"
 
 
 @dataclass(frozen=True)
