@@ -11,7 +11,7 @@ import math
 from typing import Sequence
 
 from .costs import StageCosts
-from .greedy import POLICIES, GreedyPolicy, MemoryTooSmall, list_schedule
+from .greedy import POLICIES, QUICK_POLICIES, GreedyPolicy, MemoryTooSmall, list_schedule
 from .handcrafted import one_f_one_b, zb_h1, zb_h2
 from .ir import Action, Schedule
 from .simulate import peak_memory, simulate
@@ -54,10 +54,19 @@ def check_memory_feasible(name: str, stage_to_rank: Sequence[int], costs: StageC
         )
 
 
+QUICK_SIZE = 4096  # actions per kind (stages x microbatches) above which fewer policies are tried
+
+
 def best_of(candidates: Sequence[Schedule], costs: StageCosts, objective: str) -> tuple[Schedule, float]:
-    scored = [(simulate(c, costs).objective(objective), i) for i, c in enumerate(candidates)]
+    """The candidate with the smallest simulated objective. List-scheduled candidates are ranked by
+    their own timing (an upper bound on the simulated value) and only the best one is simulated."""
+    estimated = [c for c in candidates if f"estimate_{objective}" in c.info]
+    exact = [c for c in candidates if f"estimate_{objective}" not in c.info]
+    if estimated:
+        exact.append(min(estimated, key=lambda c: c.info[f"estimate_{objective}"]))
+    scored = [(simulate(c, costs).objective(objective), i) for i, c in enumerate(exact)]
     value, index = min(scored)
-    return candidates[index], value
+    return exact[index], value
 
 
 def zb_auto_heuristic(
@@ -66,11 +75,13 @@ def zb_auto_heuristic(
     costs: StageCosts,
     limits: Sequence[float] | None,
     objective: str = "span",
-    policies: Sequence[GreedyPolicy] = POLICIES,
+    policies: Sequence[GreedyPolicy] | None = None,
 ) -> Schedule:
     """Best of the list-scheduler policies and the handcrafted schedules that fit in memory."""
     placement = tuple(range(stages))
     check_memory_feasible("zb-auto", placement, costs, limits)
+    if policies is None:
+        policies = QUICK_POLICIES if stages * microbatches > QUICK_SIZE else POLICIES
     candidates = []
     for policy in policies:
         try:

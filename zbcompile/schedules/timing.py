@@ -94,49 +94,70 @@ def asap_timing(
     when the programs cannot finish (a dependency cycle across ranks or a missing producer).
     """
     rows = [tuple(row) for row in rows]
-    backward_of = backward_index(rows)
-    rank_of_action = {a: r for r, row in enumerate(rows) for a in row}
+    # Work on (stage, kind, microbatch) tuples: creating Action objects in the inner loop is slow.
+    backward_kind = {(a.stage, a.microbatch): a.kind for row in rows for a in row if a.kind in BACKWARD_KINDS}
+    rank_of = {(a.stage, a.kind, a.microbatch): r for r, row in enumerate(rows) for a in row}
     position = [0] * len(rows)
     free_at = [0.0] * len(rows)
-    start: dict[Action, float] = {}
-    end: dict[Action, float] = {}
+    start: dict[tuple, float] = {}
+    end: dict[tuple, float] = {}
+
+    def producers(s: int, kind: str, k: int) -> list[tuple[tuple, float]]:
+        here = stage_to_rank[s]
+        if kind == "F":
+            return [((s - 1, "F", k), comm if stage_to_rank[s - 1] != here else 0.0)] if s > 0 else []
+        if kind == "W":
+            return [((s, "I", k), 0.0)]
+        deps = [((s, "F", k), 0.0)]
+        if s < stages - 1:
+            deps.append(((s + 1, backward_kind.get((s + 1, k), "I"), k), comm if stage_to_rank[s + 1] != here else 0.0))
+        return deps
+
     pending = list(range(len(rows)))
     while pending:
         rank = pending.pop()
         row = rows[rank]
         while position[rank] < len(row):
             action = row[position[rank]]
+            key = (action.stage, action.kind, action.microbatch)
             ready = free_at[rank]
             blocked = False
-            for dep in dependencies(action, stages, stage_to_rank, comm, backward_of):
-                produced = end.get(dep.action)
+            for dep, dep_delay in producers(*key):
+                produced = end.get(dep)
                 if produced is None:
                     blocked = True
                     break
-                ready = max(ready, produced + dep.delay)
+                if produced + dep_delay > ready:
+                    ready = produced + dep_delay
             if blocked:
                 break
-            start[action] = ready
-            end[action] = free_at[rank] = ready + duration(action)
+            start[key] = ready
+            end[key] = free_at[rank] = ready + duration(action)
             position[rank] += 1
-            for consumer in consumers_of(action, stages):
-                other = rank_of_action.get(consumer)
-                if other is not None and other != rank and rows[other][position[other]:position[other] + 1] == (consumer,):
-                    pending.append(other)
+            s, kind, k = key
+            if kind == "F":
+                wake = [(s + 1, "F", k)] if s < stages - 1 else []
+            elif kind in BACKWARD_KINDS and s > 0:
+                wake = [(s - 1, "I", k), (s - 1, "B", k)]
+            else:
+                wake = []
+            for consumer in wake:
+                other = rank_of.get(consumer)
+                if other is not None and other != rank and position[other] < len(rows[other]):
+                    head = rows[other][position[other]]
+                    if (head.stage, head.kind, head.microbatch) == consumer:
+                        pending.append(other)
     stuck = [r for r, row in enumerate(rows) if position[r] < len(row)]
     if stuck:
         lines = []
         for r in stuck:
             action = rows[r][position[r]]
-            missing = [
-                str(d.action)
-                for d in dependencies(action, stages, stage_to_rank, comm, backward_of)
-                if d.action not in end
-            ]
+            missing = [dep for dep, _ in producers(action.stage, action.kind, action.microbatch) if dep not in end]
             where = [
-                f"{m} (rank {rank_of_action[Action.parse(m)]})" if Action.parse(m) in rank_of_action else f"{m} (in no rank's list)"
+                f"{Action(*m)} (rank {rank_of[m]})" if m in rank_of else f"{Action(*m)} (in no rank's list)"
                 for m in missing
             ]
             lines.append(f"rank {r} waits at {action} for {', '.join(where)}")
         raise ScheduleError("schedule cannot run to completion: " + "; ".join(lines))
-    return Timing(start, end)
+    by_key = {(a.stage, a.kind, a.microbatch): a for row in rows for a in row}
+    return Timing({by_key[k]: t for k, t in start.items()}, {by_key[k]: t for k, t in end.items()})
