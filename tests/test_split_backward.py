@@ -11,23 +11,9 @@ from torch import nn
 
 from zbcompile.compiler import compile_pipeline
 from zbcompile.models.gpt import GPT, Block, GPTConfig, lm_loss
-from zbcompile.passes.cost import node_flops
+from zbcompile.passes.cost import measure_stage_times, random_inputs
 
 aten = torch.ops.aten
-
-
-def _random_env(program, state, generator):
-    """Random values for every non-parameter input of `program` (shapes from the graph)."""
-    env = {}
-    for node, name in zip(program.graph.graph.find_nodes(op="placeholder"), program.signature.inputs):
-        if name in state:
-            continue
-        value = node.meta["val"]
-        if value.is_floating_point():
-            env[name] = torch.randn(value.shape, dtype=value.dtype, generator=generator)
-        else:
-            env[name] = torch.randint(0, 8, value.shape, dtype=value.dtype, generator=generator)
-    return env
 
 
 def _compile_gpt(stages: int, layers: int = 4):
@@ -45,7 +31,7 @@ class SplitReproducesBackward(TestCase):
         state = {f"param:{n}": p.detach() for n, p in model.named_parameters()}
         generator = torch.Generator().manual_seed(1)
         for program in compiled.programs:
-            env = _random_env(program.forward, state, generator)
+            env = random_inputs(program.forward, state, generator)
             program.forward.run(env, state)
             for name in program.joint.tangents:
                 shape_source = env.get(f"out:{name}")
@@ -61,6 +47,14 @@ class SplitReproducesBackward(TestCase):
             self.assertTrue(grads, f"stage {program.index} has no gradients")
             for name in grads:
                 self.assertTrue(torch.equal(unsplit[name], split[name]), f"stage {program.index}: {name} differs")
+
+    def test_measured_times(self):
+        model, compiled = _compile_gpt(stages=2, layers=2)
+        state = {f"param:{n}": p.detach() for n, p in model.named_parameters()}
+        times = measure_stage_times(compiled.programs[1], state, repeats=2)
+        self.assertGreater(times.forward, 0)
+        self.assertGreater(times.input_backward, 0)
+        self.assertGreater(times.weight_backward, 0)
 
     def test_first_stage_has_empty_input_backward(self):
         _, compiled = _compile_gpt(stages=2)
