@@ -17,7 +17,7 @@ from torch._functorch._aot_autograd.descriptors import (
     TangentAOTInput,
 )
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import flop_counter
@@ -27,6 +27,7 @@ DATA_DEPENDENT_ERRORS = (GuardOnDataDependentSymNode, DataDependentOutputExcepti
 
 __all__ = [
     "DATA_DEPENDENT_ERRORS",
+    "FakeTensorMode",
     "BufferAOTInput",
     "GradAOTOutput",
     "ParamAOTInput",
@@ -35,6 +36,9 @@ __all__ = [
     "TangentAOTInput",
     "annotate_nodes",
     "export_joint",
+    "fake_contiguous",
+    "fake_like",
+    "fake_strided",
     "count_flops",
     "has_flop_formula",
     "make_fx",
@@ -57,6 +61,26 @@ def export_joint(module: torch.nn.Module, args: tuple) -> torch.fx.GraphModule:
     with contextlib.ExitStack() as stack:
         joint = aot_export_joint_with_descriptors(stack, module, args)
         return joint.graph_module
+
+
+def fake_like(mode: FakeTensorMode, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A fake tensor in `mode` standing for `tensor`; a `meta` tensor becomes one on `device`."""
+    if tensor.is_meta:
+        fake = mode.fake_tensor_converter.from_meta_and_device(mode, tensor, device)
+    else:
+        fake = mode.from_tensor(tensor)
+    return torch.nn.Parameter(fake, tensor.requires_grad) if isinstance(tensor, torch.nn.Parameter) else fake
+
+
+def fake_contiguous(mode: FakeTensorMode, tensor: torch.Tensor) -> torch.Tensor:
+    """A new contiguous fake tensor in `mode` with `tensor`'s shape, dtype and device."""
+    with mode:
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+
+
+def fake_strided(mode: FakeTensorMode, shape, stride, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    with mode:
+        return torch.empty_strided(shape, stride, dtype=dtype, device=device)
 
 
 def _cpu_sdpa_flop(query, key, value, *args, out_shape=None, **kwargs) -> int:

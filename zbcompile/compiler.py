@@ -78,8 +78,10 @@ def compile_pipeline(
     target: Any,
     stages: int,
     split_points: Sequence[str] | None = None,
+    device: torch.device | None = None,
 ) -> CompiledPipeline:
-    """Compile one microbatch's forward + loss (`args`, `kwargs`, `target` are a microbatch)."""
+    """Compile one microbatch's forward + loss (`args`, `kwargs`, `target` are a microbatch).
+    The model's parameters may be on the `meta` device; they compile as if on `device`."""
     seconds: dict[str, float] = {}
 
     def timed(phase: str, fn, *a, **k):
@@ -88,9 +90,9 @@ def compile_pipeline(
         seconds[phase] = time.perf_counter() - start
         return result
 
-    traced = timed("trace", trace_model, model, loss_fn, args, kwargs, target)
+    traced = timed("trace", trace_model, model, loss_fn, args, kwargs, target, device)
     partition = timed("partition", partition_stages, traced, stages, split_points)
-    joints = timed("joint", export_stage_joints, partition)
+    joints = timed("joint", export_stage_joints, partition, traced.fake_mode)
     splits = timed("split_backward", lambda: [split_backward(j) for j in joints])
     programs = timed(
         "cost",

@@ -82,14 +82,14 @@ class StageJoint:
         return sum(roots.values())
 
 
-def export_stage_joints(partition: StagePartition, loss_name: str = "loss") -> tuple[StageJoint, ...]:
+def export_stage_joints(partition: StagePartition, fake_mode, loss_name: str = "loss") -> tuple[StageJoint, ...]:
     """Trace every stage's joint graph, last stage first, so that a stage gives a tangent only to
     outputs whose gradient the next stage can produce."""
     joints: list[StageJoint] = []
     grads_from_next: set[str] = set()
     for stage in reversed(partition.stages):
         last = stage.index == len(partition.stages) - 1
-        joint = export_stage_joint(stage, partition, grads_from_next, loss_name if last else None)
+        joint = export_stage_joint(stage, partition, grads_from_next, loss_name if last else None, fake_mode)
         # gradients this stage provides to its predecessor: its own, and relayed ones
         grads_from_next = {v for v in joint.input_grads} | {v for v in stage.relays if v in grads_from_next}
         joints.append(joint)
@@ -97,22 +97,22 @@ def export_stage_joints(partition: StagePartition, loss_name: str = "loss") -> t
 
 
 def export_stage_joint(
-    stage: Stage, partition: StagePartition, grads_from_next: set[str], loss_name: str | None
+    stage: Stage, partition: StagePartition, grads_from_next: set[str], loss_name: str | None, fake_mode
 ) -> StageJoint:
     module = _detach_outputs_without_grad(stage, grads_from_next, loss_name)
-    joint = ti.export_joint(module, _example_inputs(stage, partition))
+    joint = ti.export_joint(module, _example_inputs(stage, partition, fake_mode))
     _refuse_mutated_state(joint, stage)
     return _separate_forward(joint, stage, loss_name)
 
 
-def _example_inputs(stage: Stage, partition: StagePartition) -> tuple[torch.Tensor, ...]:
+def _example_inputs(stage: Stage, partition: StagePartition, fake_mode) -> tuple[torch.Tensor, ...]:
     """Tensors shaped and strided like the stage's inputs; boundary values that carry a gradient
     require one."""
     examples = []
     for name, node in zip(stage.graph_inputs, stage.module.graph.find_nodes(op="placeholder")):
         value = node.meta["val"]
         info = partition.values.get(name)
-        example = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype).zero_()
+        example = ti.fake_strided(fake_mode, value.shape, value.stride(), value.dtype, value.device)
         examples.append(example.requires_grad_(info is not None and info.differentiable))
     return tuple(examples)
 

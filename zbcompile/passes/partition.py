@@ -28,7 +28,7 @@ from typing import Sequence
 
 import networkx as nx
 import torch
-from torch import fx
+from torch import fx, nn
 
 from zbcompile.passes import _fx
 from zbcompile.passes.cost import node_cost
@@ -359,7 +359,7 @@ def _build_stages(
     live_bytes: list[int],
 ) -> StagePartition:
     graph = traced.graph_module.graph
-    root = traced.model
+    root = _state_module(traced)
     stages_count = len(bounds) - 1
     differentiable = _requires_grad(graph)
     output_value = graph.output_node().args[0][0]
@@ -439,6 +439,25 @@ def _build_stages(
         values=values,
         shared_params={fqn: tuple(ks) for fqn, ks in shared.items() if len(ks) > 1},
     )
+
+
+def _state_module(traced: TracedModel) -> nn.Module:
+    """A module tree holding the traced fake parameters and buffers under their FQNs: the stages'
+    `get_attr`s resolve to these, never to the (possibly unmaterialised) model's tensors."""
+    root = nn.Module()
+    for fqn in [*traced.param_fqns, *traced.buffer_fqns]:
+        *path, leaf = fqn.split(".")
+        owner = root
+        for part in path:
+            if not hasattr(owner, part):
+                owner.add_module(part, nn.Module())
+            owner = getattr(owner, part)
+        value = traced.fake_state[fqn]
+        if fqn in traced.param_fqns:
+            owner.register_parameter(leaf, value)
+        else:
+            owner.register_buffer(leaf, value)
+    return root
 
 
 def _dependency_graph(graph: fx.Graph) -> nx.DiGraph:

@@ -31,6 +31,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from zbcompile import _torch_internals as ti
+from zbcompile._torch_internals import FakeTensorMode
 
 # meta["zb_role"] of placeholders
 PARAM, BUFFER, INPUT, TARGET = "param", "buffer", "input", "target"
@@ -46,7 +47,10 @@ class TracedModel:
         tensor leaves of (args, kwargs) and of the target, in pytree order). One output: the loss.
     param_fqns / buffer_fqns: the model's parameters and buffers (tied weights once, under the
         name `named_parameters()` reports).
-    model: the traced module, whose parameter and buffer objects the stages keep using.
+    model: the traced module (its parameters may live on the `meta` device).
+    fake_mode / fake_state: the fake-tensor mode the graphs were traced in, and a fake tensor for
+        every parameter and buffer FQN (on the device the pipeline runs on); later passes trace
+        stages against these, so compiling never needs real weights.
     input_spec: pytree spec of (args, kwargs); `constants` holds its non-tensor leaves (None where
         a tensor goes), which the graph has baked in.
     target_spec: pytree spec of the target (None when there is no loss_fn).
@@ -54,6 +58,8 @@ class TracedModel:
 
     graph_module: fx.GraphModule
     model: nn.Module
+    fake_mode: FakeTensorMode
+    fake_state: dict[str, torch.Tensor]
     param_fqns: tuple[str, ...]
     buffer_fqns: tuple[str, ...]
     input_spec: pytree.TreeSpec
@@ -70,11 +76,13 @@ def trace_model(
     args: tuple,
     kwargs: dict[str, Any],
     target: Any = None,
+    device: torch.device | None = None,
 ) -> TracedModel:
     """Trace `loss_fn(model(*args, **kwargs), target)` (or `model(...)` itself when loss_fn is
     None, which must then return the scalar loss). Raises ValueError naming the module and the
     source line for data-dependent control flow, and naming the buffer for buffers the forward
-    mutates (BatchNorm running statistics)."""
+    mutates (BatchNorm running statistics). Parameters on the `meta` device trace as if they
+    lived on `device` (default: the inputs' device)."""
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     input_leaves, input_spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
@@ -96,19 +104,25 @@ def trace_model(
             raise TypeError(f"{what} must return a scalar floating-point loss tensor; got {_describe(loss)}")
         return loss
 
-    # Fresh contiguous tensors (the runtime feeds contiguous microbatches), so that an input
-    # passed twice (an autoencoder's input and target) traces as two distinct graph inputs.
+    tensors = [*input_tensors, *target_leaves]
+    device = device or (tensors[0].device if tensors else torch.device("cpu"))
+    fake_mode = ti.FakeTensorMode()
+    fake_state = {
+        name: ti.fake_like(fake_mode, value, device)
+        for name, value in [*params.items(), *buffers.items()]
+    }
+    # Fresh contiguous fakes (the runtime feeds contiguous microbatches), so that an input passed
+    # twice (an autoencoder's input and target) traces as two distinct graph inputs.
     example = (
-        list(params.values()),
-        list(buffers.values()),
-        [t.detach().clone(memory_format=torch.contiguous_format) for t in input_tensors],
-        [t.detach().clone(memory_format=torch.contiguous_format) for t in target_leaves],
+        [fake_state[n] for n in params],
+        [fake_state[n] for n in buffers],
+        [ti.fake_contiguous(fake_mode, t) for t in input_tensors],
+        [ti.fake_contiguous(fake_mode, t) for t in target_leaves],
     )
     with ti.preserve_node_meta(), _module_annotations(model) as module_stack:
         try:
-            graph_module = ti.make_fx(
-                torch.func.functionalize(forward_and_loss, remove="mutations"), tracing_mode="fake"
-            )(*example)
+            with fake_mode:
+                graph_module = ti.make_fx(torch.func.functionalize(forward_and_loss, remove="mutations"))(*example)
         except ti.DATA_DEPENDENT_ERRORS as error:
             raise ValueError(_data_dependent_message(module_stack, error)) from error
 
@@ -127,6 +141,8 @@ def trace_model(
     return TracedModel(
         graph_module=graph_module,
         model=model,
+        fake_mode=fake_mode,
+        fake_state=fake_state,
         param_fqns=tuple(params),
         buffer_fqns=tuple(buffers),
         input_spec=input_spec,
