@@ -13,7 +13,9 @@ from typing import Sequence
 from .costs import StageCosts
 from .greedy import POLICIES, QUICK_POLICIES, GreedyPolicy, MemoryTooSmall, list_schedule
 from .handcrafted import one_f_one_b, zb_h1, zb_h2
+from .fastsim import Evaluator
 from .ir import Action, Schedule
+from .search import analytic_parameters, pattern_rows
 from .simulate import peak_memory, simulate
 
 _TOLERANCE = 1e-9
@@ -77,25 +79,50 @@ def zb_auto_heuristic(
     objective: str = "span",
     policies: Sequence[GreedyPolicy] | None = None,
 ) -> Schedule:
-    """Best of the list-scheduler policies and the handcrafted schedules that fit in memory."""
+    """Best of the list-scheduler policies, the analytic member of the search family
+    (``search.pattern_rows``) and the handcrafted schedules that fit in memory."""
+    sched, _ = zb_auto_candidates(stages, microbatches, costs, limits, objective, policies)
+    return sched
+
+
+def zb_auto_candidates(
+    stages: int,
+    microbatches: int,
+    costs: StageCosts,
+    limits: Sequence[float] | None,
+    objective: str = "span",
+    policies: Sequence[GreedyPolicy] | None = None,
+    evaluator: Evaluator | None = None,
+) -> tuple[Schedule, tuple[float, float]]:
+    """``zb_auto_heuristic`` plus the winner's fast score (objective, sum of rank spans)."""
     placement = tuple(range(stages))
     check_memory_feasible("zb-auto", placement, costs, limits)
+    ev = evaluator or Evaluator(stages, microbatches, placement, costs)
     if policies is None:
-        policies = QUICK_POLICIES if stages * microbatches > QUICK_SIZE else POLICIES
-    candidates = []
+        policies = QUICK_POLICIES[:1] if stages * microbatches > QUICK_SIZE else POLICIES
+    lims = list(limits) if limits is not None else [math.inf] * stages
+    scored: list[tuple[tuple[float, float], int, str, list[list[int]]]] = []
+
+    def consider(source: str, rows: list[list[int]] | None) -> None:
+        if rows is None:
+            return
+        if limits is not None and any(ev.peak(r) > l + _TOLERANCE * max(1.0, l) for r, l in zip(rows, lims)):
+            return
+        scored.append((ev.score(rows, objective), len(scored), source, rows))
+
     for policy in policies:
         try:
-            candidates.append(list_schedule("zb-auto", stages, microbatches, placement, costs, limits, policy))
+            consider("list", ev.rows_of(list_schedule("zb-auto", stages, microbatches, placement, costs, limits, policy)))
         except MemoryTooSmall:
             continue
+    warm, defer = analytic_parameters(stages, costs)
+    consider("pattern", pattern_rows(ev, lims, warm, defer))
     for hand in (split_backward(one_f_one_b(stages, microbatches)), zb_h1(stages, microbatches), zb_h2(stages, microbatches)):
-        if fits(hand, costs, limits):
-            candidates.append(hand)
-    if not candidates:
+        consider(hand.name, ev.rows_of(hand))
+    if not scored:
         raise ValueError(f"zb-auto: no schedule fits memory_limit {list(limits)}; raise it")
-    best, _ = best_of(candidates, costs, objective)
-    source = best.name
-    return Schedule("zb-auto", stages, microbatches, placement, best.actions, {"heuristic_source": source})
+    value, _, source, rows = min(scored, key=lambda t: (t[0], t[1]))
+    return ev.schedule("zb-auto", rows, {"heuristic_source": source}), value
 
 
 def v_placement(stages: int) -> tuple[int, ...]:

@@ -7,7 +7,9 @@ from typing import Sequence, Union
 
 from .costs import Costs, StageCosts, resolve_costs
 from .handcrafted import gpipe, interleaved_one_f_one_b, one_f_one_b, zb_h1, zb_h2
-from .heuristic import analytic_lower_bound, zb_auto_heuristic, zbv
+from .fastsim import Evaluator
+from .heuristic import analytic_lower_bound, zb_auto_candidates, zbv
+from .search import search
 from .ir import Schedule
 from .simulate import simulate
 from .validate import rank_limits, validate
@@ -15,6 +17,7 @@ from .validate import rank_limits, validate
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-auto", "zbv")
 OBJECTIVES = ("span", "makespan")
 DEFAULT_TIME_BUDGET_S = 3.0
+CPSAT_MAX_ACTIONS = 1200  # above this, building the CP-SAT model costs more than it returns
 
 MemoryLimit = Union[None, float, Sequence[float]]
 
@@ -25,6 +28,64 @@ def _check_sizes(name: str, stages: int, microbatches: int) -> None:
             raise ValueError(f"{name}: {label} must be a positive int, got {value!r}")
     if name == "zbv" and stages < 2:
         raise ValueError(f"zbv needs at least 2 stages (two chunks per rank), got {stages}")
+
+
+def _zb_auto(stages, microbatches, sc, limits, objective, time_budget, deterministic, started) -> Schedule:
+    """Heuristic, then search (``search.py``), then CP-SAT on small problems, all within the budget.
+
+    The budget counts from ``started`` (the call) and covers everything: heuristic, evaluator,
+    search, model building and solving. ``deterministic=True`` replaces wall-clock stops by fixed
+    amounts of work derived from the budget (search evaluations, CP-SAT deterministic time).
+    """
+    budget = DEFAULT_TIME_BUDGET_S if time_budget is None else float(time_budget)
+    placement = tuple(range(stages))
+    ev = Evaluator(stages, microbatches, placement, sc)
+    sched, score = zb_auto_candidates(stages, microbatches, sc, limits, objective, evaluator=ev)
+    heuristic_time = time.perf_counter() - started
+    value = score[0]
+    bound = analytic_lower_bound(stages, microbatches, placement, sc, objective)
+    info = {
+        "objective": objective,
+        "heuristic_value": value,
+        "heuristic_time_s": heuristic_time,
+        "value": value,
+        "lower_bound": bound,
+        "status": "heuristic",
+    }
+
+    def left() -> float:
+        return budget - (time.perf_counter() - started)
+
+    def at_bound() -> bool:
+        return value <= info["lower_bound"] * (1 + 1e-9)
+
+    actions = 3 * stages * microbatches
+    use_cpsat = actions <= CPSAT_MAX_ACTIONS
+    if budget > 0 and not at_bound() and left() > 0:
+        # Keep a margin for turning the result into a Schedule (about one evaluation's time).
+        share = 0.5 if use_cpsat else 0.9
+        search_budget = left() * share if not deterministic else budget * share
+        result = search(ev, limits, objective, search_budget, deterministic, start_rows=ev.rows_of(sched))
+        info.update(result.info)
+        if result.rows is not None and result.score < score:
+            score = result.score
+            value = score[0]
+            sched = ev.schedule("zb-auto", result.rows, {"heuristic_source": sched.info.get("heuristic_source")})
+            info["status"] = "search"
+        info["value"] = value
+    if budget > 0 and use_cpsat and not at_bound() and (deterministic or left() > 0.3):
+        from .solver import improve
+
+        solver_budget = budget * 0.45 if deterministic else left()
+        result = improve(sched, sc, limits, objective, solver_budget, deterministic=deterministic)
+        info.update(result.info)
+        if result.value < value:
+            sched = result.schedule
+            value = result.value
+            info["value"] = value
+        info["lower_bound"] = max(bound, result.lower_bound)
+    info["at_lower_bound"] = at_bound()
+    return sched.with_info(**info)
 
 
 def make_schedule(
@@ -70,30 +131,7 @@ def make_schedule(
         limits = rank_limits(memory_limit, stages // 2)
         sched = zbv(stages, microbatches, sc, limits, objective)
     else:
-        limits = rank_limits(memory_limit, stages)
-        sched = zb_auto_heuristic(stages, microbatches, sc, limits, objective)
-        budget = DEFAULT_TIME_BUDGET_S if time_budget is None else float(time_budget)
-        heuristic_time = time.perf_counter() - started
-        value = simulate(sched, sc).objective(objective)
-        bound = analytic_lower_bound(stages, microbatches, sched.stage_to_rank, sc, objective)
-        info = {
-            "objective": objective,
-            "heuristic_value": value,
-            "heuristic_time_s": heuristic_time,
-            "value": value,
-            "lower_bound": bound,
-            "status": "heuristic",
-        }
-        if budget > 0:
-            from .solver import improve
-
-            result = improve(sched, sc, limits, objective, budget - heuristic_time, deterministic=deterministic)
-            info.update(result.info)
-            if result.value < value:
-                sched = result.schedule
-                info["value"] = result.value
-            info["lower_bound"] = max(bound, result.lower_bound)
-        sched = sched.with_info(**info)
+        sched = _zb_auto(stages, microbatches, sc, rank_limits(memory_limit, stages), objective, time_budget, deterministic, started)
     sched = sched.with_info(solve_time_s=time.perf_counter() - started)
     if check:
         validate(sched, sc, memory_limit if name != "zbv" else sched.info.get("memory_limit", memory_limit))

@@ -128,6 +128,7 @@ def improve(
                         continue
                     finish = end[Action(s, until, k)]
                     size = model.new_int_var(0, horizon, f"hold{a}{until}")
+                    model.add_hint(size, int(hint.end[Action(s, until, k)] - hint.start[a]))
                     holds.append(model.new_interval_var(start[a], size, finish, f"h{a}{until}"))
                     demands.append(demand)
             if holds:

@@ -1,0 +1,302 @@
+"""zb-auto's search step: a parametric schedule family, coordinate descent, then local search.
+
+Why this family. With the span objective, stage s's own window starts when the first forward
+reaches it, s (T_F + comm) after stage 0's. The gradient of the last microbatch leaves stage s and
+still needs s (T_B + comm) to reach stage 0, which must then run its last I and W. For every stage
+to end its window on time, stage s keeps about ``s (T_F + T_B + 2 comm) / T_W + 1`` weight passes
+(W) for its tail, and warms up with as many forwards as fit before the first gradient returns.
+``pattern_rows`` builds, per stage,
+
+    F x warm[s]; then (I, W while more than defer[s] are pending or memory demands, F) ...; W tail
+
+(``w_after`` puts the W after the F instead). ZB-H1 and ZB-H2 are members of this family. The
+search tries a grid around the analytic warm-up and deferral counts, then improves the best
+per stage by coordinate descent, then moves single W passes on the critical ranks (local
+search). Every candidate is re-timed by ``fastsim.Evaluator`` (the simulator's rule) and must fit
+the memory limit. The search stops at a deadline (seconds) or, with ``deterministic=True``, after a
+fixed amount of work derived from the budget, so that results do not depend on machine load.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from .costs import StageCosts
+from .fastsim import Evaluator
+from .greedy import warmup_counts
+
+_EPS = 1e-9
+# Work-based limit for deterministic runs: evaluations of ``n`` actions cost about this many seconds
+# per action (a conservative figure for CPython on one core).
+SECONDS_PER_ACTION = 2.5e-6
+
+
+@dataclass
+class SearchResult:
+    rows: list[list[int]] | None
+    score: tuple[float, float]
+    evaluations: int
+    info: dict
+
+
+class _Clock:
+    """Deadline in wall seconds, or a fixed number of evaluations when deterministic."""
+
+    def __init__(self, budget: float, actions: int, deterministic: bool):
+        self.deterministic = deterministic
+        self.deadline = time.perf_counter() + budget
+        self.max_evals = max(1, int(budget / (max(actions, 1) * SECONDS_PER_ACTION)))
+        self.evals = 0
+
+    def tick(self) -> None:
+        self.evals += 1
+
+    def out(self) -> bool:
+        if self.deterministic:
+            return self.evals >= self.max_evals
+        return time.perf_counter() >= self.deadline
+
+
+def pattern_rows(
+    ev: Evaluator,
+    limits: Sequence[float],
+    warm: Sequence[int],
+    defer: Sequence[int],
+    w_after: bool = False,
+) -> list[list[int]] | None:
+    """Per-stage programs of the family above (single chunk: stage s on rank s), None if stuck."""
+    S, M = ev.S, ev.M
+    mem = ev.mem
+    rows = []
+    for s in range(S):
+        lim = limits[s] + _EPS
+        F = [ev.id(s, 0, k) for k in range(M)]
+        I = [ev.id(s, 1, k) for k in range(M)]
+        W = [ev.id(s, 2, k) for k in range(M)]
+        mf, mi, mw = mem[F[0]], mem[I[0]], mem[W[0]]
+        row: list[int] = []
+        nf = ni = nw = 0
+        level = 0.0
+        d = defer[s]
+        while nf < min(warm[s], M) and level + mf <= lim:
+            row.append(F[nf])
+            nf += 1
+            level += mf
+        if nf == 0:
+            return None
+        while ni < M:
+            if ni >= nf:  # nothing in flight: the next forward first
+                while level + mf > lim and nw < ni:
+                    row.append(W[nw]); nw += 1; level += mw
+                if level + mf > lim:
+                    return None
+                row.append(F[nf]); nf += 1; level += mf
+            row.append(I[ni]); ni += 1; level += mi
+            if not w_after:
+                while nw < ni and (ni - nw > d or (nf < M and level + mf > lim)):
+                    row.append(W[nw]); nw += 1; level += mw
+            if nf < M:
+                while level + mf > lim and nw < ni:
+                    row.append(W[nw]); nw += 1; level += mw
+                if level + mf > lim:
+                    return None
+                row.append(F[nf]); nf += 1; level += mf
+            if w_after:
+                while nw < ni and ni - nw > d:
+                    row.append(W[nw]); nw += 1; level += mw
+        while nw < M:
+            row.append(W[nw]); nw += 1
+        rows.append(row)
+    return rows
+
+
+def analytic_parameters(S: int, costs: StageCosts, alpha: float = 1.0, beta: int = 0, shift: int = 0):
+    """Warm-up counts (forwards that fit before the first gradient returns, + shift) and deferral
+    counts (alpha * s (T_F + T_B + 2 comm) / T_W + beta)."""
+    placement = tuple(range(S))
+    warm = [max(1, c + shift) for c in warmup_counts(S, placement, costs)]
+    defer = []
+    for s in range(S):
+        chain = sum(costs.f[t] + costs.b[t] + 2 * costs.comm for t in range(1, s + 1))
+        w = max(costs.w[s], _EPS)
+        defer.append(max(0, math.ceil(alpha * chain / w - _EPS) + beta))
+    return warm, defer
+
+
+def search(
+    ev: Evaluator,
+    limits: Sequence[float] | None,
+    objective: str,
+    budget: float,
+    deterministic: bool = False,
+    start_rows: list[list[int]] | None = None,
+    seed: int = 0,
+) -> SearchResult:
+    """Best rows found within ``budget`` (see the module docstring); starts from ``start_rows``."""
+    S, M = ev.S, ev.M
+    lims = list(limits) if limits is not None else [math.inf] * S
+    clock = _Clock(budget, 3 * S * M, deterministic)
+    costs_view = _costs_of(ev)
+
+    def fits(rows) -> bool:
+        return all(ev.peak(r) <= l + _EPS * max(1.0, l) for r, l in zip(rows, lims))
+
+    def score(rows):
+        clock.tick()
+        return ev.score(rows, objective)
+
+    best_rows = start_rows
+    best = score(start_rows) if start_rows is not None else (math.inf, math.inf)
+    info = {"search_start": best[0]}
+    best_params = None
+
+    # 1. grid around the analytic parameters, most promising first
+    grid = [(shift, alpha, beta, w_after)
+            for w_after in (False, True)
+            for shift in (-1, 0, 1, -2, 2)
+            for alpha, beta in ((1.0, 0), (1.0, 1), (1.25, 0), (0.75, 0), (1.5, 1), (0.5, 0), (math.inf, 0))]
+    grid.sort(key=lambda g: (abs(g[0]) > 1, g[3], abs(g[0]), g[1] == math.inf))
+    for shift, alpha, beta, w_after in grid:
+        if clock.out():
+            break
+        if alpha == math.inf:
+            warm, _ = analytic_parameters(S, costs_view, 1.0, 0, shift)
+            defer = [M] * S
+        else:
+            warm, defer = analytic_parameters(S, costs_view, alpha, beta, shift)
+        rows = pattern_rows(ev, lims, warm, defer, w_after)
+        if rows is None or not fits(rows):
+            continue
+        value = score(rows)
+        if value < best:
+            best, best_rows, best_params = value, rows, (warm, defer, w_after)
+    info["search_grid"] = best[0]
+
+    # 2. coordinate descent on the per-stage warm-up and deferral counts
+    if best_params is not None:
+        warm, defer, w_after = (list(best_params[0]), list(best_params[1]), best_params[2])
+        improved = True
+        while improved and not clock.out():
+            improved = False
+            for s in _critical_first(ev, best_rows, S):
+                for which, delta in (("d", 1), ("d", -1), ("w", 1), ("w", -1), ("d", 3), ("d", -3)):
+                    if clock.out():
+                        break
+                    w2, d2 = list(warm), list(defer)
+                    if which == "w":
+                        w2[s] = w2[s] + delta
+                        if w2[s] < 1:
+                            continue
+                    else:
+                        d2[s] = d2[s] + delta
+                        if d2[s] < 0:
+                            continue
+                    rows = pattern_rows(ev, lims, w2, d2, w_after)
+                    if rows is None or not fits(rows):
+                        continue
+                    value = score(rows)
+                    if value < best:
+                        best, best_rows, warm, defer, improved = value, rows, w2, d2, True
+                        break
+    info["search_descent"] = best[0]
+
+    # 3. local search on the critical ranks: fill an idle gap with the next pending W (moved
+    #    forward from later in the row), or move a W one to three places later or earlier
+    if best_rows is not None and not clock.out():
+        rng = random.Random(seed)
+        rows = [list(r) for r in best_rows]
+        end = [-1.0] * len(ev.dur)
+        W_BASE = 2 * S * M
+        stale = 0
+        while not clock.out() and stale < 60 * S:
+            timed = ev.times(rows, end)
+            first, last = timed
+            spans = [y - x for x, y in zip(first, last)]
+            order = sorted(range(len(rows)), key=lambda q: -spans[q])
+            r = order[0] if rng.random() < 0.6 else order[rng.randrange(min(4, len(order)))]
+            row = rows[r]
+            saved = list(row)
+            if not _move(ev, row, end, rng, W_BASE):
+                stale += 1
+                continue
+            if ev.peak(row) > lims[r] + _EPS * max(1.0, lims[r]):
+                rows[r] = saved
+                stale += 1
+                continue
+            value = score(rows)
+            if value < best:
+                best, stale = value, 0
+                best_rows = [list(x) for x in rows]
+            else:
+                rows[r] = saved
+                stale += 1
+    info["search_local"] = best[0]
+    info["search_evaluations"] = clock.evals
+    return SearchResult(best_rows, best, clock.evals, info)
+
+
+def _move(ev: Evaluator, row: list[int], end: list[float], rng: random.Random, w_base: int) -> bool:
+    """Change ``row`` in place by one move (see ``search`` step 3); False when none applies."""
+    dur, local = ev.dur, ev.local
+    if rng.random() < 0.6:
+        gaps = []
+        for i in range(1, len(row)):
+            gap = end[row[i]] - dur[row[i]] - end[row[i - 1]]
+            if gap > 1e-6:
+                gaps.append((gap, i))
+        if not gaps:
+            return False
+        gaps.sort(reverse=True)
+        _, i = gaps[0] if rng.random() < 0.5 else rng.choice(gaps)
+        before = set(row[:i])
+        for j in range(i, len(row)):
+            a = row[j]
+            if a >= w_base:
+                if local[a] not in before:
+                    return False
+                row.insert(i, row.pop(j))
+                return True
+        return False
+    ws = [i for i, a in enumerate(row) if a >= w_base]
+    if not ws:
+        return False
+    i = rng.choice(ws)
+    a = row[i]
+    step = rng.choice((1, 1, 2, 3)) * (1 if rng.random() < 0.5 else -1)
+    j = i
+    while j != i + step:
+        k = j + (1 if step > 0 else -1)
+        if not 0 <= k < len(row):
+            return False
+        other = row[k]
+        if other >= w_base and other // ev.M == a // ev.M:  # another W of this stage: keep order
+            return False
+        if step < 0 and other == local[a]:  # not before its own I
+            return False
+        j = k
+    row.insert(j, row.pop(i))
+    return True
+
+
+def _critical_first(ev: Evaluator, rows, S: int) -> list[int]:
+    timed = ev.times(rows)
+    if timed is None:
+        return list(range(len(rows)))
+    first, last = timed
+    spans = [b - a for a, b in zip(first, last)]
+    return sorted(range(len(rows)), key=lambda r: -spans[r])
+
+
+def _costs_of(ev: Evaluator) -> StageCosts:
+    S, M = ev.S, ev.M
+    f = tuple(ev.dur[ev.id(s, 0, 0)] for s in range(S))
+    b = tuple(ev.dur[ev.id(s, 1, 0)] for s in range(S))
+    w = tuple(ev.dur[ev.id(s, 2, 0)] for s in range(S))
+    comm = max((ev.delay[ev.id(s, 0, 0)] for s in range(1, S)), default=0.0)
+    mem_f = tuple(ev.mem[ev.id(s, 0, 0)] for s in range(S))
+    mem_w = tuple(-ev.mem[ev.id(s, 2, 0)] for s in range(S))
+    return StageCosts(f, b, w, comm, mem_f, mem_w)
