@@ -6,18 +6,25 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+import torch.distributed as dist
+
 from zbcompile.compiler import CompiledPipeline, compile_pipeline
-from zbcompile.runtime.local import run_local_step
+from zbcompile.runtime import placement
+from zbcompile.runtime.distributed import DistributedRunner, make_layout
+from zbcompile.runtime.local import LocalRunner
+from zbcompile.runtime.p2p import device_for
 from zbcompile.runtime.stage import StageExecutor
 from zbcompile.schedules import Costs, Schedule, make_schedule
 
 DEFAULT_SCHEDULE = "zb-auto"
+DEFAULT_TIMEOUT = timedelta(seconds=300)
 
 
 @dataclass(frozen=True)
@@ -28,6 +35,8 @@ class PipelineOptions:
     schedule: str = DEFAULT_SCHEDULE
     split_points: tuple[str, ...] | None = None
     memory_limit: float | Sequence[float] | None = None
+    process_group: Any = None
+    timeout: timedelta = DEFAULT_TIMEOUT
 
 
 def pipeline(
@@ -39,6 +48,8 @@ def pipeline(
     schedule: str = DEFAULT_SCHEDULE,
     split_points: Sequence[str] | None = None,
     memory_limit: float | Sequence[float] | None = None,
+    process_group: Any = None,
+    timeout: float | timedelta = DEFAULT_TIMEOUT,
 ):
     """Make `model` a pipelined model: `pipeline(model, stages=4, microbatches=8, loss_fn=F.mse_loss)`.
 
@@ -48,9 +59,19 @@ def pipeline(
     model's forward must return that loss itself. `split_points` are module FQNs where a new
     stage begins (otherwise the stages are balanced by cost). `memory_limit` bounds each stage's
     activation memory in units of one microbatch's activations (zb-auto, zbv).
+
+    Under torch.distributed (an initialised default group, or `process_group=`), each rank runs
+    its own stage(s) (see `PipelinedModule`); `timeout` (seconds) bounds every wait on a peer.
     """
     options = PipelineOptions(
-        stages, microbatches, loss_fn, schedule, tuple(split_points) if split_points is not None else None, memory_limit
+        stages,
+        microbatches,
+        loss_fn,
+        schedule,
+        tuple(split_points) if split_points is not None else None,
+        memory_limit,
+        process_group,
+        timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout),
     )
     if model is None:
         return functools.partial(_wrap, options=options)
@@ -70,47 +91,86 @@ def _wrap(model: nn.Module | type, options: PipelineOptions):
     return PipelinedModule(model, options)
 
 
+@dataclass(frozen=True)
+class _Compiled:
+    compiled: CompiledPipeline
+    schedule: Schedule
+    runner: LocalRunner | DistributedRunner
+
+
 class PipelinedModule:
-    """A model trained with a pipeline schedule. Parameters, buffers and `state_dict()` are the
-    wrapped module's own (same objects, same FQNs), so optimizers built on `parameters()` work.
-    Calling the object runs the unpipelined forward (inference)."""
+    """A model trained with a pipeline schedule. Calling the object runs the unpipelined forward.
+
+    In one process, parameters, buffers and `state_dict()` are the wrapped module's own (same
+    objects, same FQNs), so optimizers built on `parameters()` work.
+
+    Under torch.distributed, `world_size = ranks per pipeline x k` runs k data-parallel replicas
+    (replica d takes the d-th slice of the batch). Every rank passes the full batch to `step()`
+    (the first stage's rank reads the inputs, the last stage's rank the targets) and gets the
+    replica's loss on the rank holding the last stage, None elsewhere; nothing else makes ranks
+    wait for each other. Each rank keeps only the parameters its stages use; the others move to
+    the `meta` device. So build the optimizer after `compile(batch)`: `parameters()`,
+    `named_parameters()` and `state_dict()` then cover this rank's share (a tied weight is
+    reported by the rank of its first stage), and gathering every rank's `state_dict()` gives
+    the model's. A model built on the `meta` device gets its local parameters materialised and
+    initialised with their modules' `reset_parameters()`; `load_state_dict(full_or_partial,
+    strict=False)` then loads whatever it holds.
+    """
 
     def __init__(self, module: nn.Module, options: PipelineOptions) -> None:
         self.module = module
         self.options = options
-        self._compiled: dict[Any, tuple[CompiledPipeline, Schedule, list[StageExecutor]]] = {}
+        self._compiled: dict[Any, _Compiled] = {}
         self._last_key: Any = None
+        self._local: set[str] | None = None  # FQNs this rank holds, once compiled (distributed)
+
+    @property
+    def distributed(self) -> bool:
+        return self.options.process_group is not None or (dist.is_available() and dist.is_initialized())
 
     # --- training --------------------------------------------------------------------------
 
-    def step(self, *inputs: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
+    def step(self, *inputs: Any, target: Any = None, **kwargs: Any) -> torch.Tensor | None:
         """One pipelined forward + backward over the batch: splits every tensor in `inputs`,
         `kwargs` and `target` into `microbatches` equal parts along dim 0, runs the schedule,
         accumulates the gradient of the mean microbatch loss into each parameter's `.grad`, and
-        returns that mean loss."""
+        returns that mean loss (None on ranks without the last stage)."""
         micro_inputs, micro_targets, key = self._split(inputs, kwargs, target)
-        compiled, schedule, executors = self._compile(key, micro_inputs[0], micro_targets[0])
-        feeds = [self._feed(compiled, args, kw, tgt) for (args, kw), tgt in zip(micro_inputs, micro_targets)]
-        losses = run_local_step(executors, schedule, [f[0] for f in feeds], [f[1] for f in feeds])
-        self._accumulate_grads(executors)
-        return torch.stack(losses).mean().detach()
+        bundle = self._compile(key, micro_inputs[0], micro_targets[0])
+        feeds = [self._feed(bundle.compiled, args, kw, tgt) for (args, kw), tgt in zip(micro_inputs, micro_targets)]
+        losses = bundle.runner.step([f[0] for f in feeds], [f[1] for f in feeds])
+        self._accumulate_grads(bundle.runner.reduce_grads())
+        return torch.stack(losses).mean().detach() if losses is not None else None
+
+    def compile(self, *inputs: Any, target: Any = None, **kwargs: Any) -> "PipelinedModule":
+        """Compile for batches shaped like this one without running a step (in a distributed run,
+        do this before building the optimizer)."""
+        micro_inputs, micro_targets, key = self._split(inputs, kwargs, target)
+        self._compile(key, micro_inputs[0], micro_targets[0])
+        return self
 
     @property
     def compiled(self) -> CompiledPipeline:
         """The compiler's result for the latest step's shapes."""
-        if self._last_key is None:
-            raise RuntimeError("the pipeline compiles on the first step(); call step() first")
-        return self._compiled[self._last_key][0]
+        return self._latest().compiled
 
     @property
     def schedule(self) -> Schedule:
-        if self._last_key is None:
-            raise RuntimeError("the pipeline compiles on the first step(); call step() first")
-        return self._compiled[self._last_key][1]
+        return self._latest().schedule
+
+    @property
+    def runner(self) -> LocalRunner | DistributedRunner:
+        return self._latest().runner
 
     @property
     def executors(self) -> list[StageExecutor]:
-        return self._compiled[self._last_key][2]
+        runner = self.runner
+        return list(runner.executors) if isinstance(runner, LocalRunner) else list(runner.executors.values())
+
+    def _latest(self) -> _Compiled:
+        if self._last_key is None:
+            raise RuntimeError("the pipeline compiles on the first step() or compile(); call one of them first")
+        return self._compiled[self._last_key]
 
     def _split(self, inputs: tuple, kwargs: dict, target: Any):
         m = self.options.microbatches
@@ -127,14 +187,17 @@ class PipelinedModule:
                     f"same batch size; got shapes {[tuple(t.shape) for t in tensors]}. Pass per-model constants "
                     "as buffers of the model instead."
                 )
-        if batch % m:
+        replicas, replica = self._replica()
+        if batch % (m * replicas):
+            across = f" across {replicas} data-parallel replicas" if replicas > 1 else ""
             raise ValueError(
-                f"the batch of {batch} samples does not split into microbatches={m} equal microbatches; "
-                f"use a batch size divisible by {m}"
+                f"the batch of {batch} samples does not split into microbatches={m} equal microbatches{across}; "
+                f"use a batch size divisible by {m * replicas}"
             )
 
         def chunks(values: list) -> list[list]:
-            return [[v.chunk(m)[i] if isinstance(v, torch.Tensor) else v for v in values] for i in range(m)]
+            mine = [v.chunk(replicas)[replica] if isinstance(v, torch.Tensor) else v for v in values]
+            return [[v.chunk(m)[i] if isinstance(v, torch.Tensor) else v for v in mine] for i in range(m)]
 
         micro_inputs = [pytree.tree_unflatten(c, spec) for c in chunks(leaves)]
         micro_targets = (
@@ -143,16 +206,52 @@ class PipelinedModule:
         key = (
             spec,
             target_spec,
-            tuple((tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else _constant_key(t) for t in [*leaves, *target_leaves]),
+            tuple(
+                (tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else _constant_key(t)
+                for t in [*leaves, *target_leaves]
+            ),
         )
         return micro_inputs, micro_targets, key
 
-    def _compile(self, key: Any, example: tuple, example_target: Any):
+    def _replica(self) -> tuple[int, int]:
+        """(data-parallel replicas, this rank's replica); (1, 0) before the layout is known."""
+        if self.distributed and self._compiled:
+            layout = next(iter(self._compiled.values())).runner.layout
+            return layout.dp_size, layout.dp_rank
+        if self.distributed:
+            ranks = _ranks_per_pipeline(self.options)
+            world = dist.get_world_size()
+            if ranks is not None and world % ranks == 0:
+                return world // ranks, dist.get_rank() // ranks
+        return 1, 0
+
+    def _compile(self, key: Any, example: tuple, example_target: Any) -> _Compiled:
         if key not in self._compiled:
             args, kwargs = example
+            device = device_for(self.options.process_group) if self.distributed else None
             compiled = compile_pipeline(
-                self.module, self.options.loss_fn, args, kwargs, example_target, self.options.stages, self.options.split_points
+                self.module,
+                self.options.loss_fn,
+                args,
+                kwargs,
+                example_target,
+                self.options.stages,
+                self.options.split_points,
+                device,
             )
+            schedule = self._make_schedule(compiled)
+            if self.distributed:
+                runner = self._distributed_runner(compiled, schedule, device)
+            else:
+                runner = LocalRunner([StageExecutor(p, self._state()) for p in compiled.programs], schedule)
+            self._compiled[key] = _Compiled(compiled, schedule, runner)
+        self._last_key = key
+        return self._compiled[key]
+
+    def _make_schedule(self, compiled: CompiledPipeline) -> Schedule:
+        """The schedule, solved on one rank and broadcast so that every rank runs the same one."""
+        schedule = None
+        if not self.distributed or dist.get_rank() == 0:
             schedule = make_schedule(
                 self.options.schedule,
                 stages=self.options.stages,
@@ -160,11 +259,20 @@ class PipelinedModule:
                 costs=schedule_costs(compiled),
                 memory_limit=self.options.memory_limit,
             )
-            state = self._state()
-            executors = [StageExecutor(p, state) for p in compiled.programs]
-            self._compiled[key] = (compiled, schedule, executors)
-        self._last_key = key
-        return self._compiled[key]
+        if self.distributed:
+            box = [schedule]
+            dist.broadcast_object_list(box, src=0)
+            schedule = box[0]
+        return schedule
+
+    def _distributed_runner(self, compiled: CompiledPipeline, schedule: Schedule, device: torch.device) -> DistributedRunner:
+        description = f"schedule {schedule.name!r} with stages={schedule.stages}"
+        layout = make_layout(schedule.ranks, device, description)
+        local_stages = [s for s, r in enumerate(schedule.stage_to_rank) if r == layout.pp_rank]
+        used = {f for s in local_stages for f in (*compiled.partition.stages[s].param_fqns, *compiled.partition.stages[s].buffer_fqns)}
+        if self._local is None:
+            self._local = placement.place_state(self.module, used, device)
+        return DistributedRunner(compiled, schedule, layout, self._state(), device, self.options.timeout)
 
     def _state(self) -> dict[str, torch.Tensor]:
         state = {f"param:{n}": p for n, p in self.module.named_parameters()}
@@ -182,22 +290,17 @@ class PipelinedModule:
         targets = {f"target_{i}": t for i, t in enumerate(target_tensors)} if traced.target_spec else {}
         return inputs, targets
 
-    def _accumulate_grads(self, executors: list[StageExecutor]) -> None:
-        """Sum each parameter's per-stage gradients in stage order (a tied weight has one per
-        stage that uses it) and add the sum to `.grad`."""
-        per_stage = [e.take_grads() for e in executors]
+    def _accumulate_grads(self, grads: dict[str, torch.Tensor]) -> None:
+        """Add the step's gradients to `.grad`."""
         with torch.no_grad():
             for name, param in self.module.named_parameters():
-                parts = [grads[name] for grads in per_stage if name in grads]
-                if not parts:
+                grad = grads.get(name)
+                if grad is None:
                     continue
-                total = parts[0]
-                for part in parts[1:]:
-                    total = total + part
                 if param.grad is None:
-                    param.grad = total
+                    param.grad = grad
                 else:
-                    param.grad.add_(total)
+                    param.grad.add_(grad)
 
     # --- the wrapped module's interface ----------------------------------------------------
 
@@ -205,22 +308,52 @@ class PipelinedModule:
         return self.module(*args, **kwargs)
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        return self.module.parameters(recurse)
+        return (p for _, p in self.named_parameters(recurse=recurse))
 
-    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
-        return self.module.named_parameters(*args, **kwargs)
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        owned = self._owned()
+        for name, param in self.module.named_parameters(prefix, recurse, remove_duplicate):
+            if owned is None or name.removeprefix(prefix + "." if prefix else "") in owned:
+                yield name, param
 
     def buffers(self, recurse: bool = True) -> Iterator[torch.Tensor]:
-        return self.module.buffers(recurse)
+        return (b for _, b in self.named_buffers(recurse=recurse))
 
-    def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
-        return self.module.named_buffers(*args, **kwargs)
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        owned = self._owned()
+        for name, buffer in self.module.named_buffers(prefix, recurse, remove_duplicate):
+            if owned is None or name.removeprefix(prefix + "." if prefix else "") in owned:
+                yield name, buffer
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        return self.module.state_dict(*args, **kwargs)
+        """The module's state dict; in a distributed run, the entries this rank owns (every alias
+        of a tied weight included), which together over all ranks make the whole model's."""
+        full = self.module.state_dict(*args, **kwargs)
+        owned = self._owned()
+        if owned is None:
+            return full
+        aliases = placement.canonical_names(self.module)
+        return {k: v for k, v in full.items() if aliases.get(k, k) in owned}
 
-    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module.load_state_dict(*args, **kwargs)
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
+        """Load into the module; in a distributed run, only the entries this rank holds (use
+        strict=False with a full or another rank's state dict)."""
+        if self._local is None:
+            return self.module.load_state_dict(state_dict, strict=strict)
+        return placement.load_local(self.module, state_dict, self._local, strict)
+
+    def _owned(self) -> set[str] | None:
+        """FQNs this rank reports (None: all of them, in one process)."""
+        if not self.distributed:
+            return None
+        if self._local is None:
+            raise RuntimeError(
+                "in a distributed run each rank holds only its stages' parameters, which are known after "
+                "compiling: call pipe.compile(batch, target=...) (or step()) before parameters(), state_dict() "
+                "or building the optimizer"
+            )
+        bundle = self._latest()
+        return placement.owned_names(bundle.compiled, bundle.schedule, bundle.runner.layout.pp_rank)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.module.zero_grad(set_to_none)
@@ -259,3 +392,10 @@ def schedule_costs(compiled: CompiledPipeline) -> Costs:
         mem_f=[max(c.mem_b, c.mem_w) / unit for c in costs],
         mem_w=[c.mem_w / unit for c in costs],
     )
+
+
+def _ranks_per_pipeline(options: PipelineOptions) -> int | None:
+    """Ranks one pipeline occupies for the chosen schedule, when known without solving it."""
+    if options.schedule in ("zbv", "interleaved-1f1b"):  # two stages per rank
+        return options.stages // 2
+    return options.stages

@@ -8,7 +8,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from zbcompile.runtime.stage import StageExecutor
+from zbcompile.runtime.stage import StageExecutor, mean_grad, merge_stage_grads
 from zbcompile.schedules import Action, Schedule
 from zbcompile.schedules.timing import asap_timing
 
@@ -45,7 +45,7 @@ def run_local_step(
             else:
                 arriving[("F", s + 1, k)] = outputs
         elif action.kind in ("I", "B"):
-            grads_in = {"loss": _mean_grad(losses[k], microbatches)} if s == last else arriving.pop(("B", s, k))
+            grads_in = {"loss": mean_grad(losses[k], microbatches)} if s == last else arriving.pop(("B", s, k))
             run = executor.input_backward if action.kind == "I" else executor.backward
             grads_out = run(k, grads_in)
             if s > 0:
@@ -55,6 +55,20 @@ def run_local_step(
     return [losses[k] for k in range(microbatches)]
 
 
-def _mean_grad(loss: torch.Tensor, microbatches: int) -> torch.Tensor:
-    """d(mean of the microbatch losses)/d(one loss)."""
-    return torch.full((), 1.0 / microbatches, dtype=loss.dtype, device=loss.device)
+
+class LocalRunner:
+    """Every stage of a pipeline in this process."""
+
+    def __init__(self, executors: Sequence[StageExecutor], schedule: Schedule) -> None:
+        self.executors = list(executors)
+        self.schedule = schedule
+
+    def step(self, inputs, targets) -> list[torch.Tensor]:
+        return run_local_step(self.executors, self.schedule, inputs, targets)
+
+    def reduce_grads(self) -> dict[str, torch.Tensor]:
+        return merge_stage_grads(self.executors)
+
+    @property
+    def peak_live_bytes(self) -> list[int]:
+        return [e.peak_live_bytes for e in self.executors]

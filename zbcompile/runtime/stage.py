@@ -4,7 +4,7 @@ hands in what arrives from the neighbours and sends what comes back."""
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 
@@ -28,6 +28,7 @@ class StageExecutor:
         joint, split = program.joint, program.split
         self._backward_reads = {n for n in joint.backward.signature.inputs if not n.startswith(("param:", "buffer:"))}
         self._weight_reads = set(split.weight_reads)
+        self._layouts = {**_placeholder_layouts(joint.forward), **_placeholder_layouts(joint.backward)}
 
     # --- actions ---------------------------------------------------------------------------
 
@@ -35,7 +36,7 @@ class StageExecutor:
         """F. `inputs`: every stage input (and target) by value name. Returns the stage outputs
         by value name (`{"loss": ...}` on the last stage)."""
         stage = self.program.stage
-        env = {f"in:{name}": value for name, value in inputs.items()}
+        env = {f"in:{name}": self._as_traced(f"in:{name}", value) for name, value in inputs.items()}
         self.program.forward.run(env, self.state)
         if stage.outputs:
             outputs = {v: env[f"out:{v}"] if f"out:{v}" in env else env[f"in:{v}"] for v in stage.outputs}
@@ -50,7 +51,7 @@ class StageExecutor:
         stage). Returns the gradients of the stage inputs that carry one."""
         env = self.envs[microbatch]
         for name in self.program.joint.tangents:
-            env[f"tangent:{name}"] = output_grads[name]
+            env[f"tangent:{name}"] = self._as_traced(f"tangent:{name}", output_grads[name])
         self.program.input_backward.run(env, self.state)
         grads = {}
         for name in self.program.stage.inputs:
@@ -82,6 +83,14 @@ class StageExecutor:
         self.weight_backward(microbatch)
         return grads
 
+    def _as_traced(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """`value` with the strides the graphs were traced with (a received tensor arrives
+        contiguous; the graph may expect, say, a transposed attention output)."""
+        stride = self._layouts.get(name)
+        if stride is None or value.stride() == stride or value.numel() <= 1:
+            return value
+        return torch.empty_strided(value.shape, stride, dtype=value.dtype, device=value.device).copy_(value)
+
     # --- bookkeeping -----------------------------------------------------------------------
 
     def take_grads(self) -> dict[str, torch.Tensor]:
@@ -104,3 +113,23 @@ class StageExecutor:
 
     def _note_memory(self) -> None:
         self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes())
+
+
+def mean_grad(loss: torch.Tensor, microbatches: int) -> torch.Tensor:
+    """d(mean of the microbatch losses)/d(one microbatch's loss): the last stage's tangent."""
+    return torch.full((), 1.0 / microbatches, dtype=loss.dtype, device=loss.device)
+
+
+def _placeholder_layouts(program) -> dict[str, tuple[int, ...]]:
+    placeholders = program.graph.graph.find_nodes(op="placeholder")
+    return {name: tuple(node.meta["val"].stride()) for node, name in zip(placeholders, program.signature.inputs)}
+
+
+def merge_stage_grads(executors: Sequence[StageExecutor]) -> dict[str, torch.Tensor]:
+    """The step's gradients of `executors` (in stage order), a parameter used by several of them
+    (a tied weight) summed in that order."""
+    grads: dict[str, torch.Tensor] = {}
+    for executor in executors:
+        for fqn, grad in executor.take_grads().items():
+            grads[fqn] = grads[fqn] + grad if fqn in grads else grad
+    return grads

@@ -1,0 +1,190 @@
+"""Runs this rank's part of a pipeline step with torch.distributed: interprets the lowered
+action list (F, I, W, B and SEND/RECV), posts receives when the schedule names them and waits
+only when a computation needs the data, and after the last W sums tied weights' gradients
+between the ranks that hold them and averages gradients over data-parallel replicas."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from zbcompile.compiler import CompiledPipeline
+from zbcompile.runtime.p2p import Pending, Transport
+from zbcompile.runtime.stage import StageExecutor, mean_grad, merge_stage_grads
+from zbcompile.schedules import Schedule, lower
+
+
+@dataclass(frozen=True)
+class Layout:
+    """This rank's place: `pp_rank` in a pipeline of `pp_size` ranks, replica `dp_rank` of
+    `dp_size`; `pipeline_ranks[i]` is the global rank of pipeline position i in this replica.
+    Global rank = dp_rank * pp_size + pp_rank (a DeviceMesh of shape (dp, pp))."""
+
+    pp_size: int
+    dp_size: int
+    pp_rank: int
+    dp_rank: int
+    pipeline_ranks: tuple[int, ...]
+    dp_group: dist.ProcessGroup | None
+    mesh: object
+
+
+def make_layout(pp_size: int, device: torch.device, description: str) -> Layout:
+    world = dist.get_world_size()
+    if world % pp_size:
+        raise ValueError(
+            f"world size {world} does not fit {description}, which needs {pp_size} ranks per pipeline; "
+            f"launch a multiple of {pp_size} processes (each extra multiple is a data-parallel replica)"
+        )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dp_size = world // pp_size
+    mesh = init_device_mesh(device.type, (dp_size, pp_size), mesh_dim_names=("dp", "pp"))
+    rank = dist.get_rank()
+    dp_rank, pp_rank = divmod(rank, pp_size)
+    return Layout(
+        pp_size=pp_size,
+        dp_size=dp_size,
+        pp_rank=pp_rank,
+        dp_rank=dp_rank,
+        pipeline_ranks=tuple(dp_rank * pp_size + i for i in range(pp_size)),
+        dp_group=mesh.get_group("dp") if dp_size > 1 else None,
+        mesh=mesh,
+    )
+
+
+class DistributedRunner:
+    """Executes one rank's stages of a compiled pipeline, step after step."""
+
+    def __init__(
+        self,
+        compiled: CompiledPipeline,
+        schedule: Schedule,
+        layout: Layout,
+        state: Mapping[str, torch.Tensor],
+        device: torch.device,
+        timeout: timedelta,
+    ) -> None:
+        self.compiled = compiled
+        self.schedule = schedule
+        self.layout = layout
+        self.device = device
+        self.rank = dist.get_rank()
+        self.local_stages = [s for s, r in enumerate(schedule.stage_to_rank) if r == layout.pp_rank]
+        self.executors = {s: StageExecutor(compiled.programs[s], state) for s in self.local_stages}
+        self.actions = lower(schedule).actions[layout.pp_rank]
+        self.transport = Transport(self.rank, timeout)
+        self.tied_groups = _tied_weight_groups(compiled, schedule, layout)
+
+    def rank_of(self, stage: int) -> int:
+        return self.layout.pipeline_ranks[self.schedule.stage_to_rank[stage]]
+
+    def _forward_names(self, stage: int) -> tuple[str, ...]:
+        """Values stage `stage` receives from its predecessor."""
+        return self.compiled.partition.stages[stage].inputs
+
+    def _backward_names(self, stage: int) -> tuple[str, ...]:
+        """Gradients stage `stage` receives from its successor (of its outputs)."""
+        return self.compiled.programs[stage].joint.tangents
+
+    def _buffers(self, names: Sequence[str]) -> list[torch.Tensor]:
+        values = self.compiled.partition.values
+        return [torch.empty(values[n].shape, dtype=values[n].dtype, device=self.device) for n in names]
+
+    def step(self, inputs: Sequence[Mapping[str, torch.Tensor]], targets: Sequence[Mapping[str, torch.Tensor]]):
+        """One step; returns the microbatch losses on the rank holding the last stage, else None.
+        Parameter gradients stay in the executors until `reduce_grads()`."""
+        last = self.schedule.stages - 1
+        microbatches = len(inputs)
+        received: dict[tuple[str, int, int], Pending] = {}
+        local: dict[tuple[str, int, int], dict[str, torch.Tensor]] = {}
+        outgoing: dict[tuple[str, int, int], dict[str, torch.Tensor]] = {}
+        losses: dict[int, torch.Tensor] = {}
+
+        def arriving(direction: str, stage: int, k: int, names: Sequence[str], action: str) -> dict[str, torch.Tensor]:
+            key = (direction, stage, k)
+            if key in local:
+                return local.pop(key)
+            return dict(zip(names, self.transport.wait(received.pop(key), action)))
+
+        for action in self.actions:
+            s, k, kind = action.stage, action.microbatch, action.kind
+            text = str(action)
+            if kind == "RECV_F":
+                names = self._forward_names(s)
+                received[("F", s, k)] = self.transport.post_recv(self._buffers(names), self.rank_of(s - 1), _tag("F", s, k, self.schedule), text)
+            elif kind == "RECV_B":
+                names = self._backward_names(s)
+                received[("B", s, k)] = self.transport.post_recv(self._buffers(names), self.rank_of(s + 1), _tag("B", s, k, self.schedule), text)
+            elif kind == "SEND_F":
+                outputs = outgoing.pop(("F", s + 1, k))
+                self.transport.send([outputs[n] for n in self._forward_names(s + 1)], self.rank_of(s + 1), _tag("F", s + 1, k, self.schedule), text)
+            elif kind == "SEND_B":
+                grads = outgoing.pop(("B", s - 1, k))
+                self.transport.send([grads[n] for n in self._backward_names(s - 1)], self.rank_of(s - 1), _tag("B", s - 1, k, self.schedule), text)
+            elif kind == "F":
+                feed = dict(inputs[k]) if s == 0 else arriving("F", s, k, self._forward_names(s), text)
+                if s == last:
+                    feed.update(targets[k])
+                outputs = self.executors[s].forward(k, feed)
+                if s == last:
+                    losses[k] = outputs["loss"]
+                else:
+                    (local if self.rank_of(s + 1) == self.rank else outgoing)[("F", s + 1, k)] = outputs
+            elif kind in ("I", "B"):
+                if s == last:
+                    grads_in = {"loss": mean_grad(losses[k], microbatches)}
+                else:
+                    grads_in = arriving("B", s, k, self._backward_names(s), text)
+                run = self.executors[s].input_backward if kind == "I" else self.executors[s].backward
+                grads_out = run(k, grads_in)
+                if s > 0:
+                    (local if self.rank_of(s - 1) == self.rank else outgoing)[("B", s - 1, k)] = grads_out
+            elif kind == "W":
+                self.executors[s].weight_backward(k)
+        self.transport.flush_sends()
+        return [losses[k] for k in range(microbatches)] if last in self.executors else None
+
+    def reduce_grads(self) -> dict[str, torch.Tensor]:
+        """This rank's parameter gradients for the step: its stages' parts summed in stage order,
+        tied weights summed with the other ranks that hold them, then averaged over replicas."""
+        grads = merge_stage_grads([self.executors[s] for s in self.local_stages])
+        for fqn, group in self.tied_groups:
+            if fqn in grads and group is not None:
+                dist.all_reduce(grads[fqn], group=group)
+        if self.layout.dp_group is not None:
+            for fqn in sorted(grads):
+                dist.all_reduce(grads[fqn], group=self.layout.dp_group)
+                grads[fqn].div_(self.layout.dp_size)
+        return grads
+
+    @property
+    def peak_live_bytes(self) -> int:
+        return sum(e.peak_live_bytes for e in self.executors.values())
+
+
+def _tag(direction: str, stage: int, microbatch: int, schedule: Schedule) -> int:
+    """A distinct tag per message of a step (gloo matches messages by tag)."""
+    return (microbatch * schedule.stages + stage) * 2 + (direction == "B")
+
+
+def _tied_weight_groups(compiled: CompiledPipeline, schedule: Schedule, layout: Layout) -> list[tuple[str, object]]:
+    """For each parameter used on several ranks: a process group of those ranks in this replica
+    (None on ranks outside it). Every rank creates every group, in the same order."""
+    groups = []
+    for fqn, stages in sorted(compiled.partition.shared_params.items()):
+        positions = sorted({schedule.stage_to_rank[s] for s in stages})
+        if len(positions) < 2:
+            continue
+        mine = None
+        for replica in range(layout.dp_size):
+            ranks = [replica * layout.pp_size + p for p in positions]
+            group = dist.new_group(ranks)
+            if replica == layout.dp_rank and layout.pp_rank in positions:
+                mine = group
+        groups.append((fqn, mine))
+    return groups

@@ -1,0 +1,89 @@
+"""Point-to-point messages between pipeline ranks over torch.distributed, with a timeout on
+every wait and errors that name the peer and the action. The device follows the process
+group's backend (CPU for gloo, the current CUDA device for NCCL): one code path for both."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def device_for(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where tensors must live for `group`'s backend."""
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class PeerError(RuntimeError):
+    """A message did not arrive (timeout) or its peer went away."""
+
+
+@dataclass
+class Pending:
+    """Posted receives or sends of one message."""
+
+    works: list
+    tensors: list[torch.Tensor]
+    peer: int
+    action: str
+
+
+class Transport:
+    """Sends and receives the tensors of one message (several tensors to one peer are posted as
+    one batch). Every wait gives up after `timeout` and raises a PeerError naming the peer rank
+    and the action that was waiting."""
+
+    def __init__(self, rank: int, timeout: timedelta) -> None:
+        self.rank = rank
+        self.timeout = timeout
+        self._sends: list[Pending] = []
+
+    def post_recv(self, buffers: Sequence[torch.Tensor], peer: int, tag: int, action: str) -> Pending:
+        ops = [dist.P2POp(dist.irecv, b, peer, tag=tag) for b in buffers]
+        return Pending(self._post(ops, peer, action), list(buffers), peer, action)
+
+    def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int, action: str) -> None:
+        tensors = [t.contiguous() for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, peer, tag=tag) for t in tensors]
+        self._sends.append(Pending(self._post(ops, peer, action), tensors, peer, action))
+
+    def wait(self, pending: Pending, waiting_action: str) -> list[torch.Tensor]:
+        for work in pending.works:
+            self._wait_one(work, pending.peer, f"{waiting_action} (waiting for {pending.action})")
+        return pending.tensors
+
+    def flush_sends(self) -> None:
+        """Wait for every send posted so far (their tensors can then be freed)."""
+        sends, self._sends = self._sends, []
+        for pending in sends:
+            for work in pending.works:
+                self._wait_one(work, pending.peer, pending.action)
+
+    def _post(self, ops: list, peer: int, action: str) -> list:
+        if not ops:
+            return []
+        try:
+            return dist.batch_isend_irecv(ops)
+        except RuntimeError as error:
+            raise PeerError(f"rank {self.rank}: posting {action} to/from rank {peer} failed: {error}") from error
+
+    def _wait_one(self, work, peer: int, action: str) -> None:
+        try:
+            completed = work.wait(self.timeout)
+        except RuntimeError as error:
+            raise PeerError(
+                f"rank {self.rank}: {action} failed on its message with rank {peer} "
+                f"(peer rank {peer} may have died or timed out after {self.timeout.total_seconds():.0f} s): "
+                f"{str(error).splitlines()[0]}"
+            ) from error
+        if completed is False:
+            raise PeerError(
+                f"rank {self.rank}: timed out after {self.timeout.total_seconds():.0f} s in {action} "
+                f"waiting for peer rank {peer}"
+            )
