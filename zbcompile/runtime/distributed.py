@@ -5,6 +5,7 @@ between the ranks that hold them and averages gradients over data-parallel repli
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Mapping, Sequence
@@ -79,6 +80,7 @@ class DistributedRunner:
         self.actions = lower(schedule).actions[layout.pp_rank]
         self.transport = Transport(self.rank, timeout)
         self.tied_groups = _tied_weight_groups(compiled, schedule, layout)
+        self.timeline: list[tuple[str, float, float]] = []  # (action, start, end) of the last step
 
     def rank_of(self, stage: int) -> int:
         return self.layout.pipeline_ranks[self.schedule.stage_to_rank[stage]]
@@ -97,7 +99,9 @@ class DistributedRunner:
 
     def step(self, inputs: Sequence[Mapping[str, torch.Tensor]], targets: Sequence[Mapping[str, torch.Tensor]]):
         """One step; returns the microbatch losses on the rank holding the last stage, else None.
-        Parameter gradients stay in the executors until `reduce_grads()`."""
+        Parameter gradients stay in the executors until `reduce_grads()`. `timeline` then holds
+        (action, start, end) in `time.perf_counter()` seconds for every compute action; a
+        compute action's time includes waiting for the data it receives."""
         last = self.schedule.stages - 1
         microbatches = len(inputs)
         received: dict[tuple[str, int, int], Pending] = {}
@@ -111,9 +115,13 @@ class DistributedRunner:
                 return local.pop(key)
             return dict(zip(names, self.transport.wait(received.pop(key), action)))
 
+        self.timeline = []
+        clock = time.perf_counter
+        synchronize = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         for action in self.actions:
             s, k, kind = action.stage, action.microbatch, action.kind
             text = str(action)
+            started = clock()
             if kind == "RECV_F":
                 names = self._forward_names(s)
                 received[("F", s, k)] = self.transport.post_recv(self._buffers(names), self.rank_of(s - 1), _tag("F", s, k, self.schedule), text)
@@ -146,6 +154,9 @@ class DistributedRunner:
                     (local if self.rank_of(s - 1) == self.rank else outgoing)[("B", s - 1, k)] = grads_out
             elif kind == "W":
                 self.executors[s].weight_backward(k)
+            if kind in ("F", "I", "W", "B"):
+                synchronize()
+                self.timeline.append((text, started, clock()))
         self.transport.flush_sends()
         return [losses[k] for k in range(microbatches)] if last in self.executors else None
 
