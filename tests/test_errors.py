@@ -1,0 +1,264 @@
+"""Bad input raises a clear ValueError/TypeError that names the culprit (module, buffer, split
+point, numbers) instead of failing deep inside a pass."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zbcompile
+from models import BATCH, build
+
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2", "zb-auto", "interleaved-1f1b", "zbv")
+
+
+def numbers_in(message: str) -> set[int]:
+    return {int(n) for n in re.findall(r"(?<![\w.])-?\d+(?![\w.])", message)}
+
+
+def mlp_pipe(**options):
+    """The zoo MLP pipelined with `options`, and a function that runs one step."""
+    case = build("mlp")
+    options.setdefault("loss_fn", case.loss_fn)
+    pipe = zbcompile.pipeline(case.model, **options)
+    return pipe, lambda: case.step(pipe)
+
+
+# --- data-dependent forward ----------------------------------------------------------------------
+
+
+class DataDependentBranch(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            return x * 2
+        return x - 1
+
+
+class BooleanMaskIndex(nn.Module):
+    """Output shape depends on the values (`x[x > 0]`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + x[x > 0].sum()
+
+
+class ItemScalar(nn.Module):
+    """A Python number read out of a tensor (`.item()`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * x.max().item()
+
+
+class Encoder(nn.Module):
+    def __init__(self, gate: nn.Module) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.gate = gate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(torch.tanh(self.fc(x)))
+
+
+class GatedNet(nn.Module):
+    def __init__(self, gate: nn.Module) -> None:
+        super().__init__()
+        self.encoder = Encoder(gate)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.encoder(x))
+
+
+def _step_gated(gate: nn.Module, stages: int) -> None:
+    torch.manual_seed(0)
+    pipe = zbcompile.pipeline(GatedNet(gate), stages=stages, microbatches=2, loss_fn=F.mse_loss)
+    pipe.step(torch.randn(BATCH, 4), target=torch.randn(BATCH, 2))
+
+
+def _source_line(function, text: str) -> tuple[int, str]:
+    lines, first = inspect.getsourcelines(function)
+    offset = next(i for i, line in enumerate(lines) if text in line)
+    return first + offset, lines[offset].strip()
+
+
+@pytest.mark.parametrize("stages", [1, 2], ids=lambda s: f"S{s}")
+@pytest.mark.parametrize(
+    "gate, code",
+    [
+        pytest.param(DataDependentBranch, "x.sum() > 0", id="branch"),
+        pytest.param(BooleanMaskIndex, "x[x > 0]", id="boolean-mask"),
+        pytest.param(ItemScalar, ".item()", id="item"),
+    ],
+)
+def test_data_dependent_forward_names_module_and_source_line(gate, code, stages):
+    """A branch on tensor values, a value-dependent shape or a tensor read into Python is
+    refused while tracing, with the module's FQN and the offending line of this file."""
+    lineno, line = _source_line(gate.forward, code)
+    with pytest.raises(ValueError) as info:
+        _step_gated(gate(), stages)
+    message = str(info.value)
+    assert "'encoder.gate'" in message, message
+    assert f"{__file__}:{lineno}" in message, message
+    assert line in message, message
+
+
+# --- stages and microbatches ---------------------------------------------------------------------
+
+
+def _one_linear_step(stages: int) -> None:
+    torch.manual_seed(0)
+    pipe = zbcompile.pipeline(nn.Linear(4, 2), stages=stages, microbatches=2, loss_fn=F.mse_loss)
+    pipe.step(torch.randn(BATCH, 4), target=torch.randn(BATCH, 2))
+
+
+def test_more_stages_than_cuts_says_both_numbers():
+    with pytest.raises(ValueError) as info:
+        _one_linear_step(50)
+    # the most stages this model takes, found by asking for more until it refuses
+    most = 1
+    while most < 50:
+        try:
+            _one_linear_step(most + 1)
+        except ValueError:
+            break
+        most += 1
+    assert most < 50
+    assert {50, most} <= numbers_in(str(info.value)), str(info.value)
+
+
+@pytest.mark.parametrize("batch, microbatches", [(10, 4), (8, 3), (2, 4)], ids=lambda v: str(v))
+def test_batch_not_divisible_by_microbatches_says_both_numbers(batch, microbatches):
+    torch.manual_seed(0)
+    pipe = zbcompile.pipeline(nn.Linear(4, 2), stages=1, microbatches=microbatches, loss_fn=F.mse_loss)
+    with pytest.raises(ValueError) as info:
+        pipe.step(torch.randn(batch, 4), target=torch.randn(batch, 2))
+    assert {batch, microbatches} <= numbers_in(str(info.value)), str(info.value)
+
+
+@pytest.mark.parametrize(
+    "stages, microbatches, culprit",
+    [(0, 2, "stages"), (1, 0, "microbatches"), (1, -2, "microbatches")],
+    ids=["stages=0", "microbatches=0", "microbatches=-2"],
+)
+def test_nonpositive_counts_are_refused(stages, microbatches, culprit):
+    """`stages` and `microbatches` below 1 raise ValueError naming the option and its value
+    (at pipeline() or at the first step)."""
+    value = stages if culprit == "stages" else microbatches
+    with pytest.raises(ValueError) as info:
+        _, step = mlp_pipe(stages=stages, microbatches=microbatches)
+        step()
+    assert culprit in str(info.value) and value in numbers_in(str(info.value)), str(info.value)
+
+
+# --- state that changes in the forward -----------------------------------------------------------
+
+
+def _batchnorm_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 2))
+
+
+def test_batchnorm_in_train_mode_names_the_buffer():
+    pipe = zbcompile.pipeline(_batchnorm_model(), stages=2, microbatches=2, loss_fn=F.mse_loss)
+    with pytest.raises(ValueError) as info:
+        pipe.step(torch.randn(BATCH, 4), target=torch.randn(BATCH, 2))
+    assert re.search(r"'1\.(running_mean|running_var|num_batches_tracked)'", str(info.value)), str(info.value)
+
+
+def test_batchnorm_in_eval_mode_is_accepted():
+    """The remedy the error suggests works: in eval() no buffer changes, and the step matches eager."""
+    model = _batchnorm_model().eval()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(BATCH, 4), torch.randn(BATCH, 2)
+    pipe = zbcompile.pipeline(model, stages=2, microbatches=2, loss_fn=F.mse_loss)
+    loss = pipe.step(x, target=y)
+    eager = F.mse_loss(reference(x), y)
+    eager.backward()
+    torch.testing.assert_close(loss, eager.detach(), rtol=1e-5, atol=1e-6)
+    for (fqn, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m, fqn=fqn: f"{fqn}: {m}")
+
+
+# --- split points --------------------------------------------------------------------------------
+
+
+def test_split_point_naming_no_module():
+    _, step = mlp_pipe(stages=2, microbatches=2, split_points=["fc9"])
+    with pytest.raises(ValueError, match="'fc9'"):
+        step()
+
+
+@pytest.mark.parametrize("split_points", [["fc2"], ["fc2", "fc3", "fc3"]], ids=["too-few", "too-many"])
+def test_split_point_count_must_match_stages(split_points):
+    _, step = mlp_pipe(stages=3, microbatches=2, split_points=split_points)
+    with pytest.raises(ValueError) as info:
+        step()
+    assert {3, len(split_points)} <= numbers_in(str(info.value)), str(info.value)
+
+
+@pytest.mark.parametrize("split_points", [["fc3", "fc2"], ["fc2", "fc2"]], ids=["reversed", "repeated"])
+def test_split_points_out_of_order(split_points):
+    _, step = mlp_pipe(stages=3, microbatches=2, split_points=split_points)
+    with pytest.raises(ValueError, match="'fc2'"):
+        step()
+
+
+def test_split_point_at_the_first_module_says_the_first_stage_would_be_empty():
+    """A cut before the model's first module leaves stage 0 with nothing to do; the error says
+    that, not that the cut falls inside a multi-output op or after the loss."""
+    _, step = mlp_pipe(stages=2, microbatches=2, split_points=["fc1"])
+    with pytest.raises(ValueError) as info:
+        step()
+    message = str(info.value)
+    assert "'fc1'" in message
+    assert re.search(r"empty|nothing|no (work|ops|operations)", message), message
+
+
+# --- schedule, loss and inputs -------------------------------------------------------------------
+
+
+def test_unknown_schedule_lists_the_valid_names():
+    with pytest.raises(ValueError) as info:
+        _, step = mlp_pipe(stages=2, microbatches=2, schedule="zb-h3")
+        step()
+    message = str(info.value)
+    assert "'zb-h3'" in message
+    missing = [name for name in SCHEDULES if name not in message]
+    assert not missing, f"{missing} not listed in: {message}"
+
+
+def test_loss_fn_returning_a_tensor_per_sample_is_a_type_error():
+    _, step = mlp_pipe(stages=2, microbatches=2, loss_fn=lambda output, target: (output - target) ** 2)
+    with pytest.raises(TypeError, match="loss_fn") as info:
+        step()
+    assert "scalar" in str(info.value)
+
+
+def test_target_with_another_batch_size():
+    case = build("mlp")
+    pipe = zbcompile.pipeline(case.model, stages=2, microbatches=2, loss_fn=case.loss_fn)
+    (x,) = case.args
+    with pytest.raises(ValueError) as info:
+        pipe.step(x, target=case.target[:4])
+    message = str(info.value)
+    assert str(tuple(x.shape)) in message and str(tuple(case.target[:4].shape)) in message, message
+
+
+def test_keyword_tensor_with_another_batch_size():
+    case = build("masked")
+    pipe = zbcompile.pipeline(case.model, stages=2, microbatches=2, loss_fn=case.loss_fn)
+    mask = case.kwargs["mask"][:4]
+    with pytest.raises(ValueError) as info:
+        pipe.step(*case.args, target=case.target, mask=mask, scale=0.5)
+    message = str(info.value)
+    assert str(tuple(case.args[0].shape)) in message and str(tuple(mask.shape)) in message, message
+
+
+def test_pipeline_of_something_that_is_not_a_module():
+    with pytest.raises(TypeError, match="int"):
+        zbcompile.pipeline(42, stages=2)
