@@ -117,3 +117,64 @@ def interleaved_one_f_one_b(stages: int, microbatches: int, ranks: int | None = 
         rows.append(row)
     stage_to_rank = tuple(s % ranks for s in range(stages))
     return Schedule("interleaved-1f1b", stages, microbatches, stage_to_rank, tuple(tuple(r) for r in rows))
+
+
+def zb_v(stages: int, microbatches: int) -> Schedule:
+    """ZB-V (Qi et al., "Pipeline Parallelism with Controllable Memory", 2024), handcrafted.
+
+    p = stages / 2 ranks; rank r holds chunk 0 = stage r and chunk 1 = stage 2p-1-r (a V: the
+    forward goes down the ranks and back up, so the loss is on rank 0). Per rank, with "I" the
+    input-gradient backward, in the order of the paper's Figure:
+      warm-up   2(p-r)-1 F of chunk 0; r x (F chunk 1, F chunk 0); (p-r) x (F, I, W of chunk 1);
+      steady    (F chunk 0 while any are left, I chunk 0, W chunk 0, F chunk 1, I chunk 1, W chunk 1);
+      cool-down r x (I chunk 0, I chunk 1); (p-r) x (I chunk 0, W chunk 0); the remaining W of
+                chunk 1, then of chunk 0.
+    With T_F = T_B = T_W per chunk, no communication delay and m >= 2p every rank's own span has no
+    gap (stage bubble rate 0) and the peak memory per rank is 2p chunk activations, i.e. p M_B when
+    a chunk holds M_B / 2: 1F1B's peak. The order is built for max(m, 2p-1) microbatches and the
+    extra ones are dropped, which keeps it valid for small m.
+    """
+    if stages < 2 or stages % 2:
+        raise ValueError(f"zbv puts two chunks on each rank: stages (chunks) must be even and >= 2, got {stages}")
+    p = stages // 2
+    m = max(microbatches, 2 * p - 1)
+    rows = []
+    for r in range(p):
+        down, up = r, 2 * p - 1 - r
+        row: list[Action] = []
+        count = {(down, "F"): 0, (down, "I"): 0, (down, "W"): 0, (up, "F"): 0, (up, "I"): 0, (up, "W"): 0}
+
+        def put(stage: int, kind: str) -> None:
+            row.append(Action(stage, kind, count[(stage, kind)]))
+            count[(stage, kind)] += 1
+
+        for _ in range(2 * (p - r) - 1):
+            put(down, "F")
+        for _ in range(r):
+            put(up, "F")
+            put(down, "F")
+        for _ in range(p - r):
+            put(up, "F")
+            put(up, "I")
+            put(up, "W")
+        while count[(up, "F")] < count[(down, "F")] or count[(down, "F")] < m:
+            if count[(down, "F")] < m:
+                put(down, "F")
+            put(down, "I")
+            put(down, "W")
+            put(up, "F")
+            put(up, "I")
+            put(up, "W")
+        for _ in range(r):
+            put(down, "I")
+            put(up, "I")
+        for _ in range(p - r):
+            put(down, "I")
+            put(down, "W")
+        while count[(up, "W")] < count[(up, "I")]:
+            put(up, "W")
+        while count[(down, "W")] < count[(down, "I")]:
+            put(down, "W")
+        rows.append(tuple(a for a in row if a.microbatch < microbatches))
+    placement = tuple(s if s < p else stages - 1 - s for s in range(stages))
+    return Schedule("zbv", stages, microbatches, placement, tuple(rows))

@@ -12,7 +12,7 @@ from typing import Sequence
 
 from .costs import StageCosts
 from .greedy import POLICIES, QUICK_POLICIES, GreedyPolicy, MemoryTooSmall, list_schedule
-from .handcrafted import one_f_one_b, zb_h1, zb_h2
+from .handcrafted import one_f_one_b, zb_h1, zb_h2, zb_v
 from .fastsim import Evaluator
 from .ir import Action, Schedule
 from .search import analytic_parameters, pattern_rows
@@ -131,8 +131,14 @@ def v_placement(stages: int) -> tuple[int, ...]:
     return tuple(s if s < ranks else stages - 1 - s for s in range(stages))
 
 
+def _uniform(costs: StageCosts) -> bool:
+    return all(len(set(v)) <= 1 for v in (costs.f, costs.b, costs.w, costs.mem_f, costs.mem_w))
+
+
 def zbv(stages: int, microbatches: int, costs: StageCosts, limits: Sequence[float] | None = None, objective: str = "span") -> Schedule:
-    """ZB-V: V placement, list-scheduled at 1F1B's memory unless a limit is given."""
+    """ZB-V: the handcrafted schedule (``handcrafted.zb_v``) at 1F1B's memory unless a limit is
+    given; the list scheduler on the same V placement is tried as well when the costs differ between
+    chunks or the handcrafted order does not fit the limit, and the better one is kept."""
     if stages < 2 or stages % 2:
         raise ValueError(f"zbv puts two chunks on each rank: stages (chunks) must be even and >= 2, got {stages}")
     placement = v_placement(stages)
@@ -141,11 +147,17 @@ def zbv(stages: int, microbatches: int, costs: StageCosts, limits: Sequence[floa
         limits = tuple(ranks * (costs.mem_f[r] + costs.mem_f[stages - 1 - r]) for r in range(ranks))
     check_memory_feasible("zbv", placement, costs, limits)
     candidates = []
-    for policy in POLICIES:
-        try:
-            candidates.append(list_schedule("zbv", stages, microbatches, placement, costs, limits, policy))
-        except MemoryTooSmall:
-            continue
+    hand = zb_v(stages, microbatches)
+    if fits(hand, costs, limits):
+        candidates.append(hand.with_info(zbv_source="handcrafted"))
+    if not candidates or not _uniform(costs):
+        for policy in POLICIES:
+            try:
+                candidates.append(
+                    list_schedule("zbv", stages, microbatches, placement, costs, limits, policy).with_info(zbv_source="list")
+                )
+            except MemoryTooSmall:
+                continue
     if not candidates:
         raise ValueError(f"zbv: no schedule fits memory_limit {list(limits)}; raise it")
     best, _ = best_of(candidates, costs, objective)

@@ -67,6 +67,8 @@ def pattern_rows(
     warm: Sequence[int],
     defer: Sequence[int],
     w_after: bool = False,
+    drain: int = 0,
+    floor: Sequence[int] | None = None,
 ) -> list[list[int]] | None:
     """Per-stage programs of the family above (single chunk: stage s on rank s), None if stuck."""
     S, M = ev.S, ev.M
@@ -96,6 +98,10 @@ def pattern_rows(
                     return None
                 row.append(F[nf]); nf += 1; level += mf
             row.append(I[ni]); ni += 1; level += mi
+            if nf >= M and drain:  # drain: W fills the slot a forward would have taken
+                extra = 0
+                while extra < drain and nw < ni and ni - nw > floor[s] - (M - ni):
+                    row.append(W[nw]); nw += 1; level += mw; extra += 1
             if not w_after:
                 while nw < ni and (ni - nw > d or (nf < M and level + mf > lim)):
                     row.append(W[nw]); nw += 1; level += mw
@@ -153,6 +159,7 @@ def search(
     best = score(start_rows) if start_rows is not None else (math.inf, math.inf)
     info = {"search_start": best[0]}
     best_params = None
+    grid_best = (math.inf, math.inf)
 
     # 1. grid around the analytic parameters, most promising first
     grid = [(shift, alpha, beta, w_after)
@@ -172,17 +179,33 @@ def search(
         if rows is None or not fits(rows):
             continue
         value = score(rows)
+        if value < grid_best:
+            grid_best, best_params = value, (warm, defer, w_after, 0, None)
         if value < best:
-            best, best_rows, best_params = value, rows, (warm, defer, w_after)
+            best, best_rows = value, rows
+    if best_params is not None:  # the drain variants of the best grid point
+        warm, defer, w_after = best_params[:3]
+        _, floor = analytic_parameters(S, costs_view, 1.0, 1, 0)
+        for drain in (1, 2, 3):
+            if clock.out():
+                break
+            rows = pattern_rows(ev, lims, warm, defer, w_after, drain, floor)
+            if rows is None or not fits(rows):
+                continue
+            value = score(rows)
+            if value < grid_best:
+                grid_best, best_params = value, (warm, defer, w_after, drain, floor)
+            if value < best:
+                best, best_rows = value, rows
     info["search_grid"] = best[0]
 
     # 2. coordinate descent on the per-stage warm-up and deferral counts
     if best_params is not None:
-        warm, defer, w_after = (list(best_params[0]), list(best_params[1]), best_params[2])
+        warm, defer, w_after, drain, floor = (list(best_params[0]), list(best_params[1]), *best_params[2:])
         improved = True
         while improved and not clock.out():
             improved = False
-            for s in _critical_first(ev, best_rows, S):
+            for s in _critical_first(ev, pattern_rows(ev, lims, warm, defer, w_after, drain, floor), S):
                 for which, delta in (("d", 1), ("d", -1), ("w", 1), ("w", -1), ("d", 3), ("d", -3)):
                     if clock.out():
                         break
@@ -195,14 +218,33 @@ def search(
                         d2[s] = d2[s] + delta
                         if d2[s] < 0:
                             continue
-                    rows = pattern_rows(ev, lims, w2, d2, w_after)
+                    rows = pattern_rows(ev, lims, w2, d2, w_after, drain, floor)
                     if rows is None or not fits(rows):
                         continue
                     value = score(rows)
-                    if value < best:
-                        best, best_rows, warm, defer, improved = value, rows, w2, d2, True
+                    if value < grid_best:
+                        grid_best, warm, defer, improved = value, w2, d2, True
+                        if value < best:
+                            best, best_rows = value, rows
                         break
     info["search_descent"] = best[0]
+
+    # 2b. fill idle gaps of every rank at once with pending W passes, re-timed after each round
+    if best_rows is not None:
+        end = [-1.0] * len(ev.dur)
+        for fraction in (1.0, 0.75, 0.5, 0.25):
+            improved = True
+            while improved and not clock.out():
+                improved = False
+                if ev.times(best_rows, end) is None:
+                    break
+                rows = [fill_gaps(ev, row, end, fraction) for row in best_rows]
+                if rows == best_rows or not fits(rows):
+                    break
+                value = score(rows)
+                if value < best:
+                    best, best_rows, improved = value, rows, True
+    info["search_fill"] = best[0]
 
     # 3. local search on the critical ranks: fill an idle gap with the next pending W (moved
     #    forward from later in the row), or move a W one to three places later or earlier
@@ -237,6 +279,30 @@ def search(
     info["search_local"] = best[0]
     info["search_evaluations"] = clock.evals
     return SearchResult(best_rows, best, clock.evals, info)
+
+
+def fill_gaps(ev: Evaluator, row: list[int], end: list[float], fraction: float) -> list[int]:
+    """A copy of ``row`` in which every idle gap at least ``fraction`` of a W long gets the next
+    pending W (one whose I ran before the gap), moved forward from later in the row."""
+    dur, local = ev.dur, ev.local
+    W_BASE = 2 * ev.S * ev.M
+    out = list(row)
+    i = 1
+    done = set(out[:1])
+    while i < len(out):
+        a = out[i]
+        gap = end[a] - dur[a] - end[out[i - 1]] if end[out[i - 1]] >= 0 else 0.0
+        if gap > 1e-6:
+            for j in range(i, len(out)):
+                b = out[j]
+                if b >= W_BASE:
+                    if local[b] in done and gap >= fraction * dur[b]:
+                        out.insert(i, out.pop(j))
+                        end[b] = -1.0  # its time is unknown now; do not fill before it again
+                    break
+        done.add(out[i])
+        i += 1
+    return out
 
 
 def _move(ev: Evaluator, row: list[int], end: list[float], rng: random.Random, w_base: int) -> bool:
