@@ -15,7 +15,7 @@ from .greedy import POLICIES, QUICK_POLICIES, GreedyPolicy, MemoryTooSmall, list
 from .handcrafted import one_f_one_b, zb_h1, zb_h2, zb_v
 from .fastsim import Evaluator
 from .ir import Action, Schedule
-from .search import analytic_parameters, pattern_rows
+from .search import analytic_parameters, handcrafted_rows, pattern_rows
 from .simulate import peak_memory, simulate
 
 _TOLERANCE = 1e-9
@@ -56,7 +56,7 @@ def check_memory_feasible(name: str, stage_to_rank: Sequence[int], costs: StageC
         )
 
 
-QUICK_SIZE = 4096  # actions per kind (stages x microbatches) above which fewer policies are tried
+QUICK_SIZE = 1024  # stages x microbatches above which the list scheduler runs once (or not: uniform costs)
 
 
 def best_of(candidates: Sequence[Schedule], costs: StageCosts, objective: str) -> tuple[Schedule, float]:
@@ -81,8 +81,9 @@ def zb_auto_heuristic(
 ) -> Schedule:
     """Best of the list-scheduler policies, the analytic member of the search family
     (``search.pattern_rows``) and the handcrafted schedules that fit in memory."""
-    sched, _ = zb_auto_candidates(stages, microbatches, costs, limits, objective, policies)
-    return sched
+    ev = Evaluator(stages, microbatches, tuple(range(stages)), costs)
+    rows, _, source = zb_auto_candidates(stages, microbatches, costs, limits, objective, policies, ev)
+    return ev.schedule("zb-auto", rows, {"heuristic_source": source})
 
 
 def zb_auto_candidates(
@@ -90,16 +91,18 @@ def zb_auto_candidates(
     microbatches: int,
     costs: StageCosts,
     limits: Sequence[float] | None,
-    objective: str = "span",
-    policies: Sequence[GreedyPolicy] | None = None,
-    evaluator: Evaluator | None = None,
-) -> tuple[Schedule, tuple[float, float]]:
-    """``zb_auto_heuristic`` plus the winner's fast score (objective, sum of rank spans)."""
+    objective: str,
+    policies: Sequence[GreedyPolicy] | None,
+    ev: Evaluator,
+) -> tuple[list[list[int]], tuple[float, float], str]:
+    """The heuristic's winner as evaluator rows, its score (objective, sum of rank spans) and its
+    source. Large problems with the same costs on every stage skip the list scheduler: the
+    analytic pattern covers them and the list scheduler would take most of the time."""
     placement = tuple(range(stages))
     check_memory_feasible("zb-auto", placement, costs, limits)
-    ev = evaluator or Evaluator(stages, microbatches, placement, costs)
+    large = stages * microbatches > QUICK_SIZE
     if policies is None:
-        policies = QUICK_POLICIES[:1] if stages * microbatches > QUICK_SIZE else POLICIES
+        policies = () if large and _uniform(costs) else QUICK_POLICIES[:1] if large else POLICIES
     lims = list(limits) if limits is not None else [math.inf] * stages
     scored: list[tuple[tuple[float, float], int, str, list[list[int]]]] = []
 
@@ -117,12 +120,12 @@ def zb_auto_candidates(
             continue
     warm, defer = analytic_parameters(stages, costs)
     consider("pattern", pattern_rows(ev, lims, warm, defer))
-    for hand in (split_backward(one_f_one_b(stages, microbatches)), zb_h1(stages, microbatches), zb_h2(stages, microbatches)):
-        consider(hand.name, ev.rows_of(hand))
+    for name in ("1f1b", "zb-h1", "zb-h2"):
+        consider(name, handcrafted_rows(ev, name))
     if not scored:
         raise ValueError(f"zb-auto: no schedule fits memory_limit {list(limits)}; raise it")
     value, _, source, rows = min(scored, key=lambda t: (t[0], t[1]))
-    return ev.schedule("zb-auto", rows, {"heuristic_source": source}), value
+    return rows, value, source
 
 
 def v_placement(stages: int) -> tuple[int, ...]:

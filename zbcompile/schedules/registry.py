@@ -40,7 +40,7 @@ def _zb_auto(stages, microbatches, sc, limits, objective, time_budget, determini
     budget = DEFAULT_TIME_BUDGET_S if time_budget is None else float(time_budget)
     placement = tuple(range(stages))
     ev = Evaluator(stages, microbatches, placement, sc)
-    sched, score = zb_auto_candidates(stages, microbatches, sc, limits, objective, evaluator=ev)
+    best_rows, score, source = zb_auto_candidates(stages, microbatches, sc, limits, objective, None, ev)
     heuristic_time = time.perf_counter() - started
     value = score[0]
     bound = analytic_lower_bound(stages, microbatches, placement, sc, objective)
@@ -65,21 +65,25 @@ def _zb_auto(stages, microbatches, sc, limits, objective, time_budget, determini
         # Keep a margin for turning the result into a Schedule (about one evaluation's time).
         share = 0.7 if use_cpsat else 0.9
         search_budget = left() * share if not deterministic else budget * share
-        result = search(ev, limits, objective, search_budget, deterministic, start_rows=ev.rows_of(sched))
+        result = search(ev, limits, objective, search_budget, deterministic, start_rows=best_rows)
         info.update(result.info)
         if result.rows is not None and result.score < score:
-            score = result.score
+            score, best_rows = result.score, result.rows
             value = score[0]
-            sched = ev.schedule("zb-auto", result.rows, {"heuristic_source": sched.info.get("heuristic_source")})
             info["status"] = "search"
         info["value"] = value
+    sched = ev.schedule("zb-auto", best_rows, {"heuristic_source": source})
     if budget > 0 and use_cpsat and not at_bound() and (deterministic or left() > 0.3):
         from .solver import improve
 
         # CP-SAT's presolve does not always stop on time: keep a margin for it and for re-timing.
         solver_budget = budget * 0.25 if deterministic else 0.8 * left() - 0.1
         result = improve(sched, sc, limits, objective, solver_budget, deterministic=deterministic)
-        info.update(result.info)
+        solver_info = dict(result.info)
+        info["solver_status"] = solver_info.pop("status")
+        info.update(solver_info)
+        if info["solver_status"] in ("OPTIMAL", "FEASIBLE"):
+            info["status"] = info["solver_status"]
         if result.value < value:
             sched = result.schedule
             value = result.value

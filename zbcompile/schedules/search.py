@@ -120,6 +120,38 @@ def pattern_rows(
     return rows
 
 
+def handcrafted_rows(ev: Evaluator, name: str) -> list[list[int]]:
+    """1F1B (B split into I then W), ZB-H1 or ZB-H2 (``handcrafted.py``) as evaluator rows."""
+    S, M = ev.S, ev.M
+    if name in ("1f1b", "zb-h1"):  # both are members of the family: warm-up p - s, W lag 0 or s
+        unlimited = [math.inf] * S
+        return pattern_rows(ev, unlimited, [S - s for s in range(S)], [0 if name == "1f1b" else s for s in range(S)])
+    if name != "zb-h2":
+        raise ValueError(f"no handcrafted rows for {name!r}")
+    rows = []
+    for s in range(S):
+        F = lambda k: ev.id(s, 0, k)  # noqa: E731
+        I = lambda k: ev.id(s, 1, k)  # noqa: E731
+        W = lambda k: ev.id(s, 2, k)  # noqa: E731
+        warmup = min(2 * (S - 1 - s) + 1, M)
+        steady = M - warmup
+        held_back = min(2 * s, steady)
+        row = [F(k) for k in range(warmup)]
+        next_w = 0
+        for i in range(steady):
+            row.append(I(i))
+            if i < steady - held_back:
+                row.append(W(next_w))
+                next_w += 1
+            row.append(F(warmup + i))
+        for i in range(steady, M):
+            row += [I(i), W(next_w)]
+            next_w += 1
+        row += [W(k) for k in range(next_w, M)]
+        rows.append(row)
+    return rows
+
+
 def analytic_parameters(S: int, costs: StageCosts, alpha: float = 1.0, beta: int = 0, shift: int = 0):
     """Warm-up counts (forwards that fit before the first gradient returns, + shift) and deferral
     counts (alpha * s (T_F + T_B + 2 comm) / T_W + beta)."""

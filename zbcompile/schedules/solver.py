@@ -98,7 +98,14 @@ def improve(
         start[a], end[a] = st, st + d
         interval[a] = model.new_fixed_size_interval_var(st, d, f"i{a}")
         model.add_hint(st, int(hint.start[a]))
+    skipped = SolveResult(schedule, baseline, 0.0, {"status": "skipped (budget spent building the model)"})
+
+    def out_of_time() -> bool:  # (a work-based stop only when deterministic)
+        return not deterministic and time.perf_counter() - started > 0.6 * time_budget
+
     for s in range(S):
+        if out_of_time():
+            return skipped
         for k in range(M):
             f, i, w = Action(s, "F", k), Action(s, "I", k), Action(s, "W", k)
             model.add(start[i] >= end[f])
@@ -113,6 +120,8 @@ def improve(
     memory_values = list(costs.mem_f) + list(costs.mem_w) + (list(limits) if limits is not None else [])
     mem_scale, memory_exact = _memory_scale(memory_values)
     for rank, row in enumerate(rows):
+        if out_of_time():
+            return skipped
         model.add_no_overlap([interval[a] for a in row])
         if limits is not None and math.isfinite(limits[rank]):
             # Memory as a cumulative resource: a microbatch holds M_B - M_W from its F's start to
@@ -151,7 +160,7 @@ def improve(
     solver = cp_model.CpSolver()
     remaining = time_budget - (time.perf_counter() - started)
     if remaining <= 0.1:
-        return SolveResult(schedule, baseline, 0.0, {"status": "skipped (budget spent building the model)"})
+        return skipped
     params = solver.parameters
     params.random_seed = 0
     if deterministic:
