@@ -1,8 +1,11 @@
-"""The zb-auto heuristic and the ZB-V generator, both built on the list scheduler.
+"""The zb-auto heuristic and the ZB-V generator.
 
-zb-auto's heuristic tries every ``GreedyPolicy`` (the paper's reference code grid-searches three
-flags the same way) plus the handcrafted 1F1B (with B split into I then W), ZB-H1 and ZB-H2 where
-they fit in memory, and keeps the best under the objective. So it is never worse than those.
+zb-auto's heuristic tries the ``GreedyPolicy`` grid of the list scheduler (the paper's reference
+code grid-searches three flags the same way; large problems run fewer or none), the analytic member
+of the search family (``search.pattern_rows``) and the handcrafted 1F1B (with B split into I then
+W), ZB-H1 and ZB-H2 where they fit in memory, all timed by ``fastsim.Evaluator``, and keeps the best
+under the objective. So it is never worse than those. ZB-V is handcrafted (``handcrafted.zb_v``) with
+the list scheduler on the V placement as a fallback.
 """
 
 from __future__ import annotations
