@@ -48,17 +48,34 @@ class _Clock:
 
     def __init__(self, budget: float, actions: int, deterministic: bool):
         self.deterministic = deterministic
-        self.deadline = time.perf_counter() + budget
+        self.started = time.perf_counter()
+        self.budget = budget
+        self.deadline = self.started + budget
         self.max_evals = max(1, int(budget / (max(actions, 1) * SECONDS_PER_ACTION)))
         self.evals = 0
+        self.eval_time = 0.0  # the longest evaluation so far (wall seconds)
 
     def tick(self) -> None:
         self.evals += 1
 
+    def timed(self, fn, *args):
+        """Run one evaluation-sized step and remember how long such a step takes."""
+        started = time.perf_counter()
+        result = fn(*args)
+        self.eval_time = max(self.eval_time, time.perf_counter() - started)
+        return result
+
+    def spent(self, fraction: float) -> bool:
+        """Has ``fraction`` of the budget been used?"""
+        if self.deterministic:
+            return self.evals >= fraction * self.max_evals
+        return time.perf_counter() >= self.started + fraction * self.budget
+
     def out(self) -> bool:
         if self.deterministic:
             return self.evals >= self.max_evals
-        return time.perf_counter() >= self.deadline
+        # stop early enough that one more step (evaluation plus bookkeeping) still ends in time
+        return time.perf_counter() + 3 * self.eval_time >= self.deadline
 
 
 def pattern_rows(
@@ -76,16 +93,14 @@ def pattern_rows(
     rows = []
     for s in range(S):
         lim = limits[s] + _EPS
-        F = [ev.id(s, 0, k) for k in range(M)]
-        I = [ev.id(s, 1, k) for k in range(M)]
-        W = [ev.id(s, 2, k) for k in range(M)]
-        mf, mi, mw = mem[F[0]], mem[I[0]], mem[W[0]]
+        F, I, W = ev.id(s, 0, 0), ev.id(s, 1, 0), ev.id(s, 2, 0)  # ids of microbatch k: base + k
+        mf, mi, mw = mem[F], mem[I], mem[W]
         row: list[int] = []
         nf = ni = nw = 0
         level = 0.0
         d = defer[s]
         while nf < min(warm[s], M) and level + mf <= lim:
-            row.append(F[nf])
+            row.append(F + nf)
             nf += 1
             level += mf
         if nf == 0:
@@ -93,29 +108,29 @@ def pattern_rows(
         while ni < M:
             if ni >= nf:  # nothing in flight: the next forward first
                 while level + mf > lim and nw < ni:
-                    row.append(W[nw]); nw += 1; level += mw
+                    row.append(W + nw); nw += 1; level += mw
                 if level + mf > lim:
                     return None
-                row.append(F[nf]); nf += 1; level += mf
-            row.append(I[ni]); ni += 1; level += mi
+                row.append(F + nf); nf += 1; level += mf
+            row.append(I + ni); ni += 1; level += mi
             if nf >= M and drain:  # drain: W fills the slot a forward would have taken
                 extra = 0
                 while extra < drain and nw < ni and ni - nw > floor[s] - (M - ni):
-                    row.append(W[nw]); nw += 1; level += mw; extra += 1
+                    row.append(W + nw); nw += 1; level += mw; extra += 1
             if not w_after:
                 while nw < ni and (ni - nw > d or (nf < M and level + mf > lim)):
-                    row.append(W[nw]); nw += 1; level += mw
+                    row.append(W + nw); nw += 1; level += mw
             if nf < M:
                 while level + mf > lim and nw < ni:
-                    row.append(W[nw]); nw += 1; level += mw
+                    row.append(W + nw); nw += 1; level += mw
                 if level + mf > lim:
                     return None
-                row.append(F[nf]); nf += 1; level += mf
+                row.append(F + nf); nf += 1; level += mf
             if w_after:
                 while nw < ni and ni - nw > d:
-                    row.append(W[nw]); nw += 1; level += mw
+                    row.append(W + nw); nw += 1; level += mw
         while nw < M:
-            row.append(W[nw]); nw += 1
+            row.append(W + nw); nw += 1
         rows.append(row)
     return rows
 
@@ -152,11 +167,30 @@ def handcrafted_rows(ev: Evaluator, name: str) -> list[list[int]]:
     return rows
 
 
-def analytic_parameters(S: int, costs: StageCosts, alpha: float = 1.0, beta: int = 0, shift: int = 0):
-    """Warm-up counts (forwards that fit before the first gradient returns, + shift) and deferral
-    counts (alpha * s (T_F + T_B + 2 comm) / T_W + beta)."""
+def analytic_parameters(
+    S: int, costs: StageCosts, alpha: float = 1.0, beta: int = 0, shift: int = 0, round_at: float = 0.85
+):
+    """Warm-up and deferral counts of the family.
+
+    Warm-up: the forwards that fit between stage s's first F and the return of the first gradient,
+    q = window / T_F, rounded up only when its fraction exceeds ``round_at`` (one more F delays that
+    gradient for every upstream stage, one fewer leaves a gap of the fraction), plus ``shift``.
+    Deferral: alpha * s (T_F + T_B + 2 comm) / T_W + beta (see the module docstring)."""
     placement = tuple(range(S))
-    warm = [max(1, c + shift) for c in warmup_counts(S, placement, costs)]
+    comm = costs.comm
+    first_f = [0.0] * S
+    for s in range(1, S):
+        first_f[s] = first_f[s - 1] + costs.f[s - 1] + comm
+    grad_back = [0.0] * S
+    grad_back[-1] = first_f[-1] + costs.f[-1]
+    for s in range(S - 2, -1, -1):
+        grad_back[s] = grad_back[s + 1] + costs.b[s + 1] + comm
+    warm = []
+    for s in range(S):
+        q = (grad_back[s] - first_f[s]) / costs.f[s] if costs.f[s] > 0 else 1.0
+        whole = math.floor(q + _EPS)
+        warm.append(max(1, whole + (1 if q - whole > round_at + _EPS else 0) + shift))
+    del placement
     defer = []
     for s in range(S):
         chain = sum(costs.f[t] + costs.b[t] + 2 * costs.comm for t in range(1, s + 1))
@@ -185,7 +219,7 @@ def search(
 
     def score(rows):
         clock.tick()
-        return ev.score(rows, objective)
+        return clock.timed(ev.score, rows, objective)
 
     best_rows = start_rows
     best = score(start_rows) if start_rows is not None else (math.inf, math.inf)
@@ -194,19 +228,20 @@ def search(
     grid_best = (math.inf, math.inf)
 
     # 1. grid around the analytic parameters, most promising first
-    grid = [(shift, alpha, beta, w_after)
+    grid = [(round_at, shift, alpha, beta, w_after)
             for w_after in (False, True)
-            for shift in (-1, 0, 1, -2, 2)
+            for round_at in (0.85, 0.0, 0.5)
+            for shift in (0, -1, 1)
             for alpha, beta in ((1.0, 0), (1.0, 1), (1.25, 0), (0.75, 0), (1.5, 1), (0.5, 0), (math.inf, 0))]
-    grid.sort(key=lambda g: (abs(g[0]) > 1, g[3], abs(g[0]), g[1] == math.inf))
-    for shift, alpha, beta, w_after in grid:
-        if clock.out():
+    grid.sort(key=lambda g: (g[4], g[1] != 0, g[0] != 0.85, g[2] != 1.0, g[3], g[2]))
+    for round_at, shift, alpha, beta, w_after in grid:
+        if clock.spent(0.4):  # leave most of the budget to the descent and the local search
             break
         if alpha == math.inf:
-            warm, _ = analytic_parameters(S, costs_view, 1.0, 0, shift)
+            warm, _ = analytic_parameters(S, costs_view, 1.0, 0, shift, round_at)
             defer = [M] * S
         else:
-            warm, defer = analytic_parameters(S, costs_view, alpha, beta, shift)
+            warm, defer = analytic_parameters(S, costs_view, alpha, beta, shift, round_at)
         rows = pattern_rows(ev, lims, warm, defer, w_after)
         if rows is None or not fits(rows):
             continue
@@ -230,6 +265,7 @@ def search(
             if value < best:
                 best, best_rows = value, rows
     info["search_grid"] = best[0]
+    info["search_grid_at_s"] = round(time.perf_counter() - clock.started, 3)
 
     # 2. coordinate descent on the per-stage warm-up and deferral counts
     if best_params is not None:
@@ -237,7 +273,9 @@ def search(
         improved = True
         while improved and not clock.out():
             improved = False
-            for s in _critical_first(ev, pattern_rows(ev, lims, warm, defer, w_after, drain, floor), S):
+            if clock.out():
+                break
+            for s in clock.timed(_critical_first, ev, pattern_rows(ev, lims, warm, defer, w_after, drain, floor), S):
                 for which, delta in (("d", 1), ("d", -1), ("w", 1), ("w", -1), ("d", 3), ("d", -3)):
                     if clock.out():
                         break
@@ -250,33 +288,41 @@ def search(
                         d2[s] = d2[s] + delta
                         if d2[s] < 0:
                             continue
+                    step_started = time.perf_counter()
                     rows = pattern_rows(ev, lims, w2, d2, w_after, drain, floor)
                     if rows is None or not fits(rows):
                         continue
                     value = score(rows)
+                    clock.eval_time = max(clock.eval_time, time.perf_counter() - step_started)
                     if value < grid_best:
                         grid_best, warm, defer, improved = value, w2, d2, True
                         if value < best:
                             best, best_rows = value, rows
                         break
     info["search_descent"] = best[0]
+    info["search_descent_at_s"] = round(time.perf_counter() - clock.started, 3)
 
     # 2b. fill idle gaps of every rank at once with pending W passes, re-timed after each round
     if best_rows is not None:
         end = [-1.0] * len(ev.dur)
         for fraction in (1.0, 0.75, 0.5, 0.25):
+            if clock.out():
+                break
             improved = True
             while improved and not clock.out():
                 improved = False
-                if ev.times(best_rows, end) is None:
+                if clock.timed(ev.times, best_rows, end) is None:
                     break
-                rows = [fill_gaps(ev, row, end, fraction) for row in best_rows]
+                rows = clock.timed(lambda: [fill_gaps(ev, row, end, fraction) for row in best_rows])
+                if clock.out():
+                    break
                 if rows == best_rows or not fits(rows):
                     break
                 value = score(rows)
                 if value < best:
                     best, best_rows, improved = value, rows, True
     info["search_fill"] = best[0]
+    info["search_fill_at_s"] = round(time.perf_counter() - clock.started, 3)
 
     # 3. local search on the critical ranks: fill an idle gap with the next pending W (moved
     #    forward from later in the row), or move a W one to three places later or earlier
@@ -287,7 +333,7 @@ def search(
         W_BASE = 2 * S * M
         stale = 0
         while not clock.out() and stale < 60 * S:
-            timed = ev.times(rows, end)
+            timed = clock.timed(ev.times, rows, end)
             first, last = timed
             spans = [y - x for x, y in zip(first, last)]
             order = sorted(range(len(rows)), key=lambda q: -spans[q])
@@ -309,6 +355,7 @@ def search(
                 rows[r] = saved
                 stale += 1
     info["search_local"] = best[0]
+    info["search_local_at_s"] = round(time.perf_counter() - clock.started, 3)
     info["search_evaluations"] = clock.evals
     return SearchResult(best_rows, best, clock.evals, info)
 
