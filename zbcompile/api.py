@@ -16,12 +16,12 @@ from torch.utils import _pytree as pytree
 import torch.distributed as dist
 
 from zbcompile.compiler import CompiledPipeline, compile_pipeline
-from zbcompile.runtime import placement
+from zbcompile.runtime import placement, profile
 from zbcompile.runtime.distributed import DistributedRunner, make_layout
 from zbcompile.runtime.local import LocalRunner
 from zbcompile.runtime.p2p import device_for
 from zbcompile.runtime.stage import StageExecutor
-from zbcompile.schedules import Costs, Schedule, make_schedule
+from zbcompile.schedules import SCHEDULE_NAMES, Costs, Schedule, make_schedule
 
 DEFAULT_SCHEDULE = "zb-auto"
 DEFAULT_TIMEOUT = timedelta(seconds=300)
@@ -37,6 +37,17 @@ class PipelineOptions:
     memory_limit: float | Sequence[float] | None = None
     process_group: Any = None
     timeout: timedelta = DEFAULT_TIMEOUT
+    solver_time_budget: float | None = None
+    profile: bool = False
+    profile_steps: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("stages", "microbatches", "profile_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"pipeline(): {name} must be a positive int, got {value!r}")
+        if self.schedule not in SCHEDULE_NAMES:
+            raise ValueError(f"pipeline(): unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
 
 
 def pipeline(
@@ -50,6 +61,9 @@ def pipeline(
     memory_limit: float | Sequence[float] | None = None,
     process_group: Any = None,
     timeout: float | timedelta = DEFAULT_TIMEOUT,
+    solver_time_budget: float | None = None,
+    profile: bool = False,
+    profile_steps: int = 2,
 ):
     """Make `model` a pipelined model: `pipeline(model, stages=4, microbatches=8, loss_fn=F.mse_loss)`.
 
@@ -58,7 +72,12 @@ def pipeline(
     `loss_fn(output, target)` must return the mean loss of a microbatch; without one, the
     model's forward must return that loss itself. `split_points` are module FQNs where a new
     stage begins (otherwise the stages are balanced by cost). `memory_limit` bounds each stage's
-    activation memory in units of one microbatch's activations (zb-auto, zbv).
+    activation memory in units of one microbatch's activations (zb-auto, zbv);
+    `solver_time_budget` caps the seconds zb-auto spends improving its heuristic.
+    With `profile=True` the first `profile_steps` steps run the schedule solved from static
+    FLOP estimates while every action is timed; then the costs measured on every rank (and
+    the time to send a boundary message) are gathered, the schedule is solved once more on
+    rank 0 with them, broadcast, and used from the next step on.
 
     Under torch.distributed (an initialised default group, or `process_group=`), each rank runs
     its own stage(s) (see `PipelinedModule`); `timeout` (seconds) bounds every wait on a peer.
@@ -72,6 +91,9 @@ def pipeline(
         memory_limit,
         process_group,
         timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout),
+        solver_time_budget,
+        profile,
+        profile_steps,
     )
     if model is None:
         return functools.partial(_wrap, options=options)
@@ -109,10 +131,10 @@ class PipelinedModule:
     (the first stage's rank reads the inputs, the last stage's rank the targets) and gets the
     replica's loss on the rank holding the last stage, None elsewhere; nothing else makes ranks
     wait for each other. Each rank keeps only the parameters its stages use; the others move to
-    the `meta` device. So build the optimizer after `compile(batch)`: `parameters()`,
-    `named_parameters()` and `state_dict()` then cover this rank's share (a tied weight is
-    reported by the rank of its first stage), and gathering every rank's `state_dict()` gives
-    the model's. A model built on the `meta` device gets its local parameters materialised and
+    the `meta` device. So build the optimizer after `compile(batch)`: `parameters()` then yields
+    the parameters this rank holds (a tied weight on each rank using it; its gradient is summed
+    between them, so the copies stay equal), and `state_dict()` this rank's share (a tied weight
+    from the rank of its first stage): gathering every rank's `state_dict()` gives the model's. A model built on the `meta` device gets its local parameters materialised and
     initialised with their modules' `reset_parameters()`; `load_state_dict(full_or_partial,
     strict=False)` then loads whatever it holds.
     """
@@ -123,6 +145,8 @@ class PipelinedModule:
         self._compiled: dict[Any, _Compiled] = {}
         self._last_key: Any = None
         self._local: set[str] | None = None  # FQNs this rank holds, once compiled (distributed)
+        self._timelines: dict[Any, list] = {}
+        self.measured_costs: Costs | None = None  # with profile=True, once measured
 
     @property
     def distributed(self) -> bool:
@@ -137,9 +161,12 @@ class PipelinedModule:
         returns that mean loss (None on ranks without the last stage)."""
         micro_inputs, micro_targets, key = self._split(inputs, kwargs, target)
         bundle = self._compile(key, micro_inputs[0], micro_targets[0])
+        bundle.runner.set_state(self._state())  # the module's current tensors, even if reassigned
         feeds = [self._feed(bundle.compiled, args, kw, tgt) for (args, kw), tgt in zip(micro_inputs, micro_targets)]
         losses = bundle.runner.step([f[0] for f in feeds], [f[1] for f in feeds])
         self._accumulate_grads(bundle.runner.reduce_grads())
+        if self.options.profile and isinstance(bundle.runner, DistributedRunner):
+            self._profile(bundle)
         return torch.stack(losses).mean().detach() if losses is not None else None
 
     def compile(self, *inputs: Any, target: Any = None, **kwargs: Any) -> "PipelinedModule":
@@ -248,7 +275,7 @@ class PipelinedModule:
         self._last_key = key
         return self._compiled[key]
 
-    def _make_schedule(self, compiled: CompiledPipeline) -> Schedule:
+    def _make_schedule(self, compiled: CompiledPipeline, costs: Costs | None = None) -> Schedule:
         """The schedule, solved on one rank and broadcast so that every rank runs the same one."""
         schedule = None
         if not self.distributed or dist.get_rank() == 0:
@@ -256,14 +283,29 @@ class PipelinedModule:
                 self.options.schedule,
                 stages=self.options.stages,
                 microbatches=self.options.microbatches,
-                costs=schedule_costs(compiled),
+                costs=costs or schedule_costs(compiled),
                 memory_limit=self.options.memory_limit,
+                time_budget=self.options.solver_time_budget,
             )
         if self.distributed:
             box = [schedule]
             dist.broadcast_object_list(box, src=0)
             schedule = box[0]
         return schedule
+
+    def _profile(self, bundle: _Compiled) -> None:
+        """Collect this step's timeline; after `profile_steps` steps, re-solve with measured costs."""
+        timelines = self._timelines.setdefault(self._last_key, [])
+        if len(timelines) > self.options.profile_steps:
+            return
+        timelines.append(list(bundle.runner.timeline))
+        if len(timelines) == self.options.profile_steps:
+            costs = profile.measured_costs(bundle.runner, timelines, schedule_costs(bundle.compiled))
+            schedule = self._make_schedule(bundle.compiled, costs)
+            bundle.runner.reschedule(schedule)
+            self._compiled[self._last_key] = _Compiled(bundle.compiled, schedule, bundle.runner)
+            self.measured_costs = costs
+            timelines.append([])  # done
 
     def _distributed_runner(self, compiled: CompiledPipeline, schedule: Schedule, device: torch.device) -> DistributedRunner:
         description = f"schedule {schedule.name!r} with stages={schedule.stages}"
@@ -311,18 +353,20 @@ class PipelinedModule:
         return (p for _, p in self.named_parameters(recurse=recurse))
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
-        owned = self._owned()
+        """The module's parameters; in a distributed run, the ones this rank holds (a tied weight
+        on every rank that uses it, so each rank's optimizer keeps its copy in step)."""
+        held = self._held()
         for name, param in self.module.named_parameters(prefix, recurse, remove_duplicate):
-            if owned is None or name.removeprefix(prefix + "." if prefix else "") in owned:
+            if held is None or name.removeprefix(prefix + "." if prefix else "") in held:
                 yield name, param
 
     def buffers(self, recurse: bool = True) -> Iterator[torch.Tensor]:
         return (b for _, b in self.named_buffers(recurse=recurse))
 
     def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-        owned = self._owned()
+        held = self._held()
         for name, buffer in self.module.named_buffers(prefix, recurse, remove_duplicate):
-            if owned is None or name.removeprefix(prefix + "." if prefix else "") in owned:
+            if held is None or name.removeprefix(prefix + "." if prefix else "") in held:
                 yield name, buffer
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -342,16 +386,26 @@ class PipelinedModule:
             return self.module.load_state_dict(state_dict, strict=strict)
         return placement.load_local(self.module, state_dict, self._local, strict)
 
-    def _owned(self) -> set[str] | None:
-        """FQNs this rank reports (None: all of them, in one process)."""
+    def _held(self) -> set[str] | None:
+        """FQNs this rank holds (None: all of them, in one process)."""
         if not self.distributed:
             return None
+        self._require_compiled()
+        return self._local
+
+    def _require_compiled(self) -> None:
         if self._local is None:
             raise RuntimeError(
                 "in a distributed run each rank holds only its stages' parameters, which are known after "
                 "compiling: call pipe.compile(batch, target=...) (or step()) before parameters(), state_dict() "
                 "or building the optimizer"
             )
+
+    def _owned(self) -> set[str] | None:
+        """FQNs whose state-dict entries this rank reports (None: all of them, in one process)."""
+        if not self.distributed:
+            return None
+        self._require_compiled()
         bundle = self._latest()
         return placement.owned_names(bundle.compiled, bundle.schedule, bundle.runner.layout.pp_rank)
 

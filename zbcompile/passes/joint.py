@@ -23,6 +23,7 @@ Parameter views (`t(weight)`) are recomputed where needed rather than saved.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Iterable, Mapping
@@ -65,7 +66,9 @@ class StageJoint:
         the `out:` values, then the `saved:` activations. backward: reads parameters, `saved:`
         values, `in:` values it needs and the `tangent:`s; returns `grad:<value>` for each stage
         input that gets a gradient, then `grad:param:<fqn>` for each parameter.
-    tangents: the stage outputs that take a gradient (`tangent:` names in the backward).
+    tangents: the stage outputs its graphs take a gradient for (`tangent:` names in the backward).
+    output_grads: every stage output whose gradient arrives from the next stage: the tangents
+        and relayed values (in `Stage.outputs` order); the messages of the backward carry these.
     """
 
     stage: int
@@ -75,6 +78,7 @@ class StageJoint:
     input_grads: tuple[str, ...]
     param_grads: tuple[str, ...]
     storage: dict[str, tuple[str, int]]
+    output_grads: tuple[str, ...] = ()
 
     def held_bytes(self, names: Iterable[str]) -> int:
         """Bytes of memory the values `names` keep alive (views of one tensor counted once)."""
@@ -90,6 +94,7 @@ def export_stage_joints(partition: StagePartition, fake_mode, loss_name: str = "
     for stage in reversed(partition.stages):
         last = stage.index == len(partition.stages) - 1
         joint = export_stage_joint(stage, partition, grads_from_next, loss_name if last else None, fake_mode)
+        joint = dataclasses.replace(joint, output_grads=tuple(v for v in stage.outputs if v in grads_from_next))
         # gradients this stage provides to its predecessor: its own, and relayed ones
         grads_from_next = {v for v in joint.input_grads} | {v for v in stage.relays if v in grads_from_next}
         joints.append(joint)

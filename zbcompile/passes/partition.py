@@ -106,8 +106,8 @@ def partition_stages(
     else:
         if stages - 1 > len(allowed):
             raise ValueError(
-                f"stages={stages} but the model can be cut at only {len(allowed)} places, so it has "
-                f"at most {len(allowed) + 1} stages; ask for fewer stages."
+                f"stages={stages} but the model can be cut at only {len(allowed)} place(s), so it has "
+                f"at most {len(allowed) + 1} stage(s); ask for fewer stages."
             )
         costs = [node_cost(n) for n in anchors]
         cuts = _balanced_cuts(costs, live_bytes, allowed, stages, balance_tolerance)
@@ -329,6 +329,11 @@ def _cuts_at_split_points(
             raise ValueError(
                 f"split point '{point}' names no module that runs on the model's inputs; "
                 f"modules seen while tracing include {modules_seen[:12]}"
+            )
+        if position == 0:
+            raise ValueError(
+                f"split point '{point}' is where the model starts, so stage 0 would be empty; name the "
+                "module where the second stage begins"
             )
         if position not in allowed:
             raise ValueError(

@@ -81,6 +81,21 @@ class DistributedRunner:
         self.transport = Transport(self.rank, timeout)
         self.tied_groups = _tied_weight_groups(compiled, schedule, layout)
         self.timeline: list[tuple[str, float, float]] = []  # (action, start, end) of the last step
+        self._synchronize_state(state)
+
+    def _synchronize_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Start every copy of a parameter equal: a tied weight's copies take its owner's value,
+        and replicas take replica 0's (each rank may have initialised its own)."""
+        with torch.no_grad():
+            for tied in self.tied_groups:
+                if tied.group is not None:
+                    dist.broadcast(state[f"param:{tied.fqn}"], src=tied.owner, group=tied.group)
+            if self.layout.dp_group is not None:
+                source = self.layout.pp_rank  # global rank of this position in replica 0
+                for s in self.local_stages:
+                    stage = self.compiled.partition.stages[s]
+                    for name in [*(f"param:{f}" for f in stage.param_fqns), *(f"buffer:{f}" for f in stage.buffer_fqns)]:
+                        dist.broadcast(state[name], src=source, group=self.layout.dp_group)
 
     def rank_of(self, stage: int) -> int:
         return self.layout.pipeline_ranks[self.schedule.stage_to_rank[stage]]
@@ -91,7 +106,7 @@ class DistributedRunner:
 
     def _backward_names(self, stage: int) -> tuple[str, ...]:
         """Gradients stage `stage` receives from its successor (of its outputs)."""
-        return self.compiled.programs[stage].joint.tangents
+        return self.compiled.programs[stage].joint.output_grads
 
     def _buffers(self, names: Sequence[str]) -> list[torch.Tensor]:
         values = self.compiled.partition.values
@@ -100,8 +115,8 @@ class DistributedRunner:
     def step(self, inputs: Sequence[Mapping[str, torch.Tensor]], targets: Sequence[Mapping[str, torch.Tensor]]):
         """One step; returns the microbatch losses on the rank holding the last stage, else None.
         Parameter gradients stay in the executors until `reduce_grads()`. `timeline` then holds
-        (action, start, end) in `time.perf_counter()` seconds for every compute action; a
-        compute action's time includes waiting for the data it receives."""
+        (action, start, end) in `time.perf_counter()` seconds for every compute action, from
+        when its data had arrived to when it finished."""
         last = self.schedule.stages - 1
         microbatches = len(inputs)
         received: dict[tuple[str, int, int], Pending] = {}
@@ -121,7 +136,6 @@ class DistributedRunner:
         for action in self.actions:
             s, k, kind = action.stage, action.microbatch, action.kind
             text = str(action)
-            started = clock()
             if kind == "RECV_F":
                 names = self._forward_names(s)
                 received[("F", s, k)] = self.transport.post_recv(self._buffers(names), self.rank_of(s - 1), _tag("F", s, k, self.schedule), text)
@@ -138,6 +152,7 @@ class DistributedRunner:
                 feed = dict(inputs[k]) if s == 0 else arriving("F", s, k, self._forward_names(s), text)
                 if s == last:
                     feed.update(targets[k])
+                started = clock()
                 outputs = self.executors[s].forward(k, feed)
                 if s == last:
                     losses[k] = outputs["loss"]
@@ -149,10 +164,12 @@ class DistributedRunner:
                 else:
                     grads_in = arriving("B", s, k, self._backward_names(s), text)
                 run = self.executors[s].input_backward if kind == "I" else self.executors[s].backward
+                started = clock()
                 grads_out = run(k, grads_in)
                 if s > 0:
                     (local if self.rank_of(s - 1) == self.rank else outgoing)[("B", s - 1, k)] = grads_out
             elif kind == "W":
+                started = clock()
                 self.executors[s].weight_backward(k)
             if kind in ("F", "I", "W", "B"):
                 synchronize()
@@ -164,14 +181,26 @@ class DistributedRunner:
         """This rank's parameter gradients for the step: its stages' parts summed in stage order,
         tied weights summed with the other ranks that hold them, then averaged over replicas."""
         grads = merge_stage_grads([self.executors[s] for s in self.local_stages])
-        for fqn, group in self.tied_groups:
-            if fqn in grads and group is not None:
-                dist.all_reduce(grads[fqn], group=group)
+        for tied in self.tied_groups:
+            if tied.fqn in grads and tied.group is not None:
+                dist.all_reduce(grads[tied.fqn], group=tied.group)
         if self.layout.dp_group is not None:
             for fqn in sorted(grads):
                 dist.all_reduce(grads[fqn], group=self.layout.dp_group)
                 grads[fqn].div_(self.layout.dp_size)
         return grads
+
+    def set_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Parameters and buffers (`param:<fqn>`, `buffer:<fqn>`) the next step computes with."""
+        for executor in self.executors.values():
+            executor.state = state
+
+    def reschedule(self, schedule: Schedule) -> None:
+        """Run `schedule` from the next step on (same stages on the same ranks)."""
+        if schedule.stage_to_rank != self.schedule.stage_to_rank:
+            raise ValueError("a new schedule must keep every stage on its rank")
+        self.schedule = schedule
+        self.actions = lower(schedule).actions[self.layout.pp_rank]
 
     @property
     def peak_live_bytes(self) -> int:
@@ -183,9 +212,19 @@ def _tag(direction: str, stage: int, microbatch: int, schedule: Schedule) -> int
     return (microbatch * schedule.stages + stage) * 2 + (direction == "B")
 
 
-def _tied_weight_groups(compiled: CompiledPipeline, schedule: Schedule, layout: Layout) -> list[tuple[str, object]]:
-    """For each parameter used on several ranks: a process group of those ranks in this replica
-    (None on ranks outside it). Every rank creates every group, in the same order."""
+@dataclass(frozen=True)
+class TiedGroup:
+    """A parameter held by several ranks of this replica: their process group (None on ranks
+    outside it) and the global rank that owns it (the rank of its first stage)."""
+
+    fqn: str
+    group: dist.ProcessGroup | None
+    owner: int
+
+
+def _tied_weight_groups(compiled: CompiledPipeline, schedule: Schedule, layout: Layout) -> list[TiedGroup]:
+    """One TiedGroup per parameter used on several ranks. Every rank creates every process group,
+    in the same order (torch.distributed requires it)."""
     groups = []
     for fqn, stages in sorted(compiled.partition.shared_params.items()):
         positions = sorted({schedule.stage_to_rank[s] for s in stages})
@@ -193,9 +232,9 @@ def _tied_weight_groups(compiled: CompiledPipeline, schedule: Schedule, layout: 
             continue
         mine = None
         for replica in range(layout.dp_size):
-            ranks = [replica * layout.pp_size + p for p in positions]
-            group = dist.new_group(ranks)
+            group = dist.new_group([replica * layout.pp_size + p for p in positions])
             if replica == layout.dp_rank and layout.pp_rank in positions:
                 mine = group
-        groups.append((fqn, mine))
+        owner = layout.dp_rank * layout.pp_size + schedule.stage_to_rank[min(stages)]
+        groups.append(TiedGroup(fqn, mine, owner))
     return groups

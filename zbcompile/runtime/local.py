@@ -66,6 +66,11 @@ class LocalRunner:
     def step(self, inputs, targets) -> list[torch.Tensor]:
         return run_local_step(self.executors, self.schedule, inputs, targets)
 
+    def set_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Parameters and buffers (`param:<fqn>`, `buffer:<fqn>`) the next step computes with."""
+        for executor in self.executors:
+            executor.state = state
+
     def reduce_grads(self) -> dict[str, torch.Tensor]:
         return merge_stage_grads(self.executors)
 

@@ -1,0 +1,111 @@
+"""What each rank runs in the multi-process tests (importable by spawned processes)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import zbcompile
+from models import build
+
+
+def one_step(runs: list[tuple[str, str, int, int]]) -> dict:
+    """For each (model, schedule, stages, microbatches): one step; returns per run the loss
+    (None off the last stage), this rank's reported gradients and state-dict keys, and the
+    parameter bytes it holds."""
+    results = {}
+    for name, schedule, stages, microbatches in runs:
+        case = build(name)
+        pipe = zbcompile.pipeline(
+            case.model, stages=stages, microbatches=microbatches, loss_fn=case.loss_fn,
+            schedule=schedule, timeout=60, solver_time_budget=0.5,
+        )
+        loss = case.step(pipe)
+        results[(name, schedule, stages, microbatches)] = {
+            "loss": loss,
+            "grads": {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None},
+            "state": {k: v.clone() for k, v in pipe.state_dict().items()},
+            "param_bytes": sum(p.numel() * p.element_size() for p in case.model.parameters() if not p.is_meta),
+            "peak_live_bytes": pipe.runner.peak_live_bytes,
+            "timeline": list(pipe.runner.timeline),
+        }
+    return results
+
+
+def train(name: str, schedule: str, stages: int, optimizer: str, steps: int) -> dict:
+    """`steps` optimizer steps; returns this rank's parameters afterwards."""
+    case = build(name)
+    pipe = zbcompile.pipeline(
+        case.model, stages=stages, microbatches=4, loss_fn=case.loss_fn, schedule=schedule, timeout=60,
+        solver_time_budget=0.5,
+    )
+    pipe.compile(*case.args, target=case.target, **case.kwargs)
+    opt = make_optimizer(optimizer, pipe.parameters())
+    for _ in range(steps):
+        opt.zero_grad()
+        case.step(pipe)
+        opt.step()
+    return {k: v.clone() for k, v in pipe.state_dict().items()}
+
+
+def make_optimizer(name: str, params) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+def meta_init(stages: int) -> dict:
+    """A GPT built on the meta device: each rank materialises only its own parameters."""
+    case = build("gpt")
+    with torch.device("meta"):
+        model = type(case.model)(case.model.config)
+    pipe = zbcompile.pipeline(model, stages=stages, microbatches=2, loss_fn=case.loss_fn, schedule="1f1b", timeout=60)
+    pipe.compile(*case.args, target=case.target)
+    pipe.load_state_dict(case.model.state_dict(), strict=False)
+    loss = case.step(pipe)
+    return {
+        "loss": loss,
+        "grads": {n: p.grad.clone() for n, p in pipe.named_parameters()},
+        "materialised": sorted(n for n, p in model.named_parameters() if not p.is_meta),
+    }
+
+
+def dies_mid_step(victim: int) -> str:
+    """Rank `victim` exits in the middle of the first step; the others report their error."""
+    case = build("mlp")
+    pipe = zbcompile.pipeline(case.model, stages=2, microbatches=4, loss_fn=case.loss_fn, schedule="1f1b", timeout=10)
+    pipe.compile(*case.args, target=case.target)
+    if dist.get_rank() == victim:
+        executor = pipe.executors[0]
+        original = executor.forward
+
+        def forward_then_die(microbatch, inputs):
+            if microbatch == 1:
+                import os
+
+                os._exit(3)
+            return original(microbatch, inputs)
+
+        executor.forward = forward_then_die
+    try:
+        case.step(pipe)
+    except Exception as error:  # noqa: BLE001 - the test inspects the message
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def profiled(steps: int) -> dict:
+    """`steps` steps with profile=True: the schedule is re-solved from measured costs after two."""
+    case = build("gpt")
+    pipe = zbcompile.pipeline(
+        case.model, stages=2, microbatches=4, loss_fn=case.loss_fn, schedule="zb-auto", timeout=60,
+        solver_time_budget=0.5, profile=True, profile_steps=2,
+    )
+    for _ in range(steps):
+        case.step(pipe)
+    costs = pipe.measured_costs
+    return {
+        "costs": None if costs is None else (list(costs.f), list(costs.b), list(costs.w), costs.comm),
+        "grads": {n: p.grad.clone() for n, p in pipe.named_parameters()},
+        "schedule": [list(map(str, row)) for row in pipe.schedule.actions],
+    }
