@@ -171,3 +171,20 @@ def test_profile_resolves_with_measured_costs():
     grads = {k: v for r in per_rank for k, v in r["grads"].items()}
     for fqn, p in reference.model.named_parameters():
         torch.testing.assert_close(grads[fqn], p.grad, rtol=1e-5, atol=1e-6, msg=fqn)
+
+
+def test_world_size_that_does_not_fit_the_pipeline():
+    messages = run_ranks(3, workers.bad_world_size)
+    assert all("world size 3" in m and "2 ranks per pipeline" in m for m in messages), messages
+
+
+def test_new_batch_shape_recompiles_on_every_rank():
+    per_rank = run_ranks(2, workers.new_shapes_recompile)
+    reference = build("gpt")
+    reference.eager_loss().backward()
+    half = build("gpt")
+    loss = half.loss_fn(reference.model(*[a[:4] for a in half.args]), half.target[:4])
+    loss.backward()  # accumulates onto the full batch's gradients, like the two pipelined steps
+    grads = {k: v for r in per_rank for k, v in r.items()}
+    for fqn, p in reference.model.named_parameters():
+        torch.testing.assert_close(grads[fqn], p.grad, rtol=1e-5, atol=1e-6, msg=fqn)

@@ -4,6 +4,7 @@ again whenever a step's microbatch shapes, dtypes or constant arguments differ."
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from datetime import timedelta
@@ -176,6 +177,20 @@ class PipelinedModule:
         self._compile(key, micro_inputs[0], micro_targets[0])
         return self
 
+    def set_schedule(self, schedule: str, memory_limit: float | Sequence[float] | None = None) -> "PipelinedModule":
+        """Run `schedule` from the next step on, without recompiling. In a distributed run the new
+        schedule must keep every stage on its rank (e.g. any two single-chunk schedules)."""
+        self.options = dataclasses.replace(self.options, schedule=schedule, memory_limit=memory_limit)
+        for key, bundle in list(self._compiled.items()):
+            new = self._make_schedule(bundle.compiled)
+            if isinstance(bundle.runner, DistributedRunner):
+                bundle.runner.reschedule(new)
+            else:
+                bundle.runner.schedule = new
+            self._compiled[key] = _Compiled(bundle.compiled, new, bundle.runner)
+        self._timelines.clear()
+        return self
+
     @property
     def compiled(self) -> CompiledPipeline:
         """The compiler's result for the latest step's shapes."""
@@ -314,6 +329,11 @@ class PipelinedModule:
         used = {f for s in local_stages for f in (*compiled.partition.stages[s].param_fqns, *compiled.partition.stages[s].buffer_fqns)}
         if self._local is None:
             self._local = placement.place_state(self.module, used, device)
+        elif used - self._local:
+            raise ValueError(
+                f"these batch shapes cut the model differently from the first compile, and this rank does not "
+                f"hold {sorted(used - self._local)[:4]}; pass split_points=[...] to pipeline() to fix the cut"
+            )
         return DistributedRunner(compiled, schedule, layout, self._state(), device, self.options.timeout)
 
     def _state(self) -> dict[str, torch.Tensor]:

@@ -198,7 +198,10 @@ class DistributedRunner:
     def reschedule(self, schedule: Schedule) -> None:
         """Run `schedule` from the next step on (same stages on the same ranks)."""
         if schedule.stage_to_rank != self.schedule.stage_to_rank:
-            raise ValueError("a new schedule must keep every stage on its rank")
+            raise ValueError(
+                f"schedule {schedule.name!r} places stages on ranks {schedule.stage_to_rank}, but this pipeline "
+                f"runs them on {self.schedule.stage_to_rank}; build a new pipeline for it"
+            )
         self.schedule = schedule
         self.actions = lower(schedule).actions[self.layout.pp_rank]
 
