@@ -1,0 +1,117 @@
+"""Shared helpers of the benchmark scripts: launch local gloo ranks (one thread each), take
+medians, describe the machine's load, write a results file."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import pickle
+import platform
+import socket
+import statistics
+import tempfile
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, out_dir: str, timeout_s: float, fn: Callable, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    try:
+        result = fn(*args)
+        with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, fn: Callable, *args: Any, timeout_s: float = 120.0) -> list[Any]:
+    """`fn(*args)` on `world` spawned processes joined in a gloo group on 127.0.0.1 (free port),
+    one intra-op thread each; returns rank r's result at index r, raises if any rank fails."""
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(
+            _entry, args=(world, free_port(), out_dir, timeout_s, fn, args), nprocs=world, start_method="spawn"
+        )
+        results = []
+        for rank in range(world):
+            with open(os.path.join(out_dir, f"{rank}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+        return results
+
+
+def cpu_busy_seconds() -> float:
+    """CPU seconds all cores of this machine have spent busy since boot (/proc/stat; NaN where
+    there is none)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return float("nan")
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def machine() -> dict[str, Any]:
+    """CPU count, load averages and versions, for the results' header."""
+    import torch
+
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    return {
+        "cpus": os.cpu_count(),
+        "loadavg_1_5_15": [round(x, 2) for x in load],
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+    }
+
+
+def load_line(info: dict[str, Any]) -> str:
+    one, five, fifteen = info["loadavg_1_5_15"]
+    return f"{info['cpus']} CPUs, load average {one:.2f} / {five:.2f} / {fifteen:.2f} (1 / 5 / 15 min)"
+
+
+def write_results(name: str, data: dict[str, Any], markdown: str) -> tuple[pathlib.Path, pathlib.Path]:
+    RESULTS.mkdir(exist_ok=True)
+    json_path = RESULTS / f"{name}.json"
+    md_path = RESULTS / f"{name}.md"
+    json_path.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n")
+    md_path.write_text(markdown.rstrip() + "\n")
+    return json_path, md_path
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    if hasattr(value, "__dict__"):
+        return vars(value)
+    return str(value)
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A Markdown table (also readable printed)."""
+    cells = [[str(c) for c in header]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(cells[0], widths)) + " |"]
+    lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    lines += ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in cells[1:]]
+    return "\n".join(lines)

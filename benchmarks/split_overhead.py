@@ -1,0 +1,272 @@
+"""Cost of splitting a stage's backward into B (input gradients) and W (weight gradients):
+(T_B + T_W) / T_(unsplit backward) for one stage at 32, 128 and 512 rows per microbatch.
+
+zbcompile: the stage's compiled backward graph against its B graph followed by its W graph, on
+the same saved values (`zbcompile.compiler.compile_pipeline`, then the stage programs run
+directly). torch.distributed.pipelining: the same stage module in eager mode, its autograd-graph
+split (`_backward.stage_backward_input` then `stage_backward_weight`, what its zero-bubble
+schedules run) against one plain `torch.autograd.backward`.
+
+The stage is the second of a 2-stage pipeline: residual MLP blocks (LayerNorm, Linear h->4h,
+GELU, Linear 4h->h) and a Linear head, ending in the MSE loss; rows = the leading dimension of
+the stage's input [rows, hidden]. One thread; all four variants alternate within every repeat
+(the order rotates); medians.
+
+    python benchmarks/split_overhead.py [--hidden 256 --layers 4 --repeats 60]
+
+Writes benchmarks/results/split_overhead.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
+
+import _launch  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+ROWS = (32, 128, 512)
+TORCH_REPORTED = {32: 1.30, 128: 1.17, 512: 1.04}  # torch's split, measured earlier on a 2-core CPU
+
+
+@dataclass(frozen=True)
+class Settings:
+    hidden: int = 256
+    layers: int = 4
+    rows: tuple[int, ...] = ROWS
+    repeats: int = 60
+    warmup: int = 3
+    threads: int = 1
+
+
+class ResidualMLP(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(hidden)
+        self.fc = nn.Linear(hidden, 4 * hidden)
+        self.proj = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(F.gelu(self.fc(self.ln(x))))
+
+
+def build_model(settings: Settings) -> nn.Sequential:
+    """Stage 0: one Linear; stage 1 (measured): the residual MLP blocks and a Linear head."""
+    torch.manual_seed(0)
+    h = settings.hidden
+    stage = nn.Sequential(*[ResidualMLP(h) for _ in range(settings.layers)], nn.Linear(h, h))
+    return nn.Sequential(nn.Linear(h, h), stage)
+
+
+# --- zbcompile -------------------------------------------------------------------------------
+
+
+class Ours:
+    """The compiled stage 1: forward once, then the unsplit backward or B + W on the same values."""
+
+    def __init__(self, model: nn.Sequential, rows: int, hidden: int) -> None:
+        from zbcompile.compiler import compile_pipeline
+        from zbcompile.passes.cost import random_inputs
+
+        x = torch.randn(rows, hidden)
+        compiled = compile_pipeline(model, F.mse_loss, (x,), {}, torch.randn(rows, hidden), 2, ["1"])
+        self.program = program = compiled.programs[1]
+        self.state = {f"param:{n}": p.detach() for n, p in model.named_parameters()}
+        self.state.update({f"buffer:{n}": b for n, b in model.named_buffers()})
+        env = random_inputs(program.forward, self.state, torch.Generator().manual_seed(rows))
+        with torch.no_grad():
+            program.forward.run(env, self.state)
+        for name in program.joint.tangents:
+            value = env.get(f"out:{name}", env.get(name))
+            env[f"tangent:{name}"] = torch.ones((), dtype=torch.float32) if name == "loss" else torch.randn_like(value)
+        self.env = env
+        self.check()
+
+    def unsplit(self) -> float:
+        env = dict(self.env)
+        with torch.no_grad():
+            started = time.perf_counter()
+            self.program.joint.backward.run(env, self.state)
+            return time.perf_counter() - started
+
+    def split(self) -> tuple[float, float]:
+        env = dict(self.env)
+        with torch.no_grad():
+            started = time.perf_counter()
+            self.program.input_backward.run(env, self.state)
+            middle = time.perf_counter()
+            self.program.weight_backward.run(env, self.state)
+            return middle - started, time.perf_counter() - middle
+
+    def check(self) -> None:
+        """B then W gives the unsplit backward's gradients (so the timing compares like with like)."""
+        a, b = dict(self.env), dict(self.env)
+        with torch.no_grad():
+            self.program.joint.backward.run(a, self.state)
+            self.program.input_backward.run(b, self.state)
+            self.program.weight_backward.run(b, self.state)
+        for name in self.program.joint.backward.signature.outputs:
+            if not torch.allclose(a[name], b[name], rtol=1e-5, atol=1e-6):
+                raise RuntimeError(f"B + W differs from the unsplit backward in {name}")
+
+
+# --- torch.distributed.pipelining's autograd split ------------------------------------------------
+
+
+class Theirs:
+    """The same stage module in eager mode; a fresh forward (untimed) before every backward."""
+
+    def __init__(self, model: nn.Sequential, rows: int, hidden: int) -> None:
+        self.module = model[1]
+        generator = torch.Generator().manual_seed(rows)
+        self.x = torch.randn(rows, hidden, generator=generator)
+        self.target = torch.randn(rows, hidden, generator=generator)
+
+    def _forward(self):
+        x = self.x.clone().requires_grad_(True)
+        loss = F.mse_loss(self.module(x), self.target)
+        return x, loss
+
+    def unsplit(self) -> float:
+        self.module.zero_grad(set_to_none=True)
+        x, loss = self._forward()
+        started = time.perf_counter()
+        torch.autograd.backward(loss)
+        return time.perf_counter() - started
+
+    def split(self) -> tuple[float, float]:
+        from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+        self.module.zero_grad(set_to_none=True)
+        x, loss = self._forward()
+        started = time.perf_counter()
+        _, param_groups = stage_backward_input([loss], None, [x], self.module.parameters())
+        middle = time.perf_counter()
+        stage_backward_weight(self.module.parameters(), param_groups)
+        return middle - started, time.perf_counter() - middle
+
+
+def measure(settings: Settings, rows: int) -> dict:
+    model = build_model(settings)
+    ours, theirs = Ours(model, rows, settings.hidden), Theirs(model, rows, settings.hidden)
+    samples: dict[str, list] = {"ours_unsplit": [], "ours_split": [], "torch_unsplit": [], "torch_split": []}
+    runs = [
+        ("ours_unsplit", ours.unsplit),
+        ("ours_split", ours.split),
+        ("torch_unsplit", theirs.unsplit),
+        ("torch_split", theirs.split),
+    ]
+    for _ in range(settings.warmup):
+        for _, fn in runs:
+            fn()
+    gc.collect()
+    gc.disable()
+    try:
+        for r in range(settings.repeats):
+            for i in range(len(runs)):
+                name, fn = runs[(r + i) % len(runs)]
+                samples[name].append(fn())
+    finally:
+        gc.enable()
+    med = _launch.median
+    result = {"rows": rows}
+    for lib in ("ours", "torch"):
+        unsplit = med(samples[f"{lib}_unsplit"])
+        b = med([s[0] for s in samples[f"{lib}_split"]])
+        w = med([s[1] for s in samples[f"{lib}_split"]])
+        total = med([s[0] + s[1] for s in samples[f"{lib}_split"]])
+        result[lib] = {
+            "unsplit_ms": 1e3 * unsplit,
+            "b_ms": 1e3 * b,
+            "w_ms": 1e3 * w,
+            "b_plus_w_ms": 1e3 * total,
+            "ratio": total / unsplit,
+            # the ratio within each repeat (unsplit and split ran side by side), then the median
+            "ratio_paired": med([(s[0] + s[1]) / u for s, u in zip(samples[f"{lib}_split"], samples[f"{lib}_unsplit"])]),
+            "w_share": w / (b + w) if b + w > 0 else float("nan"),
+        }
+    return result
+
+
+def report(data: dict) -> str:
+    s = data["settings"]
+    lines = [
+        "# B/W split overhead: (T_B + T_W) / T_unsplit for one stage",
+        "",
+        f"Stage: {s['layers']} residual MLP blocks (hidden {s['hidden']}, LayerNorm, Linear h->4h, GELU, Linear 4h->h) "
+        f"and a Linear head with the MSE loss, the second stage of a 2-stage pipeline; fp32, {s['threads']} thread(s); "
+        f"{s['warmup']} warm-up and {s['repeats']} alternating repeats of the four variants; medians.",
+        f"Machine: {_launch.load_line(data['machine_before'])} before, {_launch.load_line(data['machine_after'])} after.",
+        "",
+    ]
+    rows = []
+    for r in data["results"]:
+        o, t = r["ours"], r["torch"]
+        rows.append([
+            r["rows"],
+            f"{o['unsplit_ms']:.2f}", f"{o['b_ms']:.2f} + {o['w_ms']:.2f}", f"{o['ratio']:.3f}", f"{o['ratio_paired']:.3f}",
+            f"{t['unsplit_ms']:.2f}", f"{t['b_ms']:.2f} + {t['w_ms']:.2f}", f"{t['ratio']:.3f}", f"{t['ratio_paired']:.3f}",
+            f"{TORCH_REPORTED.get(r['rows'], float('nan')):.2f}",
+        ])
+    lines.append(_launch.table(
+        ["rows", "ours unsplit ms", "ours B + W ms", "ours ratio", "ours paired", "torch unsplit ms", "torch B + W ms",
+         "torch ratio", "torch paired", "torch earlier"],
+        rows,
+    ))
+    lines += [
+        "",
+        "ratio: median(T_B + T_W) / median(T_unsplit); paired: the median of the per-repeat ratios. "
+        "torch earlier: torch's split as measured before on this kind of machine.",
+        "",
+        "## Target: ours at most 1.05 at every size",
+        "",
+    ]
+    lines.append(_launch.table(
+        ["rows", "ours ratio", "holds"],
+        [[r["rows"], f"{r['ours']['ratio']:.3f}", "yes" if r["ours"]["ratio"] <= 1.05 else "NO"] for r in data["results"]],
+    ))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, default=Settings.hidden)
+    parser.add_argument("--layers", type=int, default=Settings.layers)
+    parser.add_argument("--repeats", type=int, default=Settings.repeats)
+    parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
+    parser.add_argument("--no-write", action="store_true", help="print only; leave the results files alone")
+    options = parser.parse_args()
+    settings = Settings(hidden=options.hidden, layers=options.layers, repeats=options.repeats, rows=tuple(options.rows))
+    torch.set_num_threads(settings.threads)
+    before = _launch.machine()
+    print(f"machine: {_launch.load_line(before)}", flush=True)
+    started = time.perf_counter()
+    results = []
+    for rows in settings.rows:
+        results.append(measure(settings, rows))
+        print(f"rows {rows}: ours {results[-1]['ours']['ratio']:.3f}, torch {results[-1]['torch']['ratio']:.3f}", flush=True)
+    data = {
+        "settings": asdict(settings),
+        "machine_before": before,
+        "machine_after": _launch.machine(),
+        "wall_s": time.perf_counter() - started,
+        "torch_reported": TORCH_REPORTED,
+        "results": results,
+        "target": {"ours_max_ratio": 1.05, "holds": all(r["ours"]["ratio"] <= 1.05 for r in results)},
+    }
+    text = report(data)
+    print(text)
+    if not options.no_write:
+        paths = _launch.write_results("split_overhead", data, text)
+        print("wrote " + ", ".join(str(p) for p in paths))
+
+
+if __name__ == "__main__":
+    main()
