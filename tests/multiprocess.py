@@ -7,12 +7,23 @@ import os
 import pickle
 import socket
 import tempfile
+import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A rank that raised (`error` holds its traceback) or exited without a result."""
+
+    rank: int
+    exitcode: int | None
+    error: str
 
 
 def _free_port() -> int:
@@ -24,21 +35,41 @@ def _free_port() -> int:
 def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    path = os.path.join(out_dir, f"{rank}.pkl")
     try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
         result = fn(*args)
-        with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
-            pickle.dump(result, f)
-    finally:
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        result = Failed(rank, None, traceback.format_exc())
+    with open(path, "wb") as f:
+        pickle.dump(result, f)
+    if not isinstance(result, Failed):
         dist.destroy_process_group()
 
 
-def run_ranks(world: int, fn: Callable, *args: Any) -> list[Any]:
-    """`fn(*args)` on `world` processes (rank r's result at index r); raises if any fails."""
+def run_ranks(world: int, fn: Callable, *args: Any, allow_failures: bool = False, timeout: float = 600) -> list[Any]:
+    """`fn(*args)` on `world` processes; rank r's result at index r. A rank that raised or died
+    gives a `Failed`; unless `allow_failures`, any failure raises RuntimeError with the traces."""
+    context = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_entry, args=(world, _free_port(), out_dir, fn, args), nprocs=world, start_method="spawn")
+        port = _free_port()
+        processes = [context.Process(target=_entry, args=(r, world, port, out_dir, fn, args)) for r in range(world)]
+        for p in processes:
+            p.start()
+        for p in processes:
+            p.join(timeout)
+            if p.is_alive():
+                p.kill()
+                p.join()
         results = []
-        for rank in range(world):
-            with open(os.path.join(out_dir, f"{rank}.pkl"), "rb") as f:
-                results.append(pickle.load(f))
-        return results
+        for rank, p in enumerate(processes):
+            path = os.path.join(out_dir, f"{rank}.pkl")
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    results.append(pickle.load(f))
+            else:
+                results.append(Failed(rank, p.exitcode, f"rank {rank} exited with code {p.exitcode} and no result"))
+    failures = [r for r in results if isinstance(r, Failed)]
+    if failures and not allow_failures:
+        raise RuntimeError("\n".join(f"--- rank {f.rank}:\n{f.error}" for f in failures))
+    return results
