@@ -105,6 +105,8 @@ def _random_inputs(program, have, device):
         out = torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype, device=device)
         if value.is_floating_point():
             out.normal_()
+        elif value.dtype == torch.bool:
+            out.fill_(True)
         else:
             out.random_(0, 8)
         env[name] = out
