@@ -7,6 +7,7 @@ import os
 from typing import Sequence
 
 from .costs import Costs
+from .heuristic import one_f_one_b_peak
 from .ir import Schedule
 from .registry import OBJECTIVES, SCHEDULE_NAMES, make_schedule
 from .render import layout, to_png, to_svg
@@ -24,17 +25,22 @@ def _floats(text: str) -> float | list[float]:
 
 
 def memory_limit_for(spec: str | None, name: str, stages: int, costs: Costs) -> float | list[float] | None:
-    """``Np`` is N times 1F1B's peak (p microbatches of each rank's activations); else a number."""
+    """``Np`` is N times 1F1B's peak (p microbatches of each rank's activations, plus
+    max(0, mem_w - mem_f) for the backward in progress, ``heuristic.one_f_one_b_peak``); else a number."""
     if spec is None:
         return None
     if not spec.endswith("p"):
         return _floats(spec)
     factor = float(spec[:-1] or 1)
-    mem_f = costs.resolve(stages).mem_f
+    sc = costs.resolve(stages)
+    mem_f, mem_w = sc.mem_f, sc.mem_w
     if name == "zbv":
         ranks = stages // 2
-        return [factor * ranks * (mem_f[r] + mem_f[stages - 1 - r]) for r in range(ranks)]
-    return [factor * stages * m for m in mem_f]
+        return [
+            factor * one_f_one_b_peak(mem_f[r] + mem_f[stages - 1 - r], mem_w[r] + mem_w[stages - 1 - r], ranks)
+            for r in range(ranks)
+        ]
+    return [factor * one_f_one_b_peak(f, w, stages) for f, w in zip(mem_f, mem_w)]
 
 
 def register(subparsers) -> None:

@@ -5,6 +5,12 @@ input-gradient backward (the paper's T_B), ``w`` the weight-gradient backward; a
 costs ``b + w``. Memory follows the paper: F adds ``mem_f`` (M_B), I frees ``mem_f - mem_w``,
 W frees ``mem_w`` (M_W), a fused B frees ``mem_f``. Every field is a scalar or one value per stage;
 for multi-chunk schedules a "stage" is a chunk.
+
+``mem_w`` may exceed ``mem_f``. On real stages it often does: I frees what only it needed
+(attention scores, MLP pre-activations) but allocates the output gradients every weight gradient
+needs, so W's inputs can outweigh F's saved activations. Then I *adds* ``mem_w - mem_f`` and a
+rank's peak can occur right after an I. A fused B is I then W in one action: it rises by
+``max(0, mem_w - mem_f)`` above the level before it (``memory_rise``) and ends ``mem_f`` lower.
 """
 
 from __future__ import annotations
@@ -72,6 +78,17 @@ class StageCosts:
             return -self.mem_f[stage]
         return 0.0
 
+    def memory_rise(self, stage: int, kind: str) -> float:
+        """Highest memory during the action above the level before it (never below the change at
+        its end): a fused B runs its I part first, so it peaks ``max(0, mem_w - mem_f)`` above."""
+        if kind == "B":
+            return max(0.0, self.mem_w[stage] - self.mem_f[stage])
+        return self.memory_delta(stage, kind)
+
+    def excess(self, stage: int) -> float:
+        """What an I adds: ``max(0, mem_w - mem_f)`` (0 when W's inputs are part of F's activations)."""
+        return max(0.0, self.mem_w[stage] - self.mem_f[stage])
+
     def work(self, stage: int) -> float:
         """Busy time of one microbatch on a stage: F + B + W."""
         return self.f[stage] + self.b[stage] + self.w[stage]
@@ -82,6 +99,7 @@ class Costs:
     """Costs of F/B/W per stage, communication delay and the memory of one microbatch.
 
     Defaults are uniform unit costs with no communication, ``mem_f=1`` and ``mem_w=0.5``.
+    ``mem_w`` may exceed ``mem_f``: an I then adds ``mem_w - mem_f`` (see the module docstring).
     """
 
     f: PerStage = 1.0
@@ -97,9 +115,6 @@ class Costs:
             raise ValueError(f"comm must be a finite non-negative number, got {self.comm!r}")
         mem_f = _per_stage("mem_f", self.mem_f, stages)
         mem_w = _per_stage("mem_w", self.mem_w, stages)
-        for s, (mf, mw) in enumerate(zip(mem_f, mem_w)):
-            if mw > mf:
-                raise ValueError(f"stage {s}: mem_w ({mw}) exceeds mem_f ({mf}); W's stash is part of F's activations")
         return StageCosts(
             f=_per_stage("f", self.f, stages),
             b=_per_stage("b", self.b, stages),

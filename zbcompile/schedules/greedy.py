@@ -10,6 +10,18 @@ this order:
 4. a W to fill the gap (``w_gate="fill"``), or only if it ends before the next known arrival
    (``w_gate="fit"``, keeping W in reserve for later gaps and the drain);
 otherwise it waits. Works for any stage-to-rank placement (single chunk, V shape).
+
+When ``mem_w > mem_f`` an I adds ``mem_w - mem_f``; an I that does not fit waits while W passes
+free memory (a W of an earlier microbatch is then always pending, see below), and an F is admitted
+only with room for that increase: level + mem_f + max(0, mem_w - mem_f) <= limit. On a
+single-chunk stage this never deadlocks: let L0 be the level before the last F, admitted with
+L0 + mem_f + e <= limit (e = max(0, mem_w - mem_f)), and q0 the W pending then. Since then a I and
+b W ran; if no W is pending now, b = a + q0 and the level is
+L0 + mem_f + a (mem_w - mem_f) - b mem_w = L0 + mem_f - a mem_f - q0 mem_w <= L0 + mem_f, so the I
+fits. So an I that does not fit always finds a pending W of an earlier microbatch, and the only
+infeasible limits are those below max(mem_f, mem_w) (``heuristic.minimum_memory``), rejected
+before scheduling. Ranks holding several stages (V) keep a reserve for the deeper stages; if they
+still get stuck, ``MemoryTooSmall`` says so and the caller tries other candidates.
 """
 
 from __future__ import annotations
@@ -93,9 +105,13 @@ def list_schedule(
         inflight_cap = [M] * S
     else:
         inflight_cap = [c + policy.inflight_extra for c in warmup_counts(S, stage_to_rank, costs)]
-    # Memory kept free on a rank for one F of each deeper stage it holds (V shapes), so that the
-    # oldest microbatch can always continue down the pipeline.
-    reserve = [sum(costs.mem_f[d] for d in stages_of[stage_to_rank[s]] if d > s) for s in range(S)]
+    # Memory kept free on a rank for one F (and its I's increase) of each deeper stage it holds (V
+    # shapes), so that the oldest microbatch can always continue down the pipeline and back, and
+    # for the increase of this stage's own I (mem_w > mem_f).
+    reserve = [
+        costs.excess(s) + sum(max(costs.mem_f[d], costs.mem_w[d]) for d in stages_of[stage_to_rank[s]] if d > s)
+        for s in range(S)
+    ]
 
     def delay(a: int, b: int) -> float:
         return costs.comm if stage_to_rank[a] != stage_to_rank[b] else 0.0
@@ -143,7 +159,8 @@ def list_schedule(
 
     def decide(r: int, now: float) -> tuple[int, str] | None:
         group = stages_of[r]
-        # 1. a returned gradient: I of the oldest microbatch, deeper stage first on ties
+        # 1. a returned gradient: I of the oldest microbatch, deeper stage first on ties; when its
+        #    increase (mem_w > mem_f) does not fit, a pending W frees memory first
         best = None
         for s in group:
             if ni[s] < M and i_avail(s) <= now + _EPS:
@@ -151,7 +168,13 @@ def list_schedule(
                 if best is None or key < best[0]:
                     best = (key, s)
         if best is not None:
-            return best[1], "I"
+            s = best[1]
+            if mem[r] + costs.memory_delta(s, "I") <= limit[r] + _EPS:
+                return s, "I"
+            pending_w = [t for t in group if nw[t] < ni[t]]
+            if pending_w:  # the stage whose W frees the most
+                return max(pending_w, key=lambda t: (costs.mem_w[t], -t)), "W"
+            return None  # cannot happen on a single-chunk stage (see the module docstring)
         next_i = min((i_avail(s) for s in group if ni[s] < M), default=math.inf)
         ready_f = [s for s in group if nf[s] < M and f_avail(s) <= now + _EPS]
         ready_f = [s for s in ready_f if nf[s] - ni[s] < inflight_cap[s]]
@@ -193,7 +216,8 @@ def list_schedule(
         stuck = [r for r in range(ranks) if remaining[r]]
         raise MemoryTooSmall(
             f"{name}: the memory limit {[limit[r] for r in stuck]} on ranks {stuck} leaves no room to make "
-            "progress; raise memory_limit (at least one microbatch's activations of every stage on a rank)"
+            "progress; raise memory_limit (at least one microbatch's activations of every stage on a rank, "
+            "and max(mem_f, mem_w) per stage: an I adds mem_w - mem_f when mem_w > mem_f)"
         )
     # The list scheduler's own timing; re-timing the order as soon as possible can only end sooner.
     estimate = {

@@ -10,6 +10,12 @@ rank s. Shapes (p stages, m microbatches, stage s counted from 0):
 - ZB-H2: 2(p-1-s)+1 warm-up F, then (I, W, F) triples in which stage s leaves out its last 2s W
   passes, then (I, W) pairs, then the held-back W. Peak memory (2p-1) M_B; bubble
   (p-1)(T_F + T_B - 2 T_W) when T_F + T_B >= 2 T_W.
+
+Peaks per stage with M_W possibly above M_B (e = max(0, M_W - M_B), what an I adds; a fused B
+counts its I part), derived and tested in ``tests/test_schedule_memory.py``:
+1F1B min(p-s, m) M_B + e; GPipe m M_B + e; ZB-H1 (m >= p) (p-s) M_B + s M_W + e, at most
+p max(M_B, M_W); ZB-H2 w M_B + h M_W + e with w = min(2(p-1-s)+1, m), h = min(2s, m-w), at most
+(2p-1) max(M_B, M_W).
 - Interleaved 1F1B (Megatron-LM's): v chunks per rank, stage c*P + r on rank r.
 """
 
@@ -131,7 +137,8 @@ def zb_v(stages: int, microbatches: int) -> Schedule:
                 chunk 1, then of chunk 0.
     With T_F = T_B = T_W per chunk, no communication delay and m >= 2p every rank's own span has no
     gap (stage bubble rate 0) and the peak memory per rank is 2p chunk activations, i.e. p M_B when
-    a chunk holds M_B / 2: 1F1B's peak. The order is built for max(m, 2p-1) microbatches and the
+    a chunk holds M_B / 2: 1F1B's peak. When M_W > M_B the W this order defers can exceed that;
+    ``heuristic.zbv`` then runs them earlier (``search.make_room``). The order is built for max(m, 2p-1) microbatches and the
     extra ones are dropped, which keeps it valid for small m.
     """
     if stages < 2 or stages % 2:

@@ -6,6 +6,8 @@ of the search family (``search.pattern_rows``) and the handcrafted 1F1B (with B 
 W), ZB-H1 and ZB-H2 where they fit in memory, all timed by ``fastsim.Evaluator``, and keeps the best
 under the objective. So it is never worse than those. ZB-V is handcrafted (``handcrafted.zb_v``) with
 the list scheduler on the V placement as a fallback.
+When M_W > M_B (an I raises memory) handcrafted orders that exceed the limit are also tried with
+their W moved earlier where needed (``search.make_room``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from .greedy import POLICIES, QUICK_POLICIES, GreedyPolicy, MemoryTooSmall, list
 from .handcrafted import one_f_one_b, zb_h1, zb_h2, zb_v
 from .fastsim import Evaluator
 from .ir import Action, Schedule
-from .search import analytic_parameters, handcrafted_rows, pattern_rows
+from .search import analytic_parameters, handcrafted_rows, make_room, pattern_rows
 from .simulate import peak_memory, simulate
 
 _TOLERANCE = 1e-9
@@ -42,9 +44,30 @@ def fits(schedule: Schedule, costs: StageCosts, limits: Sequence[float] | None) 
 
 
 def minimum_memory(stage_to_rank: Sequence[int], costs: StageCosts) -> tuple[float, ...]:
-    """The smallest per-rank limit under which a schedule exists: one microbatch of every stage."""
+    """The smallest per-rank limit under which a schedule exists: the peak of one microbatch
+    passing alone through the rank's stages (its F in stage order, then I and at once W in reverse).
+    One stage per rank: max(mem_f, mem_w) (an I adds mem_w - mem_f when that is positive)."""
     ranks = 1 + max(stage_to_rank)
-    return tuple(sum(costs.mem_f[s] for s, r in enumerate(stage_to_rank) if r == rank) for rank in range(ranks))
+    needed = []
+    for rank in range(ranks):
+        own = [s for s, r in enumerate(stage_to_rank) if r == rank]
+        level = peak = 0.0
+        for s in own:
+            level += costs.mem_f[s]
+            peak = max(peak, level)
+        for s in reversed(own):
+            level += costs.mem_w[s] - costs.mem_f[s]
+            peak = max(peak, level)
+            level -= costs.mem_w[s]
+        needed.append(peak)
+    return tuple(needed)
+
+
+def one_f_one_b_peak(mem_f: float, mem_w: float, stages: int) -> float:
+    """1F1B's peak on its first stage for ``stages`` stages and enough microbatches: p in flight,
+    and the last one's backward adds max(0, mem_w - mem_f) (a fused B runs its I part first), i.e.
+    (p - 1) mem_f + max(mem_f, mem_w)."""
+    return stages * mem_f + max(0.0, mem_w - mem_f)
 
 
 def check_memory_feasible(name: str, stage_to_rank: Sequence[int], costs: StageCosts, limits) -> None:
@@ -55,7 +78,8 @@ def check_memory_feasible(name: str, stage_to_rank: Sequence[int], costs: StageC
     if short:
         raise ValueError(
             f"{name}: memory_limit {[limits[r] for r in short]} on ranks {short} is below one microbatch's "
-            f"activations {[needed[r] for r in short]}; raise it to at least that"
+            f"peak {[needed[r] for r in short]} (its activations, or mem_w where an I raises memory to it); "
+            "no schedule fits: raise it to at least that"
         )
 
 
@@ -123,8 +147,12 @@ def zb_auto_candidates(
             continue
     warm, defer = analytic_parameters(stages, costs)
     consider("pattern", pattern_rows(ev, lims, warm, defer))
+    raises = any(mw > mf for mf, mw in zip(costs.mem_f, costs.mem_w))
     for name in ("1f1b", "zb-h1", "zb-h2"):
-        consider(name, handcrafted_rows(ev, name))
+        rows = handcrafted_rows(ev, name)
+        consider(name, rows)
+        if raises and limits is not None:  # I raises memory: the same order with W moved to fit
+            consider(f"{name} (W moved to fit)", make_room(ev, rows, lims))
     if not scored:
         raise ValueError(f"zb-auto: no schedule fits memory_limit {list(limits)}; raise it")
     value, _, source, rows = min(scored, key=lambda t: (t[0], t[1]))
@@ -135,6 +163,24 @@ def v_placement(stages: int) -> tuple[int, ...]:
     """Two chunks per rank in a V: stage s on rank s for the first half, 2p-1-s for the second."""
     ranks = stages // 2
     return tuple(s if s < ranks else stages - 1 - s for s in range(stages))
+
+
+def sequential(stages: int, microbatches: int, stage_to_rank: Sequence[int]) -> Schedule:
+    """One microbatch at a time: per rank its F in stage order, then I and W in reverse. Every
+    rank peaks at ``minimum_memory``; the fallback when nothing better fits a tight limit. Each
+    rank's order follows one global order (microbatch, then position on the F...F I...I chain),
+    so it cannot deadlock."""
+    ranks = 1 + max(stage_to_rank)
+    rows = []
+    for rank in range(ranks):
+        own = [s for s, r in enumerate(stage_to_rank) if r == rank]
+        row = []
+        for k in range(microbatches):
+            row += [Action(s, "F", k) for s in own]
+            for s in reversed(own):
+                row += [Action(s, "I", k), Action(s, "W", k)]
+        rows.append(tuple(row))
+    return Schedule("zbv", stages, microbatches, tuple(stage_to_rank), tuple(rows))
 
 
 def _uniform(costs: StageCosts) -> bool:
@@ -149,14 +195,31 @@ def zbv(stages: int, microbatches: int, costs: StageCosts, limits: Sequence[floa
         raise ValueError(f"zbv puts two chunks on each rank: stages (chunks) must be even and >= 2, got {stages}")
     placement = v_placement(stages)
     ranks = stages // 2
-    if limits is None:  # 1F1B memory: p microbatches of a whole rank's activations
-        limits = tuple(ranks * (costs.mem_f[r] + costs.mem_f[stages - 1 - r]) for r in range(ranks))
+    if limits is None:
+        # 1F1B memory: p microbatches of a whole rank's activations (see one_f_one_b_peak), at
+        # least one microbatch's peak (chunks whose M_W exceed the other chunk's M_B need more)
+        limits = tuple(
+            max(
+                need,
+                one_f_one_b_peak(
+                    costs.mem_f[r] + costs.mem_f[stages - 1 - r], costs.mem_w[r] + costs.mem_w[stages - 1 - r], ranks
+                ),
+            )
+            for r, need in enumerate(minimum_memory(placement, costs))
+        )
     check_memory_feasible("zbv", placement, costs, limits)
     candidates = []
     hand = zb_v(stages, microbatches)
     if fits(hand, costs, limits):
         candidates.append(hand.with_info(zbv_source="handcrafted"))
-    if not candidates or not _uniform(costs):
+    elif any(mw > mf for mf, mw in zip(costs.mem_f, costs.mem_w)):
+        # I raises memory, so the deferred W of the cool-down can exceed 1F1B's memory: run them
+        # earlier where needed
+        ev = Evaluator(stages, microbatches, placement, costs)
+        rows = make_room(ev, ev.rows_of(hand), limits)
+        if rows is not None:
+            candidates.append(ev.schedule("zbv", rows).with_info(zbv_source="handcrafted (W moved to fit)"))
+    if not candidates or not _uniform(costs) or candidates[0].info["zbv_source"] != "handcrafted":
         for policy in POLICIES:
             try:
                 candidates.append(
@@ -164,8 +227,8 @@ def zbv(stages: int, microbatches: int, costs: StageCosts, limits: Sequence[floa
                 )
             except MemoryTooSmall:
                 continue
-    if not candidates:
-        raise ValueError(f"zbv: no schedule fits memory_limit {list(limits)}; raise it")
+    if not candidates:  # one microbatch at a time: peaks at exactly minimum_memory
+        candidates.append(sequential(stages, microbatches, placement).with_info(zbv_source="sequential"))
     best, _ = best_of(candidates, costs, objective)
     return best.with_info(memory_limit=list(limits))
 

@@ -61,7 +61,7 @@ def _zb_auto(stages, microbatches, sc, limits, objective, time_budget, determini
 
     actions = 3 * stages * microbatches
     use_cpsat = actions <= CPSAT_MAX_ACTIONS
-    if budget > 0 and not at_bound() and left() > 0:
+    if budget > 0 and not at_bound() and (deterministic or left() > 0):
         # Keep a margin for turning the result into a Schedule (about one evaluation's time).
         share = 0.7 if use_cpsat else 0.9
         search_budget = left() * share if not deterministic else budget * share

@@ -95,11 +95,14 @@ def pattern_rows(
         lim = limits[s] + _EPS
         F, I, W = ev.id(s, 0, 0), ev.id(s, 1, 0), ev.id(s, 2, 0)  # ids of microbatch k: base + k
         mf, mi, mw = mem[F], mem[I], mem[W]
+        # An F is admitted only with room for the increase of an I right after it (mem_w > mem_f:
+        # mi > 0); then an I never lacks memory once the pending W have run (see greedy.py).
+        mfe = mf + max(0.0, mi)
         row: list[int] = []
         nf = ni = nw = 0
         level = 0.0
         d = defer[s]
-        while nf < min(warm[s], M) and level + mf <= lim:
+        while nf < min(warm[s], M) and level + mfe <= lim:
             row.append(F + nf)
             nf += 1
             level += mf
@@ -107,23 +110,27 @@ def pattern_rows(
             return None
         while ni < M:
             if ni >= nf:  # nothing in flight: the next forward first
-                while level + mf > lim and nw < ni:
+                while level + mfe > lim and nw < ni:
                     row.append(W + nw); nw += 1; level += mw
-                if level + mf > lim:
+                if level + mfe > lim:
                     return None
                 row.append(F + nf); nf += 1; level += mf
+            while level + mi > lim and nw < ni:  # an I that raises memory waits for W
+                row.append(W + nw); nw += 1; level += mw
+            if level + mi > lim:
+                return None
             row.append(I + ni); ni += 1; level += mi
             if nf >= M and drain:  # drain: W fills the slot a forward would have taken
                 extra = 0
                 while extra < drain and nw < ni and ni - nw > floor[s] - (M - ni):
                     row.append(W + nw); nw += 1; level += mw; extra += 1
             if not w_after:
-                while nw < ni and (ni - nw > d or (nf < M and level + mf > lim)):
+                while nw < ni and (ni - nw > d or (nf < M and level + mfe > lim)):
                     row.append(W + nw); nw += 1; level += mw
             if nf < M:
-                while level + mf > lim and nw < ni:
+                while level + mfe > lim and nw < ni:
                     row.append(W + nw); nw += 1; level += mw
-                if level + mf > lim:
+                if level + mfe > lim:
                     return None
                 row.append(F + nf); nf += 1; level += mf
             if w_after:
@@ -445,3 +452,37 @@ def _costs_of(ev: Evaluator) -> StageCosts:
     mem_f = tuple(ev.mem[ev.id(s, 0, 0)] for s in range(S))
     mem_w = tuple(-ev.mem[ev.id(s, 2, 0)] for s in range(S))
     return StageCosts(f, b, w, comm, mem_f, mem_w)
+
+
+def make_room(ev: Evaluator, rows: Sequence[Sequence[int]], limits: Sequence[float]) -> list[list[int]] | None:
+    """``rows`` with W passes moved earlier wherever an action would exceed its rank's limit (the
+    pending W of each stage, in microbatch order, most memory freed first), or None when an action
+    does not fit even with no W pending. Moving a W earlier (still after its I) keeps every
+    dependency, since nothing waits for a W. Used for handcrafted orders when I raises memory."""
+    W_BASE = 2 * ev.S * ev.M
+    mem, local, M = ev.mem, ev.local, ev.M
+    out_rows = []
+    for row, lim in zip(rows, limits):
+        lim = lim + _EPS * max(1.0, abs(lim))
+        moved: set[int] = set()
+        done: set[int] = set()
+        next_w: dict[int, int] = {}  # stage -> next W microbatch to run
+        for s in sorted({(a // M) % ev.S for a in row}):
+            next_w[s] = 0
+        out: list[int] = []
+        level = 0.0
+        for a in row:
+            if a in moved:
+                continue
+            while level + mem[a] > lim:
+                pending = [W_BASE + s * M + k for s, k in next_w.items() if k < M and local[W_BASE + s * M + k] in done]
+                if not pending:
+                    return None
+                w = min(pending, key=lambda x: mem[x])  # frees the most
+                out.append(w); done.add(w); moved.add(w); level += mem[w]
+                next_w[(w - W_BASE) // M] += 1
+            out.append(a); done.add(a); level += mem[a]
+            if a >= W_BASE:
+                next_w[(a - W_BASE) // M] += 1
+        out_rows.append(out)
+    return out_rows

@@ -7,7 +7,10 @@ Definitions (see docs/schedules.md): every action starts as early as its rank an
 - span: the longest per-rank span, a rank's own first start to its own last end (steps back to
   back, what the paper reports);
 - bubble_rate = 1 - busy / (ranks * makespan); stage_bubble_rate = 1 - busy / (ranks * span);
-- peak_memory[r]: the largest activation memory rank r holds, in units of ``mem_f``.
+- peak_memory[r]: the largest activation memory rank r holds, in units of ``mem_f``: the running
+  sum of the memory deltas in rank r's order (its actions never overlap, so that is time order).
+  With ``mem_w > mem_f`` an I raises the level, so the peak can follow an I; a fused B counts its
+  I part (``StageCosts.memory_rise``).
 
 For single-chunk schedules a rank is a stage; multi-chunk schedules report per rank.
 """
@@ -47,13 +50,14 @@ class SimResult:
 
 
 def peak_memory(schedule: Schedule, costs: StageCosts) -> tuple[float, ...]:
-    """Per-rank peak of the running sum of memory deltas, in program order."""
+    """Per-rank peak of the running sum of memory deltas, in program order (a fused B peaks at
+    the end of its I part, ``StageCosts.memory_rise``)."""
     peaks = []
     for row in schedule.actions:
         level = peak = 0.0
         for a in row:
+            peak = max(peak, level + costs.memory_rise(a.stage, a.kind))
             level += costs.memory_delta(a.stage, a.kind)
-            peak = max(peak, level)
         peaks.append(peak)
     return tuple(peaks)
 

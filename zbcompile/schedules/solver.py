@@ -4,8 +4,11 @@ Model (times scaled to integers, durations rounded down so the proven bound stay
 - one fixed-size interval per compute action;
 - precedences: F(s-1,k) -> F(s,k), I(s+1,k) -> I(s,k) with the comm delay across ranks,
   F(s,k) -> I(s,k) -> W(s,k), and F, I, W each in microbatch order on their stage;
-- no overlap per rank; memory as a cumulative resource per rank (a microbatch holds M_B - M_W
-  from its F's start to its I's end and M_W from its F's start to its W's end) under the limit;
+- no overlap per rank; memory as a cumulative resource per rank under the limit. A microbatch
+  holds M_B - M_W from its F's start to its I's end and M_W from its F's start to its W's end when
+  M_W <= M_B; when M_W > M_B (I raises memory) it holds M_B from its F's start to its W's end and
+  M_W - M_B from its I's end to its W's end. Every demand is non-negative either way, and the level
+  after each action is the simulator's running sum (the peak right after an I included);
 - objective "makespan": the last end; "span": the longest per-rank span, with every rank's first F
   pinned at the time the first forward reaches it (that is when the runtime starts it).
 The solution's per-rank order is re-timed by the simulator with the real costs; the caller keeps
@@ -124,21 +127,29 @@ def improve(
             return skipped
         model.add_no_overlap([interval[a] for a in row])
         if limits is not None and math.isfinite(limits[rank]):
-            # Memory as a cumulative resource: a microbatch holds M_B - M_W from its F's start to
-            # its I's end and M_W from its F's start to its W's end.
+            # Memory as a cumulative resource (see the module docstring): per microbatch, amounts
+            # held from one event to another, all non-negative whether I frees or adds memory.
             holds, demands = [], []
             for a in row:
                 if a.kind != "F":
                     continue
                 s, k = a.stage, a.microbatch
-                for until, amount in (("I", costs.mem_f[s] - costs.mem_w[s]), ("W", costs.mem_w[s])):
+                mf, mw = costs.mem_f[s], costs.mem_w[s]
+                i_act, w_act = Action(s, "I", k), Action(s, "W", k)
+                if mw <= mf:
+                    spans = ((a, i_act, mf - mw), (a, w_act, mw))
+                else:
+                    spans = ((a, w_act, mf), (i_act, w_act, mw - mf))
+                for since, until, amount in spans:
                     demand = int(round(amount * mem_scale))
                     if demand <= 0:
                         continue
-                    finish = end[Action(s, until, k)]
-                    size = model.new_int_var(0, horizon, f"hold{a}{until}")
-                    model.add_hint(size, int(hint.end[Action(s, until, k)] - hint.start[a]))
-                    holds.append(model.new_interval_var(start[a], size, finish, f"h{a}{until}"))
+                    begin = start[since] if since.kind == "F" else end[since]
+                    hint_begin = hint.start[since] if since.kind == "F" else hint.end[since]
+                    finish = end[until]
+                    size = model.new_int_var(0, horizon, f"hold{since}{until}")
+                    model.add_hint(size, int(hint.end[until] - hint_begin))
+                    holds.append(model.new_interval_var(begin, size, finish, f"h{since}{until}"))
                     demands.append(demand)
             if holds:
                 model.add_cumulative(holds, demands, int(math.floor(limits[rank] * mem_scale + 1e-6)))
