@@ -26,7 +26,7 @@ class Failed:
     error: str
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -52,7 +52,7 @@ def run_ranks(world: int, fn: Callable, *args: Any, allow_failures: bool = False
     gives a `Failed`; unless `allow_failures`, any failure raises RuntimeError with the traces."""
     context = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out_dir:
-        port = _free_port()
+        port = free_port()
         processes = [context.Process(target=_entry, args=(r, world, port, out_dir, fn, args)) for r in range(world)]
         for p in processes:
             p.start()

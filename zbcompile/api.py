@@ -41,6 +41,7 @@ class PipelineOptions:
     solver_time_budget: float | None = None
     profile: bool = False
     profile_steps: int = 2
+    objective: str = "span"
 
     def __post_init__(self) -> None:
         for name in ("stages", "microbatches", "profile_steps"):
@@ -65,6 +66,7 @@ def pipeline(
     solver_time_budget: float | None = None,
     profile: bool = False,
     profile_steps: int = 2,
+    objective: str = "span",
 ):
     """Make `model` a pipelined model: `pipeline(model, stages=4, microbatches=8, loss_fn=F.mse_loss)`.
 
@@ -74,9 +76,12 @@ def pipeline(
     model's forward must return that loss itself. `split_points` are module FQNs where a new
     stage begins (otherwise the stages are balanced by cost). `memory_limit` bounds each stage's
     activation memory in units of one microbatch's activations (zb-auto, zbv);
-    `solver_time_budget` caps the seconds zb-auto spends improving its heuristic.
-    With `profile=True` the first `profile_steps` steps run the schedule solved from static
-    FLOP estimates while every action is timed; then the costs measured on every rank (and
+    `solver_time_budget` caps the seconds zb-auto spends improving its heuristic; `objective`
+    is what it minimises: "span" (steps run back to back, the default) or "makespan" (every
+    step ends in a synchronisation, e.g. global gradient clipping without post-validation).
+    With `profile=True` the `profile_steps` steps after the first (warm-up) step run the
+    schedule solved from static FLOP estimates while every action is timed; then the costs
+    measured on every rank (and
     the time to send a boundary message) are gathered, the schedule is solved once more on
     rank 0 with them, broadcast, and used from the next step on.
 
@@ -95,6 +100,7 @@ def pipeline(
         solver_time_budget,
         profile,
         profile_steps,
+        objective,
     )
     if model is None:
         return functools.partial(_wrap, options=options)
@@ -301,6 +307,7 @@ class PipelinedModule:
                 costs=costs or schedule_costs(compiled),
                 memory_limit=self.options.memory_limit,
                 time_budget=self.options.solver_time_budget,
+                objective=self.options.objective,
             )
         if self.distributed:
             box = [schedule]
@@ -311,11 +318,13 @@ class PipelinedModule:
     def _profile(self, bundle: _Compiled) -> None:
         """Collect this step's timeline; after `profile_steps` steps, re-solve with measured costs."""
         timelines = self._timelines.setdefault(self._last_key, [])
-        if len(timelines) > self.options.profile_steps:
+        if len(timelines) > self.options.profile_steps + 1:
             return
         timelines.append(list(bundle.runner.timeline))
-        if len(timelines) == self.options.profile_steps:
-            costs = profile.measured_costs(bundle.runner, timelines, schedule_costs(bundle.compiled))
+        if len(timelines) == 1:
+            return  # the first step warms up (allocator, caches): not representative
+        if len(timelines) == self.options.profile_steps + 1:
+            costs = profile.measured_costs(bundle.runner, timelines[1:], schedule_costs(bundle.compiled))
             schedule = self._make_schedule(bundle.compiled, costs)
             bundle.runner.reschedule(schedule)
             self._compiled[self._last_key] = _Compiled(bundle.compiled, schedule, bundle.runner)
@@ -454,18 +463,24 @@ def _constant_key(value: Any) -> Any:
 
 
 def schedule_costs(compiled: CompiledPipeline) -> Costs:
-    """Per-stage schedule costs from the static estimates: times in FLOP-equivalents, memory in
-    units of the largest stage's per-microbatch activations (F keeps max(M_B, M_W) so that the
-    model never undercounts the backward's peak)."""
+    """Per-stage schedule costs from the static estimates: times in FLOP-equivalents; memory
+    M_B (kept by F) and M_W (still needed by W after B; may exceed M_B, B then adds memory) in
+    units of the largest stage's M_B, so that `memory_limit=8` means eight microbatches'
+    activations of the largest stage."""
     costs = [p.cost for p in compiled.programs]
-    unit = max([max(c.mem_b, c.mem_w) for c in costs] + [1])
+    unit = max([c.mem_b for c in costs] + [1])
     return Costs(
         f=[c.forward.time_estimate for c in costs],
         b=[c.input_backward.time_estimate for c in costs],
         w=[c.weight_backward.time_estimate for c in costs],
-        mem_f=[max(c.mem_b, c.mem_w) / unit for c in costs],
+        mem_f=[c.mem_b / unit for c in costs],
         mem_w=[c.mem_w / unit for c in costs],
     )
+
+
+def memory_unit(compiled: CompiledPipeline) -> int:
+    """Bytes of one unit of `schedule_costs`' memory."""
+    return max([p.cost.mem_b for p in compiled.programs] + [1])
 
 
 def _ranks_per_pipeline(options: PipelineOptions) -> int | None:

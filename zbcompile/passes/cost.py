@@ -86,7 +86,7 @@ def random_inputs(program, state: Mapping[str, torch.Tensor], generator: torch.G
             data = torch.randn(value.shape, dtype=value.dtype, generator=generator)
         else:
             data = torch.randint(0, 8, value.shape, dtype=value.dtype, generator=generator)
-        env[name] = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype).copy_(data)
+        env[name] = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device).copy_(data)
     return env
 
 
@@ -100,8 +100,8 @@ def measure_stage_times(program, state: Mapping[str, torch.Tensor], repeats: int
             env = random_inputs(program.forward, state, generator)
             for graph_name in samples:
                 graph = getattr(program, graph_name)
-                if graph_name == "input_backward":
-                    env.update(random_inputs(graph, {**state, **env}, generator))
+                if graph_name == "input_backward":  # the tangents (W may read them when B is empty)
+                    env.update(random_inputs(program.joint.backward, {**state, **env}, generator))
                 started = time.perf_counter()
                 graph.run(env, state)
                 if attempt:

@@ -54,7 +54,8 @@ class Program:
     def run(self, env: dict[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> None:
         """Call the graph on the values named in its signature, looked up in `env` and then in
         `state` (parameters and buffers), and store its results into `env`."""
-        results = self.graph(*[env[n] if n in env else state[n] for n in self.signature.inputs])
+        with torch.no_grad():  # the graphs are the forward and backward: nothing to record
+            results = self.graph(*[env[n] if n in env else state[n] for n in self.signature.inputs])
         env.update(zip(self.signature.outputs, results))
 
 

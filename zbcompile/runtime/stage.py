@@ -25,6 +25,7 @@ class StageExecutor:
         self.envs: dict[int, dict[str, torch.Tensor]] = {}
         self.grads: dict[str, torch.Tensor] = {}
         self.peak_live_bytes = 0
+        self._env_bytes: dict[int, int] = {}
         joint, split = program.joint, program.split
         self._backward_reads = {n for n in joint.backward.signature.inputs if not n.startswith(("param:", "buffer:"))}
         self._weight_reads = set(split.weight_reads)
@@ -43,7 +44,7 @@ class StageExecutor:
         else:
             outputs = {name.removeprefix("out:"): env[name] for name in self.program.forward.signature.outputs if name.startswith("out:")}
         self.envs[microbatch] = {k: v for k, v in env.items() if k in self._backward_reads}
-        self._note_memory()
+        self._note_memory(microbatch)
         return outputs
 
     def input_backward(self, microbatch: int, output_grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -62,7 +63,7 @@ class StageExecutor:
             elif own is not None or relayed is not None:
                 grads[name] = own if own is not None else relayed
         self.envs[microbatch] = {k: v for k, v in env.items() if k in self._weight_reads}
-        self._note_memory()
+        self._note_memory(microbatch)
         return grads
 
     def weight_backward(self, microbatch: int) -> None:
@@ -75,7 +76,7 @@ class StageExecutor:
                 self.grads[fqn].add_(grad)
             else:
                 self.grads[fqn] = grad.detach().clone()
-        self._note_memory()
+        self._note_memory(microbatch)
 
     def backward(self, microbatch: int, output_grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Fused backward: B then W at once."""
@@ -103,15 +104,14 @@ class StageExecutor:
         return grads
 
     def live_bytes(self) -> int:
-        """Bytes of activation memory the stashed values hold (shared storages counted once)."""
-        storages = {}
-        for env in self.envs.values():
-            for value in env.values():
-                storage = value.untyped_storage()
-                storages[storage.data_ptr()] = storage.nbytes()
-        return sum(storages.values())
+        """Bytes of activation memory the stashed values of all microbatches in flight hold."""
+        return sum(self._env_bytes.values())
 
-    def _note_memory(self) -> None:
+    def _note_memory(self, microbatch: int) -> None:
+        if microbatch in self.envs:
+            self._env_bytes[microbatch] = held_bytes(self.envs[microbatch].values())
+        else:
+            self._env_bytes.pop(microbatch, None)
         self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes())
 
 
@@ -133,3 +133,14 @@ def merge_stage_grads(executors: Sequence[StageExecutor]) -> dict[str, torch.Ten
         for fqn, grad in executor.take_grads().items():
             grads[fqn] = grads[fqn] + grad if fqn in grads else grad
     return grads
+
+
+def held_bytes(values) -> int:
+    """Memory a set of tensors keeps alive: each storage once, but no more than the bytes its
+    tensors here span (a microbatch that is a slice of the batch holds its slice's bytes)."""
+    by_storage: dict[int, list[int]] = {}
+    for value in values:
+        storage = value.untyped_storage()
+        entry = by_storage.setdefault(storage.data_ptr(), [storage.nbytes(), 0])
+        entry[1] += value.numel() * value.element_size()
+    return sum(min(total, spanned) for total, spanned in by_storage.values())
