@@ -12,6 +12,7 @@ from torch import nn
 from zbcompile.compiler import compile_pipeline
 from zbcompile.models.gpt import GPT, Block, GPTConfig, lm_loss
 from zbcompile.passes.cost import measure_stage_times, random_inputs
+from zbcompile.passes.split_backward import MIN_DEFERRAL_INTENSITY
 
 aten = torch.ops.aten
 
@@ -71,13 +72,17 @@ class SplitReproducesBackward(TestCase):
         self.assertFalse(freed & set(last.split.weight_reads))
 
 
-def _block_pipeline(hidden: int, seq: int, heads: int, batch: int = 2):
-    """A 3-stage model whose middle stage is exactly one transformer block."""
+def _block_pipeline(hidden: int, seq: int, heads: int, batch: int = 2, defer_all: bool = True):
+    """A 3-stage model whose middle stage is exactly one transformer block. `defer_all`: every
+    weight gradient goes to W (else the default policy keeps cheap ones in B)."""
     torch.manual_seed(0)
     config = GPTConfig(hidden=hidden, heads=heads, seq_len=seq, layers=1)
     model = nn.Sequential(nn.Linear(hidden, hidden), Block(config), nn.Linear(hidden, hidden))
     x = torch.randn(batch, seq, hidden)
-    compiled = compile_pipeline(model, nn.functional.mse_loss, (x,), {}, torch.randn(batch, seq, hidden), 3, ["1", "2"])
+    compiled = compile_pipeline(
+        model, nn.functional.mse_loss, (x,), {}, torch.randn(batch, seq, hidden), 3, ["1", "2"],
+        min_deferral_intensity=0 if defer_all else MIN_DEFERRAL_INTENSITY,
+    )
     return compiled.programs[1]
 
 
@@ -104,6 +109,19 @@ class TransformerBlockSplit(TestCase):
         returned = block.weight_backward.signature.outputs
         for fqn in ("1.ln1.weight", "1.ln1.bias", "1.ln2.weight", "1.ln2.bias"):
             self.assertIn(f"grad:param:{fqn}", returned)
+
+    def test_default_policy_keeps_norm_weight_gradients_in_b(self):
+        """Deferring a LayerNorm's weight gradients would keep its input and output-gradient alive
+        until W for a few elementwise ops: by default B computes them, and W holds no more than
+        F saved (M_W <= M_B, the paper's premise for ZB-H1 at 1F1B's memory)."""
+        deferred = _block_pipeline(hidden=64, seq=32, heads=4, defer_all=True)
+        default = _block_pipeline(hidden=64, seq=32, heads=4, defer_all=False)
+        self.assertEqual(
+            set(default.split.input_param_grads), {"1.ln1.weight", "1.ln1.bias", "1.ln2.weight", "1.ln2.bias"}
+        )
+        self.assertEqual(len(_calls(default.weight_backward, aten.mm.default)), 4)
+        self.assertGreater(deferred.cost.mem_w, deferred.cost.mem_b)
+        self.assertLessEqual(default.cost.mem_w, default.cost.mem_b)
 
     def test_weight_backward_holds_40_percent_of_backward_flops(self):
         """The paper's Table 1: W = 24sbh^2 against B = sbh(24h + 8s)."""

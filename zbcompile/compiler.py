@@ -16,7 +16,7 @@ from zbcompile.passes import _fx
 from zbcompile.passes.cost import GraphCost, graph_cost
 from zbcompile.passes.joint import Program, StageJoint, export_stage_joints
 from zbcompile.passes.partition import Stage, StagePartition, partition_stages
-from zbcompile.passes.split_backward import SplitBackward, split_backward
+from zbcompile.passes.split_backward import MIN_DEFERRAL_INTENSITY, SplitBackward, split_backward
 from zbcompile.passes.trace import TracedModel, trace_model
 
 
@@ -79,9 +79,11 @@ def compile_pipeline(
     stages: int,
     split_points: Sequence[str] | None = None,
     device: torch.device | None = None,
+    min_deferral_intensity: float = MIN_DEFERRAL_INTENSITY,
 ) -> CompiledPipeline:
     """Compile one microbatch's forward + loss (`args`, `kwargs`, `target` are a microbatch).
-    The model's parameters may be on the `meta` device; they compile as if on `device`."""
+    The model's parameters may be on the `meta` device; they compile as if on `device`.
+    `min_deferral_intensity`: see `split_backward` (0 defers every weight gradient to W)."""
     seconds: dict[str, float] = {}
 
     def timed(phase: str, fn, *a, **k):
@@ -93,7 +95,7 @@ def compile_pipeline(
     traced = timed("trace", trace_model, model, loss_fn, args, kwargs, target, device)
     partition = timed("partition", partition_stages, traced, stages, split_points)
     joints = timed("joint", export_stage_joints, partition, traced.fake_mode)
-    splits = timed("split_backward", lambda: [split_backward(j) for j in joints])
+    splits = timed("split_backward", lambda: [split_backward(j, min_deferral_intensity) for j in joints])
     programs = timed(
         "cost",
         lambda: tuple(

@@ -29,6 +29,7 @@ class StageExecutor:
         joint, split = program.joint, program.split
         self._backward_reads = {n for n in joint.backward.signature.inputs if not n.startswith(("param:", "buffer:"))}
         self._weight_reads = set(split.weight_reads)
+        self._weight_param_grads = [f for f in joint.param_grads if f not in split.input_param_grads]
         self._layouts = {**_placeholder_layouts(joint.forward), **_placeholder_layouts(joint.backward)}
 
     # --- actions ---------------------------------------------------------------------------
@@ -54,6 +55,7 @@ class StageExecutor:
         for name in self.program.joint.tangents:
             env[f"tangent:{name}"] = self._as_traced(f"tangent:{name}", output_grads[name])
         self.program.input_backward.run(env, self.state)
+        self._accumulate(self.program.split.input_param_grads, env)
         grads = {}
         for name in self.program.stage.inputs:
             own = env.get(f"grad:{name}")
@@ -70,13 +72,18 @@ class StageExecutor:
         """W: parameter gradients of `microbatch`, accumulated; the microbatch's values freed."""
         env = self.envs.pop(microbatch)
         self.program.weight_backward.run(env, self.state)
-        for fqn in self.program.joint.param_grads:
+        self._accumulate(self._weight_param_grads, env)
+        self._note_memory(microbatch)
+
+    def _accumulate(self, fqns: Sequence[str], env: Mapping[str, torch.Tensor]) -> None:
+        """Add one microbatch's parameter gradients (in microbatch order: the same sums, bit for
+        bit, under every schedule)."""
+        for fqn in fqns:
             grad = env[f"grad:param:{fqn}"]
             if fqn in self.grads:
                 self.grads[fqn].add_(grad)
             else:
                 self.grads[fqn] = grad.detach().clone()
-        self._note_memory(microbatch)
 
     def backward(self, microbatch: int, output_grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Fused backward: B then W at once."""
