@@ -262,3 +262,11 @@ def test_keyword_tensor_with_another_batch_size():
 def test_pipeline_of_something_that_is_not_a_module():
     with pytest.raises(TypeError, match="int"):
         zbcompile.pipeline(42, stages=2)
+
+
+def test_fewer_microbatches_than_the_schedule_needs():
+    """Interleaved 1F1B runs microbatches in rounds of one per rank: 2 ranks need a multiple of 2."""
+    case = build("gpt")
+    pipe = zbcompile.pipeline(case.model, stages=4, microbatches=1, loss_fn=case.loss_fn, schedule="interleaved-1f1b")
+    with pytest.raises(ValueError, match=r"interleaved-1f1b.*1 microbatches.*2 ranks"):
+        case.step(pipe)
