@@ -9,8 +9,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import sympy
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from zbcompile.passes import _fx
 from zbcompile.passes.cost import GraphCost, graph_cost
@@ -80,10 +82,12 @@ def compile_pipeline(
     split_points: Sequence[str] | None = None,
     device: torch.device | None = None,
     min_deferral_intensity: float = MIN_DEFERRAL_INTENSITY,
+    cuts: Sequence[int] | None = None,
 ) -> CompiledPipeline:
     """Compile one microbatch's forward + loss (`args`, `kwargs`, `target` are a microbatch).
     The model's parameters may be on the `meta` device; they compile as if on `device`.
-    `min_deferral_intensity`: see `split_backward` (0 defers every weight gradient to W)."""
+    `min_deferral_intensity`: see `split_backward` (0 defers every weight gradient to W);
+    `cuts`: reuse an earlier partition's cut positions (`StagePartition.cuts`)."""
     seconds: dict[str, float] = {}
 
     def timed(phase: str, fn, *a, **k):
@@ -93,7 +97,7 @@ def compile_pipeline(
         return result
 
     traced = timed("trace", trace_model, model, loss_fn, args, kwargs, target, device)
-    partition = timed("partition", partition_stages, traced, stages, split_points)
+    partition = timed("partition", partition_stages, traced, stages, split_points, cuts=cuts)
     joints = timed("joint", export_stage_joints, partition, traced.fake_mode)
     splits = timed("split_backward", lambda: [split_backward(j, min_deferral_intensity) for j in joints])
     programs = timed(
@@ -130,3 +134,59 @@ def _weight_memory(split: SplitBackward) -> tuple[set[str], int]:
     held |= {placeholder_names[roots[n]] for n in stash if roots[n].op == "placeholder"}
     owned = {roots[n] for n in stash if roots[n].op != "placeholder"}
     return held, sum(_fx.node_bytes(n) for n in owned)
+
+
+@dataclass(frozen=True)
+class SymbolicStageCost:
+    """One stage's costs as polynomials in the microbatch size `b` (sympy): FLOPs of F, B and W,
+    and the activation bytes M_B and M_W."""
+
+    forward_flops: sympy.Expr
+    input_backward_flops: sympy.Expr
+    weight_backward_flops: sympy.Expr
+    mem_b: sympy.Expr
+    mem_w: sympy.Expr
+
+
+MICROBATCH = sympy.Symbol("b", positive=True, integer=True)
+
+
+def symbolic_stage_costs(
+    model: nn.Module,
+    loss_fn: Callable[..., torch.Tensor] | None,
+    args: tuple,
+    kwargs: dict[str, Any],
+    target: Any,
+    compiled: CompiledPipeline,
+) -> tuple[SymbolicStageCost, ...]:
+    """Costs of `compiled`'s stages as polynomials in the microbatch size, for the microbatch
+    (`args`, `kwargs`, `target`) it was compiled for: the same cut is compiled at two and three
+    times that size (inputs repeated along dim 0) and each cost interpolated exactly (degree
+    <= 2: matmuls and attention are linear in the batch, a loss that compares every pair of
+    samples quadratic). Costs two more compilations. Raises ValueError where the graph changes
+    with the batch size (shapes do not allow it)."""
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs), target))
+    batch = next(x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim())
+    samples = {batch: compiled}
+    for factor in (2, 3):
+        grown = [torch.cat([x] * factor) if isinstance(x, torch.Tensor) and x.dim() else x for x in leaves]
+        g_args, g_kwargs, g_target = pytree.tree_unflatten(grown, spec)
+        samples[batch * factor] = compile_pipeline(
+            model, loss_fn, g_args, g_kwargs, g_target, len(compiled.programs),
+            cuts=compiled.partition.cuts,
+        )
+
+    def fit(value: Callable[[StageProgram], int], stage: int) -> sympy.Expr:
+        points = [(size, value(c.programs[stage])) for size, c in samples.items()]
+        return sympy.expand(sympy.interpolate(points, MICROBATCH))
+
+    return tuple(
+        SymbolicStageCost(
+            forward_flops=fit(lambda p: p.cost.forward.flops, s),
+            input_backward_flops=fit(lambda p: p.cost.input_backward.flops, s),
+            weight_backward_flops=fit(lambda p: p.cost.weight_backward.flops, s),
+            mem_b=fit(lambda p: p.cost.mem_b, s),
+            mem_w=fit(lambda p: p.cost.mem_w, s),
+        )
+        for s in range(len(compiled.programs))
+    )

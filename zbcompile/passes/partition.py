@@ -79,12 +79,14 @@ class Stage:
 @dataclass(frozen=True)
 class StagePartition:
     """Stages in pipeline order, the stage of every anchored forward node (by node name), the
-    bytes crossing each boundary, shapes of boundary values, and parameters used by more than
-    one stage (tied weights) with the stages using them (the first one owns the parameter)."""
+    bytes crossing each boundary, the cut positions (where stages 1.. begin among the anchored
+    nodes), shapes of boundary values, and parameters used by more than one stage (tied weights)
+    with the stages using them (the first one owns the parameter)."""
 
     stages: tuple[Stage, ...]
     stage_of_node: dict[str, int]
     boundary_bytes: tuple[int, ...]
+    cuts: tuple[int, ...]
     values: dict[str, ValueInfo]
     shared_params: dict[str, tuple[int, ...]]
 
@@ -94,14 +96,21 @@ def partition_stages(
     stages: int,
     split_points: Sequence[str] | None = None,
     balance_tolerance: float = 0.05,
+    cuts: Sequence[int] | None = None,
 ) -> StagePartition:
+    """`cuts`, when given, are the positions (in the anchored-node order) where stages 1..S-1
+    begin, as in `StagePartition.cuts` of an earlier partition of the same model."""
     if stages < 1:
         raise ValueError(f"stages must be at least 1, got {stages}")
     graph = traced.graph_module.graph
     anchors = _anchored_nodes(graph)
     allowed = _allowed_cuts(anchors)
     live_bytes = _live_bytes(anchors, graph)
-    if split_points is not None:
+    if cuts is not None:
+        cuts = list(cuts)
+        if len(cuts) != stages - 1 or not set(cuts) <= set(allowed) or cuts != sorted(cuts):
+            raise ValueError(f"cuts {cuts} are not {stages - 1} increasing allowed positions for this graph")
+    elif split_points is not None:
         cuts = _cuts_at_split_points(anchors, allowed, list(split_points), stages)
     else:
         if stages - 1 > len(allowed):
@@ -441,6 +450,7 @@ def _build_stages(
         stages=tuple(stages),
         stage_of_node={n.name: k for n, k in stage_of.items()},
         boundary_bytes=tuple(live_bytes[b] for b in bounds[1:-1]),
+        cuts=tuple(bounds[1:-1]),
         values=values,
         shared_params={fqn: tuple(ks) for fqn, ks in shared.items() if len(ks) > 1},
     )
