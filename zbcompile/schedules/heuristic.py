@@ -20,6 +20,7 @@ from .greedy import POLICIES, QUICK_POLICIES, GreedyPolicy, MemoryTooSmall, list
 from .handcrafted import one_f_one_b, zb_h1, zb_h2, zb_v
 from .fastsim import Evaluator
 from .ir import Action, Schedule
+from .reference import ALL_FLAGS, QUICK_FLAGS, reference_rows
 from .search import analytic_parameters, handcrafted_rows, make_room, pattern_rows
 from .simulate import peak_memory, simulate
 
@@ -147,6 +148,9 @@ def zb_auto_candidates(
             continue
     warm, defer = analytic_parameters(stages, costs)
     consider("pattern", pattern_rows(ev, lims, warm, defer))
+    reference = reference_rows(ev, limits, objective, QUICK_FLAGS if large else ALL_FLAGS)
+    if reference is not None:
+        consider(*reference)
     raises = any(mw > mf for mf, mw in zip(costs.mem_f, costs.mem_w))
     for name in ("1f1b", "zb-h1", "zb-h2"):
         rows = handcrafted_rows(ev, name)
