@@ -160,14 +160,15 @@ NOTES = """## Notes
 - ZB-1p: at p M_B the heuristic keeps ZB-H1 or the search's equal member of its family; the
   paper's ZB-1p column equals its ZB-H1 column too. Where ours is lower than the paper's, the cause is
   the uniform profile (see 1F1B).
-- 28.3B m=96, ZB-2p (ours 0.0049, paper 0.0038, difference 0.0011): the one row where zb-auto
-  stays above the paper. With p=32 and 2p memory stage 0 can hold 64 forwards, 8.3 ms short of
-  the first gradient's return, and every stage's warm-up leaves a gap of up to one T_F (the
-  forwards that fit are a whole number); our order adds a second gap of 3-5 ms on the stages whose
-  forwards run out before their downstream neighbour's (the end of the steady state), which no W
-  fits. The search evaluates only ~70 orders of this size (9216 actions) in 3 s and CP-SAT is
-  not used at this size, so this is a search limit, not a model difference; m=128 and m=256 are
-  below the paper.
+- 28.3B m=96, ZB-2p (ours 0.00376, paper 0.0038): the paper's own heuristic construction
+  (`reference.py`: each stage warms up with as many F as fit before the first gradient returns,
+  W inserted where a stage would otherwise wait or memory demands it, three flags grid-searched)
+  is one of zb-auto's heuristic candidates and wins here; the list scheduler and the search family
+  left a 3-5 ms gap at the end of the steady state on stages whose forwards ran out before their
+  downstream neighbour's (0.0049 before). The search evaluates only ~70 orders of this size
+  (9216 actions) in 3 s and CP-SAT is not used at this size, so it does not improve further.
+  The construction is kept only where it is strictly better under the objective: at 1p it ties
+  ZB-H1's span but starts stages later (a larger makespan).
 - CP-SAT runs for p m <= 400 (3 p m <= 1200 actions), warm-started from the search; for 1.5B m=24
   at 2p it proves span >= 1152.52 against our 1152.60 (paper 0.0433 = ours to 4 decimals).
 - Bubble rates with a barrier are higher than the stage rates because every stage waits for the
