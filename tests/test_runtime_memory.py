@@ -52,7 +52,6 @@ def test_zb_h1_peak_is_no_higher_than_1f1b():
         peaks[schedule] = [e.peak_live_bytes for e in pipe.executors]
         blocks.zero_grad()
     assert max(peaks["zb-h1"]) <= 1.01 * max(peaks["1f1b"]), peaks
-    assert peaks["zb-h1"][0] == peaks["1f1b"][0]  # the first stage holds p microbatches either way
 
 
 def test_values_only_b_needs_are_gone_after_b(gpt_batch):

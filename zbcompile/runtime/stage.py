@@ -52,21 +52,12 @@ class StageExecutor:
         """B. `output_grads`: gradients of the stage outputs (`{"loss": scale}` on the last
         stage). Returns the gradients of the stage inputs that carry one."""
         env = self.envs[microbatch]
-        for name in self.program.joint.tangents:
-            env[f"tangent:{name}"] = self._as_traced(f"tangent:{name}", output_grads[name])
+        self._receive_tangents(env, output_grads)
         self.program.input_backward.run(env, self.state)
         self._accumulate(self.program.split.input_param_grads, env)
-        grads = {}
-        for name in self.program.stage.inputs:
-            own = env.get(f"grad:{name}")
-            relayed = output_grads.get(name) if name in self.program.stage.relays else None
-            if own is not None and relayed is not None:
-                grads[name] = own + relayed
-            elif own is not None or relayed is not None:
-                grads[name] = own if own is not None else relayed
         self.envs[microbatch] = {k: v for k, v in env.items() if k in self._weight_reads}
         self._note_memory(microbatch)
-        return grads
+        return self._input_grads(env, output_grads)
 
     def weight_backward(self, microbatch: int) -> None:
         """W: parameter gradients of `microbatch`, accumulated; the microbatch's values freed."""
@@ -86,9 +77,30 @@ class StageExecutor:
                 self.grads[fqn] = grad.detach().clone()
 
     def backward(self, microbatch: int, output_grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Fused backward: B then W at once."""
-        grads = self.input_backward(microbatch, output_grads)
-        self.weight_backward(microbatch)
+        """Fused backward (B then W at once) as the one unsplit backward graph, which computes
+        exactly what B and W compute, with no stash handed between them."""
+        env = self.envs.pop(microbatch)
+        self._receive_tangents(env, output_grads)
+        self.program.joint.backward.run(env, self.state)
+        self._accumulate(self.program.joint.param_grads, env)
+        self._note_memory(microbatch)
+        return self._input_grads(env, output_grads)
+
+    def _receive_tangents(self, env: dict[str, torch.Tensor], output_grads: Mapping[str, torch.Tensor]) -> None:
+        for name in self.program.joint.tangents:
+            env[f"tangent:{name}"] = self._as_traced(f"tangent:{name}", output_grads[name])
+
+    def _input_grads(self, env: Mapping[str, torch.Tensor], output_grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Gradients of the stage inputs: the backward's own, plus the relayed ones from downstream
+        for inputs the stage passes through."""
+        grads = {}
+        for name in self.program.stage.inputs:
+            own = env.get(f"grad:{name}")
+            relayed = output_grads.get(name) if name in self.program.stage.relays else None
+            if own is not None and relayed is not None:
+                grads[name] = own + relayed
+            elif own is not None or relayed is not None:
+                grads[name] = own if own is not None else relayed
         return grads
 
     def _as_traced(self, name: str, value: torch.Tensor) -> torch.Tensor:
