@@ -22,7 +22,6 @@ own objects under their FQNs, so AOTAutograd sees them as parameters.
 from __future__ import annotations
 
 import bisect
-from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 

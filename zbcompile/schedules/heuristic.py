@@ -18,7 +18,7 @@ from typing import Sequence
 
 from .costs import StageCosts
 from .greedy import POLICIES, QUICK_POLICIES, GreedyPolicy, MemoryTooSmall, list_schedule
-from .handcrafted import one_f_one_b, zb_h1, zb_h2, zb_v
+from .handcrafted import zb_v
 from .fastsim import Evaluator
 from .ir import Action, Schedule
 from .reference import ALL_FLAGS, QUICK_FLAGS, reference_rows

@@ -11,7 +11,6 @@ from .fastsim import Evaluator
 from .heuristic import analytic_lower_bound, zb_auto_candidates, zbv
 from .search import search
 from .ir import Schedule
-from .simulate import simulate
 from .validate import rank_limits, validate
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-auto", "zbv")

@@ -27,7 +27,6 @@ from typing import Sequence
 
 from .costs import StageCosts
 from .fastsim import Evaluator
-from .greedy import warmup_counts
 
 _EPS = 1e-9
 # Work-based limit for deterministic runs: evaluations of ``n`` actions cost about this many seconds
@@ -444,7 +443,7 @@ def _critical_first(ev: Evaluator, rows, S: int) -> list[int]:
 
 
 def _costs_of(ev: Evaluator) -> StageCosts:
-    S, M = ev.S, ev.M
+    S = ev.S
     f = tuple(ev.dur[ev.id(s, 0, 0)] for s in range(S))
     b = tuple(ev.dur[ev.id(s, 1, 0)] for s in range(S))
     w = tuple(ev.dur[ev.id(s, 2, 0)] for s in range(S))
