@@ -89,6 +89,7 @@ def dies_mid_step(victim: int) -> str:
     case = build("mlp")
     pipe = zbcompile.pipeline(case.model, stages=2, microbatches=4, loss_fn=case.loss_fn, schedule="1f1b", timeout=10)
     pipe.compile(*case.args, target=case.target)
+    dist.barrier()  # both ranks are set up (process groups connected): the failure is mid-step
     if dist.get_rank() == victim:
         executor = pipe.executors[0]
         original = executor.forward
