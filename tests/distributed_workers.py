@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -84,8 +86,9 @@ def meta_init(stages: int) -> dict:
     }
 
 
-def dies_mid_step(victim: int) -> str:
-    """Rank `victim` exits in the middle of the first step; the others report their error."""
+def dies_mid_step(victim: int) -> tuple[str, float]:
+    """Rank `victim` exits in the middle of the first step; the others report their error and
+    the seconds from the start of the step to it."""
     case = build("mlp")
     pipe = zbcompile.pipeline(case.model, stages=2, microbatches=4, loss_fn=case.loss_fn, schedule="1f1b", timeout=10)
     pipe.compile(*case.args, target=case.target)
@@ -102,11 +105,12 @@ def dies_mid_step(victim: int) -> str:
             return original(microbatch, inputs)
 
         executor.forward = forward_then_die
+    started = time.monotonic()
     try:
         case.step(pipe)
     except Exception as error:  # noqa: BLE001 - the test inspects the message
-        return f"{type(error).__name__}: {error}"
-    return "no error"
+        return f"{type(error).__name__}: {error}", time.monotonic() - started
+    return "no error", time.monotonic() - started
 
 
 def profiled(steps: int) -> dict:

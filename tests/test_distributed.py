@@ -4,7 +4,6 @@ model; optimizer steps, state dicts, data parallelism, meta-device models, failu
 from __future__ import annotations
 
 import functools
-import time
 
 import pytest
 import torch
@@ -158,11 +157,11 @@ def test_meta_device_model_materialises_only_local_parameters():
 
 def test_a_dead_peer_fails_the_others_within_the_timeout():
     """Rank 0 dies in the middle of the first step; rank 1 raises, naming the dead peer and the
-    action it was waiting on, well within the 10 s timeout."""
-    started = time.monotonic()
-    victim, survivor = run_ranks(2, workers.dies_mid_step, 0, allow_failures=True)
+    action it was waiting on, within the 10 s timeout of the step (plus slack for a loaded
+    machine)."""
+    victim, (survivor, seconds) = run_ranks(2, workers.dies_mid_step, 0, allow_failures=True)
     assert isinstance(victim, Failed) and victim.exitcode == 3
-    assert time.monotonic() - started < 60
+    assert seconds < 10 + 15, seconds
     assert survivor.startswith("PeerError"), survivor
     assert "rank 0" in survivor and "RECV" in survivor, survivor
 

@@ -15,8 +15,9 @@ import torch.distributed as dist
 
 from zbcompile.compiler import CompiledPipeline
 from zbcompile.runtime.p2p import Pending, Transport
-from zbcompile.runtime.stage import StageExecutor, mean_grad, merge_stage_grads
-from zbcompile.schedules import Schedule, lower
+from zbcompile.runtime.dispatch import StepDispatch
+from zbcompile.runtime.stage import StageExecutor, merge_stage_grads
+from zbcompile.schedules import Action, Schedule, lower
 
 
 @dataclass(frozen=True)
@@ -77,8 +78,8 @@ class DistributedRunner:
         self.rank = dist.get_rank()
         self.local_stages = [s for s, r in enumerate(schedule.stage_to_rank) if r == layout.pp_rank]
         self.executors = {s: StageExecutor(compiled.programs[s], state) for s in self.local_stages}
-        self.actions = lower(schedule).actions[layout.pp_rank]
         self.transport = Transport(self.rank, timeout)
+        self._set_actions(schedule)
         self.tied_groups = _tied_weight_groups(compiled, schedule, layout)
         self.timeline: list[tuple[str, float, float]] = []  # (action, start, end) of the last step
         self._synchronize_state(state)
@@ -117,65 +118,40 @@ class DistributedRunner:
         Parameter gradients stay in the executors until `reduce_grads()`. `timeline` then holds
         (action, start, end) in `time.perf_counter()` seconds for every compute action, from
         when its data had arrived to when it finished."""
-        last = self.schedule.stages - 1
-        microbatches = len(inputs)
-        received: dict[tuple[str, int, int], Pending] = {}
         local: dict[tuple[str, int, int], dict[str, torch.Tensor]] = {}
         outgoing: dict[tuple[str, int, int], dict[str, torch.Tensor]] = {}
-        losses: dict[int, torch.Tensor] = {}
+        receives = _ReceivesAhead(self)
 
-        def arriving(direction: str, stage: int, k: int, names: Sequence[str], action: str) -> dict[str, torch.Tensor]:
+        def fetch(direction: str, stage: int, k: int, action: str) -> dict[str, torch.Tensor]:
             key = (direction, stage, k)
             if key in local:
                 return local.pop(key)
-            return dict(zip(names, self.transport.wait(received.pop(key), action)))
+            names = self._forward_names(stage) if direction == "F" else self._backward_names(stage)
+            return dict(zip(names, self.transport.wait(receives.take(key), action)))
 
+        def deliver(direction: str, stage: int, k: int, values: dict[str, torch.Tensor]) -> None:
+            (local if self.rank_of(stage) == self.rank else outgoing)[(direction, stage, k)] = values
+
+        dispatch = StepDispatch(self.executors, self.schedule.stages, inputs, targets, fetch, deliver)
         self.timeline = []
-        clock = time.perf_counter
         synchronize = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        for action in self.actions:
+        for index, action in enumerate(self.actions):
+            receives.post_ahead(index)
             s, k, kind = action.stage, action.microbatch, action.kind
-            text = str(action)
-            if kind == "RECV_F":
-                names = self._forward_names(s)
-                received[("F", s, k)] = self.transport.post_recv(self._buffers(names), self.rank_of(s - 1), _tag("F", s, k, self.schedule), text)
-            elif kind == "RECV_B":
-                names = self._backward_names(s)
-                received[("B", s, k)] = self.transport.post_recv(self._buffers(names), self.rank_of(s + 1), _tag("B", s, k, self.schedule), text)
+            if kind in ("RECV_F", "RECV_B"):
+                receives.post_through(index)
             elif kind == "SEND_F":
                 outputs = outgoing.pop(("F", s + 1, k))
-                self.transport.send([outputs[n] for n in self._forward_names(s + 1)], self.rank_of(s + 1), _tag("F", s + 1, k, self.schedule), text)
+                self.transport.send([outputs[n] for n in self._forward_names(s + 1)], self.rank_of(s + 1), _tag("F", s + 1, k, self.schedule), str(action))
             elif kind == "SEND_B":
                 grads = outgoing.pop(("B", s - 1, k))
-                self.transport.send([grads[n] for n in self._backward_names(s - 1)], self.rank_of(s - 1), _tag("B", s - 1, k, self.schedule), text)
-            elif kind == "F":
-                feed = dict(inputs[k]) if s == 0 else arriving("F", s, k, self._forward_names(s), text)
-                if s == last:
-                    feed.update(targets[k])
-                started = clock()
-                outputs = self.executors[s].forward(k, feed)
-                if s == last:
-                    losses[k] = outputs["loss"]
-                else:
-                    (local if self.rank_of(s + 1) == self.rank else outgoing)[("F", s + 1, k)] = outputs
-            elif kind in ("I", "B"):
-                if s == last:
-                    grads_in = {"loss": mean_grad(losses[k], microbatches)}
-                else:
-                    grads_in = arriving("B", s, k, self._backward_names(s), text)
-                run = self.executors[s].input_backward if kind == "I" else self.executors[s].backward
-                started = clock()
-                grads_out = run(k, grads_in)
-                if s > 0:
-                    (local if self.rank_of(s - 1) == self.rank else outgoing)[("B", s - 1, k)] = grads_out
-            elif kind == "W":
-                started = clock()
-                self.executors[s].weight_backward(k)
-            if kind in ("F", "I", "W", "B"):
+                self.transport.send([grads[n] for n in self._backward_names(s - 1)], self.rank_of(s - 1), _tag("B", s - 1, k, self.schedule), str(action))
+            else:
+                started = dispatch.run(action)
                 synchronize()
-                self.timeline.append((text, started, clock()))
+                self.timeline.append((str(action), started, time.perf_counter()))
         self.transport.flush_sends()
-        return [losses[k] for k in range(microbatches)] if last in self.executors else None
+        return dispatch.microbatch_losses() if self.schedule.stages - 1 in self.executors else None
 
     def reduce_grads(self) -> dict[str, torch.Tensor]:
         """This rank's parameter gradients for the step: its stages' parts summed in stage order,
@@ -202,12 +178,89 @@ class DistributedRunner:
                 f"schedule {schedule.name!r} places stages on ranks {schedule.stage_to_rank}, but this pipeline "
                 f"runs them on {self.schedule.stage_to_rank}; build a new pipeline for it"
             )
+        self._set_actions(schedule)
+
+    def _set_actions(self, schedule: Schedule) -> None:
         self.schedule = schedule
-        self.actions = lower(schedule).actions[self.layout.pp_rank]
+        self.actions: tuple[Action, ...] = lower(schedule).actions[self.layout.pp_rank]
+        self.receive_plan = _receive_plan(self)
 
     @property
     def peak_live_bytes(self) -> int:
         return sum(e.peak_live_bytes for e in self.executors.values())
+
+
+RECEIVE_LOOKAHEAD = 4
+"""Receives a rank keeps posted ahead of its place in the action list. gloo hands a message over
+only once its receive is posted (the send waits for it), so a receive posted just before the
+computation that needs it puts a round trip on the critical path; posted ahead, the transfer
+overlaps the computation before it. Each one holds a boundary-sized buffer."""
+
+
+@dataclass(frozen=True)
+class _Receive:
+    """A RECV of the action list: at `index`, message `key` = (direction, stage, microbatch)
+    from global rank `peer`; `after` is the index of the last SEND to that peer before it (-1)."""
+
+    index: int
+    key: tuple[str, int, int]
+    peer: int
+    tag: int
+    names: tuple[str, ...]
+    text: str
+    after: int
+
+
+def _receive_plan(runner: "DistributedRunner") -> list[_Receive]:
+    plan, last_send = [], {}
+    for index, action in enumerate(runner.actions):
+        s, k = action.stage, action.microbatch
+        if action.kind == "SEND_F":
+            last_send[runner.rank_of(s + 1)] = index
+        elif action.kind == "SEND_B":
+            last_send[runner.rank_of(s - 1)] = index
+        elif action.kind in ("RECV_F", "RECV_B"):
+            forward = action.kind == "RECV_F"
+            peer = runner.rank_of(s - 1 if forward else s + 1)
+            names = runner._forward_names(s) if forward else runner._backward_names(s)
+            direction = "F" if forward else "B"
+            plan.append(_Receive(index, (direction, s, k), peer, _tag(direction, s, k, runner.schedule), names, str(action), last_send.get(peer, -1)))
+    return plan
+
+
+class _ReceivesAhead:
+    """One step's receives, posted in list order up to RECEIVE_LOOKAHEAD ahead of the action the
+    rank is at, and always by the time the list reaches them. Where the transport matches messages
+    by order rather than tag (every backend but gloo, NCCL among them), a receive is never posted
+    before an earlier send to the same peer, so each peer still sees one order of operations."""
+
+    def __init__(self, runner: "DistributedRunner") -> None:
+        self.runner = runner
+        self.plan = runner.receive_plan
+        self.next = 0
+        self.posted: dict[tuple[str, int, int], Pending] = {}
+
+    def post_ahead(self, index: int) -> None:
+        """The rank is about to run action `index` (every earlier one has run)."""
+        in_order = not self.runner.transport.matches_by_tag
+        while self.next < len(self.plan) and len(self.posted) < RECEIVE_LOOKAHEAD:
+            if in_order and self.plan[self.next].after >= index:
+                break
+            self._post_next()
+
+    def post_through(self, index: int) -> None:
+        """Post every receive up to and including the one at action `index`."""
+        while self.next < len(self.plan) and self.plan[self.next].index <= index:
+            self._post_next()
+
+    def take(self, key: tuple[str, int, int]) -> Pending:
+        return self.posted.pop(key)
+
+    def _post_next(self) -> None:
+        receive = self.plan[self.next]
+        buffers = self.runner._buffers(receive.names)
+        self.posted[receive.key] = self.runner.transport.post_recv(buffers, receive.peer, receive.tag, receive.text)
+        self.next += 1
 
 
 def _tag(direction: str, stage: int, microbatch: int, schedule: Schedule) -> int:

@@ -8,7 +8,8 @@ from typing import Mapping, Sequence
 
 import torch
 
-from zbcompile.runtime.stage import StageExecutor, mean_grad, merge_stage_grads
+from zbcompile.runtime.dispatch import StepDispatch
+from zbcompile.runtime.stage import StageExecutor, merge_stage_grads
 from zbcompile.schedules import Action, Schedule
 from zbcompile.schedules.timing import asap_timing
 
@@ -25,35 +26,23 @@ def run_local_step(
     schedule: Schedule,
     inputs: Sequence[Mapping[str, torch.Tensor]],
     targets: Sequence[Mapping[str, torch.Tensor]],
+    order: Sequence[Action] | None = None,
 ) -> list[torch.Tensor]:
     """One step over `len(inputs)` microbatches; returns each microbatch's loss. Parameter
-    gradients of the mean loss stay in the executors (`take_grads`)."""
-    microbatches = len(inputs)
-    last = len(executors) - 1
+    gradients of the mean loss stay in the executors (`take_grads`). `order`: the schedule's
+    `execution_order`, when the caller keeps it."""
     arriving: dict[tuple[str, int, int], dict[str, torch.Tensor]] = {}
-    losses: dict[int, torch.Tensor] = {}
-    for action in execution_order(schedule):
-        s, k = action.stage, action.microbatch
-        executor = executors[s]
-        if action.kind == "F":
-            received = dict(inputs[k]) if s == 0 else arriving.pop(("F", s, k))
-            if s == last:
-                received.update(targets[k])
-            outputs = executor.forward(k, received)
-            if s == last:
-                losses[k] = outputs["loss"]
-            else:
-                arriving[("F", s + 1, k)] = outputs
-        elif action.kind in ("I", "B"):
-            grads_in = {"loss": mean_grad(losses[k], microbatches)} if s == last else arriving.pop(("B", s, k))
-            run = executor.input_backward if action.kind == "I" else executor.backward
-            grads_out = run(k, grads_in)
-            if s > 0:
-                arriving[("B", s - 1, k)] = grads_out
-        elif action.kind == "W":
-            executor.weight_backward(k)
-    return [losses[k] for k in range(microbatches)]
 
+    def fetch(direction: str, stage: int, microbatch: int, action: str) -> dict[str, torch.Tensor]:
+        return arriving.pop((direction, stage, microbatch))
+
+    def deliver(direction: str, stage: int, microbatch: int, values: dict[str, torch.Tensor]) -> None:
+        arriving[(direction, stage, microbatch)] = values
+
+    dispatch = StepDispatch(dict(enumerate(executors)), len(executors), inputs, targets, fetch, deliver)
+    for action in order if order is not None else execution_order(schedule):
+        dispatch.run(action)
+    return dispatch.microbatch_losses()
 
 
 class LocalRunner:
@@ -63,8 +52,17 @@ class LocalRunner:
         self.executors = list(executors)
         self.schedule = schedule
 
+    @property
+    def schedule(self) -> Schedule:
+        return self._schedule
+
+    @schedule.setter
+    def schedule(self, schedule: Schedule) -> None:
+        self._schedule = schedule
+        self._order = execution_order(schedule)
+
     def step(self, inputs, targets) -> list[torch.Tensor]:
-        return run_local_step(self.executors, self.schedule, inputs, targets)
+        return run_local_step(self.executors, self.schedule, inputs, targets, self._order)
 
     def set_state(self, state: Mapping[str, torch.Tensor]) -> None:
         """Parameters and buffers (`param:<fqn>`, `buffer:<fqn>`) the next step computes with."""

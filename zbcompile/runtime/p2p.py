@@ -43,15 +43,15 @@ class Transport:
         self.rank = rank
         self.timeout = timeout
         self._sends: list[Pending] = []
+        # gloo pairs a send with its receive by tag; NCCL (and the others) by order per peer
+        self.matches_by_tag = dist.get_backend() == "gloo"
 
     def post_recv(self, buffers: Sequence[torch.Tensor], peer: int, tag: int, action: str) -> Pending:
-        ops = [dist.P2POp(dist.irecv, b, peer, tag=tag) for b in buffers]
-        return Pending(self._post(ops, peer, action), list(buffers), peer, action)
+        return Pending(self._post(dist.irecv, buffers, peer, tag, action), list(buffers), peer, action)
 
     def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int, action: str) -> None:
         tensors = [t.contiguous() for t in tensors]
-        ops = [dist.P2POp(dist.isend, t, peer, tag=tag) for t in tensors]
-        self._sends.append(Pending(self._post(ops, peer, action), tensors, peer, action))
+        self._sends.append(Pending(self._post(dist.isend, tensors, peer, tag, action), tensors, peer, action))
 
     def wait(self, pending: Pending, waiting_action: str) -> list[torch.Tensor]:
         for work in pending.works:
@@ -65,11 +65,12 @@ class Transport:
             for work in pending.works:
                 self._wait_one(work, pending.peer, pending.action)
 
-    def _post(self, ops: list, peer: int, action: str) -> list:
-        if not ops:
-            return []
+    def _post(self, op, tensors: Sequence[torch.Tensor], peer: int, tag: int, action: str) -> list:
+        """Post `op` (dist.isend or dist.irecv) for every tensor; several go as one batch."""
         try:
-            return dist.batch_isend_irecv(ops)
+            if len(tensors) <= 1:  # batching costs more than a single message on CPU
+                return [op(t, peer, tag=tag) for t in tensors]
+            return dist.batch_isend_irecv([dist.P2POp(op, t, peer, tag=tag) for t in tensors])
         except RuntimeError as error:
             raise PeerError(f"rank {self.rank}: posting {action} to/from rank {peer} failed: {error}") from error
 

@@ -26,6 +26,7 @@ class StageExecutor:
         self.grads: dict[str, torch.Tensor] = {}
         self.peak_live_bytes = 0
         self._env_bytes: dict[int, int] = {}
+        self._held_after: dict[str, int] = {}  # bytes a microbatch holds after F / after I
         joint, split = program.joint, program.split
         self._backward_reads = {n for n in joint.backward.signature.inputs if not n.startswith(("param:", "buffer:"))}
         self._weight_reads = set(split.weight_reads)
@@ -45,7 +46,7 @@ class StageExecutor:
         else:
             outputs = {name.removeprefix("out:"): env[name] for name in self.program.forward.signature.outputs if name.startswith("out:")}
         self.envs[microbatch] = {k: v for k, v in env.items() if k in self._backward_reads}
-        self._note_memory(microbatch)
+        self._note_memory(microbatch, "F")
         return outputs
 
     def input_backward(self, microbatch: int, output_grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -56,7 +57,7 @@ class StageExecutor:
         self.program.input_backward.run(env, self.state)
         self._accumulate(self.program.split.input_param_grads, env)
         self.envs[microbatch] = {k: v for k, v in env.items() if k in self._weight_reads}
-        self._note_memory(microbatch)
+        self._note_memory(microbatch, "I")
         return self._input_grads(env, output_grads)
 
     def weight_backward(self, microbatch: int) -> None:
@@ -126,9 +127,14 @@ class StageExecutor:
         """Bytes of activation memory the stashed values of all microbatches in flight hold."""
         return sum(self._env_bytes.values())
 
-    def _note_memory(self, microbatch: int) -> None:
-        if microbatch in self.envs:
-            self._env_bytes[microbatch] = held_bytes(self.envs[microbatch].values())
+    def _note_memory(self, microbatch: int, phase: str | None = None) -> None:
+        """Record what `microbatch` holds after `phase` ("F" or "I"; None: it holds nothing).
+        Shapes are fixed at compile time, so every microbatch holds the same bytes after the same
+        phase: counted once."""
+        if phase is not None:
+            if phase not in self._held_after:
+                self._held_after[phase] = held_bytes(self.envs[microbatch].values())
+            self._env_bytes[microbatch] = self._held_after[phase]
         else:
             self._env_bytes.pop(microbatch, None)
         self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes())
