@@ -41,16 +41,17 @@ class Case:
 
 
 class MLP(nn.Module):
-    """Three Linear layers with tanh and GELU in between."""
+    """Four Linear layers with tanh, GELU and SiLU in between (deep enough for 8 stages)."""
 
     def __init__(self, inputs: int = 6, hidden: int = 16, outputs: int = 4) -> None:
         super().__init__()
         self.fc1 = nn.Linear(inputs, hidden)
         self.fc2 = nn.Linear(hidden, hidden)
-        self.fc3 = nn.Linear(hidden, outputs)
+        self.fc3 = nn.Linear(hidden, hidden)
+        self.fc4 = nn.Linear(hidden, outputs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc3(F.gelu(self.fc2(torch.tanh(self.fc1(x)))))
+        return self.fc4(F.silu(self.fc3(F.gelu(self.fc2(torch.tanh(self.fc1(x)))))))
 
 
 class ResidualConvNet(nn.Module):
