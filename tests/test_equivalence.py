@@ -111,6 +111,21 @@ def test_step_matches_eager(name, dtype, stages, microbatches, schedule):
         )
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
+def test_stage_whose_output_is_a_view_of_its_input_passes_the_gradient_on(schedule):
+    """Cut into 8 stages, the ConvNet has a stage that only flattens (its output is a view of its
+    input); the gradient must still reach every earlier stage."""
+    loss, grads, pipe = pipelined_run("convnet", torch.float32, 8, 4, schedule)
+    view_only = [
+        s.index for s in pipe.compiled.partition.stages
+        if all(n.op != "call_function" or "view" in str(n.target) for n in s.module.graph.nodes)
+    ]
+    assert view_only, "no stage of the 8 is a view only: the case this test is for is gone"
+    eager_loss, eager_grads = eager_run("convnet", torch.float32)
+    torch.testing.assert_close(loss, eager_loss, **FP32)
+    assert_grads_close(grads, eager_grads, f"{schedule} on 8 stages vs eager", **FP32)
+
+
 # --- tied weights, names and state ---------------------------------------------------------------
 
 

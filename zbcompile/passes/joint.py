@@ -105,7 +105,7 @@ def export_stage_joints(partition: StagePartition, fake_mode, loss_name: str = "
 def export_stage_joint(
     stage: Stage, partition: StagePartition, grads_from_next: set[str], loss_name: str | None, fake_mode
 ) -> StageJoint:
-    module = _detach_outputs_without_grad(stage, grads_from_next, loss_name)
+    module = _prepare_outputs(stage, grads_from_next, loss_name)
     joint = ti.export_joint(module, _example_inputs(stage, partition, fake_mode))
     _refuse_mutated_state(joint, stage)
     return _separate_forward(joint, stage, loss_name)
@@ -123,18 +123,25 @@ def _example_inputs(stage: Stage, partition: StagePartition, fake_mode) -> tuple
     return tuple(examples)
 
 
-def _detach_outputs_without_grad(stage: Stage, grads_from_next: set[str], loss_name: str | None) -> fx.GraphModule:
-    """A copy of the stage module whose outputs that get no gradient downstream are detached."""
+def _prepare_outputs(stage: Stage, grads_from_next: set[str], loss_name: str | None) -> fx.GraphModule:
+    """A copy of the stage module whose outputs that get no gradient downstream are detached, and
+    whose outputs that are views of a stage input or parameter are copied: AOTAutograd
+    regenerates such an output outside its graph and gives it no tangent, which would cut the
+    gradient's path through the stage (a stage that only reshapes, say)."""
     if loss_name is not None:
         return stage.module
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     _fx.copy_nodes(graph, [n for n in stage.module.graph.nodes if n.op != "output"], env)
+    roots = _fx.storage_roots(stage.module.graph)
     outputs = []
     for name, node in zip(stage.graph_outputs, stage.module.graph.output_node().args[0]):
         value = env[node]
         if name not in grads_from_next:
             value = graph.call_function(torch.ops.aten.detach.default, (value,))
+        elif roots[node].op in ("placeholder", "get_attr"):
+            value = graph.call_function(torch.ops.aten.clone.default, (value,))
+            value.meta = dict(node.meta)
         outputs.append(value)
     graph.output(tuple(outputs))
     return _fx.finish(graph, stage.module, name=type(stage.module).__name__)
