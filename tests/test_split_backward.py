@@ -268,3 +268,29 @@ def _listing(program) -> str:
         lines.append(f"{node.name} = {target}({args})")
     lines.append(f"outputs: {', '.join(program.signature.outputs)}")
     return "\n".join(lines)
+
+
+class RandomDraws(TestCase):
+    def test_a_random_draw_is_saved_for_the_backward_never_drawn_again(self):
+        """`x * torch.rand(...)`: the backward needs the draw; it must be the forward's (saved),
+        not a fresh one (recomputed like a parameter view would be)."""
+
+        class Noisy(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.a = nn.Linear(4, 8)
+                self.b = nn.Linear(8, 2)
+
+            def forward(self, x):
+                return self.b(self.a(x) * torch.rand(x.shape[0], 8))
+
+        x, target = torch.randn(6, 4), torch.randn(6, 2)
+        compiled = compile_pipeline(Noisy(), torch.nn.functional.mse_loss, (x,), {}, target, 1)
+        program = compiled.programs[0]
+        forward_draws = [n for n in program.joint.forward.graph.graph.nodes if n.target is aten.rand.default]
+        self.assertEqual(len(forward_draws), 1)
+        for graph in (program.joint.backward, program.input_backward, program.weight_backward):
+            self.assertFalse(
+                [n for n in graph.graph.graph.nodes if n.target is aten.rand.default],
+                f"{type(graph.graph).__name__} draws again",
+            )

@@ -53,15 +53,21 @@ def is_view_op(node: fx.Node) -> bool:
 def state_only_nodes(graph: fx.Graph, state: set[fx.Node]) -> set[fx.Node]:
     """call_function nodes that read only `state` placeholders (parameters, buffers) or nothing
     through views and input-free factories (`t(weight)`, `arange`): cheaper to recompute in each
-    graph that reads them than to save."""
+    graph that reads them than to save. Never a random draw (`rand`): recomputed, it would draw
+    other numbers than the forward used."""
     result: set[fx.Node] = set()
     for node in graph.nodes:
-        if node.op != "call_function":
+        if node.op != "call_function" or is_random(node):
             continue
         inputs = node.all_input_nodes
         if all(a in state or a in result for a in inputs) and (is_view_op(node) or not inputs):
             result.add(node)
     return result
+
+
+def is_random(node: fx.Node) -> bool:
+    """Whether `node` draws random numbers (an op tagged nondeterministic_seeded)."""
+    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
 
 
 def with_state_ancestors(nodes: set[fx.Node], recompute: set[fx.Node]) -> set[fx.Node]:

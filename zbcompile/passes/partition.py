@@ -144,16 +144,11 @@ def _anchored_nodes(graph: fx.Graph) -> list[fx.Node]:
         if _role(node) in (INPUT, TARGET):
             anchored.add(node)
         elif node.op == "call_function" and (
-            any(a in anchored for a in node.all_input_nodes) or _is_random(node)
+            any(a in anchored for a in node.all_input_nodes) or _fx.is_random(node)
         ):
             anchored.add(node)
             order.append(node)
     return order
-
-
-def _is_random(node: fx.Node) -> bool:
-    tags = getattr(node.target, "tags", ())
-    return torch.Tag.nondeterministic_seeded in tags
 
 
 def _target_dependent(graph: fx.Graph) -> set[fx.Node]:
