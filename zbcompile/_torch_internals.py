@@ -111,3 +111,16 @@ def count_flops(target: Any, args: tuple, kwargs: dict, out: Any) -> int:
     packet = getattr(target, "overloadpacket", target)
     formula = flop_counter.flop_registry.get(packet) or _EXTRA_FLOP_FORMULAS.get(packet)
     return int(formula(*args, out_val=out, **kwargs)) if formula else 0
+
+
+@contextlib.contextmanager
+def onednn_disabled():
+    """oneDNN off while tracing: its fused RNN layer (`mkldnn_rnn_layer`) returns a workspace its
+    backward needs but that is absent at run time (pytorch#158007); without oneDNN, RNNs trace to
+    ordinary aten ops. Ops that pick oneDNN when they run (convolution) are unaffected."""
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)

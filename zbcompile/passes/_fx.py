@@ -65,6 +65,16 @@ def state_only_nodes(graph: fx.Graph, state: set[fx.Node]) -> set[fx.Node]:
     return result
 
 
+def is_in_place(node: fx.Node) -> bool:
+    """Whether `node` updates its first argument in place (`add_`, `sigmoid_`)."""
+    schema = getattr(node.target, "_schema", None)
+    return (
+        node.op == "call_function" and schema is not None and bool(schema.arguments)
+        and schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write
+        and isinstance(node.args[0], fx.Node)
+    )
+
+
 def is_random(node: fx.Node) -> bool:
     """Whether `node` draws random numbers (an op tagged nondeterministic_seeded)."""
     return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())

@@ -160,14 +160,25 @@ def _target_dependent(graph: fx.Graph) -> set[fx.Node]:
 
 
 def _allowed_cuts(anchors: list[fx.Node]) -> list[int]:
-    """Positions i (a stage starts at anchors[i]) that keep a multi-output op with its getitems
-    and every node that reads the target in the last stage."""
+    """Positions i (a stage starts at anchors[i]) that keep a multi-output op with its getitems,
+    a value updated in place (some decompositions do, e.g. the RNN cells) with its producer, the
+    update and every reader, and every node that reads the target in the last stage."""
     position = {n: i for i, n in enumerate(anchors)}
     blocked = [False] * (len(anchors) + 1)
+    roots = _fx.storage_roots(anchors[0].graph) if anchors else {}
+    sharing: dict[fx.Node, list[fx.Node]] = {}  # storage root -> the nodes whose value lives in it
+    for value, root in roots.items():
+        sharing.setdefault(root, []).append(value)
     for node in anchors:
         if _fx.is_multi_output(node):
             last_getitem = max((position[u] for u in node.users if u in position), default=position[node])
             for i in range(position[node] + 1, last_getitem + 1):
+                blocked[i] = True
+        if _fx.is_in_place(node) and roots[node.args[0]] in position:
+            root = roots[node.args[0]]
+            readers = [u for v in sharing[root] for u in v.users]
+            last_read = max((position[u] for u in [node, *readers] if u in position), default=position[node])
+            for i in range(position[root] + 1, last_read + 1):
                 blocked[i] = True
     graph = anchors[0].graph if anchors else None
     dependent = _target_dependent(graph) if graph is not None else set()

@@ -121,7 +121,7 @@ def trace_model(
     )
     with ti.preserve_node_meta(), _module_annotations(model) as module_stack:
         try:
-            with fake_mode:
+            with fake_mode, ti.onednn_disabled():
                 graph_module = ti.make_fx(torch.func.functionalize(forward_and_loss, remove="mutations"))(*example)
         except ti.DATA_DEPENDENT_ERRORS as error:
             raise ValueError(_data_dependent_message(module_stack, error)) from error

@@ -165,6 +165,8 @@ def held_bytes(values) -> int:
     tensors here span (a microbatch that is a slice of the batch holds its slice's bytes)."""
     by_storage: dict[int, list[int]] = {}
     for value in values:
+        if not isinstance(value, torch.Tensor):  # an op's absent optional output (None)
+            continue
         storage = value.untyped_storage()
         entry = by_storage.setdefault(storage.data_ptr(), [storage.nbytes(), 0])
         entry[1] += value.numel() * value.element_size()
