@@ -14,7 +14,7 @@ from typing import Any
 
 __all__ = ["PipelinedModule", "pipeline"]
 # the torch.compile backend's public names (see zbcompile/backend.py)
-_BACKEND_NAMES = ("WeightGradStore", "defer_weight_grads", "take_weight_grads")
+_BACKEND_NAMES = ("WeightGradStore", "active_store", "defer_weight_grads", "take_weight_grads")
 
 
 def __getattr__(name: str) -> Any:

@@ -32,7 +32,7 @@ from zbcompile.passes.joint import Program, Signature
 from zbcompile.passes.split_backward import BackwardSplit, split_backward_program
 from zbcompile.weight_grads import WeightGradStore, active_store, defer_weight_grads, take_weight_grads
 
-__all__ = ["WeightGradStore", "defer_weight_grads", "take_weight_grads", "zbcompile_backend"]
+__all__ = ["WeightGradStore", "active_store", "defer_weight_grads", "take_weight_grads", "zbcompile_backend"]
 
 BACKEND_NAME = "zbcompile"
 
