@@ -41,6 +41,7 @@ __all__ = [
     "aot_autograd",
     "default_partition",
     "graph_break",
+    "inductor_compile",
     "register_dynamo_backend",
     "export_joint",
     "fake_contiguous",
@@ -144,3 +145,13 @@ def graph_break() -> None:
     import torch._dynamo
 
     torch._dynamo.graph_break()
+
+
+def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable:
+    """`gm` (an aten-level graph returning a tuple) compiled by Inductor for inputs like
+    `example_inputs` (their shapes, strides, dtypes and devices)."""
+    import torch._inductor
+    import torch._inductor.config
+
+    with torch._inductor.config.patch(compile_threads=1):  # no worker pool to start per process
+        return torch._inductor.compile(gm, example_inputs)
