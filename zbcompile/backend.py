@@ -29,7 +29,7 @@ from torch import fx, nn
 from zbcompile import _torch_internals as ti
 from zbcompile.passes import _fx
 from zbcompile.passes.joint import Program, Signature
-from zbcompile.passes.split_backward import BackwardSplit, split_backward_program
+from zbcompile.passes.split_backward import MIN_DEFERRAL_INTENSITY, BackwardSplit, split_backward_program
 from zbcompile.weight_grads import WeightGradStore, active_store, defer_weight_grads, take_weight_grads
 
 __all__ = ["WeightGradStore", "active_store", "defer_weight_grads", "take_weight_grads", "zbcompile_backend"]
@@ -77,8 +77,21 @@ class _Region:
         if named is None:  # a graph this backend cannot name: run it complete, always
             return _boxed(gm)
         program, output_names = named
-        split = split_backward_program(program, class_prefix="Region")
+        # cheap weight gradients stay in B by a cost estimate that needs concrete sizes; with
+        # symbolic ones (Dynamo's automatic dynamic shapes) every weight gradient goes to W
+        intensity = 0.0 if _has_symbolic_sizes(gm) else MIN_DEFERRAL_INTENSITY
+        split = split_backward_program(program, intensity, class_prefix="Region")
         return _SplitBackwardRunner(gm, program.signature.inputs, output_names, split)
+
+
+def _has_symbolic_sizes(gm: fx.GraphModule) -> bool:
+    for node in gm.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("val")
+        if isinstance(value, torch.SymInt) or (
+            isinstance(value, torch.Tensor) and not all(isinstance(d, int) for d in value.shape)
+        ):
+            return True
+    return False
 
 
 def _input_index(desc: object) -> int | None:
@@ -86,7 +99,7 @@ def _input_index(desc: object) -> int | None:
 
 
 def _save_params(forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outputs: int, params: frozenset[int]) -> None:
-    """Make the parameters that the partition did not save saved values (first), so that the
+    """Make the parameters that the partition did not save saved tensors (first), so that the
     backward receives the very `nn.Parameter` objects of its forward call."""
     fw_output = forward.graph.output_node()
     outputs = list(fw_output.args[0])
@@ -98,7 +111,8 @@ def _save_params(forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outp
     if not missing:
         return
     fw_output.args = ((*outputs[:num_fwd_outputs], *missing, *outputs[num_fwd_outputs:]),)
-    first = next(iter(backward.graph.find_nodes(op="placeholder")), None)
+    # the backward reads the saved SymInts first, then the saved tensors, then the tangents
+    first = next((n for n in backward.graph.find_nodes(op="placeholder") if not isinstance(n.meta.get("val"), torch.SymInt)), None)
     for node in missing:
         if first is not None:
             with backward.graph.inserting_before(first):
