@@ -108,7 +108,7 @@ def pipeline(
         profile,
         profile_steps,
         objective,
-        compiler,
+        compiler=compiler,
     )
     if model is None:
         return functools.partial(_wrap, options=options)

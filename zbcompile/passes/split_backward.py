@@ -8,6 +8,9 @@ input and weight gradients at once (`native_layer_norm_backward`, `convolution_b
 `native_group_norm_backward`: any op with an `output_mask` argument) are cloned: B's copy asks
 only for what B needs, W's copy for the rest. Parameter views are recomputed in each graph.
 On the first stage no input needs a gradient, so B is empty and W holds the whole backward.
+`split_backward_program` is the graph-level core, for any backward Program named this way (the
+`torch.compile` backend splits AOTAutograd's backward graphs with it); `split_backward` applies
+it to a pipeline stage.
 
 Example (one linear layer y = x @ w.T + b, gradient g of y):
 
