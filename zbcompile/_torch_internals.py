@@ -17,10 +17,12 @@ from torch._functorch._aot_autograd.descriptors import (
     TangentAOTInput,
 )
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+from torch._functorch.partitioners import default_partition
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # What tracing with fake tensors raises when Python control flow depends on tensor values.
 DATA_DEPENDENT_ERRORS = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
@@ -28,6 +30,7 @@ DATA_DEPENDENT_ERRORS = (GuardOnDataDependentSymNode, DataDependentOutputExcepti
 __all__ = [
     "DATA_DEPENDENT_ERRORS",
     "FakeTensorMode",
+    "TorchDispatchMode",
     "BufferAOTInput",
     "GradAOTOutput",
     "ParamAOTInput",
@@ -35,6 +38,11 @@ __all__ = [
     "PlainAOTOutput",
     "TangentAOTInput",
     "annotate_nodes",
+    "aot_autograd",
+    "default_partition",
+    "graph_break",
+    "inductor_compile",
+    "register_dynamo_backend",
     "export_joint",
     "fake_contiguous",
     "fake_like",
@@ -124,3 +132,39 @@ def onednn_disabled():
         yield
     finally:
         torch._C._set_mkldnn_enabled(enabled)
+
+
+def aot_autograd(**kwargs: Any) -> Callable:
+    """A Dynamo backend from AOTAutograd compilers (`fw_compiler`, `bw_compiler`,
+    `partition_fn`); see torch/_dynamo/backends/common.py."""
+    from torch._dynamo.backends.common import aot_autograd as make
+
+    return make(**kwargs)
+
+
+def register_dynamo_backend(name: str, compiler_fn: Callable) -> None:
+    """Make `torch.compile(backend=name)` find `compiler_fn`. Does nothing when the name is
+    registered already, or when torch has discovered it as a `torch_dynamo_backends` entry
+    point that it has yet to load (torch registers the loaded function itself then)."""
+    from torch._dynamo.backends import registry
+
+    if name in registry._COMPILER_FNS or registry._BACKENDS.get(name) is not None:
+        return
+    registry.register_backend(compiler_fn, name=name)
+
+
+def graph_break() -> None:
+    """Ends the region Dynamo is compiling here (a graph break), as user code may."""
+    import torch._dynamo
+
+    torch._dynamo.graph_break()
+
+
+def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable:
+    """`gm` (an aten-level graph returning a tuple) compiled by Inductor for inputs like
+    `example_inputs` (their shapes, strides, dtypes and devices)."""
+    import torch._inductor
+    import torch._inductor.config
+
+    with torch._inductor.config.patch(compile_threads=1):  # no worker pool to start per process
+        return torch._inductor.compile(gm, example_inputs)

@@ -23,6 +23,7 @@ from zbcompile.runtime.local import LocalRunner
 from zbcompile.runtime.p2p import device_for
 from zbcompile.runtime.stage import StageExecutor
 from zbcompile.schedules import SCHEDULE_NAMES, Costs, Schedule, make_schedule
+from zbcompile.stage_compiler import check_compiler, compile_stage_programs
 
 DEFAULT_SCHEDULE = "zb-auto"
 DEFAULT_TIMEOUT = timedelta(seconds=300)
@@ -42,8 +43,10 @@ class PipelineOptions:
     profile: bool = False
     profile_steps: int = 2
     objective: str = "span"
+    compiler: str | None = None
 
     def __post_init__(self) -> None:
+        check_compiler(self.compiler)
         for name in ("stages", "microbatches", "profile_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -67,6 +70,7 @@ def pipeline(
     profile: bool = False,
     profile_steps: int = 2,
     objective: str = "span",
+    compiler: str | None = None,
 ):
     """Make `model` a pipelined model: `pipeline(model, stages=4, microbatches=8, loss_fn=F.mse_loss)`.
 
@@ -87,6 +91,9 @@ def pipeline(
 
     Under torch.distributed (an initialised default group, or `process_group=`), each rank runs
     its own stage(s) (see `PipelinedModule`); `timeout` (seconds) bounds every wait on a peer.
+
+    `compiler="inductor"` compiles each stage's F, B and W graphs with Inductor on their first
+    run; the default (None or "eager") runs them op by op (see `zbcompile.stage_compiler`).
     """
     options = PipelineOptions(
         stages,
@@ -101,6 +108,7 @@ def pipeline(
         profile,
         profile_steps,
         objective,
+        compiler=compiler,
     )
     if model is None:
         return functools.partial(_wrap, options=options)
@@ -287,6 +295,7 @@ class PipelinedModule:
                 self.options.split_points,
                 device,
             )
+            compiled = compile_stage_programs(compiled, self.options.compiler)
             schedule = self._make_schedule(compiled)
             if self.distributed:
                 runner = self._distributed_runner(compiled, schedule, device)

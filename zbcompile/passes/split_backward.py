@@ -8,6 +8,9 @@ input and weight gradients at once (`native_layer_norm_backward`, `convolution_b
 `native_group_norm_backward`: any op with an `output_mask` argument) are cloned: B's copy asks
 only for what B needs, W's copy for the rest. Parameter views are recomputed in each graph.
 On the first stage no input needs a gradient, so B is empty and W holds the whole backward.
+`split_backward_program` is the graph-level core, for any backward Program named this way (the
+`torch.compile` backend splits AOTAutograd's backward graphs with it); `split_backward` applies
+it to a pipeline stage.
 
 Example (one linear layer y = x @ w.T + b, gradient g of y):
 
@@ -18,6 +21,7 @@ Example (one linear layer y = x @ w.T + b, gradient g of y):
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import operator
 from dataclasses import dataclass
@@ -38,36 +42,79 @@ MIN_DEFERRAL_INTENSITY = 1.0
 
 
 @dataclass(frozen=True)
-class SplitBackward:
-    """B and W of one stage. `stash` names what B computes for W; `weight_reads` every value W
-    reads besides parameters (stash, saved activations, inputs, tangents); `freed_after_input`
-    the saved values only B needed, dropped once B has run; `input_param_grads` the parameters
-    whose gradients B computes itself (cheap ones, see MIN_DEFERRAL_INTENSITY)."""
+class BackwardSplit:
+    """B and W of one backward Program (the graph-level result, for any caller: a pipeline stage
+    or a `torch.compile` region). `stash` names what B computes for W; `weight_reads` every
+    value W reads besides parameters and buffers (stash, saved activations, inputs, tangents);
+    `input_param_grads` the parameters (`grad:param:<name>` without the prefix) whose gradients
+    B computes itself (cheap ones, see MIN_DEFERRAL_INTENSITY)."""
 
-    stage: int
     input_backward: Program
     weight_backward: Program
     stash: tuple[str, ...]
     weight_reads: tuple[str, ...]
-    freed_after_input: tuple[str, ...]
     input_param_grads: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SplitBackward(BackwardSplit):
+    """B and W of one stage, plus `freed_after_input`: the saved values only B needed, dropped
+    once B has run."""
+
+    stage: int = 0
+    freed_after_input: tuple[str, ...] = ()
 
 
 def split_backward(joint: StageJoint, min_deferral_intensity: float = MIN_DEFERRAL_INTENSITY) -> SplitBackward:
     """Split `joint`'s backward. With `min_deferral_intensity=0` every parameter gradient goes
     to W; by default those too cheap to be worth their memory stay in B (stages with input
     gradients only: on the first stage B stays empty)."""
-    in_input = set()
-    if min_deferral_intensity > 0:
-        trial = _split(joint, frozenset())
-        if trial.input_backward.signature.outputs:
-            in_input = _cheap_weight_grads(trial, min_deferral_intensity)
-    return _split(joint, frozenset(in_input))
-
-
-def _split(joint: StageJoint, in_input: frozenset[str]) -> SplitBackward:
-    """The split with the gradients named in `in_input` (`grad:param:<fqn>`) computed by B."""
+    split = split_backward_program(joint.backward, min_deferral_intensity, class_prefix=f"Stage{joint.stage}")
     backward = joint.backward
+    saved = [v for v in backward.signature.inputs if v.startswith(("saved:", "in:", "tangent:"))]
+    return SplitBackward(
+        **{f.name: getattr(split, f.name) for f in dataclasses.fields(BackwardSplit)},
+        stage=joint.stage,
+        freed_after_input=tuple(v for v in saved if v not in split.weight_reads),
+    )
+
+
+def split_backward_program(
+    backward: Program, min_deferral_intensity: float = MIN_DEFERRAL_INTENSITY, class_prefix: str = ""
+) -> BackwardSplit:
+    """Split any backward Program whose inputs are named `param:`/`buffer:` (state, whose views
+    each graph recomputes) or otherwise (values read from the environment), and whose outputs
+    are `grad:param:<name>` (weight gradients, to W) or other names (input gradients, to B).
+    Which cheap weight gradients stay in B is decided on the rewritten graph, before either
+    program is extracted, so each program is extracted and compiled once."""
+    partition = _partition(backward, frozenset())
+    if min_deferral_intensity > 0 and partition.input_grads:
+        in_input = _cheap_weight_grads(partition, min_deferral_intensity)
+        if in_input:
+            partition = _partition(backward, frozenset(in_input))
+    return _extract(partition, class_prefix)
+
+
+@dataclass
+class _Partition:
+    """The backward graph (a rewritten copy) with its nodes assigned to B and W."""
+
+    graph: fx.Graph
+    names: dict[fx.Node, str]
+    input_grads: list[tuple[fx.Node, str]]
+    param_grads: list[tuple[fx.Node, str]]
+    state: set[fx.Node]
+    recompute: set[fx.Node]
+    input_body: set[fx.Node]
+    weight_body: set[fx.Node]
+    stash: list[fx.Node]
+    weight_inputs: list[fx.Node]
+    in_input: frozenset[str]
+
+
+def _partition(backward: Program, in_input: frozenset[str]) -> _Partition:
+    """Assign the nodes of a copy of `backward` to B and W, with the gradients named in
+    `in_input` (`grad:param:<fqn>`) computed by B; fused ops are split by output mask."""
     graph = copy.deepcopy(backward.graph).graph  # the rewrite below must not touch the input
     placeholders = list(graph.find_nodes(op="placeholder"))
     names = dict(zip(placeholders, backward.signature.inputs))
@@ -92,67 +139,68 @@ def _split(joint: StageJoint, in_input: frozenset[str]) -> SplitBackward:
     ]
     for node in stash:
         names[node] = f"stash:{node.name}"
+    return _Partition(
+        graph, names, input_grads, param_grads, state, recompute, input_body, weight_body, stash,
+        _reads(graph, weight_body, weight_outputs), in_input,
+    )
 
-    def reads(body: set[fx.Node], returned: set[fx.Node]) -> list[fx.Node]:
-        return [
-            n
-            for n in graph.nodes
-            if n not in body and n.op != "output" and (n in returned or any(u in body for u in n.users))
-        ]
 
+def _reads(graph: fx.Graph, body: set[fx.Node], returned: set[fx.Node]) -> list[fx.Node]:
+    """The nodes outside `body` that it reads or returns: the inputs of its extracted graph."""
+    return [
+        n
+        for n in graph.nodes
+        if n not in body and n.op != "output" and (n in returned or any(u in body for u in n.users))
+    ]
+
+
+def _extract(partition: _Partition, class_prefix: str) -> BackwardSplit:
+    p = partition
     input_program = extract_program(
-        graph,
-        body=input_body,
-        inputs=reads(input_body, {n for n, _ in input_grads}),
-        outputs=[*input_grads, *[(n, names[n]) for n in stash]],
-        names=names,
-        class_name=f"Stage{joint.stage}InputBackward",
+        p.graph,
+        body=p.input_body,
+        inputs=_reads(p.graph, p.input_body, {n for n, _ in p.input_grads}),
+        outputs=[*p.input_grads, *[(n, p.names[n]) for n in p.stash]],
+        names=p.names,
+        class_name=f"{class_prefix}InputBackward",
     )
-    weight_inputs = reads(weight_body, weight_outputs)
     weight_program = extract_program(
-        graph,
-        body=weight_body,
-        inputs=weight_inputs,
-        outputs=param_grads,
-        names=names,
-        class_name=f"Stage{joint.stage}WeightBackward",
+        p.graph,
+        body=p.weight_body,
+        inputs=p.weight_inputs,
+        outputs=p.param_grads,
+        names=p.names,
+        class_name=f"{class_prefix}WeightBackward",
     )
-    weight_reads = tuple(names[n] for n in weight_inputs if n not in state)
-    saved = [v for v in backward.signature.inputs if v.startswith(("saved:", "in:", "tangent:"))]
-    return SplitBackward(
-        stage=joint.stage,
+    return BackwardSplit(
         input_backward=input_program,
         weight_backward=weight_program,
-        stash=tuple(names[n] for n in stash),
-        weight_reads=weight_reads,
-        freed_after_input=tuple(v for v in saved if v not in weight_reads),
-        input_param_grads=tuple(sorted(v.removeprefix("grad:param:") for v in in_input)),
+        stash=tuple(p.names[n] for n in p.stash),
+        weight_reads=tuple(p.names[n] for n in p.weight_inputs if n not in p.state),
+        input_param_grads=tuple(sorted(v.removeprefix("grad:param:") for v in p.in_input)),
     )
 
 
-def _cheap_weight_grads(split: SplitBackward, min_intensity: float) -> set[str]:
+def _cheap_weight_grads(partition: _Partition, min_intensity: float) -> set[str]:
     """Gradients (`grad:param:<fqn>`) whose W work costs less than `min_intensity` per byte of
     memory that only it keeps alive until W. Gradients computed by shared W nodes (a norm's
     weight and bias) are decided together."""
-    graph = split.weight_backward.graph.graph
-    placeholders = list(graph.find_nodes(op="placeholder"))
-    read_name = dict(zip(placeholders, split.weight_backward.signature.inputs))
-    roots = _fx.storage_roots(graph)
-    outputs = list(zip(graph.output_node().args[0], split.weight_backward.signature.outputs))
-    state = {p for p in placeholders if read_name[p].startswith(("param:", "buffer:"))}
-    parameter_views = _fx.state_only_nodes(graph, state)
-    body = {n: _fx.ancestors([n]) - set(placeholders) - parameter_views for n, _ in outputs}
+    p = partition
+    weight_inputs = set(p.weight_inputs)
+    outputs = p.param_grads
+    body = {n: _fx.ancestors([n], stop=weight_inputs) - weight_inputs - p.recompute for n, _ in outputs}
     groups = nx.Graph()
     groups.add_nodes_from(name for _, name in outputs)
     for (a, name_a), (b, name_b) in itertools.combinations(outputs, 2):
         if body[a] & body[b]:
             groups.add_edge(name_a, name_b)
     node_of = {name: n for n, name in outputs}
+    held_inputs = [n for n in p.weight_inputs if n not in p.state]
     cheap: set[str] = set()
     for group in nx.connected_components(groups):
         nodes = set().union(*(body[node_of[g]] for g in group))
         others = set().union(*(body[n] for n, name in outputs if name not in group)) if len(group) < len(outputs) else set()
-        held = _read_storage(nodes, placeholders, roots, read_name) - _read_storage(others, placeholders, roots, read_name)
+        held = _read_storage(nodes, held_inputs) - _read_storage(others, held_inputs)
         held_bytes = sum(size for _, size in held)
         work = sum(cost.node_cost(n) for n in nodes)
         if held_bytes and work < min_intensity * held_bytes:
@@ -160,16 +208,9 @@ def _cheap_weight_grads(split: SplitBackward, min_intensity: float) -> set[str]:
     return cheap
 
 
-def _read_storage(nodes: set[fx.Node], placeholders, roots, read_name) -> set[tuple[str, int]]:
-    """(storage, bytes) of the non-parameter W inputs `nodes` read."""
-    result = set()
-    for placeholder in placeholders:
-        name = read_name[placeholder]
-        if name.startswith(("param:", "buffer:")):
-            continue
-        if any(u in nodes for u in placeholder.users):
-            result.add((name, _fx.node_bytes(roots[placeholder])))
-    return result
+def _read_storage(nodes: set[fx.Node], inputs: list[fx.Node]) -> set[tuple[fx.Node, int]]:
+    """(input, bytes) of the W inputs among `inputs` that `nodes` read."""
+    return {(n, _fx.node_bytes(n)) for n in inputs if any(u in nodes for u in n.users)}
 
 
 def _split_fused_ops(graph: fx.Graph, needed_by_input: set[fx.Node]) -> None:

@@ -1,0 +1,172 @@
+"""Training-step throughput with Inductor-compiled stage programs (`compiler="inductor"`) beside
+eager stage programs (the default: aten graphs run op by op), on the CPU benchmark GPT of
+benchmarks/runtime_cpu.py: 2 gloo ranks with one thread each, 2 stages, in one run.
+
+Both pipelines are built in both ranks up front; warm-up steps (untimed; Inductor compiles each
+stage's F, B and W on its first run, timed separately) come first; then rounds alternate between
+the two pipelines (order reversed every other round), each timing a few steps back to back with
+the optimizer step in between, as a training loop runs them. Reported: medians of steps/s and
+their ratio, per microbatch count.
+
+    flock /tmp/zbcompile-bench.lock python benchmarks/compiled_stages.py
+    python benchmarks/compiled_stages.py --quick    # a smoke run (smaller model, one round)
+
+Writes benchmarks/results/compiled_stages.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
+
+import _launch  # noqa: E402
+from runtime_cpu import Settings as ModelSettings  # noqa: E402
+from runtime_cpu import _gpt  # noqa: E402
+
+COMPILERS = ("eager", "inductor")
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: ModelSettings = ModelSettings()
+    schedule: str = "zb-h1"
+    microbatches: tuple[int, ...] = (4, 8)
+    warmup: int = 2
+    rounds: int = 8
+    steps_per_round: int = 3
+    timeout_s: float = 600.0
+
+
+def rank_main(settings: Settings) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    import zbcompile
+    from zbcompile.models.gpt import lm_loss
+
+    model_settings = settings.model
+    pipelines, optimizers, batches, compile_s = {}, {}, {}, {}
+    for m in settings.microbatches:
+        generator = torch.Generator().manual_seed(m)
+        tokens = torch.randint(0, model_settings.vocab, (m * model_settings.rows, model_settings.seq_len), generator=generator)
+        batches[m] = (tokens, tokens.roll(-1, 1))
+        for compiler in COMPILERS:
+            model = _gpt(model_settings)
+            pipe = zbcompile.pipeline(
+                model, stages=2, microbatches=m, loss_fn=lm_loss, schedule=settings.schedule,
+                split_points=[f"blocks.{model_settings.layers // 2}"], timeout=settings.timeout_s, compiler=compiler,
+            )
+            pipe.compile(batches[m][0], target=batches[m][1])
+            pipelines[(compiler, m)] = pipe
+            optimizers[(compiler, m)] = torch.optim.SGD(pipe.parameters(), lr=model_settings.lr)
+
+    def steps(key, count: int) -> float:
+        """Seconds per training step over `count` steps run back to back, barriers around."""
+        pipe, optimizer = pipelines[key], optimizers[key]
+        tokens, targets = batches[key[1]]
+        dist.barrier()
+        started = time.perf_counter()
+        for _ in range(count):
+            pipe.step(tokens, target=targets)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        dist.barrier()
+        return (time.perf_counter() - started) / count
+
+    keys = list(pipelines)
+    for key in keys:
+        started = time.perf_counter()
+        steps(key, 1)  # the first step: Inductor compiles here
+        compile_s[f"{key[0]} m={key[1]}"] = time.perf_counter() - started
+        steps(key, settings.warmup)
+    times: dict[tuple, list[float]] = defaultdict(list)
+    for r in range(settings.rounds):
+        for key in keys if r % 2 == 0 else reversed(keys):
+            times[key].append(steps(key, settings.steps_per_round))
+        if dist.get_rank() == 0:
+            print(f"round {r + 1}/{settings.rounds} done", flush=True)
+    return {"times": dict(times), "first_step_s": compile_s}
+
+
+def analyse(per_rank: list[dict], settings: Settings, before: dict, after: dict, wall: float) -> dict:
+    rows = []
+    for m in settings.microbatches:
+        row = {"m": m}
+        for compiler in COMPILERS:
+            # a step ends when its slower rank ends: per round, the larger of the two ranks' times
+            per_round = [max(r["times"][(compiler, m)][i] for r in per_rank) for i in range(settings.rounds)]
+            row[f"{compiler}_step_ms"] = 1e3 * _launch.median(per_round)
+            row[f"{compiler}_steps_per_s"] = 1.0 / _launch.median(per_round)
+            row[f"{compiler}_first_step_s"] = max(r["first_step_s"][f"{compiler} m={m}"] for r in per_rank)
+        row["speedup"] = row["inductor_steps_per_s"] / row["eager_steps_per_s"]
+        rows.append(row)
+    return {
+        "settings": dataclasses.asdict(settings),
+        "rows": rows,
+        "per_rank_times": [{f"{c} m={m}": t for (c, m), t in r["times"].items()} for r in per_rank],
+        "machine_before": before,
+        "machine_after": after,
+        "wall_s": wall,
+    }
+
+
+def report(data: dict) -> str:
+    s, model = data["settings"], data["settings"]["model"]
+    lines = [
+        "# Inductor-compiled stage programs against eager stage programs (CPU)",
+        "",
+        f"GPT (untied embeddings) vocab {model['vocab']}, seq {model['seq_len']}, hidden {model['hidden']}, heads "
+        f"{model['heads']}, {model['layers']} layers; {model['rows']} rows per microbatch; 2 stages split at "
+        f"blocks.{model['layers'] // 2} on 2 gloo ranks, 1 thread each; schedule {s['schedule']}.",
+        f"Per pipeline: 1 first step (Inductor compiles F, B and W there), {s['warmup']} warm-up steps, then "
+        f"{s['rounds']} rounds alternating between eager and inductor (order reversed every other round), "
+        f"{s['steps_per_round']} steps back to back per round with the optimizer step; medians over rounds of the "
+        "slower rank's time per step.",
+        f"Machine: {_launch.load_line(data['machine_before'])} before, {_launch.load_line(data['machine_after'])} "
+        f"after. Run took {data['wall_s']:.0f} s.",
+        "",
+        _launch.table(
+            ["m", "eager steps/s", "inductor steps/s", "inductor / eager", "eager ms/step", "inductor ms/step",
+             "first step s (eager / inductor)"],
+            [
+                [r["m"], f"{r['eager_steps_per_s']:.2f}", f"{r['inductor_steps_per_s']:.2f}", f"{r['speedup']:.2f}x",
+                 f"{r['eager_step_ms']:.1f}", f"{r['inductor_step_ms']:.1f}",
+                 f"{r['eager_first_step_s']:.1f} / {r['inductor_first_step_s']:.1f}"]
+                for r in data["rows"]
+            ],
+        ),
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=Settings.rounds)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: smaller model, m=4, one round")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave the results files alone")
+    options = parser.parse_args()
+    settings = Settings(rounds=options.rounds)
+    if options.quick:
+        settings = Settings(
+            model=ModelSettings(hidden=32, seq_len=16, layers=2), microbatches=(4,), warmup=1, rounds=1, steps_per_round=1
+        )
+    before = _launch.machine()
+    print(f"machine: {_launch.load_line(before)}", flush=True)
+    started = time.perf_counter()
+    per_rank = _launch.run_ranks(2, rank_main, settings, timeout_s=settings.timeout_s)
+    data = analyse(per_rank, settings, before, _launch.machine(), time.perf_counter() - started)
+    text = report(data)
+    print(text)
+    if not options.no_write and not options.quick:
+        paths = _launch.write_results("compiled_stages", data, text)
+        print("wrote " + ", ".join(str(p) for p in paths))
+
+
+if __name__ == "__main__":
+    main()
