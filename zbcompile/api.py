@@ -16,6 +16,7 @@ from torch.utils import _pytree as pytree
 
 import torch.distributed as dist
 
+from zbcompile import dump
 from zbcompile.compiler import CompiledPipeline, compile_pipeline
 from zbcompile.runtime import placement, profile
 from zbcompile.runtime.distributed import DistributedRunner, make_layout
@@ -42,6 +43,7 @@ class PipelineOptions:
     profile: bool = False
     profile_steps: int = 2
     objective: str = "span"
+    dump_dir: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("stages", "microbatches", "profile_steps"):
@@ -67,6 +69,7 @@ def pipeline(
     profile: bool = False,
     profile_steps: int = 2,
     objective: str = "span",
+    dump_dir: str | None = None,
 ):
     """Make `model` a pipelined model: `pipeline(model, stages=4, microbatches=8, loss_fn=F.mse_loss)`.
 
@@ -87,6 +90,8 @@ def pipeline(
 
     Under torch.distributed (an initialised default group, or `process_group=`), each rank runs
     its own stage(s) (see `PipelinedModule`); `timeout` (seconds) bounds every wait on a peer.
+    `dump_dir` (default: `$ZBCOMPILE_DUMP`) receives graphs, tables, the schedule and the measured
+    trace of every compile (`zbcompile.dump`; read them with `zbcompile inspect DIR`).
     """
     options = PipelineOptions(
         stages,
@@ -101,6 +106,7 @@ def pipeline(
         profile,
         profile_steps,
         objective,
+        dump_dir=dump_dir,
     )
     if model is None:
         return functools.partial(_wrap, options=options)
@@ -153,6 +159,7 @@ class PipelinedModule:
         self._last_key: Any = None
         self._local: set[str] | None = None  # FQNs this rank holds, once compiled (distributed)
         self._timelines: dict[Any, list] = {}
+        self._dumps: dict[Any, dump.CompileDump | None] = {}
         self.measured_costs: Costs | None = None  # with profile=True, once measured
 
     @property
@@ -171,6 +178,8 @@ class PipelinedModule:
         bundle.runner.set_state(self._state())  # the module's current tensors, even if reassigned
         feeds = [self._feed(bundle.compiled, args, kw, tgt) for (args, kw), tgt in zip(micro_inputs, micro_targets)]
         losses = bundle.runner.step([f[0] for f in feeds], [f[1] for f in feeds])
+        if self._dumps.get(key) is not None:
+            self._dumps[key].record_step(bundle.runner, self.measured_costs)
         self._accumulate_grads(bundle.runner.reduce_grads())
         if self.options.profile and isinstance(bundle.runner, DistributedRunner):
             self._profile(bundle)
@@ -196,6 +205,14 @@ class PipelinedModule:
             self._compiled[key] = _Compiled(bundle.compiled, new, bundle.runner)
         self._timelines.clear()
         return self
+
+    def explain(self) -> str:
+        """What `zbcompile inspect` prints for the latest compile: stages, balance, costs, the
+        schedule's predicted makespan and bubble, and with a dump the measured ones."""
+        from zbcompile import inspection
+
+        self._latest()
+        return inspection.explain(self, self._dumps.get(self._last_key))
 
     @property
     def compiled(self) -> CompiledPipeline:
@@ -293,6 +310,7 @@ class PipelinedModule:
             else:
                 runner = LocalRunner([StageExecutor(p, self._state()) for p in compiled.programs], schedule)
             self._compiled[key] = _Compiled(compiled, schedule, runner)
+            self._dumps[key] = dump.start_dump(self.options.dump_dir, compiled, schedule, self.options, runner)
         self._last_key = key
         return self._compiled[key]
 
@@ -308,7 +326,7 @@ class PipelinedModule:
                 memory_limit=self.options.memory_limit,
                 time_budget=self.options.solver_time_budget,
                 objective=self.options.objective,
-            )
+            ).with_info(cost_source="static" if costs is None else "measured")
         if self.distributed:
             box = [schedule]
             dist.broadcast_object_list(box, src=0)

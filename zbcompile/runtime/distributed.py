@@ -81,6 +81,7 @@ class DistributedRunner:
         self.transport = Transport(self.rank, timeout)
         self.tied_groups = _tied_weight_groups(compiled, schedule, layout)
         self.timeline: list[tuple[str, float, float]] = []  # (action, start, end) of the last step
+        self.comm_timeline: list[tuple[str, float, float]] = []  # SEND_* posts and RECV_* waits, the same
         self._synchronize_state(state)
 
     def _synchronize_state(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -116,7 +117,8 @@ class DistributedRunner:
         """One step; returns the microbatch losses on the rank holding the last stage, else None.
         Parameter gradients stay in the executors until `reduce_grads()`. `timeline` then holds
         (action, start, end) in `time.perf_counter()` seconds for every compute action, from
-        when its data had arrived to when it finished."""
+        when its data had arrived to when it finished, and `comm_timeline` the same for every
+        SEND (posting it) and RECV (the wait for its data, when a computation needs it)."""
         last = self.schedule.stages - 1
         microbatches = len(inputs)
         received: dict[tuple[str, int, int], Pending] = {}
@@ -128,14 +130,18 @@ class DistributedRunner:
             key = (direction, stage, k)
             if key in local:
                 return local.pop(key)
-            return dict(zip(names, self.transport.wait(received.pop(key), action)))
+            pending, waited = received.pop(key), clock()
+            values = dict(zip(names, self.transport.wait(pending, action)))
+            self.comm_timeline.append((pending.action, waited, clock()))
+            return values
 
-        self.timeline = []
+        self.timeline, self.comm_timeline = [], []
         clock = time.perf_counter
         synchronize = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         for action in self.actions:
             s, k, kind = action.stage, action.microbatch, action.kind
             text = str(action)
+            started = clock()
             if kind == "RECV_F":
                 names = self._forward_names(s)
                 received[("F", s, k)] = self.transport.post_recv(self._buffers(names), self.rank_of(s - 1), _tag("F", s, k, self.schedule), text)
@@ -174,6 +180,8 @@ class DistributedRunner:
             if kind in ("F", "I", "W", "B"):
                 synchronize()
                 self.timeline.append((text, started, clock()))
+            elif kind in ("SEND_F", "SEND_B"):
+                self.comm_timeline.append((text, started, clock()))
         self.transport.flush_sends()
         return [losses[k] for k in range(microbatches)] if last in self.executors else None
 
