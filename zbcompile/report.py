@@ -20,7 +20,7 @@ from zbcompile.schedules.render import COLOURS, Box, to_svg
 from zbcompile.summary import si
 
 _TIMELINE_WIDTH = 1200.0
-_SERIES_COLOURS = {"predicted": "#9aa9c9", "measured": "#e0a060", "M_B": "#8fb4e3", "M_W": "#a8d98a"}
+_SERIES_COLOURS = {"predicted": "#9aa9c9", "measured": "#e0a060", "M_B": "#6c8ebf", "M_W": "#82b366"}
 
 
 def predicted_boxes(version: dict[str, Any], scale: float) -> list[Box]:

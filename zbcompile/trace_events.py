@@ -198,18 +198,18 @@ def validate_trace(trace: dict[str, Any], lowered: Sequence[Sequence[Sequence[st
 
 
 def step_stats(trace: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per step, over every rank's compute actions: makespan (first start to last end), span
-    (the longest rank's own first start to last end), busy time, both bubble rates, and per
-    rank the busy time and the RECV waits. Seconds."""
+    """Per step that every rank recorded, over every rank's compute actions: makespan (first
+    start to last end), span (the longest rank's own first start to last end), busy time, both
+    bubble rates, and per rank the busy time and the RECV waits. Seconds."""
     steps: dict[int, list[dict]] = defaultdict(list)
     for e in action_events(trace):
         steps[e["args"]["step"]].append(e)
+    ranks = sorted({e["pid"] for e in trace["traceEvents"] if e.get("ph") == "M" and e.get("name") == "process_name"})
     result = []
     for step, events in sorted(steps.items()):
         compute = [e for e in events if e["cat"] in COMPUTE_KINDS]
-        if not compute:
+        if {e["pid"] for e in compute} != set(ranks):  # a rank is still writing it
             continue
-        ranks = sorted({e["pid"] for e in events})
         first = min(e["ts"] for e in compute)
         makespan = (max(e["ts"] + e["dur"] for e in compute) - first) / 1e6
         per_rank = defaultdict(list)
