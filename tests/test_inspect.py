@@ -171,7 +171,7 @@ class Stage1WeightBackward(torch.nn.Module):
 
     def test_report_without_a_trace_draws_the_prediction(self):
         path = os.path.join(self.root, "report.html")
-        code, printed, _ = _inspect(self.root, "--html", path)
+        code, _, _ = _inspect(self.root, "--html", path)
         self.assertEqual(code, 0)
         with open(path) as f:
             html = f.read()
@@ -284,7 +284,7 @@ def test_report_draws_one_box_per_action(distributed_dump):
         html = f.read()
     assert "<script" not in html and "http" not in html.replace('xmlns="http://www.w3.org/2000/svg"', "")
     predicted, measured = _svgs(html)[:2]
-    boxes = lambda svg: sorted(re.findall(r'<rect class="action \w+" data-action="(\w+)"', svg))  # noqa: E731
+    boxes = lambda svg: sorted(re.findall(r'<rect class="action \w+" data-action="(\w+)"', svg))
     computed = sorted(a for result in per_rank for a in result["actions"] if Action.parse(a).is_compute)
     assert boxes(predicted) == computed
     assert boxes(measured) == sorted(a for result in per_rank for a in result["actions"])

@@ -20,7 +20,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from zbcompile import summary, trace_events
 from zbcompile.summary import si

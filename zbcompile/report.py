@@ -99,15 +99,16 @@ def _timelines(dump: inspection.Dump, version: dict[str, Any], found: dict[str, 
         return to_svg(boxes, f"predicted ({label}): {version['name']}", _TIMELINE_WIDTH) + "<p>measured: no trace recorded</p>"
     predicted = predicted_boxes(version, found["scale"] * 1e3)
     measured = measured_boxes(dump.trace, found["representative"])
-    end = max(b.end for b in [*predicted, *measured])
+    # both from the first compute action; a RECV wait may begin before it
+    span = (min([0.0, *(b.start for b in measured)]), max(b.end for b in [*predicted, *measured]))
     return "\n".join(
         [
-            to_svg(predicted, f"predicted (ms): makespan {found['predicted_makespan'] * 1e3:.2f} ms", _TIMELINE_WIDTH, (0.0, end)),
+            to_svg(predicted, f"predicted (ms): makespan {found['predicted_makespan'] * 1e3:.2f} ms", _TIMELINE_WIDTH, span),
             to_svg(
                 measured,
                 f"measured, step {found['representative']} (ms; grey: SEND posts and RECV waits): makespan of the median step",
                 _TIMELINE_WIDTH,
-                (0.0, end),
+                span,
             ),
         ]
     )
