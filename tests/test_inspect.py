@@ -199,6 +199,33 @@ class WithoutDump(TestCase):
             pipe.explain()
 
 
+class FusedOpDiff(TestCase):
+    def test_diff_shows_a_fused_op_split_by_its_output_mask(self):
+        """With every weight gradient deferred, layer norm's fused backward is cloned: B asks for
+        the input gradient, W's copy for the weight and bias gradients."""
+        import torch
+
+        from zbcompile.compiler import compile_pipeline
+        from zbcompile.models.gpt import GPT, GPTConfig, lm_loss
+
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=64, seq_len=8, hidden=16, heads=4, layers=2))
+        tokens = torch.randint(0, 64, (2, 8))
+        compiled = compile_pipeline(model, lm_loss, (tokens,), {}, tokens.roll(1, 1), 2, min_deferral_intensity=0)
+        program = compiled.programs[1]
+        with tempfile.TemporaryDirectory() as directory:
+            os.makedirs(dump.stage_dir(directory, 1))
+            for graph, prog in {"B": program.input_backward, "W": program.weight_backward, "backward": program.joint.backward}.items():
+                with open(os.path.join(dump.stage_dir(directory, 1), dump.GRAPH_FILES[graph]), "w") as f:
+                    f.write(dump.program_code(prog, 1, graph))
+            text = inspection.split_diff(inspection.Dump(directory, {"stages": 2}, [], None), 1)
+        lines = text.splitlines()
+        fused = next(i for i, line in enumerate(lines) if line.startswith("  B    native_layer_norm_backward = "))
+        self.assertTrue(lines[fused].endswith("[True, True, True])"), lines[fused])
+        self.assertRegex(lines[fused + 1], r"^ +B computes: aten\.native_layer_norm_backward\.default\(.*\[True, False, False\]\)$")
+        self.assertRegex(text, r"\n  \+W   native_layer_norm_backward_default = .*\[False, True, True\]\)  \(not in the unsplit backward\)")
+
+
 class _FakeRunner:
     """What `CompileDump.record_step` reads from a runner."""
 

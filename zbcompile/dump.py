@@ -216,14 +216,8 @@ class CompileDump:
 
     def write_compile(self, options: Any, world: dict[str, Any]) -> None:
         record = compile_record(self.compiled, options, world)
-        rows = record["stage_rows"]
-        tied = summary.format_tied(record["tied"])
-        stages_text = "\n".join(
-            [summary.format_stage_table(rows), "boundaries (values sent to the next stage):", summary.format_boundaries(rows)]
-            + ([tied] if tied else [])
-        )
         self._write(COMPILE_FILE, json.dumps(record, indent=1))
-        self._write("stages.txt", stages_text + "\n")
+        self._write("stages.txt", summary.format_stages(record["stage_rows"], record["tied"]) + "\n")
         self._write("forward.py", forward_code(self.compiled))
         for program in self.compiled.programs:
             graphs = {"F": program.forward, "B": program.input_backward, "W": program.weight_backward, "backward": program.joint.backward}

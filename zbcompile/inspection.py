@@ -193,17 +193,12 @@ def summary_text(dump: Dump) -> str:
     world = record["world"]
     version = dump.versions[-1]
     where = f"{world['world_size']} processes" if world["distributed"] else "one process"
-    rows = record["stage_rows"]
-    tied = summary.format_tied(record["tied"])
     lines = [
         f"{record['model']}: {record['stages']} stages, {record['microbatches']} microbatches, "
         f"schedule {version['name']} on {len(version['actions'])} ranks ({where})",
         summary.format_phases(record["phase_seconds"]),
         "",
-        summary.format_stage_table(rows),
-        "boundaries (values sent to the next stage):",
-        summary.format_boundaries(rows),
-        *([tied] if tied else []),
+        summary.format_stages(record["stage_rows"], record["tied"]),
         _balance(version),
         "",
         format_schedule(version, len(dump.versions), record["memory_unit"]),
@@ -234,7 +229,7 @@ def graph_text(dump: Dump, stage: int | None, graph: str) -> str:
         return f.read()
 
 
-_ASSIGNMENT = re.compile(r'^\s+(\w+): "[^"]*" = (.*?)(\s+#.*)?$')
+_ASSIGNMENT = re.compile(r'^\s+(\w+)(?:: "[^"]*")? = (.*?)(\s+#.*)?$')
 
 
 def _operations(code: str) -> dict[str, str]:
@@ -258,7 +253,8 @@ def _returns(code: str) -> list[str]:
 def split_diff(dump: Dump, stage: int | None = None) -> str:
     """Per stage, every operation of the unsplit backward marked with where it went (B, W or
     both: recomputed), operations B or W compute differently (a fused op asked for part of its
-    outputs) and what each returns."""
+    outputs), the ones they add (W's copy of such an op, which takes over outputs of the
+    original) and what each returns."""
     stages = range(dump.record["stages"]) if stage is None else [stage]
     blocks = []
     for s in stages:
@@ -266,18 +262,18 @@ def split_diff(dump: Dump, stage: int | None = None) -> str:
         ops = {g: _operations(text) for g, text in code.items()}
         whole, b, w = ops["backward"], ops["B"], ops["W"]
         lines = [f"stage {s}: the backward ({len(whole)} ops) split into B ({len(b)} ops) and W ({len(w)} ops)", "  B W  op"]
+        added = [(g, name, rhs) for g, graph_ops in (("B", b), ("W", w)) for name, rhs in graph_ops.items() if name not in whole]
         for name, rhs in whole.items():
             mark = f"  {'B' if name in b else ' '} {'W' if name in w else ' '}"
             if name not in b and name not in w:
                 mark = "  - -"
+                rhs += "  (in neither: computed by an added copy below)" if added else "  (in neither: unused)"
             lines.append(f"{mark}  {name} = {rhs}")
             for g, graph_ops in (("B", b), ("W", w)):
                 if name in graph_ops and graph_ops[name].replace("stash_", "") != rhs:
                     lines.append(f"         {g} computes: {graph_ops[name]}")
-        for g, graph_ops in (("B", b), ("W", w)):
-            for name, rhs in graph_ops.items():
-                if name not in whole:
-                    lines.append(f"  +{g}   {name} = {rhs}  (not in the unsplit backward)")
+        for g, name, rhs in added:
+            lines.append(f"  +{g}   {name} = {rhs}  (not in the unsplit backward)")
         for g in ("B", "W"):
             lines.append(f"  {g} returns: {', '.join(_returns(code[g])) or '(nothing)'}")
         blocks.append("\n".join(lines))

@@ -108,15 +108,18 @@ def format_tied(shared: dict[str, Sequence[int]]) -> str:
     return f"tied weights: {tied}; gradients summed over the stages that use them" if tied else ""
 
 
+def format_stages(rows: Sequence[dict[str, Any]], shared: dict[str, Sequence[int]]) -> str:
+    """The stage table, the boundary values and the tied weights."""
+    tied = format_tied(shared)
+    lines = [format_stage_table(rows), "boundaries (values sent to the next stage):", format_boundaries(rows)]
+    return "\n".join(lines + ([tied] if tied else []))
+
+
 def format_phases(seconds: dict[str, float]) -> str:
     return "compile: " + ", ".join(f"{k} {v:.2f}s" for k, v in seconds.items())
 
 
 def stage_table(compiled: "CompiledPipeline") -> str:
-    """A fixed-width table, one row per stage, then tied weights and compile times."""
-    lines = [format_stage_table(stage_rows(compiled))]
-    tied = format_tied(compiled.partition.shared_params)
-    if tied:
-        lines.append(tied)
-    lines.append(format_phases(compiled.phase_seconds))
-    return "\n".join(lines)
+    """The stage table, boundary values, tied weights and compile times of `compiled`."""
+    stages = format_stages(stage_rows(compiled), compiled.partition.shared_params)
+    return stages + "\n" + format_phases(compiled.phase_seconds)
