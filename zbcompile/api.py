@@ -16,6 +16,7 @@ from torch.utils import _pytree as pytree
 
 import torch.distributed as dist
 
+from zbcompile import dump
 from zbcompile.compiler import CompiledPipeline, compile_pipeline
 from zbcompile.runtime import placement, profile
 from zbcompile.runtime.distributed import DistributedRunner, make_layout
@@ -44,6 +45,7 @@ class PipelineOptions:
     profile_steps: int = 2
     objective: str = "span"
     compiler: str | None = None
+    dump_dir: str | None = None
 
     def __post_init__(self) -> None:
         check_compiler(self.compiler)
@@ -71,6 +73,7 @@ def pipeline(
     profile_steps: int = 2,
     objective: str = "span",
     compiler: str | None = None,
+    dump_dir: str | None = None,
 ):
     """Make `model` a pipelined model: `pipeline(model, stages=4, microbatches=8, loss_fn=F.mse_loss)`.
 
@@ -94,6 +97,8 @@ def pipeline(
 
     `compiler="inductor"` compiles each stage's F, B and W graphs with Inductor on their first
     run; the default (None or "eager") runs them op by op (see `zbcompile.stage_compiler`).
+    `dump_dir` (default: `$ZBCOMPILE_DUMP`) receives graphs, tables, the schedule and the measured
+    trace of every compile (`zbcompile.dump`; read them with `zbcompile inspect DIR`).
     """
     options = PipelineOptions(
         stages,
@@ -109,6 +114,7 @@ def pipeline(
         profile_steps,
         objective,
         compiler=compiler,
+        dump_dir=dump_dir,
     )
     if model is None:
         return functools.partial(_wrap, options=options)
@@ -161,6 +167,7 @@ class PipelinedModule:
         self._last_key: Any = None
         self._local: set[str] | None = None  # FQNs this rank holds, once compiled (distributed)
         self._timelines: dict[Any, list] = {}
+        self._dumps: dict[Any, dump.CompileDump | None] = {}
         self.measured_costs: Costs | None = None  # with profile=True, once measured
 
     @property
@@ -179,6 +186,8 @@ class PipelinedModule:
         bundle.runner.set_state(self._state())  # the module's current tensors, even if reassigned
         feeds = [self._feed(bundle.compiled, args, kw, tgt) for (args, kw), tgt in zip(micro_inputs, micro_targets)]
         losses = bundle.runner.step([f[0] for f in feeds], [f[1] for f in feeds])
+        if self._dumps.get(key) is not None:
+            self._dumps[key].record_step(bundle.runner, self.measured_costs)
         self._accumulate_grads(bundle.runner.reduce_grads())
         if self.options.profile and isinstance(bundle.runner, DistributedRunner):
             self._profile(bundle)
@@ -204,6 +213,14 @@ class PipelinedModule:
             self._compiled[key] = _Compiled(bundle.compiled, new, bundle.runner)
         self._timelines.clear()
         return self
+
+    def explain(self) -> str:
+        """What `zbcompile inspect` prints for the latest compile: stages, balance, costs, the
+        schedule's predicted makespan and bubble, and with a dump the measured ones."""
+        from zbcompile import inspection
+
+        self._latest()
+        return inspection.explain(self, self._dumps.get(self._last_key))
 
     @property
     def compiled(self) -> CompiledPipeline:
@@ -302,6 +319,7 @@ class PipelinedModule:
             else:
                 runner = LocalRunner([StageExecutor(p, self._state()) for p in compiled.programs], schedule)
             self._compiled[key] = _Compiled(compiled, schedule, runner)
+            self._dumps[key] = dump.start_dump(self.options.dump_dir, compiled, schedule, self.options, runner)
         self._last_key = key
         return self._compiled[key]
 
@@ -317,7 +335,7 @@ class PipelinedModule:
                 memory_limit=self.options.memory_limit,
                 time_budget=self.options.solver_time_budget,
                 objective=self.options.objective,
-            )
+            ).with_info(cost_source="static" if costs is None else "measured")
         if self.distributed:
             box = [schedule]
             dist.broadcast_object_list(box, src=0)

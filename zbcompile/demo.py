@@ -45,6 +45,7 @@ def train(args: argparse.Namespace, schedule: str, device: torch.device, show: b
     pipe = zbcompile.pipeline(
         model, stages=args.stages, microbatches=args.microbatches, loss_fn=lm_loss, schedule=schedule,
         profile=schedule == "zb-auto", solver_time_budget=args.solver_budget, timeout=120,
+        dump_dir=os.path.join(args.dump, schedule),
     )
     batches = text_batches(args.batch, args.seq_len)
     tokens, targets = next(batches)
@@ -126,11 +127,21 @@ def _report(args: argparse.Namespace, results: dict, out_dir: str, backend: str)
     with open(path, "w") as f:
         f.write(render.to_svg(boxes, title="zb-auto: one measured step (ms)"))
     print(f"\nmeasured timeline of the last zb-auto step: {path}")
+    from zbcompile import inspection, report
+
+    dump = inspection.load(os.path.join(args.dump, "zb-auto"))
+    page = report.write_report(dump, os.path.join(out_dir, "report.html"))
+    found = inspection.comparison(dump.versions[-1], dump.trace)
+    if found is not None:
+        print(f"zb-auto measured / predicted makespan: {found['ratio']:.2f} ({found['makespan'] * 1e3:.1f} / {found['predicted_makespan'] * 1e3:.1f} ms)")
+    print(f"dumps (graphs, tables, schedules, trace.json for Perfetto): {args.dump}; summary: zbcompile inspect {dump.directory}")
+    print(f"report: {page}")
 
 
 def run(args: argparse.Namespace) -> int:
     out_dir = args.out or tempfile.mkdtemp(prefix="zbcompile-demo-")
     os.makedirs(out_dir, exist_ok=True)
+    args.dump = os.path.join(out_dir, "dump")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

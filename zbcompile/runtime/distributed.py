@@ -82,6 +82,7 @@ class DistributedRunner:
         self._set_actions(schedule)
         self.tied_groups = _tied_weight_groups(compiled, schedule, layout)
         self.timeline: list[tuple[str, float, float]] = []  # (action, start, end) of the last step
+        self.comm_timeline: list[tuple[str, float, float]] = []  # SEND_* posts and RECV_* waits, the same
         self._synchronize_state(state)
 
     def _synchronize_state(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -117,39 +118,47 @@ class DistributedRunner:
         """One step; returns the microbatch losses on the rank holding the last stage, else None.
         Parameter gradients stay in the executors until `reduce_grads()`. `timeline` then holds
         (action, start, end) in `time.perf_counter()` seconds for every compute action, from
-        when its data had arrived to when it finished."""
+        when its data had arrived to when it finished, and `comm_timeline` the same for every
+        SEND (posting it) and RECV (the wait for its data, when a computation needs it)."""
         local: dict[tuple[str, int, int], dict[str, torch.Tensor]] = {}
         outgoing: dict[tuple[str, int, int], dict[str, torch.Tensor]] = {}
         receives = _ReceivesAhead(self)
+        clock = time.perf_counter
 
         def fetch(direction: str, stage: int, k: int, action: str) -> dict[str, torch.Tensor]:
             key = (direction, stage, k)
             if key in local:
                 return local.pop(key)
             names = self._forward_names(stage) if direction == "F" else self._backward_names(stage)
-            return dict(zip(names, self.transport.wait(receives.take(key), action)))
+            pending, waited = receives.take(key), clock()
+            values = dict(zip(names, self.transport.wait(pending, action)))
+            self.comm_timeline.append((pending.action, waited, clock()))
+            return values
 
         def deliver(direction: str, stage: int, k: int, values: dict[str, torch.Tensor]) -> None:
             (local if self.rank_of(stage) == self.rank else outgoing)[(direction, stage, k)] = values
 
         dispatch = StepDispatch(self.executors, self.schedule.stages, inputs, targets, fetch, deliver)
-        self.timeline = []
+        self.timeline, self.comm_timeline = [], []
         synchronize = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         for index, action in enumerate(self.actions):
             receives.post_ahead(index)
             s, k, kind = action.stage, action.microbatch, action.kind
+            started = clock()
             if kind in ("RECV_F", "RECV_B"):
                 receives.post_through(index)
             elif kind == "SEND_F":
                 outputs = outgoing.pop(("F", s + 1, k))
                 self.transport.send([outputs[n] for n in self._forward_names(s + 1)], self.rank_of(s + 1), _tag("F", s + 1, k, self.schedule), str(action))
+                self.comm_timeline.append((str(action), started, clock()))
             elif kind == "SEND_B":
                 grads = outgoing.pop(("B", s - 1, k))
                 self.transport.send([grads[n] for n in self._backward_names(s - 1)], self.rank_of(s - 1), _tag("B", s - 1, k, self.schedule), str(action))
+                self.comm_timeline.append((str(action), started, clock()))
             else:
                 started = dispatch.run(action)
                 synchronize()
-                self.timeline.append((str(action), started, time.perf_counter()))
+                self.timeline.append((str(action), started, clock()))
         self.transport.flush_sends()
         return dispatch.microbatch_losses() if self.schedule.stages - 1 in self.executors else None
 

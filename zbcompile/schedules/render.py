@@ -41,11 +41,16 @@ def layout(schedule: Schedule, costs: Costs | StageCosts | None = None) -> list[
     ]
 
 
-def to_svg(boxes: Sequence[Box], title: str = "", width: float = 1200.0) -> str:
-    """An SVG document with one ``<rect class="action F" data-action="0F3">`` per box."""
+def to_svg(
+    boxes: Sequence[Box], title: str = "", width: float = 1200.0, time_range: tuple[float, float] | None = None
+) -> str:
+    """An SVG document with one ``<rect class="action F" data-action="0F3">`` per box. The x axis
+    spans the boxes, or ``time_range`` (to draw several timelines on one scale)."""
     ranks = 1 + max((b.rank for b in boxes), default=0)
     t0 = min((b.start for b in boxes), default=0.0)
     t1 = max((b.end for b in boxes), default=1.0)
+    if time_range is not None:
+        t0, t1 = time_range
     xscale = (width - _LABEL_WIDTH - 10) / max(t1 - t0, 1e-12)
     height = _TITLE_HEIGHT + ranks * _ROW_HEIGHT + 10
     out = [

@@ -1,0 +1,24 @@
+"""What each rank runs in the inspection tests (importable by spawned processes)."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+import zbcompile
+from models import build
+
+
+def dumped_steps(dump_dir: str, schedule: str, steps: int) -> dict:
+    """`steps` steps of the MLP on a 2-stage pipeline that dumps into `dump_dir`; returns this
+    rank's explain() text (once every rank has written its timeline) and the lowered schedule
+    this rank ran."""
+    case = build("mlp")
+    pipe = zbcompile.pipeline(
+        case.model, stages=2, microbatches=4, loss_fn=case.loss_fn, schedule=schedule, timeout=60,
+        solver_time_budget=0.5, dump_dir=dump_dir,
+    )
+    for _ in range(steps):
+        pipe.zero_grad()
+        case.step(pipe)
+    dist.barrier()  # the test's own synchronisation: every rank's last step is on disk
+    return {"explain": pipe.explain(), "actions": [str(a) for a in pipe.runner.actions]}

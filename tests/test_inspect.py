@@ -1,0 +1,347 @@
+"""Dumps, `zbcompile inspect`, `pipe.explain()`, the trace of a real run and the HTML report."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from collections import Counter
+from unittest import mock
+
+import pytest
+from expecttest import TestCase
+
+import inspect_workers
+import zbcompile
+from models import build
+from multiprocess import run_ranks
+from zbcompile import cli, dump, inspection, report, trace_events
+from zbcompile.schedules import Action, make_schedule
+
+
+def _inspect(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(["inspect", *argv])
+    return code, out.getvalue(), err.getvalue()
+
+
+def _mask_compile_times(text: str) -> str:
+    return re.sub(r"^compile: .*$", "compile: <seconds per phase>", text, flags=re.M)
+
+
+def _local_pipeline(directory: str | None, schedule: str = "zb-h1"):
+    """The test zoo's MLP on 2 stages, 4 microbatches, one step in this process."""
+    case = build("mlp")
+    pipe = zbcompile.pipeline(case.model, stages=2, microbatches=4, loss_fn=case.loss_fn, schedule=schedule, dump_dir=directory)
+    case.step(pipe)
+    return pipe
+
+
+class LocalDump(TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls._tmp = tempfile.TemporaryDirectory()
+        cls.root = cls._tmp.name
+        cls.pipe = _local_pipeline(cls.root)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls._tmp.cleanup()
+
+    def test_dump_layout(self):
+        directory = os.path.join(self.root, "compile-0")
+        expected = {"compile.json", "stages.txt", "forward.py", "schedule.txt", "schedule.csv", "schedule.json", "stage0", "stage1"}
+        self.assertEqual(set(os.listdir(directory)), expected)
+        for stage in ("stage0", "stage1"):
+            self.assertEqual(set(os.listdir(os.path.join(directory, stage))), {"F.py", "B.py", "W.py", "backward.py"})
+        with open(os.path.join(directory, "schedule.csv")) as f:
+            self.assertEqual(f.read(), self.pipe.schedule.compute_only().to_csv())
+        with open(os.path.join(directory, "schedule.json")) as f:
+            version = json.load(f)["versions"][0]
+        self.assertEqual(version["lowered"], [[str(a) for a in row] for row in zbcompile.schedules.lower(self.pipe.schedule).actions])
+        self.assertEqual(version["cost_source"], "static")
+
+    def test_summary_text(self):
+        text = self.pipe.explain()
+        self.assertEqual(text, inspection.summary_text(inspection.load(self.root)), "explain() and inspect differ")
+        code, printed, _ = _inspect(self.root)
+        self.assertEqual(code, 0)
+        self.assertIn(text, printed)
+        self.assertExpectedInline(
+            _mask_compile_times(text),
+            """\
+MLP: 2 stages, 4 microbatches, schedule zb-h1 on 2 ranks (one process)
+compile: <seconds per phase>
+
+stage  params  param bytes  F flops  B flops  W flops  W share    M_B    M_W  sends
+    0     112        448 B      384        0      384     100%  176 B  304 B  128 B
+    1     340      1.36 kB   1.28 k   1.28 k   1.28 k      50%  448 B  416 B    0 B
+boundaries (values sent to the next stage):
+  0 -> 1: tanh float32[2, 16] (128 B)
+balance: F+B+W per stage relative to the slowest (the schedule's costs): 0.34, 1.00; stage 1 sets the pace
+
+schedule zb-h1 (version 0 of 1), 2 ranks (stage->rank 0->0, 1->1), 4 microbatches
+costs: static estimates in FLOP-equivalents (FLOPs + 4 x bytes written), comm 0
+stage       F       B       W    M_B    M_W
+    0  1.41 k       0  2.69 k  176 B  304 B
+    1  2.45 k  2.94 k  6.72 k  448 B  416 B
+predicted: makespan 49.86 k, span 48.45 k, bubble 35.0% (stage bubble 33.1%); peak activations per rank 480 B, 864 B
+measured: none (per-action times are recorded in distributed runs with pipeline(dump_dir=...) or ZBCOMPILE_DUMP)
+bubble = 1 - busy / (ranks x makespan); stage bubble = 1 - busy / (ranks x span), the paper's""",
+        )
+
+    def test_printed_stage_graph(self):
+        code, printed, _ = _inspect(self.root, "--stage", "1", "--graph", "W")
+        self.assertEqual(code, 0)
+        self.assertExpectedInline(
+            printed,
+            """\
+# stage 1, W: weight-gradient backward: parameter gradients
+# inputs:
+#   tanh <- in:tanh
+#   saved_gelu <- saved:gelu
+#   stash_mse_loss_backward <- stash:mse_loss_backward
+#   stash_gelu_backward <- stash:gelu_backward
+# returns, in order:
+#   grad:param:fc2.weight
+#   grad:param:fc2.bias
+#   grad:param:fc3.weight
+#   grad:param:fc3.bias
+class Stage1WeightBackward(torch.nn.Module):
+    def forward(self, tanh: "f32[2, 16]", saved_gelu: "f32[2, 16]", stash_mse_loss_backward: "f32[2, 4]", stash_gelu_backward: "f32[2, 16]"):
+        # module fc3
+        t_3: "f32[4, 2]" = torch.ops.aten.t.default(stash_mse_loss_backward)
+        mm_1: "f32[4, 16]" = torch.ops.aten.mm.default(t_3, saved_gelu)
+        t_4: "f32[16, 4]" = torch.ops.aten.t.default(mm_1)
+        sum_1: "f32[1, 4]" = torch.ops.aten.sum.dim_IntList(stash_mse_loss_backward, [0], True)
+        view: "f32[4]" = torch.ops.aten.view.default(sum_1, [4])
+        t_5: "f32[4, 16]" = torch.ops.aten.t.default(t_4)
+
+        # module fc2
+        t_7: "f32[16, 2]" = torch.ops.aten.t.default(stash_gelu_backward)
+        mm_3: "f32[16, 16]" = torch.ops.aten.mm.default(t_7, tanh)
+        t_8: "f32[16, 16]" = torch.ops.aten.t.default(mm_3)
+        sum_2: "f32[1, 16]" = torch.ops.aten.sum.dim_IntList(stash_gelu_backward, [0], True)
+        view_1: "f32[16]" = torch.ops.aten.view.default(sum_2, [16])
+        t_9: "f32[16, 16]" = torch.ops.aten.t.default(t_8)
+        return (t_9, view_1, t_5, view)
+""",
+        )
+
+    def test_forward_graph_marks_every_node_with_its_stage(self):
+        code, printed, _ = _inspect(self.root, "--graph", "forward")
+        self.assertEqual(code, 0)
+        stage_of = self.pipe.compiled.partition.stage_of_node
+        for node in self.pipe.compiled.traced.graph_module.graph.nodes:
+            if node.op != "call_function":
+                continue
+            line = next(line for line in printed.splitlines() if line.strip().startswith(f"{node.name}: "))
+            expected = f"# stage {stage_of[node.name]}" if node.name in stage_of else "# every stage that uses it"
+            self.assertTrue(line.endswith(expected), line)
+
+    def test_diff_places_every_backward_op(self):
+        code, printed, _ = _inspect(self.root, "--diff", "--stage", "1")
+        self.assertEqual(code, 0)
+        program = self.pipe.compiled.programs[1]
+
+        def names(graph_module):
+            return {n.name for n in graph_module.graph.nodes if n.op == "call_function"}
+
+        b, w = names(program.input_backward.graph), names(program.weight_backward.graph)
+        for node in names(program.joint.backward.graph):
+            mark = next(line[:5] for line in printed.splitlines() if line[7:].startswith(f"{node} = "))
+            self.assertEqual(mark, f"  {'B' if node in b else ' '} {'W' if node in w else ' '}", node)
+        self.assertIn("B returns: grad:tanh, stash:mse_loss_backward, stash:gelu_backward", printed)
+
+    def test_errors_name_what_to_do(self):
+        code, _, err = _inspect(self.root, "--stage", "7", "--graph", "W")
+        self.assertEqual(code, 2)
+        self.assertIn("--stage between 0 and 1 (this pipeline has 2 stages), got 7", err)
+        with tempfile.TemporaryDirectory() as empty:
+            code, _, err = _inspect(empty)
+        self.assertEqual(code, 2)
+        self.assertIn("is not a zbcompile dump", err)
+        self.assertIn("ZBCOMPILE_DUMP=DIR", err)
+
+    def test_report_without_a_trace_draws_the_prediction(self):
+        path = os.path.join(self.root, "report.html")
+        code, _, _ = _inspect(self.root, "--html", path)
+        self.assertEqual(code, 0)
+        with open(path) as f:
+            html = f.read()
+        actions = sorted(str(a) for row in self.pipe.schedule.actions for a in row)
+        self.assertEqual(sorted(re.findall(r'<rect class="action \w+" data-action="(\w+)"', html)), actions)
+        self.assertIn("measured: no trace recorded", html)
+
+
+class WithoutDump(TestCase):
+    def test_explain_without_a_dump(self):
+        with mock.patch.dict(os.environ, {dump.DUMP_ENV: ""}):
+            pipe = _local_pipeline(None, schedule="1f1b")
+        self.assertIn("schedule 1f1b (version 0 of 1)", pipe.explain())
+        self.assertIn("measured: none", pipe.explain())
+
+    def test_environment_variable_turns_dumps_on(self):
+        with tempfile.TemporaryDirectory() as root, mock.patch.dict(os.environ, {dump.DUMP_ENV: root}):
+            _local_pipeline(None)
+            self.assertTrue(os.path.exists(os.path.join(root, "compile-0", "compile.json")))
+
+    def test_explain_before_compiling(self):
+        case = build("mlp")
+        pipe = zbcompile.pipeline(case.model, stages=2, microbatches=4, loss_fn=case.loss_fn)
+        with self.assertRaisesRegex(RuntimeError, "compiles on the first step"):
+            pipe.explain()
+
+
+class FusedOpDiff(TestCase):
+    def test_diff_shows_a_fused_op_split_by_its_output_mask(self):
+        """With every weight gradient deferred, layer norm's fused backward is cloned: B asks for
+        the input gradient, W's copy for the weight and bias gradients."""
+        import torch
+
+        from zbcompile.compiler import compile_pipeline
+        from zbcompile.models.gpt import GPT, GPTConfig, lm_loss
+
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=64, seq_len=8, hidden=16, heads=4, layers=2))
+        tokens = torch.randint(0, 64, (2, 8))
+        compiled = compile_pipeline(model, lm_loss, (tokens,), {}, tokens.roll(1, 1), 2, min_deferral_intensity=0)
+        program = compiled.programs[1]
+        with tempfile.TemporaryDirectory() as directory:
+            os.makedirs(dump.stage_dir(directory, 1))
+            for graph, prog in {"B": program.input_backward, "W": program.weight_backward, "backward": program.joint.backward}.items():
+                with open(os.path.join(dump.stage_dir(directory, 1), dump.GRAPH_FILES[graph]), "w") as f:
+                    f.write(dump.program_code(prog, 1, graph))
+            text = inspection.split_diff(inspection.Dump(directory, {"stages": 2}, [], None), 1)
+        lines = text.splitlines()
+        fused = next(i for i, line in enumerate(lines) if line.startswith("  B    native_layer_norm_backward = "))
+        self.assertTrue(lines[fused].endswith("[True, True, True])"), lines[fused])
+        self.assertRegex(lines[fused + 1], r"^ +B computes: aten\.native_layer_norm_backward\.default\(.*\[True, False, False\]\)$")
+        self.assertRegex(text, r"\n  \+W   native_layer_norm_backward_default = .*\[False, True, True\]\)  \(not in the unsplit backward\)")
+
+
+class _FakeRunner:
+    """What `CompileDump.record_step` reads from a runner."""
+
+    def __init__(self, schedule, timeline, comm_timeline):
+        self.schedule, self.timeline, self.comm_timeline, self.peak_live_bytes = schedule, timeline, comm_timeline, 0
+
+
+class ScheduleVersions(TestCase):
+    def test_a_new_schedule_becomes_a_version_and_steps_name_theirs(self):
+        pipe = _local_pipeline(None, schedule="1f1b")
+        with tempfile.TemporaryDirectory() as directory:
+            recorder = dump.CompileDump(directory, 0, pipe.compiled, pipe.schedule)
+            recorder.start_timeline({"rank": 0, "pp_rank": 0, "dp_rank": 0, "stages": [0], "host": "h", "clock": {"perf_counter": 0.0, "time": 0.0}})
+            other = make_schedule("zb-h1", 2, 4)
+            for step, schedule in enumerate([pipe.schedule, other, other]):
+                actions = [a for a in zbcompile.schedules.lower(schedule).actions[0]]
+                timeline = [(str(a), step + i * 0.01, step + i * 0.01 + 0.005) for i, a in enumerate(actions)]
+                recorder.record_step(_FakeRunner(schedule, [e for e in timeline if Action.parse(e[0]).is_compute], [e for e in timeline if not Action.parse(e[0]).is_compute]))
+            with open(os.path.join(directory, dump.SCHEDULE_FILE)) as f:
+                versions = json.load(f)["versions"]
+            self.assertEqual([v["name"] for v in versions], ["1f1b", "zb-h1"])
+            trace = trace_events.load_trace(directory)
+            self.assertEqual({e["args"]["step"]: e["args"]["schedule_version"] for e in trace_events.action_events(trace)}, {0: 0, 1: 1, 2: 1})
+            self.assertEqual(trace_events.validate_trace(trace, [[v["lowered"][0]] for v in versions]), [])
+
+
+# --- a real two-rank run -----------------------------------------------------------------------
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def distributed_dump(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("dump"))
+    per_rank = run_ranks(2, inspect_workers.dumped_steps, root, "zb-h1", STEPS)
+    return root, per_rank
+
+
+@pytest.mark.xdist_group("distributed")
+def test_trace_has_one_row_per_rank_and_every_action_once_per_step(distributed_dump):
+    root, per_rank = distributed_dump
+    code, printed, _ = _inspect(root)
+    assert code == 0, printed
+    with open(os.path.join(root, "compile-0", "trace.json")) as f:
+        trace = json.load(f)
+    metadata = [e for e in trace["traceEvents"] if e["ph"] == "M"]
+    actions = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"]: e["args"]["name"] for e in metadata if e["name"] == "process_name"} == {0: "rank 0 (stage 0)", 1: "rank 1 (stage 1)"}
+    assert {e["ph"] for e in trace["traceEvents"]} == {"M", "X"}
+    for e in actions:
+        assert isinstance(e["ts"], (int, float)) and isinstance(e["dur"], (int, float)) and e["dur"] >= 0, e
+        assert e["tid"] == (0 if Action.parse(e["name"]).is_compute else 1), e
+    for rank, result in enumerate(per_rank):
+        compute_order = [a for a in result["actions"] if Action.parse(a).is_compute]
+        for step in range(STEPS):
+            mine = sorted((e for e in actions if e["pid"] == rank and e["args"]["step"] == step), key=lambda e: e["ts"])
+            assert Counter(e["name"] for e in mine) == Counter(result["actions"]), (rank, step)
+            assert [e["name"] for e in mine if e["tid"] == 0] == compute_order, (rank, step)
+    with open(os.path.join(root, "compile-0", dump.SCHEDULE_FILE)) as f:
+        versions = json.load(f)["versions"]
+    assert trace_events.validate_trace(trace, [v["lowered"] for v in versions]) == []
+
+
+@pytest.mark.xdist_group("distributed")
+def test_explain_equals_inspect_with_measured_times(distributed_dump):
+    root, per_rank = distributed_dump
+    text = inspection.summary_text(inspection.load(root))
+    assert per_rank[0]["explain"] == text
+    assert f"measured: {STEPS - 1} steps of version 0 (steps 1-{STEPS - 1};" in text
+    ratio = float(re.search(r"measured / predicted makespan = (\d+\.\d+)", text).group(1))
+    assert ratio > 0
+
+
+def _svgs(html: str) -> list[str]:
+    return re.findall(r"<svg.*?</svg>", html, flags=re.S)
+
+
+@pytest.mark.xdist_group("distributed")
+def test_report_draws_one_box_per_action(distributed_dump):
+    root, per_rank = distributed_dump
+    path = report.write_report(root, os.path.join(root, "report.html"))
+    with open(path) as f:
+        html = f.read()
+    assert "<script" not in html and "http" not in html.replace('xmlns="http://www.w3.org/2000/svg"', "")
+    predicted, measured = _svgs(html)[:2]
+    boxes = lambda svg: sorted(re.findall(r'<rect class="action \w+" data-action="(\w+)"', svg))
+    computed = sorted(a for result in per_rank for a in result["actions"] if Action.parse(a).is_compute)
+    assert boxes(predicted) == computed
+    assert boxes(measured) == sorted(a for result in per_rank for a in result["actions"])
+    assert re.search(r"measured / predicted makespan: \d+\.\d\d", html)
+    assert html.count('<rect class="bar"') >= 2 * 3 * 2  # F/B/W time per stage, predicted and measured
+
+
+def _chromium() -> str | None:
+    return next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome", "headless_shell") if shutil.which(n)), None)
+
+
+@pytest.mark.xdist_group("distributed")
+@pytest.mark.skipif(_chromium() is None, reason="no Chromium on this machine: test_report_draws_one_box_per_action checks the SVG instead")
+def test_report_screenshot_shows_the_timelines(distributed_dump):
+    import matplotlib.image
+    import numpy as np
+
+    root, _ = distributed_dump
+    page = report.write_report(root, os.path.join(root, "report.html"))
+    shot = os.path.join(root, "report.png")
+    subprocess.run(
+        [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1300,700",
+         f"--screenshot={shot}", f"file://{os.path.abspath(page)}"],
+        check=True, capture_output=True, timeout=120,
+    )
+    pixels = (matplotlib.image.imread(shot)[:, :, :3] * 255).round().astype(int)
+
+    def count(colour: str) -> int:
+        rgb = np.array([int(colour[i : i + 2], 16) for i in (1, 3, 5)])
+        return int((np.abs(pixels - rgb).sum(axis=2) <= 6).sum())
+
+    for colour in ("#8fb4e3", "#7fd1c7", "#a8d98a"):  # F, B (I) and W boxes of both timelines
+        assert count(colour) > 200, colour
