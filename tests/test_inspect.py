@@ -80,18 +80,18 @@ MLP: 2 stages, 4 microbatches, schedule zb-h1 on 2 ranks (one process)
 compile: <seconds per phase>
 
 stage  params  param bytes  F flops  B flops  W flops  W share    M_B    M_W  sends
-    0     112        448 B      384        0      384     100%  176 B  304 B  128 B
-    1     340      1.36 kB   1.28 k   1.28 k   1.28 k      50%  448 B  416 B    0 B
+    0     384      1.54 kB   1.41 k        0   2.43 k     100%  176 B  304 B  128 B
+    1     340      1.36 kB   1.28 k   1.28 k   1.28 k      50%  576 B  416 B    0 B
 boundaries (values sent to the next stage):
-  0 -> 1: tanh float32[2, 16] (128 B)
-balance: F+B+W per stage relative to the slowest (the schedule's costs): 0.34, 1.00; stage 1 sets the pace
+  0 -> 1: addmm_1 float32[2, 16] (128 B)
+balance: F+B+W per stage relative to the slowest (the schedule's costs): 0.95, 1.00; stage 1 sets the pace
 
 schedule zb-h1 (version 0 of 1), 2 ranks (stage->rank 0->0, 1->1), 4 microbatches
 costs: static estimates in FLOP-equivalents (FLOPs + 4 x bytes written), comm 0
 stage       F       B       W    M_B    M_W
-    0  1.41 k       0  2.69 k  176 B  304 B
-    1  2.45 k  2.94 k  6.72 k  448 B  416 B
-predicted: makespan 49.86 k, span 48.45 k, bubble 35.0% (stage bubble 33.1%); peak activations per rank 480 B, 864 B
+    0  2.94 k       0  9.60 k  176 B  304 B
+    1  2.96 k  3.46 k  6.72 k  576 B  416 B
+predicted: makespan 55.49 k, span 53.65 k, bubble 7.4% (stage bubble 4.3%); peak activations per rank 480 B, 992 B
 measured: none (per-action times are recorded in distributed runs with pipeline(dump_dir=...) or ZBCOMPILE_DUMP)
 bubble = 1 - busy / (ranks x makespan); stage bubble = 1 - busy / (ranks x span), the paper's""",
         )
@@ -104,30 +104,30 @@ bubble = 1 - busy / (ranks x makespan); stage bubble = 1 - busy / (ranks x span)
             """\
 # stage 1, W: weight-gradient backward: parameter gradients
 # inputs:
-#   tanh <- in:tanh
 #   saved_gelu <- saved:gelu
+#   saved_silu <- saved:silu
 #   stash_mse_loss_backward <- stash:mse_loss_backward
-#   stash_gelu_backward <- stash:gelu_backward
+#   stash_silu_backward <- stash:silu_backward
 # returns, in order:
-#   grad:param:fc2.weight
-#   grad:param:fc2.bias
 #   grad:param:fc3.weight
 #   grad:param:fc3.bias
+#   grad:param:fc4.weight
+#   grad:param:fc4.bias
 class Stage1WeightBackward(torch.nn.Module):
-    def forward(self, tanh: "f32[2, 16]", saved_gelu: "f32[2, 16]", stash_mse_loss_backward: "f32[2, 4]", stash_gelu_backward: "f32[2, 16]"):
-        # module fc3
+    def forward(self, saved_gelu: "f32[2, 16]", saved_silu: "f32[2, 16]", stash_mse_loss_backward: "f32[2, 4]", stash_silu_backward: "f32[2, 16]"):
+        # module fc4
         t_3: "f32[4, 2]" = torch.ops.aten.t.default(stash_mse_loss_backward)
-        mm_1: "f32[4, 16]" = torch.ops.aten.mm.default(t_3, saved_gelu)
+        mm_1: "f32[4, 16]" = torch.ops.aten.mm.default(t_3, saved_silu)
         t_4: "f32[16, 4]" = torch.ops.aten.t.default(mm_1)
         sum_1: "f32[1, 4]" = torch.ops.aten.sum.dim_IntList(stash_mse_loss_backward, [0], True)
         view: "f32[4]" = torch.ops.aten.view.default(sum_1, [4])
         t_5: "f32[4, 16]" = torch.ops.aten.t.default(t_4)
 
-        # module fc2
-        t_7: "f32[16, 2]" = torch.ops.aten.t.default(stash_gelu_backward)
-        mm_3: "f32[16, 16]" = torch.ops.aten.mm.default(t_7, tanh)
+        # module fc3
+        t_7: "f32[16, 2]" = torch.ops.aten.t.default(stash_silu_backward)
+        mm_3: "f32[16, 16]" = torch.ops.aten.mm.default(t_7, saved_gelu)
         t_8: "f32[16, 16]" = torch.ops.aten.t.default(mm_3)
-        sum_2: "f32[1, 16]" = torch.ops.aten.sum.dim_IntList(stash_gelu_backward, [0], True)
+        sum_2: "f32[1, 16]" = torch.ops.aten.sum.dim_IntList(stash_silu_backward, [0], True)
         view_1: "f32[16]" = torch.ops.aten.view.default(sum_2, [16])
         t_9: "f32[16, 16]" = torch.ops.aten.t.default(t_8)
         return (t_9, view_1, t_5, view)
@@ -157,7 +157,7 @@ class Stage1WeightBackward(torch.nn.Module):
         for node in names(program.joint.backward.graph):
             mark = next(line[:5] for line in printed.splitlines() if line[7:].startswith(f"{node} = "))
             self.assertEqual(mark, f"  {'B' if node in b else ' '} {'W' if node in w else ' '}", node)
-        self.assertIn("B returns: grad:tanh, stash:mse_loss_backward, stash:gelu_backward", printed)
+        self.assertIn("B returns: grad:addmm_1, stash:mse_loss_backward, stash:silu_backward", printed)
 
     def test_errors_name_what_to_do(self):
         code, _, err = _inspect(self.root, "--stage", "7", "--graph", "W")
