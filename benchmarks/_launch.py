@@ -11,6 +11,7 @@ import platform
 import socket
 import statistics
 import tempfile
+import time
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
@@ -115,3 +116,19 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     lines += ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in cells[1:]]
     return "\n".join(lines)
+
+
+def run_and_report(name: str, world: int, rank_main: Callable, settings: Any, analyse: Callable, report: Callable, write: bool) -> None:
+    """Run `rank_main(settings)` on `world` ranks, then `analyse(per_rank, settings, machine
+    before, machine after, wall seconds)`, print `report(data)` and, if `write`, store both under
+    benchmarks/results/<name>.{json,md}."""
+    before = machine()
+    print(f"machine: {load_line(before)}", flush=True)
+    started = time.perf_counter()
+    per_rank = run_ranks(world, rank_main, settings, timeout_s=settings.timeout_s)
+    data = analyse(per_rank, settings, before, machine(), time.perf_counter() - started)
+    text = report(data)
+    print(text)
+    if write:
+        paths = write_results(name, data, text)
+        print("wrote " + ", ".join(str(p) for p in paths))

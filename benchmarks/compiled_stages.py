@@ -156,16 +156,7 @@ def main() -> None:
         settings = Settings(
             model=ModelSettings(hidden=32, seq_len=16, layers=2), microbatches=(4,), warmup=1, rounds=1, steps_per_round=1
         )
-    before = _launch.machine()
-    print(f"machine: {_launch.load_line(before)}", flush=True)
-    started = time.perf_counter()
-    per_rank = _launch.run_ranks(2, rank_main, settings, timeout_s=settings.timeout_s)
-    data = analyse(per_rank, settings, before, _launch.machine(), time.perf_counter() - started)
-    text = report(data)
-    print(text)
-    if not options.no_write and not options.quick:
-        paths = _launch.write_results("compiled_stages", data, text)
-        print("wrote " + ", ".join(str(p) for p in paths))
+    _launch.run_and_report("compiled_stages", 2, rank_main, settings, analyse, report, write=not options.no_write and not options.quick)
 
 
 if __name__ == "__main__":

@@ -648,17 +648,7 @@ def main() -> None:
     settings = Settings(rounds=options.rounds, steps_per_round=options.steps_per_round, warmup=options.warmup)
     if options.quick:
         settings = Settings(hidden=32, seq_len=16, layers=4, microbatches=(4,), rounds=1, steps_per_round=1, warmup=1)
-    before = _launch.machine()
-    print(f"machine: {_launch.load_line(before)}", flush=True)
-    started = time.perf_counter()
-    per_rank = _launch.run_ranks(2, rank_main, settings, timeout_s=settings.timeout_s)
-    wall = time.perf_counter() - started
-    data = analyse(per_rank, settings, before, _launch.machine(), wall)
-    text = report(data)
-    print(text)
-    if not options.no_write and not options.quick:
-        paths = _launch.write_results("runtime_cpu", data, text)
-        print("wrote " + ", ".join(str(p) for p in paths))
+    _launch.run_and_report("runtime_cpu", 2, rank_main, settings, analyse, report, write=not options.no_write and not options.quick)
 
 
 if __name__ == "__main__":
