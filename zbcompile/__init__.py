@@ -12,10 +12,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["PipelinedModule", "pipeline"]
+__all__ = ["PipelinedModule", "PostValidatedOptimizer", "SynchronousClipOptimizer", "pipeline"]
+_MODULE_OF = {"PostValidatedOptimizer": "zbcompile.runtime.optimizer", "SynchronousClipOptimizer": "zbcompile.runtime.optimizer"}
 
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        return getattr(importlib.import_module("zbcompile.api"), name)
+        return getattr(importlib.import_module(_MODULE_OF.get(name, "zbcompile.api")), name)
     raise AttributeError(f"module 'zbcompile' has no attribute {name!r}")

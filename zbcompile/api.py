@@ -154,6 +154,10 @@ class PipelinedModule:
         self._local: set[str] | None = None  # FQNs this rank holds, once compiled (distributed)
         self._timelines: dict[Any, list] = {}
         self.measured_costs: Costs | None = None  # with profile=True, once measured
+        # run at the start of every step(), before this rank's first forward (optimizer
+        # post-validation finishes the previous optimizer step there), and before state_dict()
+        self.pre_step_hooks: list[Callable[[], None]] = []
+        self.state_dict_hooks: list[Callable[[], None]] = []
 
     @property
     def distributed(self) -> bool:
@@ -170,6 +174,8 @@ class PipelinedModule:
         bundle = self._compile(key, micro_inputs[0], micro_targets[0])
         bundle.runner.set_state(self._state())  # the module's current tensors, even if reassigned
         feeds = [self._feed(bundle.compiled, args, kw, tgt) for (args, kw), tgt in zip(micro_inputs, micro_targets)]
+        for hook in self.pre_step_hooks:
+            hook()
         losses = bundle.runner.step([f[0] for f in feeds], [f[1] for f in feeds])
         self._accumulate_grads(bundle.runner.reduce_grads())
         if self.options.profile and isinstance(bundle.runner, DistributedRunner):
@@ -401,6 +407,8 @@ class PipelinedModule:
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The module's state dict; in a distributed run, the entries this rank owns (every alias
         of a tied weight included), which together over all ranks make the whole model's."""
+        for hook in self.state_dict_hooks:
+            hook()
         full = self.module.state_dict(*args, **kwargs)
         owned = self._owned()
         if owned is None:
