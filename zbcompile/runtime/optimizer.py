@@ -323,8 +323,11 @@ class PostValidatedOptimizer(_PipelineOptimizer):
             self._step_on(pending.grads, coef)
 
     def close(self) -> None:
-        """Validate the last step and detach from the pipe (its next steps no longer call us)."""
+        """Validate the last step, wait until the neighbours have our messages, and detach from
+        the pipe (its next steps no longer call us). Every rank of the pipeline must call it."""
         self.finish()
+        if self._transport is not None:
+            self._transport.flush_sends()
         self.pipe.pre_step_hooks.remove(self.finish)
         self.pipe.state_dict_hooks.remove(self._refuse_unvalidated)
 
