@@ -228,7 +228,7 @@ class PostValidatedOptimizer(_PipelineOptimizer):
         opt = PostValidatedOptimizer(torch.optim.AdamW(pipe.parameters(), lr=1e-3), pipe, max_norm=1.0)
         for x, y in data:
             pipe.step(x, target=y); opt.step(); opt.zero_grad()
-        opt.finish()  # validate the last step (every rank calls it)
+        opt.close()  # validate the last step (every rank calls it)
 
     Build it after `pipe.compile(...)` (or a first step) on every rank. A step is final once the
     next `pipe.step()` starts, or after `finish()`; until then `state_dict()` and
@@ -271,11 +271,7 @@ class PostValidatedOptimizer(_PipelineOptimizer):
         grads = self._grads()
         state = self._own_state(position, grads)
         if position.next is not None:
-            received = transport.wait(
-                transport.post_recv([torch.empty(2, dtype=torch.float64, device=self._device())], position.next, PARTIAL_TAG, "optimizer step"),
-                "optimizer step (partial gradient norm)",
-            )[0]
-            state = NormState.from_tensor(received).plus(state)
+            state = self._receive(transport, position.next, PARTIAL_TAG, "optimizer step (partial gradient norm)").plus(state)
         if position.previous is not None:
             transport.flush_sends()
             transport.send([state.to_tensor(self._device())], position.previous, PARTIAL_TAG, "partial gradient norm")
@@ -302,11 +298,7 @@ class PostValidatedOptimizer(_PipelineOptimizer):
         transport = self._transport_for(position)
         state = pending.global_state
         if position.previous is not None:
-            received = transport.wait(
-                transport.post_recv([torch.empty(2, dtype=torch.float64, device=self._device())], position.previous, GLOBAL_TAG, "post-validation"),
-                "post-validation (global gradient norm)",
-            )[0]
-            state = NormState.from_tensor(received)
+            state = self._receive(transport, position.previous, GLOBAL_TAG, "post-validation (global gradient norm)")
         transport.flush_sends()
         if position.next is not None:
             transport.send([state.to_tensor(self._device())], position.next, GLOBAL_TAG, "global gradient norm")
@@ -354,6 +346,10 @@ class PostValidatedOptimizer(_PipelineOptimizer):
                 "the last optimizer step is not validated yet (its global gradient norm is still travelling "
                 "along the pipeline); call opt.finish() on every rank first"
             )
+
+    def _receive(self, transport: Transport, peer: int, tag: int, action: str) -> NormState:
+        buffer = torch.empty(2, dtype=torch.float64, device=self._device())
+        return NormState.from_tensor(transport.wait(transport.post_recv([buffer], peer, tag, action), action)[0])
 
     def _transport_for(self, position: _Position) -> Transport:
         if self._transport is None:
