@@ -12,10 +12,14 @@ import time
 
 import torch
 import torch.distributed as dist
+from models import BATCH, GPT_CONFIG, build
 
 import zbcompile
-from models import BATCH, GPT_CONFIG, build
-from zbcompile.runtime.optimizer import PostValidatedOptimizer, StepRecord, SynchronousClipOptimizer
+from zbcompile.runtime.optimizer import (
+    PostValidatedOptimizer,
+    StepRecord,
+    SynchronousClipOptimizer,
+)
 
 STEPS = 10
 FAULT_STEP = 4

@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import functools
 
+import post_validation_workers as workers
 import pytest
 import torch
-
-import post_validation_workers as workers
 from models import build
 from multiprocess import run_ranks
 
 import zbcompile
-from zbcompile.runtime.optimizer import NormState, chain_sum, clip_coefficient, squared_norm
+from zbcompile.runtime.optimizer import (
+    NormState,
+    chain_sum,
+    clip_coefficient,
+    squared_norm,
+)
 from zbcompile.runtime.rollback import ExactRollback, ReverseRollback, make_rollback
 
 OPTIMIZERS = ("sgd", "adam", "adamw")

@@ -27,8 +27,9 @@ clamped to 1, computed on a float32 total norm.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,14 +49,14 @@ class NormState:
     sumsq: float = 0.0
     nonfinite: bool = False
 
-    def plus(self, other: "NormState") -> "NormState":
+    def plus(self, other: NormState) -> NormState:
         return NormState(self.sumsq + other.sumsq, self.nonfinite or other.nonfinite)
 
     def to_tensor(self, device: torch.device) -> torch.Tensor:
         return torch.tensor([self.sumsq, float(self.nonfinite)], dtype=torch.float64, device=device)
 
     @staticmethod
-    def from_tensor(value: torch.Tensor) -> "NormState":
+    def from_tensor(value: torch.Tensor) -> NormState:
         sumsq, flag = value.tolist()
         return NormState(sumsq, bool(flag))
 

@@ -16,7 +16,8 @@ Two ways, one interface (`prepare()` before the step, then `undo(grads)` or `dis
 from __future__ import annotations
 
 import copy
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 

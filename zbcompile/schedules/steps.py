@@ -22,8 +22,8 @@ second half of the simulated steps.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from .costs import Costs, StageCosts, resolve_costs
 from .ir import Action, Schedule
