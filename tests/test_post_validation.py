@@ -9,8 +9,6 @@ rank's gradients leaves every rank's parameters and optimizer state bitwise unch
 
 from __future__ import annotations
 
-import functools
-
 import post_validation_workers as workers
 import pytest
 import torch
@@ -24,20 +22,24 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 # --- multi-process equivalence -------------------------------------------------------------------
 
 
-@functools.cache
-def _launch(world: int) -> list[dict]:
-    """2 ranks: a 2-stage pipeline. 4 ranks: a 4-stage pipeline, then 2 replicas x 2 stages."""
-    if world == 2:
-        pipelines = [(2, OPTIMIZERS)]
-    else:
-        pipelines = [(4, OPTIMIZERS), (2, ("adamw",))]
-    return run_ranks(world, workers.train_all, pipelines)
+def _launch(world: int) -> list[tuple[int, list[dict]]]:
+    """(stages, every rank's results) per pipeline: 2 ranks run a 2-stage pipeline; 4 ranks a
+    4-stage pipeline, then 2 replicas x 2 stages. One launch per world size, checked by one test
+    (so that no two test workers launch the same processes)."""
+    pipelines = [(2, OPTIMIZERS)] if world == 2 else [(4, OPTIMIZERS), (2, ("adamw",))]
+    per_rank = run_ranks(world, workers.train_all, pipelines)
+    return [(stages, per_rank) for stages, _ in pipelines]
 
 
-@pytest.fixture(params=[(2, 2), (4, 4), (4, 2)], ids=["2ranks", "4ranks", "2replicas-x-2stages"])
-def launch(request):
-    world, stages = request.param
-    return stages, _launch(world)
+@pytest.mark.parametrize("world", [2, 4], ids=["2ranks", "4ranks+2replicas-x-2stages"])
+def test_post_validation_across_processes(world):
+    for launch in _launch(world):
+        check_exact_rollback_is_bitwise_equal_to_the_synchronous_reference(launch)
+        check_within_rtol_1e6_of_torch_clipping_and_with_reverse_rollback(launch)
+        check_clipping_happens_on_some_steps_and_the_norm_counts_each_parameter_once(launch)
+        check_an_inf_in_one_ranks_gradients_changes_nothing_anywhere(launch)
+        check_replicas_and_tied_copies_stay_identical(launch)
+        check_an_unvalidated_step_is_never_exposed_by_state_dict(launch)
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
@@ -65,7 +67,7 @@ def _optimizers(per_rank: list[dict], stages: int) -> list[str]:
     return sorted({k[1] for k in per_rank[0] if k[0] == stages and k[1] != "layout"})
 
 
-def test_exact_rollback_is_bitwise_equal_to_the_synchronous_reference(launch):
+def check_exact_rollback_is_bitwise_equal_to_the_synchronous_reference(launch):
     stages, per_rank = launch
     for rank, result in enumerate(per_rank):
         for name in _optimizers(per_rank, stages):
@@ -73,7 +75,7 @@ def test_exact_rollback_is_bitwise_equal_to_the_synchronous_reference(launch):
                 _compare(result[(stages, name, "exact", fault)], result[(stages, name, "sync", fault)], f"rank {rank} {name} fault={fault}", True)
 
 
-def test_within_rtol_1e6_of_torch_clipping_and_with_reverse_rollback(launch):
+def check_within_rtol_1e6_of_torch_clipping_and_with_reverse_rollback(launch):
     stages, per_rank = launch
     for rank, result in enumerate(per_rank):
         for name in _optimizers(per_rank, stages):
@@ -84,7 +86,7 @@ def test_within_rtol_1e6_of_torch_clipping_and_with_reverse_rollback(launch):
                 _compare(result[(stages, name, "reverse", True)], result[(stages, name, "sync", True)], f"rank {rank} {name} reverse+fault", False)
 
 
-def test_clipping_happens_on_some_steps_and_the_norm_counts_each_parameter_once(launch):
+def check_clipping_happens_on_some_steps_and_the_norm_counts_each_parameter_once(launch):
     stages, per_rank = launch
     for name in _optimizers(per_rank, stages):
         histories = [r[(stages, name, "exact", False)]["history"] for r in per_rank]
@@ -99,7 +101,7 @@ def test_clipping_happens_on_some_steps_and_the_norm_counts_each_parameter_once(
     assert all(layout["tied_owner"] for layout in layouts if layout["pp_rank"] in (0, stages - 1))
 
 
-def test_an_inf_in_one_ranks_gradients_changes_nothing_anywhere(launch):
+def check_an_inf_in_one_ranks_gradients_changes_nothing_anywhere(launch):
     stages, per_rank = launch
     fault_rank = stages // 2 - 1
     for rank, result in enumerate(per_rank):
@@ -114,7 +116,7 @@ def test_an_inf_in_one_ranks_gradients_changes_nothing_anywhere(launch):
             assert all(s == workers.FAULT_STEP for s in steps), steps  # the skipped step is not counted
 
 
-def test_replicas_and_tied_copies_stay_identical(launch):
+def check_replicas_and_tied_copies_stay_identical(launch):
     stages, per_rank = launch
     for name in _optimizers(per_rank, stages):
         final = [r[(stages, name, "exact", False)]["params"] for r in per_rank]
@@ -127,7 +129,7 @@ def test_replicas_and_tied_copies_stay_identical(launch):
             assert final[0].keys() == final[stages].keys()
 
 
-def test_an_unvalidated_step_is_never_exposed_by_state_dict(launch):
+def check_an_unvalidated_step_is_never_exposed_by_state_dict(launch):
     stages, per_rank = launch
     for result in per_rank:
         said = result[(stages, "adamw", "exact", False)]["refusals"]
