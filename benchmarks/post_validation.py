@@ -10,7 +10,7 @@ all-reduce syncs the ranks at the end of a step) with zb-h1, alternating rounds 
 
 Per round and variant: a barrier, `steps_per_round` training steps back to back (step, optimizer
 step, zero_grad), the post-validated variant's `finish()`, a barrier; seconds per step. Both
-use the same max_norm: by default twice the median gradient norm of the warm-up steps, so that
+use the same max_norm: by default 4x the median gradient norm of the warm-up steps, so that
 clipping is as rare as in a healthy training run (each clip costs the post-validated variant an
 optimizer step more on the ranks that stepped optimistically; `--max-norm-factor 0.5` makes
 nearly every step clip). Printed:
@@ -51,10 +51,10 @@ class Settings:
     microbatches: int = 8
     schedule: str = "zb-h1"
     warmup: int = 2
-    rounds: int = 10
-    steps_per_round: int = 4
+    rounds: int = 20
+    steps_per_round: int = 3
     lr: float = 1e-3
-    max_norm_factor: float = 2.0  # max_norm = this x the median gradient norm of the warm-up steps
+    max_norm_factor: float = 4.0  # max_norm = this x the median gradient norm of the warm-up steps
     timeout_s: float = 300.0
 
 
@@ -96,7 +96,7 @@ def rank_main(settings: Settings) -> dict:
         opt = optimizers[variant]
         timelines, optimizer_s = [], []
         dist.barrier()
-        started = time.perf_counter()
+        started, own, busy = time.perf_counter(), time.process_time(), _launch.cpu_busy_seconds()
         for _ in range(settings.steps_per_round):
             pipe.step(tokens, target=targets)
             timelines.append(list(pipe.runner.timeline))
@@ -106,10 +106,14 @@ def rank_main(settings: Settings) -> dict:
             opt.zero_grad()
         opt.finish()
         dist.barrier()
-        return (time.perf_counter() - started) / settings.steps_per_round, timelines, optimizer_s
+        wall = time.perf_counter() - started
+        usage[variant].append((wall, time.process_time() - own, _launch.cpu_busy_seconds() - busy))
+        return wall / settings.steps_per_round, timelines, optimizer_s
 
+    usage: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
     for variant in VARIANTS:  # warm-up of each variant's code path
         run(variant)
+    usage.clear()
     times: dict[str, list[float]] = defaultdict(list)
     timelines: dict[str, list] = defaultdict(list)
     optimizer_s: dict[str, list[float]] = defaultdict(list)
@@ -124,6 +128,7 @@ def rank_main(settings: Settings) -> dict:
     optimizers["post-validated"].close()
     return {
         "times": dict(times),
+        "usage": dict(usage),
         "timelines": dict(timelines),
         "optimizer_s": dict(optimizer_s),
         "latency": _latencies(dist, torch),
@@ -203,6 +208,15 @@ def analyse(per_rank: list[dict], settings: Settings, before: dict, after: dict,
     times = {v: [max(r["times"][v][i] for r in per_rank) for i in range(settings.rounds)] for v in VARIANTS}
     medians = {v: _launch.median(t) for v, t in times.items()}
     history = per_rank[0]["history"]
+    # per round: cores' worth of CPU that other jobs used meanwhile (machine busy time minus both
+    # ranks' own CPU time over the wall time); the quiet half are the rounds where that was least
+    others = [
+        sum(max(0.0, per_rank[0]["usage"][v][i][2] - sum(r["usage"][v][i][1] for r in per_rank)) for v in VARIANTS)
+        / sum(per_rank[0]["usage"][v][i][0] for v in VARIANTS)
+        for i in range(settings.rounds)
+    ]
+    quiet = sorted(range(settings.rounds), key=lambda i: others[i])[: max(1, settings.rounds // 2)]
+    paired = [times["sync"][i] / times["post-validated"][i] for i in range(settings.rounds)]
     return {
         "settings": asdict(settings),
         "machine_before": before,
@@ -212,6 +226,11 @@ def analyse(per_rank: list[dict], settings: Settings, before: dict, after: dict,
         "ms_per_step": {v: [1e3 * t for t in ts] for v, ts in times.items()},
         "median_ms": {v: 1e3 * m for v, m in medians.items()},
         "throughput_ratio": medians["sync"] / medians["post-validated"],
+        "paired_ratio_median": _launch.median(paired),
+        "quiet_rounds": sorted(quiet),
+        "others_cores": others,
+        "quiet_median_ms": {v: 1e3 * _launch.median([times[v][i] for i in quiet]) for v in VARIANTS},
+        "quiet_paired_ratio_median": _launch.median([paired[i] for i in quiet]),
         "clipped_steps": {v: sum(1 for _, c, _ in h if c) for v, h in history.items()},
         "steps": {v: len(h) for v, h in history.items()},
         "rollbacks_per_rank": [r["rollbacks"] for r in per_rank],
@@ -245,6 +264,14 @@ def report(data: dict) -> str:
             f"Run took {data['wall_s']:.0f} s.",
             "",
             _launch.table(["variant", "median ms/step", "steps/s", "throughput vs sync", "simulated ms/step"], rows),
+            "",
+            f"Throughput ratio post-validated / sync: {data['throughput_ratio']:.3f}x from the medians above; "
+            f"{data['paired_ratio_median']:.3f}x as the median of the per-round ratios (each round runs both variants "
+            f"back to back, so a round's ratio sees one load); over the quietest half of the rounds (other jobs used "
+            f"{_launch.median([data['others_cores'][i] for i in data['quiet_rounds']]):.2f} cores, against "
+            f"{_launch.median(data['others_cores']):.2f} over all rounds): sync {data['quiet_median_ms']['sync']:.1f} ms, "
+            f"post-validated {data['quiet_median_ms']['post-validated']:.1f} ms per step, per-round ratio "
+            f"{data['quiet_paired_ratio_median']:.3f}x.",
             "",
             f"Clipped steps: sync {data['clipped_steps']['sync']}/{data['steps']['sync']}, post-validated "
             f"{data['clipped_steps']['post-validated']}/{data['steps']['post-validated']}; optimistic steps rolled back "
