@@ -12,14 +12,22 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["PipelinedModule", "pipeline"]
-# the torch.compile backend's public names (see zbcompile/backend.py)
-_BACKEND_NAMES = ("WeightGradStore", "active_store", "defer_weight_grads", "take_weight_grads")
+# public name -> the module that defines it, imported on first use
+_MODULE_OF = {
+    "pipeline": "zbcompile.api",
+    "PipelinedModule": "zbcompile.api",
+    "PostValidatedOptimizer": "zbcompile.runtime.optimizer",
+    "SynchronousClipOptimizer": "zbcompile.runtime.optimizer",
+    # the torch.compile backend (zbcompile/backend.py)
+    "WeightGradStore": "zbcompile.backend",
+    "active_store": "zbcompile.backend",
+    "defer_weight_grads": "zbcompile.backend",
+    "take_weight_grads": "zbcompile.backend",
+}
+__all__ = sorted(_MODULE_OF)
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
-        return getattr(importlib.import_module("zbcompile.api"), name)
-    if name in _BACKEND_NAMES:
-        return getattr(importlib.import_module("zbcompile.backend"), name)
+    if name in _MODULE_OF:
+        return getattr(importlib.import_module(_MODULE_OF[name]), name)
     raise AttributeError(f"module 'zbcompile' has no attribute {name!r}")

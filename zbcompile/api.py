@@ -169,6 +169,10 @@ class PipelinedModule:
         self._timelines: dict[Any, list] = {}
         self._dumps: dict[Any, dump.CompileDump | None] = {}
         self.measured_costs: Costs | None = None  # with profile=True, once measured
+        # run at the start of every step(), before this rank's first forward (optimizer
+        # post-validation finishes the previous optimizer step there), and before state_dict()
+        self.pre_step_hooks: list[Callable[[], None]] = []
+        self.state_dict_hooks: list[Callable[[], None]] = []
 
     @property
     def distributed(self) -> bool:
@@ -185,6 +189,8 @@ class PipelinedModule:
         bundle = self._compile(key, micro_inputs[0], micro_targets[0])
         bundle.runner.set_state(self._state())  # the module's current tensors, even if reassigned
         feeds = [self._feed(bundle.compiled, args, kw, tgt) for (args, kw), tgt in zip(micro_inputs, micro_targets)]
+        for hook in self.pre_step_hooks:
+            hook()
         losses = bundle.runner.step([f[0] for f in feeds], [f[1] for f in feeds])
         if self._dumps.get(key) is not None:
             self._dumps[key].record_step(bundle.runner, self.measured_costs)
@@ -428,6 +434,8 @@ class PipelinedModule:
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The module's state dict; in a distributed run, the entries this rank owns (every alias
         of a tied weight included), which together over all ranks make the whole model's."""
+        for hook in self.state_dict_hooks:
+            hook()
         full = self.module.state_dict(*args, **kwargs)
         owned = self._owned()
         if owned is None:
