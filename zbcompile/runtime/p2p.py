@@ -4,6 +4,7 @@ group's backend (CPU for gloo, the current CUDA device for NCCL): one code path 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Sequence
@@ -43,8 +44,11 @@ class Transport:
         self.rank = rank
         self.timeout = timeout
         self._sends: list[Pending] = []
-        # gloo pairs a send with its receive by tag; NCCL (and the others) by order per peer
-        self.matches_by_tag = dist.get_backend() == "gloo"
+
+    @functools.cached_property
+    def matches_by_tag(self) -> bool:
+        """gloo pairs a send with its receive by tag; NCCL (and the others) by order per peer."""
+        return dist.get_backend() == "gloo"
 
     def post_recv(self, buffers: Sequence[torch.Tensor], peer: int, tag: int, action: str) -> Pending:
         return Pending(self._post(dist.irecv, buffers, peer, tag, action), list(buffers), peer, action)
