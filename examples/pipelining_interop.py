@@ -24,7 +24,6 @@ norms after one step next to those of the same step run eagerly in one process.
 from __future__ import annotations
 
 import argparse
-import copy
 
 import torch
 import torch.distributed as dist

@@ -23,7 +23,10 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import deque
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
+
+if TYPE_CHECKING:
+    import torch
 
 
 class WeightGradStore:
@@ -36,7 +39,7 @@ class WeightGradStore:
     def __len__(self) -> int:
         return len(self._queue)
 
-    def pending_parameters(self) -> list[tuple["torch.nn.Parameter", ...]]:
+    def pending_parameters(self) -> list[tuple[torch.nn.Parameter, ...]]:
         """For inspection: the parameters each queued W writes, in queue order."""
         with self._lock:
             return [tuple(getattr(work, "parameters", ())) for work in self._queue]
