@@ -65,14 +65,17 @@ def state_only_nodes(graph: fx.Graph, state: set[fx.Node]) -> set[fx.Node]:
     return result
 
 
-def is_in_place(node: fx.Node) -> bool:
-    """Whether `node` updates its first argument in place (`add_`, `sigmoid_`)."""
-    schema = getattr(node.target, "_schema", None)
-    return (
-        node.op == "call_function" and schema is not None and bool(schema.arguments)
-        and schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write
-        and isinstance(node.args[0], fx.Node)
-    )
+def written_arguments(node: fx.Node) -> list[tuple[str, object]]:
+    """(name, value) of each positional argument `node` writes in place (`add_`'s self,
+    `native_batch_norm`'s running statistics), by its op's schema."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    if schema is None:
+        return []
+    return [
+        (argument.name, value)
+        for argument, value in zip(schema.arguments, node.args)
+        if argument.alias_info is not None and argument.alias_info.is_write
+    ]
 
 
 def is_random(node: fx.Node) -> bool:

@@ -165,7 +165,8 @@ def _allowed_cuts(anchors: list[fx.Node]) -> list[int]:
     update and every reader, and every node that reads the target in the last stage."""
     position = {n: i for i, n in enumerate(anchors)}
     blocked = [False] * (len(anchors) + 1)
-    roots = _fx.storage_roots(anchors[0].graph) if anchors else {}
+    graph = anchors[0].graph if anchors else None
+    roots = _fx.storage_roots(graph) if graph is not None else {}
     sharing: dict[fx.Node, list[fx.Node]] = {}  # storage root -> the nodes whose value lives in it
     for value, root in roots.items():
         sharing.setdefault(root, []).append(value)
@@ -174,13 +175,14 @@ def _allowed_cuts(anchors: list[fx.Node]) -> list[int]:
             last_getitem = max((position[u] for u in node.users if u in position), default=position[node])
             for i in range(position[node] + 1, last_getitem + 1):
                 blocked[i] = True
-        if _fx.is_in_place(node) and roots[node.args[0]] in position:
-            root = roots[node.args[0]]
+        for _, written in _fx.written_arguments(node):
+            root = roots.get(written) if isinstance(written, fx.Node) else None
+            if root not in position:
+                continue
             readers = [u for v in sharing[root] for u in v.users]
             last_read = max((position[u] for u in [node, *readers] if u in position), default=position[node])
             for i in range(position[root] + 1, last_read + 1):
                 blocked[i] = True
-    graph = anchors[0].graph if anchors else None
     dependent = _target_dependent(graph) if graph is not None else set()
     first_target_use = min((position[n] for n in dependent if n in position), default=len(anchors))
     return [i for i in range(1, len(anchors)) if not blocked[i] and i <= first_target_use]

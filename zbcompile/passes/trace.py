@@ -32,6 +32,7 @@ from torch.utils import _pytree as pytree
 
 from zbcompile import _torch_internals as ti
 from zbcompile._torch_internals import FakeTensorMode
+from zbcompile.passes import _fx
 
 # meta["zb_role"] of placeholders
 PARAM, BUFFER, INPUT, TARGET = "param", "buffer", "input", "target"
@@ -228,16 +229,11 @@ def _refuse_state_mutation(graph: fx.Graph) -> None:
     placeholder (or as an op that writes an input in place, like `native_batch_norm`'s running
     statistics)."""
     for node in graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-            continue
-        for argument, value in zip(node.target._schema.arguments, node.args):
-            written = argument.alias_info is not None and argument.alias_info.is_write
-            if node.target is torch.ops.aten.native_batch_norm.default and argument.name in (
-                "running_mean",
-                "running_var",
-            ):
-                written = value is not None and node.args[5]  # training=True updates the stats
-            if written and isinstance(value, fx.Node) and value.op == "placeholder":
+        for name, value in _fx.written_arguments(node):
+            if node.target is torch.ops.aten.native_batch_norm.default and name in ("running_mean", "running_var"):
+                if not node.args[5]:  # only training=True updates the stats
+                    continue
+            if isinstance(value, fx.Node) and value.op == "placeholder":
                 raise ValueError(_mutation_message(value, node))
 
 

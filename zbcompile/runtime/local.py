@@ -23,14 +23,13 @@ def execution_order(schedule: Schedule) -> list[Action]:
 
 def run_local_step(
     executors: Sequence[StageExecutor],
-    schedule: Schedule,
+    order: Sequence[Action],
     inputs: Sequence[Mapping[str, torch.Tensor]],
     targets: Sequence[Mapping[str, torch.Tensor]],
-    order: Sequence[Action] | None = None,
 ) -> list[torch.Tensor]:
-    """One step over `len(inputs)` microbatches; returns each microbatch's loss. Parameter
-    gradients of the mean loss stay in the executors (`take_grads`). `order`: the schedule's
-    `execution_order`, when the caller keeps it."""
+    """One step over `len(inputs)` microbatches, running the compute actions in `order` (a
+    schedule's `execution_order`); returns each microbatch's loss. Parameter gradients of the
+    mean loss stay in the executors (`take_grads`)."""
     arriving: dict[tuple[str, int, int], dict[str, torch.Tensor]] = {}
 
     def fetch(direction: str, stage: int, microbatch: int, action: str) -> dict[str, torch.Tensor]:
@@ -40,7 +39,7 @@ def run_local_step(
         arriving[(direction, stage, microbatch)] = values
 
     dispatch = StepDispatch(dict(enumerate(executors)), len(executors), inputs, targets, fetch, deliver)
-    for action in order if order is not None else execution_order(schedule):
+    for action in order:
         dispatch.run(action)
     return dispatch.microbatch_losses()
 
@@ -62,7 +61,7 @@ class LocalRunner:
         self._order = execution_order(schedule)
 
     def step(self, inputs, targets) -> list[torch.Tensor]:
-        return run_local_step(self.executors, self.schedule, inputs, targets, self._order)
+        return run_local_step(self.executors, self._order, inputs, targets)
 
     def set_state(self, state: Mapping[str, torch.Tensor]) -> None:
         """Parameters and buffers (`param:<fqn>`, `buffer:<fqn>`) the next step computes with."""
