@@ -7,7 +7,8 @@ Every (library, schedule, m) pipeline is built up front in both ranks; then roun
 between them (the order reverses every other round), so that the machine's changing load falls on
 all of them alike. Per round and pipeline: one step between two barriers (`barrier; step;
 barrier`, the optimizer outside: the step's makespan), then a few steps back to back with the
-optimizer step in between, as a training loop runs them (no barrier between steps: steps/s).
+optimizer step in between, as a training loop runs them (no barrier between steps: steps/s, the
+steady-state rate once the first steps have settled).
 Warm-up steps are not timed. Each round also records how much CPU other jobs took meanwhile
 (machine busy time from /proc/stat minus both ranks' own CPU time): on a shared machine the medians
 use each pipeline's quietest half of its rounds (all-round medians are reported beside them).
@@ -19,7 +20,7 @@ for a message) gives per-stage medians of F, I, W (or fused B) and the message l
 simulator then predicts the step's makespan for the schedule that ran, printed beside the
 measured step time.
 
-    python benchmarks/runtime_cpu.py            # ~3-5 minutes on 2 cores
+    python benchmarks/runtime_cpu.py            # ~6 minutes on 2 cores
     python benchmarks/runtime_cpu.py --quick    # a smoke run
 
 Writes benchmarks/results/runtime_cpu.{json,md}.
@@ -72,7 +73,8 @@ class Settings:
     microbatches: tuple[int, ...] = (4, 8)
     warmup: int = 2
     rounds: int = 12
-    steps_per_round: int = 2  # back-to-back steps per round (after one step between barriers)
+    steps_per_round: int = 6  # back-to-back steps per round (after one step between barriers)
+    settle_steps: int = 2  # of those, the first ones the steady-state period leaves out
     lr: float = 1e-3
     timeout_s: float = 300.0
     zb_schedules: tuple[str, ...] = ZB_SCHEDULES
@@ -151,7 +153,7 @@ class ZbPipeline:
         from zbcompile.models.gpt import lm_loss
 
         self.model = _gpt(settings)
-        split = f"blocks.{settings.layers // 2}"
+        split = [f"blocks.{settings.layers // 2}"]
         extra = {"profile": True} if schedule == PROFILED else {}
         self.warmup = settings.warmup + (PROFILE_STEPS if schedule == PROFILED else 0)
         self.pipe = zbcompile.pipeline(
@@ -160,7 +162,7 @@ class ZbPipeline:
             microbatches=m,
             loss_fn=lm_loss,
             schedule="zb-auto" if schedule == PROFILED else schedule,
-            split_points=[split],
+            split_points=split,
             timeout=settings.timeout_s,
             **extra,
         )
@@ -275,15 +277,20 @@ def rank_main(settings: Settings) -> dict:
         return elapsed
 
     def back_to_back(pipeline, steps: int) -> float:
-        """Seconds per step over `steps` training steps (step, optimizer step) run as a
-        training loop runs them, with barriers only around the whole run."""
+        """The steady-state period of `steps` training steps (step, optimizer step) run as a
+        training loop runs them, with barriers only around the whole run: seconds between the
+        ends of this rank's steps, after the first `settle_steps` (which still feel the barrier
+        that lined the ranks up: a step that follows another overlaps its start with the
+        previous step's tail, as every step but the first of a training run does)."""
         dist.barrier()
-        started = time.perf_counter()
+        ends = [time.perf_counter()]
         for _ in range(steps):
             pipeline.step()
             pipeline.optimize()
+            ends.append(time.perf_counter())
         dist.barrier()
-        return (time.perf_counter() - started) / steps
+        settle = min(settings.settle_steps, steps - 1)
+        return (ends[-1] - ends[settle]) / (steps - settle)
 
     keys = list(pipelines)
     for key in keys:  # warm-up (torch infers shapes on its first step)
@@ -568,7 +575,8 @@ def report(data: dict) -> str:
         f"{s['warmup']} warm-up steps per pipeline (untimed), then {s['rounds']} rounds alternating over all "
         f"pipelines (order reversed every other round); per round and pipeline: one step between two barriers "
         f"(its makespan), then {s['steps_per_round']} steps back to back with the optimizer step, as a training "
-        "loop runs them (steps/s). Before and after each pipeline's measurement the machine's busy CPU time is "
+        f"loop runs them (steps/s: the steady-state rate, from the end of step {s['settle_steps']} to the end of the "
+        "last, where each step's start overlaps the previous step's tail). Before and after each pipeline's measurement the machine's busy CPU time is "
         "read, so that each round knows how much CPU other jobs took meanwhile.",
         f"Machine: {_launch.load_line(data['machine_before'])} before, "
         f"{_launch.load_line(data['machine_after'])} after; 1-min load during the rounds "

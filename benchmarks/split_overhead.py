@@ -12,7 +12,7 @@ GELU, Linear 4h->h) and a Linear head, ending in the MSE loss; rows = the leadin
 the stage's input [rows, hidden]. One thread; all four variants alternate within every repeat
 (the order rotates); medians.
 
-    python benchmarks/split_overhead.py [--hidden 256 --layers 4 --repeats 60]
+    python benchmarks/split_overhead.py [--hidden 256 --layers 4 --repeats 100]
 
 Writes benchmarks/results/split_overhead.{json,md}.
 """
@@ -41,7 +41,7 @@ class Settings:
     hidden: int = 256
     layers: int = 4
     rows: tuple[int, ...] = ROWS
-    repeats: int = 60
+    repeats: int = 100
     warmup: int = 3
     threads: int = 1
 
