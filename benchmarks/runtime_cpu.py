@@ -452,6 +452,7 @@ def predict(per_rank: list[dict], key, rounds: list[int]) -> dict:
         "bubble_rate": sim.bubble_rate,
         "one_f_one_b_makespan_ms": 1e3 * one_f_one_b.makespan,
         "simulated_gain_over_1f1b": one_f_one_b.makespan / sim.makespan,
+        "simulated_steady_gain_over_1f1b": one_f_one_b.span / sim.span,
         "action_window_ms": 1e3 * _action_window(per_rank, key, rounds),
         "runtime_gaps_ms": 1e3 * _launch.median(gaps),
     }
@@ -607,7 +608,7 @@ def report(data: dict) -> str:
     lines.append(_launch.table(
         ["schedule", "m", "F ms (s0/s1)", "I or B ms", "W ms", "comm ms", "barrier step ms", "simulated makespan ms",
          "barrier / makespan", "actions window ms", "runtime gaps ms", "makespan from means ms", "ms/step",
-         "simulated span ms", "simulated gain over 1f1b"],
+         "simulated span ms", "simulated gain over 1f1b", "simulated steady-state gain over 1f1b"],
         [
             [r["schedule"], r["m"],
              "/".join(f"{x:.1f}" for x in r["prediction"]["f_ms"]),
@@ -617,7 +618,8 @@ def report(data: dict) -> str:
              f"{r['barrier_step_ms']:.1f}", f"{r['prediction']['makespan_ms']:.1f}", f"{r['barrier_over_makespan']:.3f}",
              f"{r['prediction']['action_window_ms']:.1f}", f"{r['prediction']['runtime_gaps_ms']:.1f}",
              f"{r['prediction']['makespan_from_means_ms']:.1f}", f"{r['step_ms']:.1f}", f"{r['prediction']['span_ms']:.1f}",
-             f"{r['prediction']['simulated_gain_over_1f1b']:.3f}x"]
+             f"{r['prediction']['simulated_gain_over_1f1b']:.3f}x",
+             f"{r['prediction']['simulated_steady_gain_over_1f1b']:.3f}x"]
             for r in rows if r["library"] == "zbcompile"
         ],
     ))
@@ -633,7 +635,8 @@ def report(data: dict) -> str:
         "of the time between consecutive actions that was not a wait for a message (posting sends and receives, "
         "bookkeeping); the simulator has no such time. Simulated span: the longest per-rank span, the step time "
         "back-to-back steps approach (zb-auto minimises it). Simulated gain over 1f1b: 1F1B's simulated makespan over "
-        "this schedule's, both under this row's costs: the most the schedule can gain at this p and m.",
+        "this schedule's, both under this row's costs: the most the schedule can gain at this p and m between "
+        "barriers; steady-state gain: the same for the spans, the most it can gain in steps/s.",
         "",
         "## Targets",
         "",
