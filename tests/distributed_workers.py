@@ -149,3 +149,53 @@ def new_shapes_recompile() -> dict:
     half = [a[:4] for a in case.args]
     pipe.step(*half, target=case.target[:4])
     return {n: p.grad.clone() for n, p in pipe.named_parameters()}
+
+
+def partial_batches(runs: list[tuple[str, str, int]], steps: int = 2) -> dict:
+    """For each (model, schedule, stages): `steps` steps in which each rank passes only what its
+    stages read (the inputs on the first stage's rank, the target on the last stage's rank,
+    None elsewhere); returns this rank's losses and gradients."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = {}
+    for name, schedule, stages in runs:
+        case = build(name)
+        pipe = zbcompile.pipeline(
+            case.model, stages=stages, microbatches=4, loss_fn=case.loss_fn, schedule=schedule, timeout=60,
+            solver_time_budget=0.5,
+        )
+        first, last = 0, (0 if schedule == "zbv" else world - 1)  # zbv folds the stages into a V
+        losses = []
+        for _ in range(steps):
+            args = case.args if rank == first else (None,) * len(case.args)
+            kwargs = case.kwargs if rank == first else {}
+            losses.append(pipe.step(*args, target=case.target if rank == last else None, **kwargs))
+        results[(name, schedule, stages)] = {
+            "losses": losses,
+            "grads": {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None},
+        }
+    return results
+
+
+def misplaced_batches() -> dict:
+    """Two mistakes, each rank's error message: ranks passing batches of different sizes, then
+    the first stage's rank passing None for the inputs (its peer waits for them until its 5 s
+    timeout)."""
+    rank = dist.get_rank()
+    case = build("mlp")
+    errors = {}
+
+    def attempt(label: str, pipe, *args, target=None) -> None:
+        try:
+            pipe.step(*args, target=target)
+            errors[label] = "no error"
+        except Exception as error:  # noqa: BLE001 - the test inspects the message
+            errors[label] = f"{type(error).__name__}: {error}"
+
+    def fresh(timeout: float):
+        return zbcompile.pipeline(case.model, stages=2, microbatches=2, loss_fn=case.loss_fn, schedule="1f1b", timeout=timeout)
+
+    rows = 4 if rank == 0 else 8
+    attempt("different sizes", fresh(30), case.args[0][:rows], target=case.target[:rows])
+    inputs = (None,) if rank == 0 else case.args
+    attempt("first stage without inputs", fresh(5), *inputs, target=case.target)
+    return errors

@@ -201,3 +201,33 @@ def test_new_batch_shape_recompiles_on_every_rank():
     grads = {k: v for r in per_rank for k, v in r.items()}
     for fqn, p in reference.model.named_parameters():
         torch.testing.assert_close(grads[fqn], p.grad, rtol=1e-5, atol=1e-6, msg=fqn)
+
+
+def test_ranks_may_pass_none_for_what_their_stages_do_not_read():
+    """The inputs only on the first stage's rank, the target only on the last stage's: keyword
+    inputs and a constant argument (masked), and zbv, whose V puts both ends on rank 0 (rank 1
+    passes nothing at all). Two steps: the second follows the agreed shapes without a collective."""
+    runs = [("masked", "zb-h1", 2), ("gpt", "zbv", 4)]
+    per_rank = run_ranks(2, workers.partial_batches, runs)
+    for run in runs:
+        name = run[0]
+        case, loss = _reference(name)
+        case.eager_loss().backward()  # a second step accumulates
+        losses = [step for r in per_rank for step in r[run]["losses"] if step is not None]
+        assert len(losses) == 2, run
+        for step_loss in losses:
+            torch.testing.assert_close(step_loss, loss.detach(), rtol=1e-5, atol=1e-6, msg=str(run))
+        grads = {k: v for r in per_rank for k, v in r[run]["grads"].items()}
+        for fqn, p in case.model.named_parameters():
+            torch.testing.assert_close(grads[fqn], p.grad, rtol=1e-5, atol=1e-6, msg=f"{run}: {fqn}")
+
+
+def test_batches_the_ranks_disagree_on_are_clear_errors():
+    first, second = run_ranks(2, workers.misplaced_batches)
+    for errors in (first, second):  # both ranks see what every rank passed
+        message = errors["different sizes"]
+        assert message.startswith("ValueError") and "rank 0" in message and "rank 1" in message, message
+        assert "[4, 6]" in message and "[8, 6]" in message, message
+    message = first["first stage without inputs"]
+    assert message.startswith("ValueError") and "holds stage 0" in message and "pass the inputs" in message, message
+    assert second["first stage without inputs"].startswith("PeerError"), second

@@ -1,6 +1,5 @@
 """Our CSV is torch.distributed.pipelining's compute-only format: torch's own loader reads it."""
 
-import torch  # noqa: F401  (torch is always installed in this project)
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _Action, _validate_schedule
 
 from zbcompile.schedules import make_schedule

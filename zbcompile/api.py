@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from zbcompile import dump
 from zbcompile.compiler import CompiledPipeline, compile_pipeline
-from zbcompile.runtime import placement, profile
+from zbcompile.runtime import batch_agreement, placement, profile
+from zbcompile.runtime.batch_agreement import BatchDescription
 from zbcompile.runtime.distributed import DistributedRunner, make_layout
 from zbcompile.runtime.local import LocalRunner
 from zbcompile.runtime.p2p import device_for
@@ -148,10 +149,12 @@ class PipelinedModule:
     objects, same FQNs), so optimizers built on `parameters()` work.
 
     Under torch.distributed, `world_size = ranks per pipeline x k` runs k data-parallel replicas
-    (replica d takes the d-th slice of the batch). Every rank passes the full batch to `step()`
-    (the first stage's rank reads the inputs, the last stage's rank the targets) and gets the
-    replica's loss on the rank holding the last stage, None elsewhere; nothing else makes ranks
-    wait for each other. Each rank keeps only the parameters its stages use; the others move to
+    (replica d takes the d-th slice of the batch). Every rank calls `step()` with the full batch;
+    only the first stage's rank reads the inputs and only the last stage's rank the target, so
+    other ranks may pass None for them (`pipe.step(None, target=None)`; they then follow the
+    shapes of the latest compile, so pass the batch on every rank when its shapes change). The
+    rank holding the last stage gets the replica's loss, the others None; besides the schedule's
+    messages, only a compile (first step, new shapes) makes ranks wait for each other. Each rank keeps only the parameters its stages use; the others move to
     the `meta` device. So build the optimizer after `compile(batch)`: `parameters()` then yields
     the parameters this rank holds (a tied weight on each rank using it; its gradient is summed
     between them, so the copies stay equal), and `state_dict()` this rank's share (a tied weight
@@ -169,6 +172,8 @@ class PipelinedModule:
         self._timelines: dict[Any, list] = {}
         self._dumps: dict[Any, dump.CompileDump | None] = {}
         self.measured_costs: Costs | None = None  # with profile=True, once measured
+        self._agreed: list[BatchDescription] = []  # batches the ranks agreed on (distributed), latest last
+        self._placeholder_cache: dict[str, tuple[batch_agreement.Part, Any]] = {}
         # run at the start of every step(), before this rank's first forward (optimizer
         # post-validation finishes the previous optimizer step there), and before state_dict()
         self.pre_step_hooks: list[Callable[[], None]] = []
@@ -185,8 +190,10 @@ class PipelinedModule:
         `kwargs` and `target` into `microbatches` equal parts along dim 0, runs the schedule,
         accumulates the gradient of the mean microbatch loss into each parameter's `.grad`, and
         returns that mean loss (None on ranks without the last stage)."""
+        inputs, kwargs, target, absent = self._local_batch(inputs, kwargs, target)
         micro_inputs, micro_targets, key = self._split(inputs, kwargs, target)
         bundle = self._compile(key, micro_inputs[0], micro_targets[0])
+        self._check_given(bundle, absent)
         bundle.runner.set_state(self._state())  # the module's current tensors, even if reassigned
         feeds = [self._feed(bundle.compiled, args, kw, tgt) for (args, kw), tgt in zip(micro_inputs, micro_targets)]
         for hook in self.pre_step_hooks:
@@ -202,6 +209,7 @@ class PipelinedModule:
     def compile(self, *inputs: Any, target: Any = None, **kwargs: Any) -> "PipelinedModule":
         """Compile for batches shaped like this one without running a step (in a distributed run,
         do this before building the optimizer)."""
+        inputs, kwargs, target, _ = self._local_batch(inputs, kwargs, target)
         micro_inputs, micro_targets, key = self._split(inputs, kwargs, target)
         self._compile(key, micro_inputs[0], micro_targets[0])
         return self
@@ -250,6 +258,49 @@ class PipelinedModule:
         if self._last_key is None:
             raise RuntimeError("the pipeline compiles on the first step() or compile(); call one of them first")
         return self._compiled[self._last_key]
+
+    def _local_batch(self, args: tuple, kwargs: dict, target: Any) -> tuple[tuple, dict, Any, tuple[str, ...]]:
+        """The batch this rank computes with, and which parts it was not given ("inputs",
+        "target"). In one process: what was passed. Under torch.distributed a rank may pass None
+        for the inputs and for the target; it then computes with placeholders shaped like the
+        batch the ranks agreed on (see `batch_agreement`), which `_check_given` keeps away from
+        the stages that read them."""
+        if not self.distributed:
+            return args, kwargs, target, ()
+        mine = BatchDescription.of(args, kwargs, target)
+        agreed = mine.filled_from(self._agreed[-1]) if self._agreed else None
+        if agreed not in self._agreed:
+            agreed = batch_agreement.agree(mine, self.options.process_group)
+            self._agreed.append(agreed)
+        absent = []
+        if mine.inputs is None:
+            args, kwargs = self._placeholders("inputs", agreed.inputs)
+            absent.append("inputs")
+        if mine.target is None and agreed.target is not None:
+            target = self._placeholders("target", agreed.target)
+            absent.append("target")
+        return args, kwargs, target, tuple(absent)
+
+    def _placeholders(self, part_name: str, part: batch_agreement.Part) -> Any:
+        cached = self._placeholder_cache.get(part_name)
+        if cached is None or cached[0] != part:
+            cached = (part, part.placeholders(device_for(self.options.process_group)))
+            self._placeholder_cache[part_name] = cached
+        return cached[1]
+
+    def _check_given(self, bundle: _Compiled, absent: tuple[str, ...]) -> None:
+        """Refuse to run a stage on placeholders: the rank holding the first stage needs the
+        inputs, the one holding the last stage the target."""
+        if not absent:
+            return
+        readers = {"inputs": (0, "first"), "target": (bundle.schedule.stages - 1, "last")}
+        for part in absent:
+            stage, which = readers[part]
+            if stage in bundle.runner.executors:
+                raise ValueError(
+                    f"rank {dist.get_rank()} holds stage {stage}, the {which} stage, which reads the {part}, but "
+                    f"step() got None for the {part} here; pass the {part} on this rank"
+                )
 
     def _split(self, inputs: tuple, kwargs: dict, target: Any):
         m = self.options.microbatches

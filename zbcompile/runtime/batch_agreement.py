@@ -1,0 +1,113 @@
+"""Which batch the ranks of a distributed pipeline compile for, when some of them pass None.
+
+Only the first stage reads the model's inputs and only the last stage reads the targets, so under
+torch.distributed a rank may pass None for what its stages do not read. Every rank traces the
+whole model, though, so every rank needs the batch's structure and shapes. At each compile the
+ranks all-gather a `BatchDescription` of what each was given (pytree structure, tensor shapes and
+dtypes, constant arguments); the ranks that were given a part must agree on it, and a rank that
+was given None for a part computes with zero-filled `placeholders` of the agreed description,
+which its stages never read.
+
+Between compiles nothing is exchanged: a rank that passes None follows the latest agreed
+description, so a step with new batch shapes needs the batch on every rank (each rank then
+compiles, and the ranks agree again)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+
+
+@dataclass(frozen=True)
+class Part:
+    """The structure of the inputs or of the target: the pytree spec (serialised, where its node
+    types allow) and, per leaf, a tensor's ("tensor", shape, dtype) or a constant's
+    ("constant", value)."""
+
+    spec: str | pytree.TreeSpec
+    leaves: tuple[tuple[Any, ...], ...]
+
+    @staticmethod
+    def of(tree: Any) -> "Part | None":
+        """The description of `tree`, or None when it holds no tensor (the rank passed None)."""
+        leaves, spec = pytree.tree_flatten(tree)
+        if not any(isinstance(x, torch.Tensor) for x in leaves):
+            return None
+        return Part(_serialised(spec), tuple(
+            ("tensor", tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("constant", x) for x in leaves
+        ))
+
+    def placeholders(self, device: torch.device) -> Any:
+        """A tree of this structure: zeros for the tensors, the constants themselves."""
+        leaves = [
+            torch.zeros(leaf[1], dtype=leaf[2], device=device) if leaf[0] == "tensor" else leaf[1] for leaf in self.leaves
+        ]
+        spec = pytree.treespec_loads(self.spec) if isinstance(self.spec, str) else self.spec
+        return pytree.tree_unflatten(leaves, spec)
+
+    def __str__(self) -> str:
+        shown = [f"{leaf[2]}{list(leaf[1])}" if leaf[0] == "tensor" else repr(leaf[1]) for leaf in self.leaves]
+        return f"({', '.join(shown)})"
+
+
+@dataclass(frozen=True)
+class BatchDescription:
+    """What a step's batch looks like: `inputs` describes `(args, kwargs)`, `target` the target;
+    None where a rank was not given that part (or, for `target`, where the model takes none)."""
+
+    inputs: Part | None
+    target: Part | None
+
+    @staticmethod
+    def of(args: tuple, kwargs: dict, target: Any) -> "BatchDescription":
+        return BatchDescription(Part.of((tuple(args), dict(kwargs))), Part.of(target))
+
+    def filled_from(self, other: "BatchDescription") -> "BatchDescription":
+        """This description with its absent parts taken from `other`."""
+        return BatchDescription(self.inputs or other.inputs, self.target or other.target)
+
+
+def agree(mine: BatchDescription, group: Any = None) -> BatchDescription:
+    """All-gather every rank's description (a collective: every rank of `group` must call it)
+    and return the agreed one. Raises ValueError, naming two ranks and what they passed, when
+    ranks that were given a part disagree, and when no rank was given the inputs."""
+    gathered: list[BatchDescription | None] = [None] * dist.get_world_size(group)
+    try:
+        dist.all_gather_object(gathered, mine, group=group)
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"rank {dist.get_rank()}: agreeing with the other ranks on the batch to compile for failed "
+            f"({str(error).splitlines()[0]}). Every rank compiles when the batch shapes change, and a rank that "
+            "passes None follows the latest compiled shapes: pass the batch on every rank for a step with new shapes."
+        ) from error
+    inputs = _common(gathered, "inputs")
+    if inputs is None:
+        raise ValueError(
+            "no rank passed the model's inputs to step(); the rank holding the first stage needs them "
+            "(passing the whole batch on every rank always works)"
+        )
+    return BatchDescription(inputs, _common(gathered, "target"))
+
+
+def _common(gathered: list[BatchDescription], field: str) -> Part | None:
+    given = [(rank, getattr(d, field)) for rank, d in enumerate(gathered) if getattr(d, field) is not None]
+    for rank, part in given[1:]:
+        if part != given[0][1]:
+            raise ValueError(
+                f"ranks passed different {field} to step(): rank {given[0][0]} {given[0][1]}, rank {rank} {part}; "
+                f"pass the same batch on every rank (or None on ranks whose stages do not read the {field})"
+            )
+    return given[0][1] if given else None
+
+
+def _serialised(spec: pytree.TreeSpec) -> str | pytree.TreeSpec:
+    """`spec` as pytree's JSON (compared and sent as text), or itself for node types that have
+    no serialised name (custom pytree nodes: then pickled)."""
+    try:
+        return pytree.treespec_dumps(spec)
+    except (NotImplementedError, TypeError, ValueError):
+        return spec
