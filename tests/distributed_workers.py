@@ -199,3 +199,33 @@ def misplaced_batches() -> dict:
     inputs = (None,) if rank == 0 else case.args
     attempt("first stage without inputs", fresh(5), *inputs, target=case.target)
     return errors
+
+
+def pipelines_in_process_groups() -> dict:
+    """Four ranks. First two independent 2-stage pipelines, each over its own process group
+    (created by its members only): ranks 0-1 train the MLP, ranks 2-3 the GPT (tied embedding).
+    Then all four as 2 replicas x 2 stages of the GPT, given a ("dp", "pp") DeviceMesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1] if rank < 2 else [2, 3], use_local_synchronization=True)
+    results = {}
+    for label, name, process_group, microbatches in (
+        ("group", "mlp" if rank < 2 else "gpt", group, 4),
+        ("mesh", "gpt", init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp")), 2),
+    ):
+        case = build(name)
+        pipe = zbcompile.pipeline(
+            case.model, stages=2, microbatches=microbatches, loss_fn=case.loss_fn, schedule="zb-h1", timeout=60,
+            process_group=process_group,
+        )
+        loss = case.step(pipe)
+        results[label] = {"name": name, "loss": loss, "grads": {n: p.grad.clone() for n, p in pipe.named_parameters()}}
+    case = build("mlp")  # a process group of two pipelines' ranks: replicas need a DeviceMesh
+    pipe = zbcompile.pipeline(case.model, stages=2, microbatches=2, loss_fn=case.loss_fn, process_group=dist.group.WORLD)
+    try:
+        case.step(pipe)
+        results["error"] = "no error"
+    except ValueError as error:
+        results["error"] = str(error)
+    return results

@@ -56,8 +56,8 @@ class TorchClipReference:
         self.optimizer, self.pipe, self.max_norm = optimizer, pipe, max_norm
         self.history: list[StepRecord] = []
         runner = pipe.runner
-        self.group = runner.layout.mesh.get_group("pp")
-        foreign = {t.fqn for t in runner.tied_groups if t.group is not None and t.owner != runner.rank}
+        self.group = runner.layout.pp_group
+        foreign = {t.fqn for t in runner.tied_weights if t.owner != runner.rank}
         self.counted = [p for n, p in pipe.named_parameters() if n not in foreign]
 
     def step(self) -> None:
@@ -157,7 +157,7 @@ def train_all(pipelines: list[tuple[int, tuple[str, ...]]]) -> dict:
         results[(stages, "layout")] = {
             "pp_rank": pipe.runner.layout.pp_rank,
             "dp_rank": pipe.runner.layout.dp_rank,
-            "tied_owner": [t.owner for t in pipe.runner.tied_groups if t.group is not None],
+            "tied_owner": [t.owner for t in pipe.runner.tied_weights],
             "seconds": time.perf_counter() - started,
         }
     return results

@@ -231,3 +231,25 @@ def test_batches_the_ranks_disagree_on_are_clear_errors():
     message = first["first stage without inputs"]
     assert message.startswith("ValueError") and "holds stage 0" in message and "pass the inputs" in message, message
     assert second["first stage without inputs"].startswith("PeerError"), second
+
+
+def test_pipelines_over_a_process_group_or_a_device_mesh():
+    per_rank = run_ranks(4, workers.pipelines_in_process_groups)
+    for members in (per_rank[:2], per_rank[2:]):  # one pipeline per process group
+        name = members[0]["group"]["name"]
+        case, loss = _reference(name)
+        assert [r["group"]["loss"] is None for r in members] == [True, False], name
+        torch.testing.assert_close(members[1]["group"]["loss"], loss.detach(), rtol=1e-5, atol=1e-6)
+        grads = {k: v for r in members for k, v in r["group"]["grads"].items()}
+        for fqn, p in case.model.named_parameters():
+            torch.testing.assert_close(grads[fqn], p.grad, rtol=1e-5, atol=1e-6, msg=f"{name}: {fqn}")
+    case, loss = _reference("gpt")
+    losses = [r["mesh"]["loss"] for r in per_rank if r["mesh"]["loss"] is not None]
+    assert len(losses) == 2  # one per replica, each its half of the batch
+    torch.testing.assert_close(sum(losses) / 2, loss.detach(), rtol=1e-5, atol=1e-6)
+    for replica in (per_rank[:2], per_rank[2:]):
+        grads = {k: v for r in replica for k, v in r["mesh"]["grads"].items()}
+        for fqn, p in case.model.named_parameters():
+            torch.testing.assert_close(grads[fqn], p.grad, rtol=1e-5, atol=1e-6, msg=f"mesh: {fqn}")
+    for r in per_rank:
+        assert "process_group of 4 ranks" in r["error"] and "DeviceMesh" in r["error"], r["error"]

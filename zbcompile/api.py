@@ -15,12 +15,13 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from zbcompile import dump
 from zbcompile.compiler import CompiledPipeline, compile_pipeline
 from zbcompile.runtime import batch_agreement, placement, profile
 from zbcompile.runtime.batch_agreement import BatchDescription
-from zbcompile.runtime.distributed import DistributedRunner, make_layout
+from zbcompile.runtime.distributed import DistributedRunner, Layout, make_layout
 from zbcompile.runtime.local import LocalRunner
 from zbcompile.runtime.p2p import device_for
 from zbcompile.runtime.stage import StageExecutor
@@ -93,8 +94,11 @@ def pipeline(
     the time to send a boundary message) are gathered, the schedule is solved once more on
     rank 0 with them, broadcast, and used from the next step on.
 
-    Under torch.distributed (an initialised default group, or `process_group=`), each rank runs
-    its own stage(s) (see `PipelinedModule`); `timeout` (seconds) bounds every wait on a peer.
+    Under torch.distributed (an initialised default group), each rank runs its own stage(s) (see
+    `PipelinedModule`); `timeout` (seconds) bounds every wait on a peer. The pipelines span the
+    world by default; `process_group=` confines them to a process group of one pipeline's ranks
+    or to a DeviceMesh with a "pp" and optionally a "dp" dimension (e.g. `mesh["dp", "pp"]` of a
+    larger mesh).
 
     `compiler="inductor"` compiles each stage's F, B and W graphs with Inductor on their first
     run; the default (None or "eager") runs them op by op (see `zbcompile.stage_compiler`).
@@ -172,6 +176,7 @@ class PipelinedModule:
         self._timelines: dict[Any, list] = {}
         self._dumps: dict[Any, dump.CompileDump | None] = {}
         self.measured_costs: Costs | None = None  # with profile=True, once measured
+        self._layout: Layout | None = None  # this rank's place (distributed), once known
         self._agreed: list[BatchDescription] = []  # batches the ranks agreed on (distributed), latest last
         self._placeholder_cache: dict[str, tuple[batch_agreement.Part, Any]] = {}
         # run at the start of every step(), before this rank's first forward (optimizer
@@ -270,7 +275,7 @@ class PipelinedModule:
         mine = BatchDescription.of(args, kwargs, target)
         agreed = mine.filled_from(self._agreed[-1]) if self._agreed else None
         if agreed not in self._agreed:
-            agreed = batch_agreement.agree(mine, self.options.process_group)
+            agreed = batch_agreement.agree(mine, self._pipeline_layout().pp_group)
             self._agreed.append(agreed)
         absent = []
         if mine.inputs is None:
@@ -284,7 +289,7 @@ class PipelinedModule:
     def _placeholders(self, part_name: str, part: batch_agreement.Part) -> Any:
         cached = self._placeholder_cache.get(part_name)
         if cached is None or cached[0] != part:
-            cached = (part, part.placeholders(device_for(self.options.process_group)))
+            cached = (part, part.placeholders(self._device()))
             self._placeholder_cache[part_name] = cached
         return cached[1]
 
@@ -344,21 +349,29 @@ class PipelinedModule:
         return micro_inputs, micro_targets, key
 
     def _replica(self) -> tuple[int, int]:
-        """(data-parallel replicas, this rank's replica); (1, 0) before the layout is known."""
-        if self.distributed and self._compiled:
-            layout = next(iter(self._compiled.values())).runner.layout
-            return layout.dp_size, layout.dp_rank
-        if self.distributed:
-            ranks = _ranks_per_pipeline(self.options)
-            world = dist.get_world_size()
-            if ranks is not None and world % ranks == 0:
-                return world // ranks, dist.get_rank() // ranks
-        return 1, 0
+        """(data-parallel replicas, this rank's replica)."""
+        if not self.distributed:
+            return 1, 0
+        layout = self._pipeline_layout()
+        return layout.dp_size, layout.dp_rank
+
+    def _pipeline_layout(self) -> Layout:
+        """This rank's place among the pipelines (made on the first call: a collective of the
+        ranks of `process_group`, the world by default)."""
+        if self._layout is None:
+            pp_size = _ranks_per_pipeline(self.options)
+            description = f"schedule {self.options.schedule!r} with stages={self.options.stages}"
+            self._layout = make_layout(pp_size, self._device(), description, self.options.process_group)
+        return self._layout
+
+    def _device(self) -> torch.device:
+        group = self.options.process_group
+        return device_for(group.get_group("pp") if isinstance(group, DeviceMesh) else group)
 
     def _compile(self, key: Any, example: tuple, example_target: Any) -> _Compiled:
         if key not in self._compiled:
             args, kwargs = example
-            device = device_for(self.options.process_group) if self.distributed else None
+            device = self._device() if self.distributed else None
             compiled = compile_pipeline(
                 self.module,
                 self.options.loss_fn,
@@ -383,7 +396,8 @@ class PipelinedModule:
     def _make_schedule(self, compiled: CompiledPipeline, costs: Costs | None = None) -> Schedule:
         """The schedule, solved on one rank and broadcast so that every rank runs the same one."""
         schedule = None
-        if not self.distributed or dist.get_rank() == 0:
+        layout = self._pipeline_layout() if self.distributed else None
+        if layout is None or layout.pp_rank == 0:
             schedule = make_schedule(
                 self.options.schedule,
                 stages=self.options.stages,
@@ -393,9 +407,9 @@ class PipelinedModule:
                 time_budget=self.options.solver_time_budget,
                 objective=self.options.objective,
             ).with_info(cost_source="static" if costs is None else "measured")
-        if self.distributed:
+        if layout is not None and layout.pp_group is not None:
             box = [schedule]
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, group=layout.pp_group, group_src=0)
             schedule = box[0]
         return schedule
 
@@ -416,8 +430,12 @@ class PipelinedModule:
             timelines.append([])  # done
 
     def _distributed_runner(self, compiled: CompiledPipeline, schedule: Schedule, device: torch.device) -> DistributedRunner:
-        description = f"schedule {schedule.name!r} with stages={schedule.stages}"
-        layout = make_layout(schedule.ranks, device, description)
+        layout = self._pipeline_layout()
+        if schedule.ranks != layout.pp_size:
+            raise ValueError(
+                f"schedule {schedule.name!r} runs on {schedule.ranks} ranks per pipeline, but this pipeline was laid "
+                f"out for {layout.pp_size}; build a new pipeline for it"
+            )
         local_stages = [s for s, r in enumerate(schedule.stage_to_rank) if r == layout.pp_rank]
         used = {f for s in local_stages for f in (*compiled.partition.stages[s].param_fqns, *compiled.partition.stages[s].buffer_fqns)}
         if self._local is None:
@@ -569,8 +587,8 @@ def memory_unit(compiled: CompiledPipeline) -> int:
     return max([p.cost.mem_b for p in compiled.programs] + [1])
 
 
-def _ranks_per_pipeline(options: PipelineOptions) -> int | None:
-    """Ranks one pipeline occupies for the chosen schedule, when known without solving it."""
+def _ranks_per_pipeline(options: PipelineOptions) -> int:
+    """Ranks one pipeline occupies for the chosen schedule."""
     if options.schedule in ("zbv", "interleaved-1f1b"):  # two stages per rank
         return options.stages // 2
     return options.stages

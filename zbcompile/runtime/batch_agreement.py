@@ -71,19 +71,23 @@ class BatchDescription:
         return BatchDescription(self.inputs or other.inputs, self.target or other.target)
 
 
-def agree(mine: BatchDescription, group: Any = None) -> BatchDescription:
-    """All-gather every rank's description (a collective: every rank of `group` must call it)
-    and return the agreed one. Raises ValueError, naming two ranks and what they passed, when
-    ranks that were given a part disagree, and when no rank was given the inputs."""
-    gathered: list[BatchDescription | None] = [None] * dist.get_world_size(group)
+def agree(mine: BatchDescription, group: dist.ProcessGroup | None) -> BatchDescription:
+    """All-gather every rank's description over the pipeline's `group` (a collective: each of
+    its ranks must call it; None: this rank alone) and return the agreed one. Raises ValueError,
+    naming two ranks (global) and what they passed, when ranks that were given a part disagree,
+    and when no rank was given the inputs."""
+    ranks = [dist.get_rank()] if group is None else dist.get_process_group_ranks(group)
+    gathered: list[BatchDescription | None] = [mine] * len(ranks)
     try:
-        dist.all_gather_object(gathered, mine, group=group)
+        if group is not None:
+            dist.all_gather_object(gathered, mine, group=group)
     except RuntimeError as error:
         raise RuntimeError(
             f"rank {dist.get_rank()}: agreeing with the other ranks on the batch to compile for failed "
             f"({str(error).splitlines()[0]}). Every rank compiles when the batch shapes change, and a rank that "
             "passes None follows the latest compiled shapes: pass the batch on every rank for a step with new shapes."
         ) from error
+    gathered = dict(zip(ranks, gathered))
     inputs = _common(gathered, "inputs")
     if inputs is None:
         raise ValueError(
@@ -93,8 +97,8 @@ def agree(mine: BatchDescription, group: Any = None) -> BatchDescription:
     return BatchDescription(inputs, _common(gathered, "target"))
 
 
-def _common(gathered: list[BatchDescription], field: str) -> Part | None:
-    given = [(rank, getattr(d, field)) for rank, d in enumerate(gathered) if getattr(d, field) is not None]
+def _common(gathered: dict[int, BatchDescription], field: str) -> Part | None:
+    given = [(rank, getattr(d, field)) for rank, d in gathered.items() if getattr(d, field) is not None]
     for rank, part in given[1:]:
         if part != given[0][1]:
             raise ValueError(

@@ -13,40 +13,63 @@ from typing import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from torch.distributed.device_mesh import DeviceMesh
+
 from zbcompile.compiler import CompiledPipeline
 from zbcompile.runtime.p2p import Pending, Transport
 from zbcompile.runtime.dispatch import StepDispatch
 from zbcompile.runtime.stage import StageExecutor, merge_stage_grads
+from zbcompile.runtime.tied_weights import share_owner_values, sum_gradients, tied_weights
 from zbcompile.schedules import Action, Schedule, lower
 
 
 @dataclass(frozen=True)
 class Layout:
     """This rank's place: `pp_rank` in a pipeline of `pp_size` ranks, replica `dp_rank` of
-    `dp_size`; `pipeline_ranks[i]` is the global rank of pipeline position i in this replica.
-    Global rank = dp_rank * pp_size + pp_rank (a DeviceMesh of shape (dp, pp))."""
+    `dp_size`. `pipeline_ranks[i]` is the global rank of pipeline position i in this replica,
+    `replica_ranks[d]` the global rank of this position in replica d; `pp_group` and `dp_group`
+    are process groups over them (None where they would hold this rank alone). `mesh` is the
+    ("dp", "pp") DeviceMesh they come from, where there is one."""
 
     pp_size: int
     dp_size: int
     pp_rank: int
     dp_rank: int
     pipeline_ranks: tuple[int, ...]
+    replica_ranks: tuple[int, ...]
+    pp_group: dist.ProcessGroup | None
     dp_group: dist.ProcessGroup | None
-    mesh: object
+    mesh: DeviceMesh | None
 
 
-def make_layout(pp_size: int, device: torch.device, description: str) -> Layout:
-    world = dist.get_world_size()
-    if world % pp_size:
+def make_layout(pp_size: int, device: torch.device, description: str, group: dist.ProcessGroup | DeviceMesh | None = None) -> Layout:
+    """The layout of pipelines of `pp_size` ranks over `group`: None (the default group: a
+    ("dp", "pp") DeviceMesh over the world, every rank calls this), a process group of one
+    pipeline's ranks (in group order), or a DeviceMesh with a "pp" dimension and optionally a
+    "dp" one (e.g. a slice of a larger mesh)."""
+    if isinstance(group, DeviceMesh):
+        return _layout_of_mesh(group, pp_size, description)
+    ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
+    rank = dist.get_rank()
+    if group is not None:
+        if rank not in ranks:
+            raise ValueError(f"rank {rank} is not a member of the process_group given to pipeline(): {ranks}")
+        if len(ranks) != pp_size:
+            raise ValueError(
+                f"process_group of {len(ranks)} ranks does not fit {description}, which needs {pp_size} ranks per "
+                "pipeline; give a process group of exactly one pipeline's ranks, or for data-parallel replicas a "
+                "DeviceMesh with 'dp' and 'pp' dimensions"
+            )
+        return Layout(pp_size, 1, ranks.index(rank), 0, tuple(ranks), (rank,), group if pp_size > 1 else None, None, None)
+    if len(ranks) % pp_size:
         raise ValueError(
-            f"world size {world} does not fit {description}, which needs {pp_size} ranks per pipeline; "
+            f"world size {len(ranks)} does not fit {description}, which needs {pp_size} ranks per pipeline; "
             f"launch a multiple of {pp_size} processes (each extra multiple is a data-parallel replica)"
         )
     from torch.distributed.device_mesh import init_device_mesh
 
-    dp_size = world // pp_size
+    dp_size = len(ranks) // pp_size
     mesh = init_device_mesh(device.type, (dp_size, pp_size), mesh_dim_names=("dp", "pp"))
-    rank = dist.get_rank()
     dp_rank, pp_rank = divmod(rank, pp_size)
     return Layout(
         pp_size=pp_size,
@@ -54,7 +77,36 @@ def make_layout(pp_size: int, device: torch.device, description: str) -> Layout:
         pp_rank=pp_rank,
         dp_rank=dp_rank,
         pipeline_ranks=tuple(dp_rank * pp_size + i for i in range(pp_size)),
+        replica_ranks=tuple(d * pp_size + pp_rank for d in range(dp_size)),
+        pp_group=mesh.get_group("pp") if pp_size > 1 else None,
         dp_group=mesh.get_group("dp") if dp_size > 1 else None,
+        mesh=mesh,
+    )
+
+
+def _layout_of_mesh(mesh: DeviceMesh, pp_size: int, description: str) -> Layout:
+    names = mesh.mesh_dim_names or ()
+    if "pp" not in names or not set(names) <= {"pp", "dp"}:
+        raise ValueError(
+            f"a DeviceMesh given to pipeline() needs a 'pp' dimension and at most a 'dp' one besides, got "
+            f"dimensions {names}; slice a larger mesh, e.g. mesh['dp', 'pp'] or mesh['pp']"
+        )
+    if mesh.size(names.index("pp")) != pp_size:
+        raise ValueError(
+            f"the DeviceMesh's 'pp' dimension has {mesh.size(names.index('pp'))} ranks but {description} needs {pp_size}"
+        )
+    pp_group = mesh.get_group("pp")
+    dp_group = mesh.get_group("dp") if "dp" in names else None
+    replica_ranks = tuple(dist.get_process_group_ranks(dp_group)) if dp_group is not None else (dist.get_rank(),)
+    return Layout(
+        pp_size=pp_size,
+        dp_size=len(replica_ranks),
+        pp_rank=mesh.get_local_rank("pp"),
+        dp_rank=mesh.get_local_rank("dp") if dp_group is not None else 0,
+        pipeline_ranks=tuple(dist.get_process_group_ranks(pp_group)),
+        replica_ranks=replica_ranks,
+        pp_group=pp_group if pp_size > 1 else None,
+        dp_group=dp_group if len(replica_ranks) > 1 else None,
         mesh=mesh,
     )
 
@@ -80,7 +132,7 @@ class DistributedRunner:
         self.executors = {s: StageExecutor(compiled.programs[s], state) for s in self.local_stages}
         self.transport = Transport(self.rank, timeout)
         self._set_actions(schedule)
-        self.tied_groups = _tied_weight_groups(compiled, schedule, layout)
+        self.tied_weights = tied_weights(compiled.partition.shared_params, schedule.stage_to_rank, layout.pipeline_ranks, self.rank)
         self.timeline: list[tuple[str, float, float]] = []  # (action, start, end) of the last step
         self.comm_timeline: list[tuple[str, float, float]] = []  # SEND_* posts and RECV_* waits, the same
         self._synchronize_state(state)
@@ -89,11 +141,9 @@ class DistributedRunner:
         """Start every copy of a parameter equal: a tied weight's copies take its owner's value,
         and replicas take replica 0's (each rank may have initialised its own)."""
         with torch.no_grad():
-            for tied in self.tied_groups:
-                if tied.group is not None:
-                    dist.broadcast(state[f"param:{tied.fqn}"], src=tied.owner, group=tied.group)
+            share_owner_values(self.tied_weights, state, self.transport)
             if self.layout.dp_group is not None:
-                source = self.layout.pp_rank  # global rank of this position in replica 0
+                source = self.layout.replica_ranks[0]
                 for s in self.local_stages:
                     stage = self.compiled.partition.stages[s]
                     for name in [*(f"param:{f}" for f in stage.param_fqns), *(f"buffer:{f}" for f in stage.buffer_fqns)]:
@@ -166,9 +216,7 @@ class DistributedRunner:
         """This rank's parameter gradients for the step: its stages' parts summed in stage order,
         tied weights summed with the other ranks that hold them, then averaged over replicas."""
         grads = merge_stage_grads([self.executors[s] for s in self.local_stages])
-        for tied in self.tied_groups:
-            if tied.fqn in grads and tied.group is not None:
-                dist.all_reduce(grads[tied.fqn], group=tied.group)
+        sum_gradients(self.tied_weights, grads, self.executors[self.local_stages[0]].state, self.transport)
         if self.layout.dp_group is not None:
             for fqn in sorted(grads):
                 dist.all_reduce(grads[fqn], group=self.layout.dp_group)
@@ -275,31 +323,3 @@ class _ReceivesAhead:
 def _tag(direction: str, stage: int, microbatch: int, schedule: Schedule) -> int:
     """A distinct tag per message of a step (gloo matches messages by tag)."""
     return (microbatch * schedule.stages + stage) * 2 + (direction == "B")
-
-
-@dataclass(frozen=True)
-class TiedGroup:
-    """A parameter held by several ranks of this replica: their process group (None on ranks
-    outside it) and the global rank that owns it (the rank of its first stage)."""
-
-    fqn: str
-    group: dist.ProcessGroup | None
-    owner: int
-
-
-def _tied_weight_groups(compiled: CompiledPipeline, schedule: Schedule, layout: Layout) -> list[TiedGroup]:
-    """One TiedGroup per parameter used on several ranks. Every rank creates every process group,
-    in the same order (torch.distributed requires it)."""
-    groups = []
-    for fqn, stages in sorted(compiled.partition.shared_params.items()):
-        positions = sorted({schedule.stage_to_rank[s] for s in stages})
-        if len(positions) < 2:
-            continue
-        mine = None
-        for replica in range(layout.dp_size):
-            group = dist.new_group([replica * layout.pp_size + p for p in positions])
-            if replica == layout.dp_rank and layout.pp_rank in positions:
-                mine = group
-        owner = layout.dp_rank * layout.pp_size + schedule.stage_to_rank[min(stages)]
-        groups.append(TiedGroup(fqn, mine, owner))
-    return groups

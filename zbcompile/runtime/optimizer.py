@@ -209,13 +209,13 @@ class _PipelineOptimizer:
             return _Position(0, None, None)
         layout = runner.layout
         names = {p: n for n, p in self.pipe.named_parameters()}
-        foreign = {t.fqn for t in runner.tied_groups if t.group is not None and t.owner != runner.rank}
+        foreign = {t.fqn for t in runner.tied_weights if t.owner != runner.rank}
         ranks = layout.pipeline_ranks
         return _Position(
             pp_rank=layout.pp_rank,
             previous=ranks[layout.pp_rank - 1] if layout.pp_rank > 0 else None,
             next=ranks[layout.pp_rank + 1] if layout.pp_rank + 1 < layout.pp_size else None,
-            pipeline_group=layout.mesh.get_group("pp") if layout.pp_size > 1 else None,
+            pipeline_group=layout.pp_group,
             pipeline_size=layout.pp_size,
             rank=runner.rank,
             counted=lambda p: names.get(p) not in foreign,

@@ -56,11 +56,9 @@ def measured_costs(runner: DistributedRunner, timelines: Sequence[Timeline], sta
     in seconds; memory as in `static`."""
     local = action_medians(timelines)
     comm = round_trip_seconds(runner)
-    gathered: list = [None] * runner.layout.pp_size
-    group_ranks = list(runner.layout.pipeline_ranks)
-    everything: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everything, (local, comm))
-    gathered = [everything[r] for r in group_ranks]
+    gathered: list = [(local, comm)] * runner.layout.pp_size
+    if runner.layout.pp_group is not None:
+        dist.all_gather_object(gathered, (local, comm), group=runner.layout.pp_group)
     medians: dict[tuple[int, str], float] = {}
     for part, _ in gathered:
         medians.update(part)

@@ -1,0 +1,81 @@
+"""Parameters held by several ranks of one pipeline (a tied embedding and LM head): which ranks
+hold each, which rank owns it, and the point-to-point messages that keep the copies equal.
+
+No process group is created for them: the owner (the rank of the weight's first stage) gathers
+the other holders' gradients, sums them in pipeline order (its own first) and sends the sum back,
+so every holder gets the same bits under every schedule; at start-up it sends its value to the
+others. Messages go through the pipeline's `Transport` (timeouts, errors that name the peer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+from zbcompile.runtime.p2p import Transport
+
+TIED_TAG = 1 << 25  # above every tag of a step's messages and of post-validation's
+
+
+@dataclass(frozen=True)
+class TiedWeight:
+    """Parameter `fqn`, held by the global ranks `holders` (in pipeline order); `holders[0]`
+    owns it (its `state_dict()` entry and its gradient norm)."""
+
+    fqn: str
+    holders: tuple[int, ...]
+
+    @property
+    def owner(self) -> int:
+        return self.holders[0]
+
+
+def tied_weights(shared_params: Mapping[str, Sequence[int]], stage_to_rank: Sequence[int], pipeline_ranks: Sequence[int], rank: int) -> list[TiedWeight]:
+    """The parameters used by stages on several ranks that `rank` holds, sorted by FQN.
+    `shared_params` maps an FQN to the stages using it."""
+    weights = []
+    for fqn, stages in sorted(shared_params.items()):
+        positions = sorted({stage_to_rank[s] for s in stages}, key=lambda p: min(s for s in stages if stage_to_rank[s] == p))
+        holders = tuple(pipeline_ranks[p] for p in positions)
+        if len(holders) > 1 and rank in holders:
+            weights.append(TiedWeight(fqn, holders))
+    return weights
+
+
+def share_owner_values(weights: Sequence[TiedWeight], state: Mapping[str, torch.Tensor], transport: Transport) -> None:
+    """Every holder's copy takes the owner's value (each rank may have initialised its own)."""
+    for index, weight in enumerate(weights):
+        value = state[f"param:{weight.fqn}"]
+        action = f"sharing tied weight {weight.fqn}"
+        if transport.rank == weight.owner:
+            for holder in weight.holders[1:]:
+                transport.send([value.detach()], holder, TIED_TAG + index, action)
+            transport.flush_sends()
+        else:
+            received = transport.wait(transport.post_recv([torch.empty_like(value)], weight.owner, TIED_TAG + index, action), action)
+            with torch.no_grad():
+                value.copy_(received[0])
+
+
+def sum_gradients(weights: Sequence[TiedWeight], grads: dict[str, torch.Tensor], state: Mapping[str, torch.Tensor], transport: Transport) -> None:
+    """Replace each tied weight's gradient in `grads` by the sum over its holders (a holder whose
+    stages gave it none counts zeros), the same tensor values on every holder."""
+    for index, weight in enumerate(weights):
+        own = grads.get(weight.fqn)
+        if own is None:
+            own = torch.zeros_like(state[f"param:{weight.fqn}"])
+        action = f"summing the gradient of tied weight {weight.fqn}"
+        if transport.rank == weight.owner:
+            total = own.clone()
+            for holder in weight.holders[1:]:
+                part = transport.wait(transport.post_recv([torch.empty_like(own)], holder, TIED_TAG + index, action), action)
+                total += part[0]
+            for holder in weight.holders[1:]:
+                transport.send([total], holder, TIED_TAG + index, action)
+            transport.flush_sends()
+        else:
+            transport.send([own], weight.owner, TIED_TAG + index, action)
+            total = transport.wait(transport.post_recv([torch.empty_like(own)], weight.owner, TIED_TAG + index, action), action)[0]
+            transport.flush_sends()
+        grads[weight.fqn] = total
