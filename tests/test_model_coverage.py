@@ -619,6 +619,104 @@ def test_batchnorm_running_statistics_error_names_the_module():
         pipe.step(torch.randn(BATCH, 3, 6, 6), target=torch.randn(BATCH, 2))
 
 
+class _Half(nn.Module):
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return z * 0.5
+
+
+class Spectral(nn.Module):
+    """A complex value (an rFFT) crosses a stage boundary; the stages before it need its gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.mix = _Half()
+        self.b = nn.Linear(10, 8)
+        self.c = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spectrum = torch.fft.rfft(self.a(x), dim=-1)
+        h = self.mix(spectrum)
+        h = torch.tanh(self.b(torch.cat([h.real, h.imag], -1)))
+        return self.c(torch.fft.irfft(torch.fft.rfft(h) * 0.5, n=8))
+
+
+def test_complex_value_crossing_a_stage_boundary_carries_its_gradient():
+    check_matches_eager(Model(Spectral, _vector_inputs(8)), 2, 2, "zb-h1", split_points=["mix"])
+
+
+class DataAndRequiresGrad(nn.Module):
+    """`.data` reads a value outside autograd; `requires_grad` is asked as eagerly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        h = self.b(h) + h.data * 0.3
+        if h.requires_grad:  # true eagerly in training
+            h = h * 2
+        return self.c(torch.tanh(h))
+
+
+def test_dot_data_and_requires_grad_behave_as_in_eager():
+    check_matches_eager(Model(DataAndRequiresGrad, _vector_inputs()), 3, 2, "zb-h1")
+
+
+class _Reverse(torch.autograd.Function):
+    @staticmethod
+    def forward(x):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -grad
+
+
+class _Unsupported(nn.Module):
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.what = what
+        self.a = nn.Linear(6, 8)
+        self.emb = nn.Embedding(10, 8, max_norm=1.0)
+        self.b = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if self.what == "hook":
+            h.register_hook(lambda grad: grad * 0.5)
+        elif self.what == "function":
+            h = _Reverse.apply(h)
+        elif self.what == "autograd.grad":
+            h = h + torch.autograd.grad(h.sum(), h, create_graph=True)[0]
+        elif self.what == "max_norm":
+            h = h + self.emb(x.argmax(-1))
+        return self.b(h)
+
+
+@pytest.mark.parametrize(
+    "what, message",
+    [
+        ("hook", r"module '<root>' registers a gradient hook"),
+        ("function", r"cannot trace the autograd use in module '<root>' at .*_Reverse\.apply"),
+        ("autograd.grad", r"cannot trace the autograd use in module '<root>' at .*torch\.autograd\.grad"),
+        ("max_norm", r"module 'emb' uses an embedding with max_norm"),
+    ],
+)
+def test_autograd_a_traced_stage_cannot_reproduce_is_refused_with_the_module(what, message):
+    """Silently dropped before (a hook, a custom backward) or a crash inside torch."""
+    pipe = zbcompile.pipeline(_Unsupported(what), stages=2, microbatches=2, loss_fn=F.mse_loss)
+    with pytest.raises(ValueError, match=message):
+        pipe.step(torch.randn(BATCH, 6), target=torch.randn(BATCH, 3))
+
+
 # --- dropout -------------------------------------------------------------------------------------
 
 

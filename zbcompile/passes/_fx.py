@@ -17,6 +17,11 @@ def tensor_bytes(value: object) -> int:
     return 0
 
 
+def is_differentiable(value: object) -> bool:
+    """A floating-point or complex tensor (the dtypes autograd differentiates)."""
+    return isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
+
+
 def node_bytes(node: fx.Node) -> int:
     return tensor_bytes(node.meta.get("val"))
 

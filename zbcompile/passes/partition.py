@@ -39,8 +39,8 @@ from zbcompile.passes.trace import BUFFER, INPUT, PARAM, TARGET, TracedModel
 class ValueInfo:
     """Shape, strides and dtype of a value that crosses a stage boundary (the receiving stage's
     graph was traced with these strides: a transposed attention output stays transposed);
-    `differentiable` when a gradient may flow back through it (floating point, computed from
-    parameters)."""
+    `differentiable` when a gradient may flow back through it (floating point or complex,
+    computed from parameters)."""
 
     shape: tuple[int, ...]
     stride: tuple[int, ...]
@@ -193,7 +193,7 @@ def _allowed_cuts(anchors: list[fx.Node]) -> list[int]:
 
 
 def _requires_grad(graph: fx.Graph) -> set[fx.Node]:
-    """Floating-point values computed from parameters through differentiable ops (an
+    """Floating-point and complex values computed from parameters through differentiable ops (an
     over-approximation: a stage that turns out not to need a gradient gets none)."""
     result: set[fx.Node] = set()
     for node in graph.nodes:
@@ -201,10 +201,7 @@ def _requires_grad(graph: fx.Graph) -> set[fx.Node]:
             result.add(node)
         elif node.op == "call_function" and node.target is not torch.ops.aten.detach.default:
             value = node.meta.get("val")
-            floating = isinstance(value, (tuple, list)) or (
-                isinstance(value, torch.Tensor) and value.is_floating_point()
-            )
-            if floating and any(a in result for a in node.all_input_nodes):
+            if (isinstance(value, (tuple, list)) or _fx.is_differentiable(value)) and any(a in result for a in node.all_input_nodes):
                 result.add(node)
     return result
 
@@ -461,7 +458,7 @@ def _build_stages(
     for node in {n for cross in crossing for n in cross}:
         value = node.meta["val"]
         values[_value_name(node)] = ValueInfo(
-            tuple(value.shape), tuple(value.stride()), value.dtype, node in differentiable and value.is_floating_point()
+            tuple(value.shape), tuple(value.stride()), value.dtype, node in differentiable and _fx.is_differentiable(value)
         )
     return StagePartition(
         stages=tuple(stages),

@@ -33,7 +33,7 @@ from torch.utils import _pytree as pytree
 from zbcompile import _torch_internals as ti
 from zbcompile._torch_internals import FakeTensorMode
 from zbcompile.passes import _fx
-from zbcompile.passes.no_grad import detach_no_grad_results, recording_no_grad
+from zbcompile.passes.autograd_in_forward import detach_no_grad_results, watching_autograd
 
 # meta["zb_role"] of placeholders
 PARAM, BUFFER, INPUT, TARGET = "param", "buffer", "input", "target"
@@ -99,9 +99,10 @@ def trace_model(
         leaves = [next(tensor_iter) if c is None else c for c in constants]
         call_args, call_kwargs = pytree.tree_unflatten(leaves, input_spec)
         state = {**dict(zip(params, param_values)), **dict(zip(buffers, buffer_values))}
-        output = torch.func.functional_call(model, state, call_args, call_kwargs, tie_weights=True)
         target_value = pytree.tree_unflatten(list(targets), target_spec) if target_spec is not None else None
-        loss = output if loss_fn is None else loss_fn(output, target_value)
+        with watching_autograd(module_stack.current):
+            output = torch.func.functional_call(model, state, call_args, call_kwargs, tie_weights=True)
+            loss = output if loss_fn is None else loss_fn(output, target_value)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
             what = "the model" if loss_fn is None else "loss_fn"
             raise TypeError(f"{what} must return a scalar floating-point loss tensor; got {_describe(loss)}")
@@ -124,10 +125,14 @@ def trace_model(
     )
     with ti.preserve_node_meta(), _module_annotations(model) as module_stack:
         try:
-            with fake_mode, ti.onednn_disabled(), recording_no_grad(module_stack.current):
+            with fake_mode, ti.onednn_disabled():
                 graph_module = ti.make_fx(torch.func.functionalize(forward_and_loss, remove="mutations"))(*example)
         except ti.DATA_DEPENDENT_ERRORS as error:
             raise ValueError(_data_dependent_message(module_stack, error)) from error
+        except RuntimeError as error:
+            if not any(sign in str(error) for sign in _UNTRACEABLE_AUTOGRAD):
+                raise
+            raise ValueError(_untraceable_autograd_message(module_stack, error)) from error
 
     roles = (
         [(PARAM, fqn) for fqn in params]
@@ -253,6 +258,28 @@ def _data_dependent_message(module_stack: _NameStack, error: BaseException) -> s
         f"at {_user_frame(error)}. The branch depends on tensor values, which are unknown while "
         "tracing. Rewrite it with tensor ops (torch.where, masking) or move it out of the model's "
         f"forward. (torch said: {str(error).splitlines()[0]})"
+    )
+
+
+# What torch raises when the forward uses autograd in a way functionalize-and-trace cannot follow:
+# a custom torch.autograd.Function (old or new style), torch.autograd.grad or requires_grad_()
+# in the forward, an in-place update of a parameter.
+_UNTRACEABLE_AUTOGRAD = (
+    "autograd.Function with functorch transforms",
+    "Functionalize rule for custom_function_call",
+    "inside of a function being transformed by a functorch transform",
+    "a leaf Variable that requires grad is being used in an in-place operation",
+    "does not require grad and does not have a grad_fn",  # torch.autograd.grad on a traced value
+)
+
+
+def _untraceable_autograd_message(module_stack: _NameStack, error: BaseException) -> str:
+    return (
+        f"zbcompile cannot trace the autograd use in module '{module_stack.current()}' at {_user_frame(error)}: "
+        "each stage's backward is derived from the traced forward ops, so a custom torch.autograd.Function's "
+        "backward, torch.autograd.grad or requires_grad_() inside the forward, or an in-place update of a "
+        "parameter cannot be reproduced. Express the forward with differentiable torch ops and keep parameter "
+        f"updates out of it. (torch said: {str(error).splitlines()[0]})"
     )
 
 
