@@ -47,6 +47,7 @@ __all__ = [
     "fake_contiguous",
     "fake_like",
     "fake_strided",
+    "requires_grad_unwrapped",
     "count_flops",
     "has_flop_formula",
     "make_fx",
@@ -89,6 +90,14 @@ def fake_contiguous(mode: FakeTensorMode, tensor: torch.Tensor) -> torch.Tensor:
 def fake_strided(mode: FakeTensorMode, shape, stride, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     with mode:
         return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+
+
+def requires_grad_unwrapped(tensor: torch.Tensor) -> bool:
+    """Whether autograd records `tensor`, looking through functorch wrappers (inside
+    `torch.func.functionalize` the wrapper never requires grad; the tensor it wraps does)."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+        tensor = torch._C._functorch.get_unwrapped(tensor)
+    return tensor.requires_grad
 
 
 def _cpu_sdpa_flop(query, key, value, *args, out_shape=None, **kwargs) -> int:

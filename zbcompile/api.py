@@ -459,8 +459,9 @@ class PipelinedModule:
         # the graphs were traced on contiguous tensors
         tensors = [x.contiguous() for x in leaves if isinstance(x, torch.Tensor)]
         inputs = {f"input_{i}": t for i, t in enumerate(tensors)}
-        target_tensors = [t.contiguous() for t in pytree.tree_leaves(target)]
-        targets = {f"target_{i}": t for i, t in enumerate(target_tensors)} if traced.target_spec else {}
+        # no target leaves without a loss_fn or with a None target (the graph has no target inputs)
+        target_tensors = [t.contiguous() for t in pytree.tree_leaves(target)] if traced.target_spec is not None else []
+        targets = {f"target_{i}": t for i, t in enumerate(target_tensors)}
         return inputs, targets
 
     def _accumulate_grads(self, grads: dict[str, torch.Tensor]) -> None:

@@ -17,6 +17,11 @@ def tensor_bytes(value: object) -> int:
     return 0
 
 
+def is_differentiable(value: object) -> bool:
+    """A floating-point or complex tensor (the dtypes autograd differentiates)."""
+    return isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
+
+
 def node_bytes(node: fx.Node) -> int:
     return tensor_bytes(node.meta.get("val"))
 
@@ -51,12 +56,15 @@ def is_view_op(node: fx.Node) -> bool:
 
 
 def state_only_nodes(graph: fx.Graph, state: set[fx.Node]) -> set[fx.Node]:
-    """call_function nodes that read only `state` placeholders (parameters, buffers) or nothing
-    through views and input-free factories (`t(weight)`, `arange`): cheaper to recompute in each
-    graph that reads them than to save. Never a random draw (`rand`): recomputed, it would draw
-    other numbers than the forward used."""
+    """Tensor constants (`get_attr`) and call_function nodes that read only `state` placeholders
+    (parameters, buffers) or constants through views, or nothing (input-free factories:
+    `t(weight)`, `arange`): cheaper to recompute in each graph that reads them than to save.
+    Never a random draw (`rand`): recomputed, it would draw other numbers than the forward used."""
     result: set[fx.Node] = set()
     for node in graph.nodes:
+        if node.op == "get_attr":
+            result.add(node)
+            continue
         if node.op != "call_function" or is_random(node):
             continue
         inputs = node.all_input_nodes

@@ -82,7 +82,7 @@ def random_inputs(program, state: Mapping[str, torch.Tensor], generator: torch.G
         if name in state:
             continue
         value = node.meta["val"]
-        if value.is_floating_point():
+        if value.is_floating_point() or value.is_complex():
             data = torch.randn(value.shape, dtype=value.dtype, generator=generator)
         else:
             data = torch.randint(0, 8, value.shape, dtype=value.dtype, generator=generator)

@@ -160,9 +160,9 @@ def _refuse_mutated_state(joint: fx.GraphModule, stage: Stage) -> None:
 
 def _placeholder_name(desc: object, stage: Stage) -> str:
     if isinstance(desc, ti.ParamAOTInput):
-        return f"param:{desc.target}"
+        return f"param:{stage.state_fqns.get(desc.target, desc.target)}"
     if isinstance(desc, ti.BufferAOTInput):
-        return f"buffer:{desc.target}"
+        return f"buffer:{stage.state_fqns.get(desc.target, desc.target)}"
     if isinstance(desc, ti.PlainAOTInput):
         return f"in:{stage.graph_inputs[desc.idx]}"
     if isinstance(desc, ti.TangentAOTInput) and isinstance(desc.output, ti.PlainAOTOutput):
@@ -176,14 +176,31 @@ def _output_name(desc: object, stage: Stage, loss_name: str | None) -> str | Non
     if isinstance(desc, ti.GradAOTOutput):
         of = desc.grad_of
         if isinstance(of, ti.ParamAOTInput):
-            return f"grad:param:{of.target}"
+            return f"grad:param:{stage.state_fqns.get(of.target, of.target)}"
         if isinstance(of, ti.PlainAOTInput):
             return f"grad:{stage.graph_inputs[of.idx]}"
         return None  # a buffer's gradient: buffers are not trained
     raise NotImplementedError(f"stage {stage.index}: unsupported joint graph output {desc}")
 
 
+def _inline_constants(joint: fx.GraphModule, stage: Stage) -> None:
+    """AOTAutograd lifts the stage module's tensor constants (`torch.tensor(...)` or a scalar
+    fill in the model's forward, see `partition`) into buffer inputs; the runtime's state holds
+    only the model's own buffers, so each becomes a `get_attr` of `joint` again, holding the
+    real constant, which every graph extracted from `joint` then carries."""
+    for node in list(joint.graph.find_nodes(op="placeholder")):
+        desc = node.meta["desc"]
+        if isinstance(desc, ti.BufferAOTInput) and desc.target not in stage.state_fqns:
+            joint.register_buffer(desc.target, getattr(stage.module, desc.target))
+            with joint.graph.inserting_before(node):
+                constant = joint.graph.get_attr(desc.target)
+            constant.meta = {k: v for k, v in node.meta.items() if k != "desc"}
+            node.replace_all_uses_with(constant)
+            joint.graph.erase_node(node)
+
+
 def _separate_forward(joint: fx.GraphModule, stage: Stage, loss_name: str | None) -> StageJoint:
+    _inline_constants(joint, stage)
     graph = joint.graph
     placeholders = list(graph.find_nodes(op="placeholder"))
     names = {n: _placeholder_name(n.meta["desc"], stage) for n in placeholders}
@@ -204,13 +221,16 @@ def _separate_forward(joint: fx.GraphModule, stage: Stage, loss_name: str | None
     forward_nodes = _fx.ancestors([n for n, _ in forward_outputs]) - set(placeholders)
     # every element of a forward op's tuple result is a forward value (a saved mean or rstd)
     forward_nodes |= {u for n in forward_nodes if _fx.is_multi_output(n) for u in n.users}
-    backward_nodes = _fx.ancestors([n for n, _ in grad_outputs], stop=forward_nodes) - set(placeholders) - forward_nodes
-    backward_nodes = _fx.with_state_ancestors(backward_nodes, recompute)
+    # a gradient may be a backward input itself (a stage input added to a constant passes its
+    # tangent on unchanged) or a recomputed state value: the backward reads or recomputes it
+    returned = {n for n, _ in grad_outputs}
+    backward_nodes = _fx.ancestors(returned, stop=forward_nodes) - set(placeholders) - forward_nodes
+    backward_nodes = _fx.with_state_ancestors(backward_nodes | (returned & recompute), recompute)
     forward_values = forward_nodes | {n for n in placeholders if names[n].startswith("in:")}
     saved = [
         n
         for n in graph.nodes
-        if n in forward_values - recompute and any(u in backward_nodes for u in n.users)
+        if n in forward_values - recompute and (n in returned or any(u in backward_nodes for u in n.users))
     ]
     for node in saved:
         names.setdefault(node, f"saved:{node.name}")
@@ -228,7 +248,9 @@ def _separate_forward(joint: fx.GraphModule, stage: Stage, loss_name: str | None
         class_name=f"Stage{stage.index}Forward",
     )
     backward_inputs = [
-        n for n in graph.nodes if (n in state or n in tangents or n in saved) and any(u in backward_nodes for u in n.users)
+        n
+        for n in graph.nodes
+        if (n in state or n in tangents or n in saved) and (n in returned or any(u in backward_nodes for u in n.users))
     ]
     backward = extract_program(
         graph,
@@ -274,5 +296,5 @@ def extract_program(
         env[node].meta = dict(node.meta)
     _fx.copy_nodes(new_graph, [n for n in graph.nodes if n in body and n not in env], env)
     new_graph.output(tuple(env[n] for n, _ in outputs))
-    module = _fx.finish(new_graph, name=class_name)
+    module = _fx.finish(new_graph, graph.owning_module, name=class_name)  # holds the tensor constants
     return Program(module, Signature(tuple(names[n] for n in inputs), tuple(name for _, name in outputs)))

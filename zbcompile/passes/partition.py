@@ -22,7 +22,8 @@ own objects under their FQNs, so AOTAutograd sees them as parameters.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+import keyword
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import networkx as nx
@@ -38,8 +39,8 @@ from zbcompile.passes.trace import BUFFER, INPUT, PARAM, TARGET, TracedModel
 class ValueInfo:
     """Shape, strides and dtype of a value that crosses a stage boundary (the receiving stage's
     graph was traced with these strides: a transposed attention output stays transposed);
-    `differentiable` when a gradient may flow back through it (floating point, computed from
-    parameters)."""
+    `differentiable` when a gradient may flow back through it (floating point or complex,
+    computed from parameters)."""
 
     shape: tuple[int, ...]
     stride: tuple[int, ...]
@@ -60,7 +61,9 @@ class Stage:
         last stage: none; its graph returns the loss). relays: inputs forwarded unchanged into
         outputs. graph_inputs: the module's placeholders in order (inputs it reads, then target
         tensors); graph_outputs: what the module returns (values it computes for outputs, or
-        the loss).
+        the loss). state_fqns: the FQN of each parameter or buffer the module reads, by its
+        attribute path in the module (the FQN itself unless it contains a Python keyword, see
+        `_state_attribute_paths`).
     """
 
     index: int
@@ -73,6 +76,7 @@ class Stage:
     param_fqns: tuple[str, ...]
     buffer_fqns: tuple[str, ...]
     cost: float
+    state_fqns: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -189,7 +193,7 @@ def _allowed_cuts(anchors: list[fx.Node]) -> list[int]:
 
 
 def _requires_grad(graph: fx.Graph) -> set[fx.Node]:
-    """Floating-point values computed from parameters through differentiable ops (an
+    """Floating-point and complex values computed from parameters through differentiable ops (an
     over-approximation: a stage that turns out not to need a gradient gets none)."""
     result: set[fx.Node] = set()
     for node in graph.nodes:
@@ -197,10 +201,7 @@ def _requires_grad(graph: fx.Graph) -> set[fx.Node]:
             result.add(node)
         elif node.op == "call_function" and node.target is not torch.ops.aten.detach.default:
             value = node.meta.get("val")
-            floating = isinstance(value, (tuple, list)) or (
-                isinstance(value, torch.Tensor) and value.is_floating_point()
-            )
-            if floating and any(a in result for a in node.all_input_nodes):
+            if (isinstance(value, (tuple, list)) or _fx.is_differentiable(value)) and any(a in result for a in node.all_input_nodes):
                 result.add(node)
     return result
 
@@ -380,7 +381,8 @@ def _build_stages(
     live_bytes: list[int],
 ) -> StagePartition:
     graph = traced.graph_module.graph
-    root = _state_module(traced)
+    paths = _state_attribute_paths([*traced.param_fqns, *traced.buffer_fqns])
+    root = _state_module(traced, paths)
     stages_count = len(bounds) - 1
     differentiable = _requires_grad(graph)
     output_value = graph.output_node().args[0][0]
@@ -417,6 +419,7 @@ def _build_stages(
 
         params = [n for n in graph.nodes if n in free and _role(n) == PARAM]
         buffers = [n for n in graph.nodes if n in free and _role(n) == BUFFER]
+        constants = [n for n in graph.nodes if n in free and n.op == "get_attr"]
         for p in params:
             shared.setdefault(p.meta["zb_name"], []).append(k)
 
@@ -426,7 +429,10 @@ def _build_stages(
             env[node] = new_graph.placeholder(_value_name(node))
             env[node].meta = dict(node.meta)
         for node in [*params, *buffers]:
-            env[node] = new_graph.get_attr(node.meta["zb_name"])
+            env[node] = new_graph.get_attr(paths[node.meta["zb_name"]])
+            env[node].meta = dict(node.meta)
+        for node in constants:
+            env[node] = new_graph.get_attr(node.target)
             env[node].meta = dict(node.meta)
         body = [n for n in graph.nodes if (n in free and n.op == "call_function") or n in own_set]
         _fx.copy_nodes(new_graph, body, env)
@@ -444,6 +450,7 @@ def _build_stages(
                 param_fqns=tuple(p.meta["zb_name"] for p in params),
                 buffer_fqns=tuple(b.meta["zb_name"] for b in buffers),
                 cost=sum(node_cost(n) for n in own),
+                state_fqns={paths[n.meta["zb_name"]]: n.meta["zb_name"] for n in [*params, *buffers]},
             )
         )
 
@@ -451,7 +458,7 @@ def _build_stages(
     for node in {n for cross in crossing for n in cross}:
         value = node.meta["val"]
         values[_value_name(node)] = ValueInfo(
-            tuple(value.shape), tuple(value.stride()), value.dtype, node in differentiable and value.is_floating_point()
+            tuple(value.shape), tuple(value.stride()), value.dtype, node in differentiable and _fx.is_differentiable(value)
         )
     return StagePartition(
         stages=tuple(stages),
@@ -463,12 +470,37 @@ def _build_stages(
     )
 
 
-def _state_module(traced: TracedModel) -> nn.Module:
-    """A module tree holding the traced fake parameters and buffers under their FQNs: the stages'
-    `get_attr`s resolve to these, never to the (possibly unmaterialised) model's tensors."""
+def _state_attribute_paths(fqns: Sequence[str]) -> dict[str, str]:
+    """The attribute path of each FQN in the stage modules. FX writes a `get_attr` into Python
+    source as `self.<path>`, which fails to compile where a component is a keyword
+    (`nn.ModuleDict({"in": ...})` gives `layers.in.weight`): such a component gets a `_` appended
+    (more if the name is taken)."""
+    taken = set(fqns)
+    paths = {}
+    for fqn in fqns:
+        parts = fqn.split(".")
+        if not any(keyword.iskeyword(p) for p in parts):
+            paths[fqn] = fqn
+            continue
+        suffix = "_"
+        while (path := ".".join(p + suffix if keyword.iskeyword(p) else p for p in parts)) in taken:
+            suffix += "_"
+        taken.add(path)
+        paths[fqn] = path
+    return paths
+
+
+def _state_module(traced: TracedModel, paths: dict[str, str]) -> nn.Module:
+    """A module tree holding the traced fake parameters and buffers under their attribute paths
+    (`_state_attribute_paths`: the FQNs, unless they contain a keyword): the stages' `get_attr`s
+    resolve to these, never to the (possibly unmaterialised) model's tensors. The traced graph's
+    tensor constants (`torch.tensor(...)` in the forward) are plain attributes holding the real
+    tensors: they are part of the program."""
     root = nn.Module()
+    for node in traced.graph_module.graph.find_nodes(op="get_attr"):
+        setattr(root, node.target, getattr(traced.graph_module, node.target))
     for fqn in [*traced.param_fqns, *traced.buffer_fqns]:
-        *path, leaf = fqn.split(".")
+        *path, leaf = paths[fqn].split(".")
         owner = root
         for part in path:
             if not hasattr(owner, part):
@@ -492,14 +524,15 @@ def _dependency_graph(graph: fx.Graph) -> nx.DiGraph:
 
 
 def _free_ancestors(own: list[fx.Node], dependencies: nx.DiGraph, anchored: set[fx.Node]) -> set[fx.Node]:
-    """Parameters, buffers and input-independent nodes the stage's anchored nodes need."""
+    """Parameters, buffers, tensor constants and input-independent nodes the stage's anchored
+    nodes need."""
     free: set[fx.Node] = set()
     frontier = [a for n in own for a in n.all_input_nodes]
     while frontier:
         node = frontier.pop()
         if node in free:
             continue
-        if _role(node) in (PARAM, BUFFER) or (node.op == "call_function" and node not in anchored):
+        if _role(node) in (PARAM, BUFFER) or node.op == "get_attr" or (node.op == "call_function" and node not in anchored):
             free.add(node)
             frontier.extend(dependencies.predecessors(node))
     return free

@@ -33,6 +33,7 @@ from torch.utils import _pytree as pytree
 from zbcompile import _torch_internals as ti
 from zbcompile._torch_internals import FakeTensorMode
 from zbcompile.passes import _fx
+from zbcompile.passes.autograd_in_forward import detach_no_grad_results, watching_autograd
 
 # meta["zb_role"] of placeholders
 PARAM, BUFFER, INPUT, TARGET = "param", "buffer", "input", "target"
@@ -54,7 +55,7 @@ class TracedModel:
         stages against these, so compiling never needs real weights.
     input_spec: pytree spec of (args, kwargs); `constants` holds its non-tensor leaves (None where
         a tensor goes), which the graph has baked in.
-    target_spec: pytree spec of the target (None when there is no loss_fn).
+    target_spec: pytree spec of the target (None when there is no loss_fn or no target).
     """
 
     graph_module: fx.GraphModule
@@ -89,7 +90,7 @@ def trace_model(
     input_leaves, input_spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
     input_tensors = [x for x in input_leaves if isinstance(x, torch.Tensor)]
     constants = tuple(None if isinstance(x, torch.Tensor) else x for x in input_leaves)
-    target_leaves, target_spec = pytree.tree_flatten(target) if loss_fn is not None else ([], None)
+    target_leaves, target_spec = pytree.tree_flatten(target) if loss_fn is not None and target is not None else ([], None)
     if any(not isinstance(t, torch.Tensor) for t in target_leaves):
         raise TypeError("target must be a tensor or a pytree (tuple/list/dict) of tensors")
 
@@ -98,8 +99,10 @@ def trace_model(
         leaves = [next(tensor_iter) if c is None else c for c in constants]
         call_args, call_kwargs = pytree.tree_unflatten(leaves, input_spec)
         state = {**dict(zip(params, param_values)), **dict(zip(buffers, buffer_values))}
-        output = torch.func.functional_call(model, state, call_args, call_kwargs, tie_weights=True)
-        loss = output if loss_fn is None else loss_fn(output, pytree.tree_unflatten(list(targets), target_spec))
+        target_value = pytree.tree_unflatten(list(targets), target_spec) if target_spec is not None else None
+        with watching_autograd(module_stack.current):
+            output = torch.func.functional_call(model, state, call_args, call_kwargs, tie_weights=True)
+            loss = output if loss_fn is None else loss_fn(output, target_value)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
             what = "the model" if loss_fn is None else "loss_fn"
             raise TypeError(f"{what} must return a scalar floating-point loss tensor; got {_describe(loss)}")
@@ -126,6 +129,10 @@ def trace_model(
                 graph_module = ti.make_fx(torch.func.functionalize(forward_and_loss, remove="mutations"))(*example)
         except ti.DATA_DEPENDENT_ERRORS as error:
             raise ValueError(_data_dependent_message(module_stack, error)) from error
+        except RuntimeError as error:
+            if not any(sign in str(error) for sign in _UNTRACEABLE_AUTOGRAD):
+                raise
+            raise ValueError(_untraceable_autograd_message(module_stack, error)) from error
 
     roles = (
         [(PARAM, fqn) for fqn in params]
@@ -137,6 +144,8 @@ def trace_model(
     for node, (role, name) in zip(placeholders, roles, strict=True):
         node.meta["zb_role"], node.meta["zb_name"] = role, name
     _refuse_state_mutation(graph_module.graph)
+    detach_no_grad_results(graph_module.graph)
+    _differentiable_copies(graph_module.graph, fake_mode)
     graph_module.graph.eliminate_dead_code()  # autograd's unused `detach`es of saved values
     _drop_pytree_codegen(graph_module)
     return TracedModel(
@@ -150,6 +159,34 @@ def trace_model(
         constants=constants,
         target_spec=target_spec,
     )
+
+
+def _differentiable_copies(graph: fx.Graph, fake_mode: FakeTensorMode) -> None:
+    """Functionalization turns `h[:, :2] = v` into `slice_scatter(h, copy(h[:, :2], v), ...)`;
+    autograd has no formula for the functional `aten.copy`, so the stages' joint graphs could not
+    be traced through it. Its value is `v` converted to the destination's dtype and device and
+    broadcast to its shape: built from differentiable ops instead."""
+    aten = torch.ops.aten
+    for node in list(graph.find_nodes(op="call_function", target=aten.copy.default)):
+        destination, source = node.args[0], node.args[1]
+        want = destination.meta["val"]
+
+        def apply(op, value: fx.Node, *args: Any, **kwargs: Any) -> fx.Node:
+            with graph.inserting_before(node):
+                result = graph.call_function(op, (value, *args), kwargs)
+            with fake_mode:
+                result.meta = {**node.meta, "val": op(value.meta["val"], *args, **kwargs)}
+            return result
+
+        value = source
+        if (source.meta["val"].dtype, source.meta["val"].device) != (want.dtype, want.device):
+            value = apply(aten._to_copy.default, value, dtype=want.dtype, device=want.device)
+        if tuple(value.meta["val"].shape) != tuple(want.shape):
+            value = apply(aten.expand.default, value, list(want.shape))
+        if value.target is not aten._to_copy.default:  # a new tensor, as copy's result is
+            value = apply(aten.clone.default, value)
+        node.replace_all_uses_with(value)
+        graph.erase_node(node)
 
 
 def _describe(value: Any) -> str:
@@ -224,6 +261,28 @@ def _data_dependent_message(module_stack: _NameStack, error: BaseException) -> s
     )
 
 
+# What torch raises when the forward uses autograd in a way functionalize-and-trace cannot follow:
+# a custom torch.autograd.Function (old or new style), torch.autograd.grad or requires_grad_()
+# in the forward, an in-place update of a parameter.
+_UNTRACEABLE_AUTOGRAD = (
+    "autograd.Function with functorch transforms",
+    "Functionalize rule for custom_function_call",
+    "inside of a function being transformed by a functorch transform",
+    "a leaf Variable that requires grad is being used in an in-place operation",
+    "does not require grad and does not have a grad_fn",  # torch.autograd.grad on a traced value
+)
+
+
+def _untraceable_autograd_message(module_stack: _NameStack, error: BaseException) -> str:
+    return (
+        f"zbcompile cannot trace the autograd use in module '{module_stack.current()}' at {_user_frame(error)}: "
+        "each stage's backward is derived from the traced forward ops, so a custom torch.autograd.Function's "
+        "backward, torch.autograd.grad or requires_grad_() inside the forward, or an in-place update of a "
+        "parameter cannot be reproduced. Express the forward with differentiable torch ops and keep parameter "
+        f"updates out of it. (torch said: {str(error).splitlines()[0]})"
+    )
+
+
 def _refuse_state_mutation(graph: fx.Graph) -> None:
     """After functionalization a mutation of a graph input survives only as `copy_` into the
     placeholder (or as an op that writes an input in place, like `native_batch_norm`'s running
@@ -239,7 +298,9 @@ def _refuse_state_mutation(graph: fx.Graph) -> None:
 
 def _mutation_message(placeholder: fx.Node, node: fx.Node) -> str:
     role, name = placeholder.meta["zb_role"], placeholder.meta["zb_name"]
-    module = node.meta.get("custom", {}).get("module", "<root>")
+    module = node.meta.get("custom", {}).get("module")
+    if module is None:  # functionalization's write-back runs after the forward: name the owner
+        module = name.rpartition(".")[0] if role in (PARAM, BUFFER) and "." in name else "<root>"
     return (
         f"the forward of module '{module}' mutates {role} '{name}' in place ({node.target}). "
         "Pipelined training splits the batch into microbatches, so per-batch state updates such as "
