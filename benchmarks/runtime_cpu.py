@@ -501,6 +501,13 @@ def analyse(per_rank: list[dict], settings: Settings, machine_before: dict, mach
         best = min(torch_keys, key=loop.get)
         best_barrier = min(torch_keys, key=barrier.get)
         one_f_one_b = ("zbcompile", "1f1b", m)
+        all_rounds = per_rank[0]["times"]
+
+        def paired(reference, key) -> float:
+            """Median over rounds of reference's step time over key's in the same round (the
+            machine's speed drifts; within one round both ran under the same conditions)."""
+            return _launch.median([a / b for a, b in zip(all_rounds[reference], all_rounds[key])])
+
         for key in keys:
             lib, name, _ = key
             row = {
@@ -512,6 +519,8 @@ def analyse(per_rank: list[dict], settings: Settings, machine_before: dict, mach
                 "vs_torch_best": loop[best] / loop[key],
                 "vs_zbcompile_1f1b": loop[one_f_one_b] / loop[key],
                 "torch_best": best[1],
+                "paired_vs_torch_best": paired(best, key),
+                "paired_vs_zbcompile_1f1b": paired(one_f_one_b, key),
                 "rounds_used": chosen[key],
                 "others_cores": others_cores(per_rank, key),
                 "step_ms_all_rounds": 1e3 * _launch.median(all_times[key]),
@@ -536,6 +545,8 @@ def analyse(per_rank: list[dict], settings: Settings, machine_before: dict, mach
         for label, value in (
             ("zb-auto steps/s >= 1.10x torch's best", auto["vs_torch_best"]),
             ("zb-auto steps/s >= 1.10x zbcompile 1f1b", auto["vs_zbcompile_1f1b"]),
+            ("(paired per round) zb-auto steps/s >= 1.10x torch's best", auto["paired_vs_torch_best"]),
+            ("(paired per round) zb-auto steps/s >= 1.10x zbcompile 1f1b", auto["paired_vs_zbcompile_1f1b"]),
             ("(barrier per step) zb-auto >= 1.10x torch's best", auto["barrier_vs_torch_best"]),
             ("(barrier per step) zb-auto >= 1.10x zbcompile 1f1b", auto["barrier_vs_zbcompile_1f1b"]),
         ):
@@ -587,16 +598,20 @@ def report(data: dict) -> str:
         "## Steps per second",
         "",
         f"Other jobs' CPU use during each pipeline's rounds (cores, median over all pipelines and rounds): "
-        f"{_launch.median([c for r in rows for c in r['others_cores']]):.2f}; {data['selection']}.",
+        f"{_launch.median([c for r in rows for c in r['others_cores']]):.2f}; {data['selection']}. Paired: the "
+        "median over all rounds of the two pipelines' step-time ratio within each round (the machine's speed "
+        "drifts between rounds; the torch best is the one by medians).",
         "",
     ]
     lines.append(_launch.table(
-        ["schedule", "m", "steps/s", "ms/step", "vs torch best", "vs zbcompile 1f1b", "barrier step ms",
+        ["schedule", "m", "steps/s", "ms/step", "vs torch best", "vs zbcompile 1f1b", "paired: vs torch best",
+         "paired: vs zbcompile 1f1b", "barrier step ms",
          "barrier: vs torch best", "barrier: vs zbcompile 1f1b", "rounds used", "ms/step, all rounds",
          "barrier ms, all rounds"],
         [
             [f"{r['library']} {r['schedule']}", r["m"], f"{r['steps_per_s']:.2f}", f"{r['step_ms']:.1f}",
-             f"{r['vs_torch_best']:.2f}x", f"{r['vs_zbcompile_1f1b']:.2f}x", f"{r['barrier_step_ms']:.1f}",
+             f"{r['vs_torch_best']:.2f}x", f"{r['vs_zbcompile_1f1b']:.2f}x", f"{r['paired_vs_torch_best']:.2f}x",
+             f"{r['paired_vs_zbcompile_1f1b']:.2f}x", f"{r['barrier_step_ms']:.1f}",
              f"{r['barrier_vs_torch_best']:.2f}x", f"{r['barrier_vs_zbcompile_1f1b']:.2f}x", len(r["rounds_used"]),
              f"{r['step_ms_all_rounds']:.1f}", f"{r['barrier_step_ms_all_rounds']:.1f}"]
             for r in rows
