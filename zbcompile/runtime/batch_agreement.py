@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
+from zbcompile.runtime.p2p import gather_objects
+
 
 @dataclass(frozen=True)
 class Part:
@@ -77,10 +79,8 @@ def agree(mine: BatchDescription, group: dist.ProcessGroup | None) -> BatchDescr
     naming two ranks (global) and what they passed, when ranks that were given a part disagree,
     and when no rank was given the inputs."""
     ranks = [dist.get_rank()] if group is None else dist.get_process_group_ranks(group)
-    gathered: list[BatchDescription | None] = [mine] * len(ranks)
     try:
-        if group is not None:
-            dist.all_gather_object(gathered, mine, group=group)
+        gathered = gather_objects(mine, group)
     except RuntimeError as error:
         raise RuntimeError(
             f"rank {dist.get_rank()}: agreeing with the other ranks on the batch to compile for failed "

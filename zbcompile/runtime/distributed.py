@@ -60,7 +60,17 @@ def make_layout(pp_size: int, device: torch.device, description: str, group: dis
                 "pipeline; give a process group of exactly one pipeline's ranks, or for data-parallel replicas a "
                 "DeviceMesh with 'dp' and 'pp' dimensions"
             )
-        return Layout(pp_size, 1, ranks.index(rank), 0, tuple(ranks), (rank,), group if pp_size > 1 else None, None, None)
+        return Layout(
+            pp_size=pp_size,
+            dp_size=1,
+            pp_rank=ranks.index(rank),
+            dp_rank=0,
+            pipeline_ranks=tuple(ranks),
+            replica_ranks=(rank,),
+            pp_group=group if pp_size > 1 else None,
+            dp_group=None,
+            mesh=None,
+        )
     if len(ranks) % pp_size:
         raise ValueError(
             f"world size {len(ranks)} does not fit {description}, which needs {pp_size} ranks per pipeline; "

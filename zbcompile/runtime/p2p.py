@@ -21,6 +21,16 @@ def device_for(group: dist.ProcessGroup | None = None) -> torch.device:
     return torch.device("cpu")
 
 
+def gather_objects(value: object, group: dist.ProcessGroup | None) -> list:
+    """Every rank's `value` over `group`, in group order (a collective of its ranks); `[value]`
+    when `group` is None (a pipeline of this rank alone)."""
+    if group is None:
+        return [value]
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, value, group=group)
+    return gathered
+
+
 class PeerError(RuntimeError):
     """A message did not arrive (timeout) or its peer went away."""
 

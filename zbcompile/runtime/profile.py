@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from zbcompile.runtime.distributed import DistributedRunner
+from zbcompile.runtime.p2p import gather_objects
 from zbcompile.schedules import Action, Costs
 
 Timeline = Sequence[tuple[str, float, float]]
@@ -56,9 +57,7 @@ def measured_costs(runner: DistributedRunner, timelines: Sequence[Timeline], sta
     in seconds; memory as in `static`."""
     local = action_medians(timelines)
     comm = round_trip_seconds(runner)
-    gathered: list = [(local, comm)] * runner.layout.pp_size
-    if runner.layout.pp_group is not None:
-        dist.all_gather_object(gathered, (local, comm), group=runner.layout.pp_group)
+    gathered = gather_objects((local, comm), runner.layout.pp_group)
     medians: dict[tuple[int, str], float] = {}
     for part, _ in gathered:
         medians.update(part)
