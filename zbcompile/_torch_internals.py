@@ -4,6 +4,8 @@ formulas). A torch upgrade that moves them touches this file only."""
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 from typing import Any, Callable
 
 import torch
@@ -52,11 +54,42 @@ __all__ = [
     "has_flop_formula",
     "make_fx",
     "preserve_node_meta",
+    "quiet_torch_logs",
+    "traced_like_export",
 ]
 
 aten = torch.ops.aten
 
 preserve_node_meta = fx_traceback.preserve_node_meta
+
+
+def traced_like_export() -> contextlib.AbstractContextManager:
+    """While active, `torch.compiler.is_compiling()` and `is_exporting()` answer True, as they do
+    while non-strict `torch.export` traces: library code that asks whether it is being traced
+    (transformers' attention masks, its mixture-of-experts kernels) takes its traceable path."""
+    from torch._export.utils import _compiling_state_context
+
+    return _compiling_state_context()
+
+
+DEBUG_ENV = "ZBCOMPILE_DEBUG"
+
+
+@contextlib.contextmanager
+def quiet_torch_logs():
+    """Silence torch's own loggers (the tracebacks fake-tensor kernels log before the error we
+    report, Dynamo's warnings) unless `ZBCOMPILE_DEBUG=1`. Loggers a user raised to a level of
+    their own (TORCH_LOGS) keep it."""
+    if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+        yield
+        return
+    logger = logging.getLogger("torch")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def annotate_nodes(annotation: dict[str, Any]) -> contextlib.AbstractContextManager:

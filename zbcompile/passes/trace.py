@@ -24,7 +24,7 @@ import functools
 import os
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import fx, nn
@@ -100,9 +100,10 @@ def trace_model(
         call_args, call_kwargs = pytree.tree_unflatten(leaves, input_spec)
         state = {**dict(zip(params, param_values)), **dict(zip(buffers, buffer_values))}
         target_value = pytree.tree_unflatten(list(targets), target_spec) if target_spec is not None else None
-        with watching_autograd(module_stack.current):
-            output = torch.func.functional_call(model, state, call_args, call_kwargs, tie_weights=True)
-            loss = output if loss_fn is None else loss_fn(output, target_value)
+        with watching_autograd(module_stack.current), _substituted(model, state):
+            output = model(*call_args, **call_kwargs)
+        module_stack.in_loss_fn = True
+        loss = _loss_of_output(output) if loss_fn is None else loss_fn(output, target_value)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
             what = "the model" if loss_fn is None else "loss_fn"
             raise TypeError(f"{what} must return a scalar floating-point loss tensor; got {_describe(loss)}")
@@ -123,16 +124,16 @@ def trace_model(
         [ti.fake_contiguous(fake_mode, t) for t in input_tensors],
         [ti.fake_contiguous(fake_mode, t) for t in target_leaves],
     )
-    with ti.preserve_node_meta(), _module_annotations(model) as module_stack:
+    # Traced as torch.export traces: libraries that ask whether they are being compiled or
+    # exported (transformers' masks) take their traceable path.
+    with ti.traced_like_export(), ti.preserve_node_meta(), _module_annotations(model) as module_stack:
         try:
             with fake_mode, ti.onednn_disabled():
                 graph_module = ti.make_fx(torch.func.functionalize(forward_and_loss, remove="mutations"))(*example)
-        except ti.DATA_DEPENDENT_ERRORS as error:
-            raise ValueError(_data_dependent_message(module_stack, error)) from error
-        except RuntimeError as error:
-            if not any(sign in str(error) for sign in _UNTRACEABLE_AUTOGRAD):
+        except Exception as error:  # noqa: BLE001 - re-raised, naming where tracing stopped
+            if _raised_here(error):
                 raise
-            raise ValueError(_untraceable_autograd_message(module_stack, error)) from error
+            raise _traced_error(module_stack, error) from error
 
     roles = (
         [(PARAM, fqn) for fqn in params]
@@ -226,13 +227,76 @@ def _module_annotations(model: nn.Module):
 
 
 class _NameStack:
-    """A read-only view of the module stack, snapshotted when an error escapes."""
+    """A read-only view of the module stack, snapshotted when an error escapes; `in_loss_fn` is
+    set once the model's forward has returned."""
 
     def __init__(self, stack: list) -> None:
         self._stack = stack
+        self.in_loss_fn = False
 
     def current(self) -> str:
         return self._stack[-1][0] if self._stack else "<root>"
+
+    def where(self) -> str:
+        if self._stack or not self.in_loss_fn:
+            return f"module '{self.current()}'"
+        return "loss_fn"
+
+
+@contextlib.contextmanager
+def _substituted(model: nn.Module, values: dict[str, torch.Tensor]):
+    """Run with `values[fqn]` in place of every parameter and buffer (by the FQN `named_parameters()`
+    and `named_buffers()` report), wherever the tensor is registered: a weight tied between modules
+    and a module registered under two names (`self.b = self.a`) are substituted once per slot.
+    Afterwards every module is restored exactly, whatever the forward did or raised: parameters,
+    buffers, submodules and attributes are the objects they were."""
+    canonical = {id(t): name for named in (model.named_parameters, model.named_buffers) for name, t in named()}
+    modules = list(model.modules())  # each module once, however many names it has
+    saved = [
+        (m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules), set(m._non_persistent_buffers_set))
+        for m in modules
+    ]
+    try:
+        for module in modules:
+            for slots in (module._parameters, module._buffers):
+                for leaf, tensor in slots.items():
+                    if tensor is not None and id(tensor) in canonical:
+                        slots[leaf] = values[canonical[id(tensor)]]
+        yield
+    finally:
+        for module, attributes, parameters, buffers, submodules, non_persistent in saved:
+            for name in [n for n in module.__dict__ if n not in attributes]:
+                del module.__dict__[name]
+            module.__dict__.update(attributes)
+            for current, before in ((module._parameters, parameters), (module._buffers, buffers), (module._modules, submodules)):
+                current.clear()
+                current.update(before)
+            module._non_persistent_buffers_set.clear()
+            module._non_persistent_buffers_set.update(non_persistent)
+
+
+def _loss_of_output(output: Any) -> Any:
+    """The loss of a model that computes its own: the output itself (a scalar tensor), its `loss`
+    entry (a mapping such as transformers' ModelOutput) or attribute (a dataclass), or the first
+    element of a tuple or list."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping):
+        if "loss" in output:
+            return output["loss"]
+    elif hasattr(output, "loss"):
+        return output.loss
+    elif isinstance(output, (tuple, list)) and output:
+        return output[0]
+    raise TypeError(
+        f"without a loss_fn the model must return its loss: a scalar tensor, an output with a 'loss' entry or "
+        f"attribute, or a tuple whose first element is the loss; it returned {_describe(output)}"
+        f"{_keys_of(output)}. Pass the labels it computes the loss from, or give pipeline() a loss_fn"
+    )
+
+
+def _keys_of(output: Any) -> str:
+    return f" with entries {list(output)[:8]}" if isinstance(output, Mapping) else ""
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -252,12 +316,49 @@ def _user_frame(error: BaseException) -> str:
     return f"{frame.filename}:{frame.lineno}: {frame.line}"
 
 
+def _raised_here(error: BaseException) -> bool:
+    """Whether zbcompile raised `error` itself (a refusal that names its culprit already)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and frames[-1].filename.startswith(_OWN_DIR)
+
+
+def _traced_error(module_stack: _NameStack, error: Exception) -> Exception:
+    """What tracing raises for `error`, naming the module (or loss_fn) and the source line."""
+    if isinstance(error, ti.DATA_DEPENDENT_ERRORS):
+        return ValueError(_data_dependent_message(module_stack, error))
+    if isinstance(error, RuntimeError) and any(sign in str(error) for sign in _UNTRACEABLE_AUTOGRAD):
+        return ValueError(_untraceable_autograd_message(module_stack, error))
+    message = (
+        f"zbcompile could not trace {module_stack.where()} at {_user_frame(error)}: {type(error).__name__}: "
+        f"{_first_line(error)}{_DEBUG_HINT}"
+    )
+    return _same_kind(error, message)
+
+
+def _same_kind(error: Exception, message: str) -> Exception:
+    """An exception of `error`'s type carrying `message`, or a RuntimeError where that type cannot
+    be built from a message alone."""
+    try:
+        rebuilt = type(error)(message)
+    except Exception:  # noqa: BLE001 - a type with another constructor
+        return RuntimeError(message)
+    return rebuilt if str(rebuilt) == message else RuntimeError(message)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else "(no message)"
+
+
+_DEBUG_HINT = f" (set {ti.DEBUG_ENV}=1 to see torch's own log of the failure)"
+
+
 def _data_dependent_message(module_stack: _NameStack, error: BaseException) -> str:
     return (
-        f"zbcompile cannot trace data-dependent control flow in module '{module_stack.current()}' "
+        f"zbcompile cannot trace data-dependent control flow in {module_stack.where()} "
         f"at {_user_frame(error)}. The branch depends on tensor values, which are unknown while "
         "tracing. Rewrite it with tensor ops (torch.where, masking) or move it out of the model's "
-        f"forward. (torch said: {str(error).splitlines()[0]})"
+        f"forward. (torch said: {_first_line(error)})"
     )
 
 
@@ -275,11 +376,11 @@ _UNTRACEABLE_AUTOGRAD = (
 
 def _untraceable_autograd_message(module_stack: _NameStack, error: BaseException) -> str:
     return (
-        f"zbcompile cannot trace the autograd use in module '{module_stack.current()}' at {_user_frame(error)}: "
+        f"zbcompile cannot trace the autograd use in {module_stack.where()} at {_user_frame(error)}: "
         "each stage's backward is derived from the traced forward ops, so a custom torch.autograd.Function's "
         "backward, torch.autograd.grad or requires_grad_() inside the forward, or an in-place update of a "
-        "parameter cannot be reproduced. Express the forward with differentiable torch ops and keep parameter "
-        f"updates out of it. (torch said: {str(error).splitlines()[0]})"
+        f"parameter cannot be reproduced. Express the forward with differentiable torch ops and keep parameter "
+        f"updates out of it. (torch said: {_first_line(error)})"
     )
 
 
