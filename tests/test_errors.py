@@ -162,6 +162,31 @@ def test_error_in_loss_fn_names_it_and_its_line():
     assert "could not trace loss_fn" in message and f"{__file__}:{lineno}" in message and line in message, message
 
 
+@torch.library.custom_op("zbcompile_tests::double", mutates_args=())
+def _double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_double.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class CustomOpWithoutAutograd(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _double(x)
+
+
+def test_op_without_a_derivative_names_stage_module_and_line():
+    """Tracing the forward succeeds; deriving the stage's backward fails on the op."""
+    lineno, line = _source_line(CustomOpWithoutAutograd.forward, "_double(x)")
+    with pytest.raises(RuntimeError) as info:
+        _step_gated(CustomOpWithoutAutograd(), 2)
+    message = str(info.value)
+    assert "backward of stage" in message and "'encoder.gate'" in message, message
+    assert f"{__file__}:{lineno}" in message and line in message and "register_autograd" in message, message
+
+
 # --- stages and microbatches ---------------------------------------------------------------------
 
 

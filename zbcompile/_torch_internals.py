@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -76,10 +77,10 @@ DEBUG_ENV = "ZBCOMPILE_DEBUG"
 
 
 @contextlib.contextmanager
-def quiet_torch_logs():
+def quiet_torch_logs(warnings_too: bool = False):
     """Silence torch's own loggers (the tracebacks fake-tensor kernels log before the error we
-    report, Dynamo's warnings) unless `ZBCOMPILE_DEBUG=1`. Loggers a user raised to a level of
-    their own (TORCH_LOGS) keep it."""
+    report) and, with `warnings_too`, the warnings torch's modules issue, unless
+    `ZBCOMPILE_DEBUG=1`. Loggers a user set to a level of their own (TORCH_LOGS) keep it."""
     if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
         yield
         return
@@ -87,7 +88,10 @@ def quiet_torch_logs():
     level = logger.level
     logger.setLevel(logging.CRITICAL + 1)
     try:
-        yield
+        with warnings.catch_warnings():
+            if warnings_too:
+                warnings.filterwarnings("ignore", module=r"torch(\.|$)")
+            yield
     finally:
         logger.setLevel(level)
 

@@ -97,8 +97,10 @@ def compile_pipeline(
         seconds[phase] = time.perf_counter() - start
         return result
 
-    with ti.quiet_torch_logs():  # the errors we raise say what went wrong; ZBCOMPILE_DEBUG=1 shows torch's log
+    # the errors we raise say what went wrong; ZBCOMPILE_DEBUG=1 shows torch's own log
+    with ti.quiet_torch_logs():
         traced = timed("trace", trace_model, model, loss_fn, args, kwargs, target, device)
+    with ti.quiet_torch_logs(warnings_too=True):  # no user code runs in these passes
         partition = timed("partition", partition_stages, traced, stages, split_points, cuts=cuts)
         joints = timed("joint", export_stage_joints, partition, traced.fake_mode)
         splits = timed("split_backward", lambda: [split_backward(j, min_deferral_intensity) for j in joints])

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -129,7 +130,7 @@ def trace_model(
     with ti.traced_like_export(), ti.preserve_node_meta(), _module_annotations(model) as module_stack:
         try:
             with fake_mode, ti.onednn_disabled():
-                graph_module = ti.make_fx(torch.func.functionalize(forward_and_loss, remove="mutations"))(*example)
+                graph_module = ti.make_fx(torch.func.functionalize(forward_and_loss, remove="mutations"), record_stack_traces=True)(*example)
         except Exception as error:  # noqa: BLE001 - re-raised, naming where tracing stopped
             if _raised_here(error):
                 raise
@@ -305,15 +306,24 @@ _OWN_DIR = os.path.dirname(os.path.dirname(__file__))
 
 def _user_frame(error: BaseException) -> str:
     """'file:line: code' of the innermost frame outside torch and zbcompile."""
+    return _innermost_user_frame(traceback.extract_tb(error.__traceback__)) or "<unknown source line>"
+
+
+def _innermost_user_frame(frames: traceback.StackSummary) -> str | None:
+    mine = [f for f in frames if not f.filename.startswith((_TORCH_DIR, _OWN_DIR)) and "functorch" not in f.filename]
+    return f"{mine[-1].filename}:{mine[-1].lineno}: {mine[-1].line}" if mine else None
+
+
+_STACK_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
+
+
+def source_line(node: fx.Node) -> str | None:
+    """'file:line: code' of the user's code that created a traced node (from its recorded stack)."""
     frames = [
-        f
-        for f in traceback.extract_tb(error.__traceback__)
-        if not f.filename.startswith((_TORCH_DIR, _OWN_DIR)) and "functorch" not in f.filename
+        traceback.FrameSummary(file, int(line), name, line=code.strip())
+        for file, line, name, code in _STACK_FRAME.findall(node.meta.get("stack_trace") or "")
     ]
-    if not frames:
-        return "<unknown source line>"
-    frame = frames[-1]
-    return f"{frame.filename}:{frame.lineno}: {frame.line}"
+    return _innermost_user_frame(traceback.StackSummary.from_list(frames))
 
 
 def _raised_here(error: BaseException) -> bool:
@@ -330,12 +340,12 @@ def _traced_error(module_stack: _NameStack, error: Exception) -> Exception:
         return ValueError(_untraceable_autograd_message(module_stack, error))
     message = (
         f"zbcompile could not trace {module_stack.where()} at {_user_frame(error)}: {type(error).__name__}: "
-        f"{_first_line(error)}{_DEBUG_HINT}"
+        f"{first_line(error)}{_DEBUG_HINT}"
     )
-    return _same_kind(error, message)
+    return same_kind(error, message)
 
 
-def _same_kind(error: Exception, message: str) -> Exception:
+def same_kind(error: Exception, message: str) -> Exception:
     """An exception of `error`'s type carrying `message`, or a RuntimeError where that type cannot
     be built from a message alone."""
     try:
@@ -345,7 +355,7 @@ def _same_kind(error: Exception, message: str) -> Exception:
     return rebuilt if str(rebuilt) == message else RuntimeError(message)
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else "(no message)"
 
@@ -358,7 +368,7 @@ def _data_dependent_message(module_stack: _NameStack, error: BaseException) -> s
         f"zbcompile cannot trace data-dependent control flow in {module_stack.where()} "
         f"at {_user_frame(error)}. The branch depends on tensor values, which are unknown while "
         "tracing. Rewrite it with tensor ops (torch.where, masking) or move it out of the model's "
-        f"forward. (torch said: {_first_line(error)})"
+        f"forward. (torch said: {first_line(error)})"
     )
 
 
@@ -380,7 +390,7 @@ def _untraceable_autograd_message(module_stack: _NameStack, error: BaseException
         "each stage's backward is derived from the traced forward ops, so a custom torch.autograd.Function's "
         "backward, torch.autograd.grad or requires_grad_() inside the forward, or an in-place update of a "
         f"parameter cannot be reproduced. Express the forward with differentiable torch ops and keep parameter "
-        f"updates out of it. (torch said: {_first_line(error)})"
+        f"updates out of it. (torch said: {first_line(error)})"
     )
 
 
