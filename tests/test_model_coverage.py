@@ -731,8 +731,8 @@ class _Unsupported(nn.Module):
     "what, message",
     [
         ("hook", r"module '<root>' registers a gradient hook"),
-        ("function", r"cannot trace the autograd use in module '<root>' at .*_Reverse\.apply"),
-        ("autograd.grad", r"cannot trace the autograd use in module '<root>' at .*torch\.autograd\.grad"),
+        ("function", r"cannot trace the autograd use in module '<root>' \(_Unsupported\) at .*_Reverse\.apply"),
+        ("autograd.grad", r"cannot trace the autograd use in module '<root>' \(_Unsupported\) at .*torch\.autograd\.grad"),
         ("max_norm", r"module 'emb' uses an embedding with max_norm"),
     ],
 )

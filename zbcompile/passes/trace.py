@@ -201,12 +201,12 @@ def _describe(value: Any) -> str:
 def _module_annotations(model: nn.Module):
     """Annotate every traced node with the FQN of the innermost module running; yields the live
     stack of module FQNs (so an error can say where tracing stopped)."""
-    stack: list[tuple[str, contextlib.AbstractContextManager]] = []
+    stack: list[tuple[str, contextlib.AbstractContextManager, nn.Module]] = []
 
     def enter(name, module, args):
         context = ti.annotate_nodes({"module": name})
         context.__enter__()
-        stack.append((name, context))
+        stack.append((name, context, module))
 
     def leave(name, module, args, output):
         if stack and stack[-1][0] == name:
@@ -217,7 +217,7 @@ def _module_annotations(model: nn.Module):
         if name:
             handles.append(module.register_forward_pre_hook(functools.partial(enter, name)))
             handles.append(module.register_forward_hook(functools.partial(leave, name)))
-    names = _NameStack(stack)
+    names = _NameStack(stack, model)
     try:
         yield names
     finally:
@@ -231,17 +231,20 @@ class _NameStack:
     """A read-only view of the module stack, snapshotted when an error escapes; `in_loss_fn` is
     set once the model's forward has returned."""
 
-    def __init__(self, stack: list) -> None:
+    def __init__(self, stack: list, root: nn.Module) -> None:
         self._stack = stack
+        self._root = root
         self.in_loss_fn = False
 
     def current(self) -> str:
         return self._stack[-1][0] if self._stack else "<root>"
 
     def where(self) -> str:
-        if self._stack or not self.in_loss_fn:
-            return f"module '{self.current()}'"
-        return "loss_fn"
+        """The innermost module running, with its class, or loss_fn."""
+        if not self._stack and self.in_loss_fn:
+            return "loss_fn"
+        module = self._stack[-1][2] if self._stack else self._root
+        return f"module '{self.current()}' ({type(module).__name__})"
 
 
 @contextlib.contextmanager
@@ -368,7 +371,8 @@ def _data_dependent_message(module_stack: _NameStack, error: BaseException) -> s
         f"zbcompile cannot trace data-dependent control flow in {module_stack.where()} "
         f"at {_user_frame(error)}. The branch depends on tensor values, which are unknown while "
         "tracing. Rewrite it with tensor ops (torch.where, masking) or move it out of the model's "
-        f"forward. (torch said: {first_line(error)})"
+        "forward; in a library's model, look for an argument that avoids that code (e.g. compute the loss "
+        f"from the logits in a loss_fn instead of passing labels). (torch said: {first_line(error)})"
     )
 
 
