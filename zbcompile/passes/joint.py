@@ -7,6 +7,8 @@ in a per-microbatch environment). The names:
     param:<fqn>, buffer:<fqn>   the model's own parameters and buffers
     in:<value>                  a stage input (boundary value, model input or target)
     out:<value>                 a stage output (boundary value; `out:loss` on the last stage)
+    update:<fqn>                the new value of a buffer the forward updates (written into the
+                                buffer after F; no gradient)
     tangent:<value>             the gradient of a stage output, from downstream (`tangent:loss`)
     grad:<value>                the gradient of a stage input, sent upstream
     grad:param:<fqn>            a parameter's gradient
@@ -64,7 +66,8 @@ class StageJoint:
     """F and the whole backward of one stage.
 
     forward: inputs are the parameters and buffers it reads and every `in:` value; outputs are
-        the `out:` values, then the `saved:` activations. backward: reads parameters, `saved:`
+        the `out:` values, the `update:` values, then the `saved:` activations (among them the
+        value of every updated buffer the backward reads, as F read it). backward: reads parameters, `saved:`
         values, `in:` values it needs and the `tangent:`s; returns `grad:<value>` for each stage
         input that gets a gradient, then `grad:param:<fqn>` for each parameter.
     tangents: the stage outputs its graphs take a gradient for (`tangent:` names in the backward).
@@ -124,20 +127,23 @@ def _example_inputs(stage: Stage, partition: StagePartition, fake_mode) -> tuple
 
 
 def _prepare_outputs(stage: Stage, grads_from_next: set[str], loss_name: str | None) -> fx.GraphModule:
-    """A copy of the stage module whose outputs that get no gradient downstream are detached, and
-    whose outputs that are views of a stage input or parameter are copied: AOTAutograd
-    regenerates such an output outside its graph and gives it no tangent, which would cut the
-    gradient's path through the stage (a stage that only reshapes, say)."""
-    if loss_name is not None:
+    """A copy of the stage module whose outputs that get no gradient downstream (buffer updates
+    never do) are detached, and whose outputs that are views of a stage input or parameter are
+    copied: AOTAutograd regenerates such an output outside its graph and gives it no tangent,
+    which would cut the gradient's path through the stage (a stage that only reshapes, say)."""
+    if loss_name is not None and not stage.buffer_updates:
         return stage.module
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     _fx.copy_nodes(graph, [n for n in stage.module.graph.nodes if n.op != "output"], env)
     roots = _fx.storage_roots(stage.module.graph)
     outputs = []
-    for name, node in zip(stage.graph_outputs, stage.module.graph.output_node().args[0]):
+    returned = stage.module.graph.output_node().args[0]
+    for i, node in enumerate(returned):
         value = env[node]
-        if name not in grads_from_next:
+        if loss_name is not None and i == 0:
+            pass  # the loss, as it is
+        elif i >= len(stage.graph_outputs) or stage.graph_outputs[i] not in grads_from_next:
             value = graph.call_function(torch.ops.aten.detach.default, (value,))
         elif roots[node].op in ("placeholder", "get_attr"):
             value = graph.call_function(torch.ops.aten.clone.default, (value,))
@@ -172,6 +178,8 @@ def _placeholder_name(desc: object, stage: Stage) -> str:
 
 def _output_name(desc: object, stage: Stage, loss_name: str | None) -> str | None:
     if isinstance(desc, ti.PlainAOTOutput):
+        if desc.idx >= len(stage.graph_outputs):
+            return f"update:{stage.buffer_updates[desc.idx - len(stage.graph_outputs)]}"
         return f"out:{loss_name or stage.graph_outputs[desc.idx]}"
     if isinstance(desc, ti.GradAOTOutput):
         of = desc.grad_of
@@ -212,7 +220,7 @@ def _separate_forward(joint: fx.GraphModule, stage: Stage, loss_name: str | None
         name = _output_name(desc, stage, loss_name) if desc is not None else None
         if node is not None and name is not None:
             outputs.append((node, name))
-    forward_outputs = [(n, v) for n, v in outputs if v.startswith("out:")]
+    forward_outputs = [(n, v) for n, v in outputs if v.startswith(("out:", "update:"))]
     grad_outputs = [(n, v) for n, v in outputs if v.startswith("grad:")]
 
     state = {n for n in placeholders if names[n].startswith(("param:", "buffer:"))}
@@ -226,6 +234,7 @@ def _separate_forward(joint: fx.GraphModule, stage: Stage, loss_name: str | None
     returned = {n for n, _ in grad_outputs}
     backward_nodes = _fx.ancestors(returned, stop=forward_nodes) - set(placeholders) - forward_nodes
     backward_nodes = _fx.with_state_ancestors(backward_nodes | (returned & recompute), recompute)
+    forward_nodes |= _read_updated_buffers_as_saved(graph, stage, names, backward_nodes)
     forward_values = forward_nodes | {n for n in placeholders if names[n].startswith("in:")}
     saved = [
         n
@@ -269,6 +278,28 @@ def _separate_forward(joint: fx.GraphModule, stage: Stage, loss_name: str | None
         param_grads=tuple(v.removeprefix("grad:param:") for _, v in grad_outputs if v.startswith("grad:param:")),
         storage=storage,
     )
+
+
+def _read_updated_buffers_as_saved(
+    graph: fx.Graph, stage: Stage, names: dict[fx.Node, str], backward_nodes: set[fx.Node]
+) -> set[fx.Node]:
+    """Make the backward nodes read each buffer the stage updates through a copy F takes (a new
+    forward node, returned): the runtime writes the new value into the buffer after F, and the
+    backward must compute with the value its forward read."""
+    copies = set()
+    updated = {f"buffer:{fqn}" for fqn in stage.buffer_updates}
+    first_computed = next(n for n in graph.nodes if n.op != "placeholder")
+    for placeholder in [n for n, name in names.items() if name in updated]:
+        readers = [u for u in placeholder.users if u in backward_nodes]
+        if not readers:
+            continue
+        with graph.inserting_before(first_computed):
+            copy = graph.call_function(torch.ops.aten.clone.default, (placeholder,))
+        copy.meta = {k: v for k, v in placeholder.meta.items() if k != "desc"}
+        for reader in readers:
+            reader.replace_input_with(placeholder, copy)
+        copies.add(copy)
+    return copies
 
 
 def _safe(name: str) -> str:

@@ -16,7 +16,10 @@ class StageExecutor:
 
     `state` maps `param:<fqn>` / `buffer:<fqn>` to tensors. Parameter gradients are accumulated
     per microbatch in the order W runs (schedules keep W in microbatch order, so every schedule
-    accumulates identically); `take_grads()` hands them over at the end of a step.
+    accumulates identically); `take_grads()` hands them over at the end of a step. The buffers
+    the stage updates (BatchNorm's running statistics in training) take their new values right
+    after each F, in place; schedules run F in microbatch order on every stage, so microbatch k
+    reads what microbatch k-1 left, as in an eager run microbatch by microbatch.
     """
 
     def __init__(self, program: StageProgram, state: Mapping[str, torch.Tensor]) -> None:
@@ -41,6 +44,7 @@ class StageExecutor:
         stage = self.program.stage
         env = {f"in:{name}": self._as_traced(f"in:{name}", value) for name, value in inputs.items()}
         self.program.forward.run(env, self.state)
+        self._update_buffers(env)
         if stage.outputs:
             outputs = {v: env[f"out:{v}"] if f"out:{v}" in env else env[f"in:{v}"] for v in stage.outputs}
         else:
@@ -48,6 +52,12 @@ class StageExecutor:
         self.envs[microbatch] = {k: v for k, v in env.items() if k in self._backward_reads}
         self._note_memory(microbatch, "F")
         return outputs
+
+    def _update_buffers(self, env: dict[str, torch.Tensor]) -> None:
+        """Write the new values F computed for the stage's updated buffers into the buffers."""
+        with torch.no_grad():
+            for fqn in self.program.stage.buffer_updates:
+                self.state[f"buffer:{fqn}"].copy_(env.pop(f"update:{fqn}"))
 
     def input_backward(self, microbatch: int, output_grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """B. `output_grads`: gradients of the stage outputs (`{"loss": scale}` on the last
