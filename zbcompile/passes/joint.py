@@ -159,8 +159,8 @@ def _refuse_mutated_state(joint: fx.GraphModule, stage: Stage) -> None:
         if mutated is not None:
             raise ValueError(
                 f"stage {stage.index} mutates {getattr(mutated, 'target', mutated)} in place during the "
-                "forward; pipelined training cannot reproduce per-batch state updates. Remove the "
-                "mutation (or use eval() mode for modules that update running statistics)."
+                "forward in a way the trace did not turn into a buffer update; write the new value into a "
+                "buffer of the module (`self.buf.copy_(new)`) or return it instead."
             )
 
 

@@ -421,12 +421,13 @@ def _cuts_at_split_points(
             )
         held = next((u for u in updates if u.span[0] < position <= u.span[1]), None)
         if held is not None:
-            first, last = (_module_of(anchors[i]) for i in held.span)
+            first, last = held.span
+            inside = list(dict.fromkeys(m for n in anchors[first + 1 : last + 1] if (m := _module_of(n))))
             raise ValueError(
                 f"split point '{point}' would put the reads and the update of buffer '{held.fqn}', which the "
                 "forward updates in place, on two stages; one stage must hold them so that each microbatch "
-                f"reads the value the previous one left. Choose a split point before module '{first}' or "
-                f"after module '{last}'."
+                f"reads the value the previous one left. Choose a split point that is none of the modules "
+                f"running between them: {inside}."
             )
         if position not in allowed:
             raise ValueError(
@@ -443,7 +444,7 @@ def _cuts_at_split_points(
 
 
 def _module_of(node: fx.Node) -> str:
-    return node.meta.get("custom", {}).get("module", "") or "<root>"
+    return node.meta.get("custom", {}).get("module", "")
 
 
 def _inside(module: str, prefix: str) -> bool:

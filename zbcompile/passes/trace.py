@@ -373,14 +373,13 @@ def _mutation_message(placeholder: fx.Node, node: fx.Node) -> str:
     if module is None:  # functionalization's write-back runs after the forward: name the owner
         module = name.rpartition(".")[0] if role in (PARAM, BUFFER) and "." in name else "<root>"
     if role == PARAM:
-        reason = (
-            "Each stage derives the parameter's gradient from the traced forward and the optimizer "
-            "owns its updates; change the parameter outside the forward (or keep the changing "
-            "state in a buffer, whose updates zbcompile applies per microbatch)."
+        what, remedy = "parameter", (
+            "Parameters change only in the optimizer's step; keep state that the forward updates in a "
+            "buffer (register_buffer), whose updates zbcompile applies microbatch by microbatch."
         )
     else:
-        reason = "The stages compute with copies of the inputs; return the new value instead of writing it in place."
-    return f"the forward of module '{module}' mutates {role} '{name}' in place ({node.target}). {reason}"
+        what, remedy = role, "The stages compute with copies of the inputs; return the new value instead of writing it in place."
+    return f"the forward of module '{module}' mutates {what} '{name}' in place ({node.target}). {remedy}"
 
 
 def _drop_pytree_codegen(graph_module: fx.GraphModule) -> None:
