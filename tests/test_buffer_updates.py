@@ -150,6 +150,17 @@ def test_batchnorm_in_eval_mode_updates_nothing():
         assert torch.equal(value, before[name]), name
 
 
+def test_forwards_out_of_microbatch_order_are_refused_where_buffers_update():
+    torch.manual_seed(0)
+    x, target = image_batch()
+    pipe = zbcompile.pipeline(BatchNormConvNet(), stages=2, microbatches=MICROBATCHES, loss_fn=F.cross_entropy)
+    pipe.compile(x, target=target)
+    first = pipe.executors[0]
+    first.forward(0, {"input_0": x[:2]})
+    with pytest.raises(RuntimeError, match=r"stage 0: F of microbatch 2 follows F of microbatch 0.*microbatch order"):
+        first.forward(2, {"input_0": x[4:6]})
+
+
 # --- buffers of the model's own --------------------------------------------------------------------
 
 
@@ -188,6 +199,36 @@ def test_counters_and_ema_buffers_equal_eager_microbatch_by_microbatch():
         assert_records_equal(record, expected, schedule)
     assert expected[-1]["buffers"]["samples"] == STEPS * BATCH
     assert updates_by_stage(pipe)[0] == ("calls",)  # with its reader, fc1's output
+
+
+class DecayedScale(nn.Module):
+    """Scales its activations by a buffer that autograd saves, then decays the buffer through
+    `.data` (which autograd does not track, like BatchNorm's own update of its statistics): an
+    eager backward reads the buffer with its own microbatch's update applied."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8)
+        self.fc2 = nn.Linear(8, 3)
+        self.register_buffer("scale", torch.full((8,), 2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc1(x)) * self.scale
+        self.scale.data.mul_(0.5)
+        return self.fc2(h)
+
+
+def test_backward_reads_an_updated_buffer_as_its_own_microbatch_left_it():
+    """Under gpipe every forward of stage 0 runs before its first backward, so the buffer holds the
+    last microbatch's value by then; each backward still computes with its own."""
+    torch.manual_seed(0)
+    model = DecayedScale()
+    generator = torch.Generator().manual_seed(5)
+    x, target = torch.randn(BATCH, 6, generator=generator), torch.randn(BATCH, 3, generator=generator)
+    expected = eager_record(model, x, target, F.mse_loss)
+    _, records = pipelined_records(model, x, target, F.mse_loss, 2, ("gpipe", "zb-h2"), split_points=["fc2"])
+    for schedule, record in records.items():
+        assert_records_equal(record, expected, schedule)
 
 
 class SharedShift(nn.Module):

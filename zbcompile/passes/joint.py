@@ -8,7 +8,8 @@ in a per-microbatch environment). The names:
     in:<value>                  a stage input (boundary value, model input or target)
     out:<value>                 a stage output (boundary value; `out:loss` on the last stage)
     update:<fqn>                the new value of a buffer the forward updates (written into the
-                                buffer after F; no gradient)
+                                buffer after F; no gradient; the backward reads it in the
+                                buffer's place)
     tangent:<value>             the gradient of a stage output, from downstream (`tangent:loss`)
     grad:<value>                the gradient of a stage input, sent upstream
     grad:param:<fqn>            a parameter's gradient
@@ -66,10 +67,10 @@ class StageJoint:
     """F and the whole backward of one stage.
 
     forward: inputs are the parameters and buffers it reads and every `in:` value; outputs are
-        the `out:` values, the `update:` values, then the `saved:` activations (among them the
-        value of every updated buffer the backward reads, as F read it). backward: reads parameters, `saved:`
-        values, `in:` values it needs and the `tangent:`s; returns `grad:<value>` for each stage
-        input that gets a gradient, then `grad:param:<fqn>` for each parameter.
+        the `out:` values, the `update:` values, then the `saved:` activations. backward: reads
+        parameters, buffers (`update:<fqn>` for those F updates), `saved:` values, `in:` values
+        it needs and the `tangent:`s; returns `grad:<value>` for each stage input that gets a
+        gradient, then `grad:param:<fqn>` for each parameter.
     tangents: the stage outputs its graphs take a gradient for (`tangent:` names in the backward).
     output_grads: every stage output whose gradient arrives from the next stage: the tangents
         and relayed values (in `Stage.outputs` order); the messages of the backward carry these.
@@ -234,7 +235,6 @@ def _separate_forward(joint: fx.GraphModule, stage: Stage, loss_name: str | None
     returned = {n for n, _ in grad_outputs}
     backward_nodes = _fx.ancestors(returned, stop=forward_nodes) - set(placeholders) - forward_nodes
     backward_nodes = _fx.with_state_ancestors(backward_nodes | (returned & recompute), recompute)
-    forward_nodes |= _read_updated_buffers_as_saved(graph, stage, names, backward_nodes)
     forward_values = forward_nodes | {n for n in placeholders if names[n].startswith("in:")}
     saved = [
         n
@@ -247,6 +247,7 @@ def _separate_forward(joint: fx.GraphModule, stage: Stage, loss_name: str | None
     storage = {
         names[n]: (roots[n].name, _fx.node_bytes(roots[n])) for n in [*saved, *tangents]
     }
+    storage.update((v, (roots[n].name, _fx.node_bytes(roots[n]))) for n, v in forward_outputs if v.startswith("update:"))
 
     forward = extract_program(
         graph,
@@ -266,7 +267,7 @@ def _separate_forward(joint: fx.GraphModule, stage: Stage, loss_name: str | None
         body=backward_nodes,
         inputs=backward_inputs,
         outputs=grad_outputs,
-        names=names,
+        names={**names, **_updated_buffers(names, stage)},
         class_name=f"Stage{stage.index}Backward",
     )
     return StageJoint(
@@ -280,26 +281,13 @@ def _separate_forward(joint: fx.GraphModule, stage: Stage, loss_name: str | None
     )
 
 
-def _read_updated_buffers_as_saved(
-    graph: fx.Graph, stage: Stage, names: dict[fx.Node, str], backward_nodes: set[fx.Node]
-) -> set[fx.Node]:
-    """Make the backward nodes read each buffer the stage updates through a copy F takes (a new
-    forward node, returned): the runtime writes the new value into the buffer after F, and the
-    backward must compute with the value its forward read."""
-    copies = set()
-    updated = {f"buffer:{fqn}" for fqn in stage.buffer_updates}
-    first_computed = next(n for n in graph.nodes if n.op != "placeholder")
-    for placeholder in [n for n, name in names.items() if name in updated]:
-        readers = [u for u in placeholder.users if u in backward_nodes]
-        if not readers:
-            continue
-        with graph.inserting_before(first_computed):
-            copy = graph.call_function(torch.ops.aten.clone.default, (placeholder,))
-        copy.meta = {k: v for k, v in placeholder.meta.items() if k != "desc"}
-        for reader in readers:
-            reader.replace_input_with(placeholder, copy)
-        copies.add(copy)
-    return copies
+def _updated_buffers(names: dict[fx.Node, str], stage: Stage) -> dict[fx.Node, str]:
+    """The placeholders of the buffers the stage updates, named `update:<fqn>` for the backward:
+    what eager autograd saved of such a buffer (BatchNorm's running statistics) is the buffer
+    itself, which the backward of an eager run microbatch by microbatch reads with this
+    microbatch's update applied; the runtime's buffer may hold later microbatches' updates by then."""
+    updated = {f"buffer:{fqn}": f"update:{fqn}" for fqn in stage.buffer_updates}
+    return {n: updated[name] for n, name in names.items() if name in updated}
 
 
 def _safe(name: str) -> str:

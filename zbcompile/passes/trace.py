@@ -4,8 +4,8 @@
 under `make_fx` with fake tensors and functionalization. The returned graph takes one placeholder
 per parameter, buffer, tensor input and target tensor (see `TracedModel`) and returns the scalar
 loss, then the new value of every buffer the forward updates (BatchNorm's running statistics in
-training, a counter, an EMA). Every call_function node carries the FQN of the innermost module that created it in
-`node.meta["custom"]["module"]`, which the partitioner uses for split points.
+training, a counter, an EMA). Every call_function node carries the FQN of the innermost module
+that created it in `node.meta["custom"]["module"]`, which the partitioner uses for split points.
 
 Example (a two-layer MLP, loss = mse):
 
@@ -90,8 +90,9 @@ def trace_model(
     """Trace `loss_fn(model(*args, **kwargs), target)` (or `model(...)` itself when loss_fn is
     None, which must then return the scalar loss). Raises ValueError naming the module and the
     source line for data-dependent control flow, and naming the parameter or input for a forward
-    that writes one in place (buffer updates become graph outputs, see `TracedModel`). Parameters on the `meta` device trace as if they
-    lived on `device` (default: the inputs' device)."""
+    that writes one in place (buffer updates become graph outputs, see `TracedModel`).
+    Parameters on the `meta` device trace as if they lived on `device` (default: the inputs'
+    device)."""
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     input_leaves, input_spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
@@ -346,7 +347,8 @@ def _functional_batch_norms(graph: fx.Graph, fake_mode: FakeTensorMode) -> None:
         with graph.inserting_before(node):
             replacement = graph.call_function(functional, args)
         with fake_mode:
-            replacement.meta = {**node.meta, "val": functional(*[a.meta["val"] if isinstance(a, fx.Node) else a for a in args])}
+            value = functional(*[a.meta["val"] if isinstance(a, fx.Node) else a for a in args])
+        replacement.meta = {**node.meta, "val": value}
         for user in list(node.users):
             if user.args[1] >= 3:  # cudnn's reserve space, which only its backward reads
                 raise ValueError(f"the forward reads result {user.args[1]} of {node.target}, which zbcompile cannot trace")

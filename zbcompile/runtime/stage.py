@@ -30,6 +30,7 @@ class StageExecutor:
         self.peak_live_bytes = 0
         self._env_bytes: dict[int, int] = {}
         self._held_after: dict[str, int] = {}  # bytes a microbatch holds after F / after I
+        self._last_forward = -1  # the microbatch of the latest F
         joint, split = program.joint, program.split
         self._backward_reads = {n for n in joint.backward.signature.inputs if not n.startswith(("param:", "buffer:"))}
         self._weight_reads = set(split.weight_reads)
@@ -42,6 +43,7 @@ class StageExecutor:
         """F. `inputs`: every stage input (and target) by value name. Returns the stage outputs
         by value name (`{"loss": ...}` on the last stage)."""
         stage = self.program.stage
+        self._check_forward_order(microbatch)
         env = {f"in:{name}": self._as_traced(f"in:{name}", value) for name, value in inputs.items()}
         self.program.forward.run(env, self.state)
         self._update_buffers(env)
@@ -53,11 +55,22 @@ class StageExecutor:
         self._note_memory(microbatch, "F")
         return outputs
 
+    def _check_forward_order(self, microbatch: int) -> None:
+        """A stage that updates buffers runs F for microbatches 0, 1, 2, ... of each step."""
+        updated = self.program.stage.buffer_updates
+        if updated and microbatch and self._last_forward != microbatch - 1:
+            raise RuntimeError(
+                f"stage {self.program.index}: F of microbatch {microbatch} follows F of microbatch "
+                f"{self._last_forward}; the stage updates buffers ({updated[0]}, ...), so its forwards must run "
+                "in microbatch order"
+            )
+        self._last_forward = microbatch
+
     def _update_buffers(self, env: dict[str, torch.Tensor]) -> None:
         """Write the new values F computed for the stage's updated buffers into the buffers."""
         with torch.no_grad():
             for fqn in self.program.stage.buffer_updates:
-                self.state[f"buffer:{fqn}"].copy_(env.pop(f"update:{fqn}"))
+                self.state[f"buffer:{fqn}"].copy_(env[f"update:{fqn}"])
 
     def input_backward(self, microbatch: int, output_grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """B. `output_grads`: gradients of the stage outputs (`{"loss": scale}` on the last
