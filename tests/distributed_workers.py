@@ -7,8 +7,10 @@ import time
 import torch
 import torch.distributed as dist
 
+import torch.nn.functional as F
+
 import zbcompile
-from models import build
+from models import BatchNormConvNet, build, image_batch
 
 
 def one_step(runs: list[tuple[str, str, int, int]]) -> dict:
@@ -59,6 +61,34 @@ def train(name: str, schedule: str, stages: int, optimizers: tuple[str, ...], st
             case.step(pipe)
             opt.step()
         results[optimizer] = {k: v.clone() for k, v in pipe.state_dict().items()}
+    return results
+
+
+def buffer_update_steps(runs: list[tuple[int, str]], microbatches: int, steps: int) -> dict:
+    """BatchNormConvNet in train mode, for each (stages, schedule): `steps` SGD steps (lr 0.1)
+    from the same start; per step this rank's loss, gradients and state dict after the update."""
+    results = {}
+    for stages, schedule in runs:
+        torch.manual_seed(0)
+        model = BatchNormConvNet()
+        x, target = image_batch()
+        pipe = zbcompile.pipeline(
+            model, stages=stages, microbatches=microbatches, loss_fn=F.cross_entropy, schedule=schedule, timeout=60,
+            solver_time_budget=0.5,
+        )
+        pipe.compile(x, target=target)
+        optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        record = []
+        for _ in range(steps):
+            optimizer.zero_grad()
+            loss = pipe.step(x, target=target)
+            optimizer.step()
+            record.append({
+                "loss": loss,
+                "grads": {n: p.grad.clone() for n, p in pipe.named_parameters()},
+                "state": {k: v.clone() for k, v in pipe.state_dict().items()},
+            })
+        results[schedule] = record
     return results
 
 

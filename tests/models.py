@@ -155,3 +155,62 @@ def build(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> Case:
     torch.manual_seed(seed)  # parameter initialisation
     generator = torch.Generator().manual_seed(seed + 1)  # data
     return _finish(BUILDERS[name](generator), dtype)
+
+
+# --- models whose forward updates buffers (outside the zoo: eager reference runs microbatch by
+# microbatch) ------------------------------------------------------------------------------------
+
+
+class BatchNormConvNet(nn.Module):
+    """Two Conv2d -> BatchNorm2d -> ReLU blocks and a linear head; in train mode every forward
+    updates the running statistics (and num_batches_tracked)."""
+
+    def __init__(self, channels: int = 4, classes: int = 5) -> None:
+        super().__init__()
+        self.block1 = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU())
+        self.block2 = nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU())
+        self.head = nn.Linear(channels * 16, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.max_pool2d(self.block2(self.block1(x)), 2).flatten(1))
+
+
+def image_batch(seed: int = 1, classes: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    """BATCH 3x8x8 images and class labels."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(BATCH, 3, 8, 8, generator=generator), torch.randint(0, classes, (BATCH,), generator=generator)
+
+
+def snapshot(model: nn.Module, loss: torch.Tensor | None) -> dict:
+    """Copies of the loss and of the gradients, parameters and buffers of `model`."""
+    return {
+        "loss": None if loss is None else loss.detach().clone(),
+        "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "buffers": {n: b.clone() for n, b in model.named_buffers()},
+    }
+
+
+def microbatch_by_microbatch(model: nn.Module, x: torch.Tensor, target: torch.Tensor, loss_fn, microbatches: int) -> torch.Tensor:
+    """What a pipelined step computes, eagerly: for each microbatch in order, its forward
+    (updating the buffers) and `(loss / microbatches).backward()`; returns the mean loss."""
+    losses = []
+    for xs, ts in zip(x.chunk(microbatches), target.chunk(microbatches)):
+        loss = loss_fn(model(xs), ts)
+        (loss / microbatches).backward()
+        losses.append(loss.detach())
+    return torch.stack(losses).mean()
+
+
+def sgd_steps(model: nn.Module, step: Callable[[], torch.Tensor | None], steps: int, params=None) -> list[dict]:
+    """`steps` times: zero the gradients, `step()`, SGD step (lr 0.1) on `params` (default:
+    the model's), snapshot (the step's loss and gradients, the parameters after the update)."""
+    optimizer = torch.optim.SGD(model.parameters() if params is None else params, lr=0.1)
+    record = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = step()
+        optimizer.step()
+        record.append(snapshot(model, loss))
+    return record
+

@@ -115,7 +115,7 @@ def compile_pipeline(
 
 
 def _stage_cost(joint: StageJoint, split: SplitBackward) -> StageCost:
-    saved = [n for n in joint.backward.signature.inputs if n.startswith(("saved:", "in:"))]
+    saved = [n for n in joint.backward.signature.inputs if n.startswith(("saved:", "in:", "update:"))]
     held_from_forward, stash_bytes = _weight_memory(split)
     return StageCost(
         forward=graph_cost(joint.forward.graph),

@@ -7,6 +7,9 @@ in a per-microbatch environment). The names:
     param:<fqn>, buffer:<fqn>   the model's own parameters and buffers
     in:<value>                  a stage input (boundary value, model input or target)
     out:<value>                 a stage output (boundary value; `out:loss` on the last stage)
+    update:<fqn>                the new value of a buffer the forward updates (written into the
+                                buffer after F; no gradient; the backward reads it in the
+                                buffer's place)
     tangent:<value>             the gradient of a stage output, from downstream (`tangent:loss`)
     grad:<value>                the gradient of a stage input, sent upstream
     grad:param:<fqn>            a parameter's gradient
@@ -65,9 +68,10 @@ class StageJoint:
     """F and the whole backward of one stage.
 
     forward: inputs are the parameters and buffers it reads and every `in:` value; outputs are
-        the `out:` values, then the `saved:` activations. backward: reads parameters, `saved:`
-        values, `in:` values it needs and the `tangent:`s; returns `grad:<value>` for each stage
-        input that gets a gradient, then `grad:param:<fqn>` for each parameter.
+        the `out:` values, the `update:` values, then the `saved:` activations. backward: reads
+        parameters, buffers (`update:<fqn>` for those F updates), `saved:` values, `in:` values
+        it needs and the `tangent:`s; returns `grad:<value>` for each stage input that gets a
+        gradient, then `grad:param:<fqn>` for each parameter.
     tangents: the stage outputs its graphs take a gradient for (`tangent:` names in the backward).
     output_grads: every stage output whose gradient arrives from the next stage: the tangents
         and relayed values (in `Stage.outputs` order); the messages of the backward carry these.
@@ -152,20 +156,23 @@ def _example_inputs(stage: Stage, partition: StagePartition, fake_mode) -> tuple
 
 
 def _prepare_outputs(stage: Stage, grads_from_next: set[str], loss_name: str | None) -> fx.GraphModule:
-    """A copy of the stage module whose outputs that get no gradient downstream are detached, and
-    whose outputs that are views of a stage input or parameter are copied: AOTAutograd
-    regenerates such an output outside its graph and gives it no tangent, which would cut the
-    gradient's path through the stage (a stage that only reshapes, say)."""
-    if loss_name is not None:
+    """A copy of the stage module whose outputs that get no gradient downstream (buffer updates
+    never do) are detached, and whose outputs that are views of a stage input or parameter are
+    copied: AOTAutograd regenerates such an output outside its graph and gives it no tangent,
+    which would cut the gradient's path through the stage (a stage that only reshapes, say)."""
+    if loss_name is not None and not stage.buffer_updates:
         return stage.module
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     _fx.copy_nodes(graph, [n for n in stage.module.graph.nodes if n.op != "output"], env)
     roots = _fx.storage_roots(stage.module.graph)
     outputs = []
-    for name, node in zip(stage.graph_outputs, stage.module.graph.output_node().args[0]):
+    returned = stage.module.graph.output_node().args[0]
+    for i, node in enumerate(returned):
         value = env[node]
-        if name not in grads_from_next:
+        if loss_name is not None and i == 0:
+            pass  # the loss, as it is
+        elif i >= len(stage.graph_outputs) or stage.graph_outputs[i] not in grads_from_next:
             value = graph.call_function(torch.ops.aten.detach.default, (value,))
         elif roots[node].op in ("placeholder", "get_attr"):
             value = graph.call_function(torch.ops.aten.clone.default, (value,))
@@ -181,8 +188,8 @@ def _refuse_mutated_state(joint: fx.GraphModule, stage: Stage) -> None:
         if mutated is not None:
             raise ValueError(
                 f"stage {stage.index} mutates {getattr(mutated, 'target', mutated)} in place during the "
-                "forward; pipelined training cannot reproduce per-batch state updates. Remove the "
-                "mutation (or use eval() mode for modules that update running statistics)."
+                "forward in a way the trace did not turn into a buffer update; write the new value into a "
+                "buffer of the module (`self.buf.copy_(new)`) or return it instead."
             )
 
 
@@ -200,6 +207,8 @@ def _placeholder_name(desc: object, stage: Stage) -> str:
 
 def _output_name(desc: object, stage: Stage, loss_name: str | None) -> str | None:
     if isinstance(desc, ti.PlainAOTOutput):
+        if desc.idx >= len(stage.graph_outputs):
+            return f"update:{stage.buffer_updates[desc.idx - len(stage.graph_outputs)]}"
         return f"out:{loss_name or stage.graph_outputs[desc.idx]}"
     if isinstance(desc, ti.GradAOTOutput):
         of = desc.grad_of
@@ -240,7 +249,7 @@ def _separate_forward(joint: fx.GraphModule, stage: Stage, loss_name: str | None
         name = _output_name(desc, stage, loss_name) if desc is not None else None
         if node is not None and name is not None:
             outputs.append((node, name))
-    forward_outputs = [(n, v) for n, v in outputs if v.startswith("out:")]
+    forward_outputs = [(n, v) for n, v in outputs if v.startswith(("out:", "update:"))]
     grad_outputs = [(n, v) for n, v in outputs if v.startswith("grad:")]
 
     state = {n for n in placeholders if names[n].startswith(("param:", "buffer:"))}
@@ -266,6 +275,7 @@ def _separate_forward(joint: fx.GraphModule, stage: Stage, loss_name: str | None
     storage = {
         names[n]: (roots[n].name, _fx.node_bytes(roots[n])) for n in [*saved, *tangents]
     }
+    storage.update((v, (roots[n].name, _fx.node_bytes(roots[n]))) for n, v in forward_outputs if v.startswith("update:"))
 
     forward = extract_program(
         graph,
@@ -285,7 +295,7 @@ def _separate_forward(joint: fx.GraphModule, stage: Stage, loss_name: str | None
         body=backward_nodes,
         inputs=backward_inputs,
         outputs=grad_outputs,
-        names=names,
+        names={**names, **_updated_buffers(names, stage)},
         class_name=f"Stage{stage.index}Backward",
     )
     return StageJoint(
@@ -297,6 +307,15 @@ def _separate_forward(joint: fx.GraphModule, stage: Stage, loss_name: str | None
         param_grads=tuple(v.removeprefix("grad:param:") for _, v in grad_outputs if v.startswith("grad:param:")),
         storage=storage,
     )
+
+
+def _updated_buffers(names: dict[fx.Node, str], stage: Stage) -> dict[fx.Node, str]:
+    """The placeholders of the buffers the stage updates, named `update:<fqn>` for the backward:
+    what eager autograd saved of such a buffer (BatchNorm's running statistics) is the buffer
+    itself, which the backward of an eager run microbatch by microbatch reads with this
+    microbatch's update applied; the runtime's buffer may hold later microbatches' updates by then."""
+    updated = {f"buffer:{fqn}": f"update:{fqn}" for fqn in stage.buffer_updates}
+    return {n: updated[name] for n, name in names.items() if name in updated}
 
 
 def _safe(name: str) -> str:

@@ -63,7 +63,9 @@ class Stage:
         tensors); graph_outputs: what the module returns (values it computes for outputs, or
         the loss). state_fqns: the FQN of each parameter or buffer the module reads, by its
         attribute path in the module (the FQN itself unless it contains a Python keyword, see
-        `_state_attribute_paths`).
+        `_state_attribute_paths`). buffer_updates: the buffers whose new value the stage
+        computes (every update of a buffer runs on the one stage that reads the buffer); the
+        module returns these values after `graph_outputs`.
     """
 
     index: int
@@ -77,6 +79,7 @@ class Stage:
     buffer_fqns: tuple[str, ...]
     cost: float
     state_fqns: dict[str, str] = field(default_factory=dict)
+    buffer_updates: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -107,14 +110,15 @@ def partition_stages(
         raise ValueError(f"stages must be at least 1, got {stages}")
     graph = traced.graph_module.graph
     anchors = _anchored_nodes(graph)
-    allowed = _allowed_cuts(anchors)
+    updates = _buffer_updates(traced, anchors)
+    allowed = _allowed_cuts(anchors, [u.span for u in updates])
     live_bytes = _live_bytes(anchors, graph)
     if cuts is not None:
         cuts = list(cuts)
         if len(cuts) != stages - 1 or not set(cuts) <= set(allowed) or cuts != sorted(cuts):
             raise ValueError(f"cuts {cuts} are not {stages - 1} increasing allowed positions for this graph")
     elif split_points is not None:
-        cuts = _cuts_at_split_points(anchors, allowed, list(split_points), stages)
+        cuts = _cuts_at_split_points(anchors, allowed, list(split_points), stages, updates)
     else:
         if stages - 1 > len(allowed):
             raise ValueError(
@@ -125,7 +129,7 @@ def partition_stages(
         cuts = _balanced_cuts(costs, live_bytes, allowed, stages, balance_tolerance)
     bounds = [0, *cuts, len(anchors)]
     stage_of = {n: k for k in range(stages) for n in anchors[bounds[k] : bounds[k + 1]]}
-    return _build_stages(traced, anchors, stage_of, bounds, live_bytes)
+    return _build_stages(traced, anchors, stage_of, bounds, live_bytes, updates)
 
 
 # --- classifying nodes -------------------------------------------------------------------------
@@ -163,12 +167,16 @@ def _target_dependent(graph: fx.Graph) -> set[fx.Node]:
     return dependent
 
 
-def _allowed_cuts(anchors: list[fx.Node]) -> list[int]:
+def _allowed_cuts(anchors: list[fx.Node], together: Sequence[tuple[int, int]] = ()) -> list[int]:
     """Positions i (a stage starts at anchors[i]) that keep a multi-output op with its getitems,
     a value updated in place (some decompositions do, e.g. the RNN cells) with its producer, the
-    update and every reader, and every node that reads the target in the last stage."""
+    update and every reader, each span of positions in `together` in one stage, and every node
+    that reads the target in the last stage."""
     position = {n: i for i, n in enumerate(anchors)}
     blocked = [False] * (len(anchors) + 1)
+    for first, last in together:
+        for i in range(first + 1, last + 1):
+            blocked[i] = True
     graph = anchors[0].graph if anchors else None
     roots = _fx.storage_roots(graph) if graph is not None else {}
     sharing: dict[fx.Node, list[fx.Node]] = {}  # storage root -> the nodes whose value lives in it
@@ -203,6 +211,65 @@ def _requires_grad(graph: fx.Graph) -> set[fx.Node]:
             value = node.meta.get("val")
             if (isinstance(value, (tuple, list)) or _fx.is_differentiable(value)) and any(a in result for a in node.all_input_nodes):
                 result.add(node)
+    return result
+
+
+@dataclass(frozen=True)
+class _BufferUpdate:
+    """A buffer the forward updates: its new value (a graph output), the position among the
+    anchored nodes where the update runs, and the span of positions that read the buffer or
+    update it, which one stage must hold (so that microbatch k reads what microbatch k-1 left)."""
+
+    fqn: str
+    value: fx.Node
+    position: int
+    span: tuple[int, int]
+
+
+def _buffer_updates(traced: TracedModel, anchors: list[fx.Node]) -> list[_BufferUpdate]:
+    """Where each buffer update of `traced` runs: at its new value's position when that depends
+    on the inputs (BatchNorm statistics, an EMA of activations); otherwise (a counter) with the
+    nodes that read the buffer, or, read by none, where the update was traced."""
+    graph = traced.graph_module.graph
+    values = graph.output_node().args[0][1:]
+    placeholders = {n.meta["zb_name"]: n for n in graph.find_nodes(op="placeholder") if _role(n) == BUFFER}
+    position = {n: i for i, n in enumerate(anchors)}
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    where: dict[str, int] = {}
+    for fqn, value in zip(traced.buffer_updates, values):
+        if value in position:
+            where[fqn] = position[value]
+            continue
+        traced_at = next((position[n] for n in anchors if order[n] > order[value]), max(len(anchors) - 1, 0))
+        where[fqn] = min(_positions_reading(placeholders[fqn], position, {}), default=traced_at)
+    unanchored = {}  # an unanchored new value -> the positions where it is computed
+    for fqn, value in zip(traced.buffer_updates, values):
+        if value not in position:
+            unanchored.setdefault(value, set()).add(where[fqn])
+    updates = []
+    for fqn, value in zip(traced.buffer_updates, values):
+        touching = _positions_reading(placeholders[fqn], position, unanchored) | {where[fqn]}
+        updates.append(_BufferUpdate(fqn, value, where[fqn], (min(touching), max(touching))))
+    return updates
+
+
+def _positions_reading(node: fx.Node, position: dict[fx.Node, int], unanchored: dict[fx.Node, set[int]]) -> set[int]:
+    """Positions of the anchored nodes that read `node`'s value, directly or through unanchored
+    nodes (which each stage computes where it needs them), and of the unanchored nodes among
+    those in `unanchored` (by where they are computed)."""
+    result: set[int] = set()
+    seen, frontier = set(), [node]
+    while frontier:
+        current = frontier.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        result |= unanchored.get(current, set())
+        for user in current.users:
+            if user in position:
+                result.add(position[user])
+            elif user.op == "call_function":
+                frontier.append(user)
     return result
 
 
@@ -324,7 +391,7 @@ def _extend(score: tuple[float, float], run_cost: float, boundary: int) -> tuple
 
 
 def _cuts_at_split_points(
-    anchors: list[fx.Node], allowed: list[int], split_points: list[str], stages: int
+    anchors: list[fx.Node], allowed: list[int], split_points: list[str], stages: int, updates: Sequence[_BufferUpdate] = ()
 ) -> list[int]:
     if len(split_points) != stages - 1:
         raise ValueError(
@@ -352,6 +419,16 @@ def _cuts_at_split_points(
                 f"split point '{point}' is where the model starts, so stage 0 would be empty; name the "
                 "module where the second stage begins"
             )
+        held = next((u for u in updates if u.span[0] < position <= u.span[1]), None)
+        if held is not None:
+            first, last = held.span
+            inside = list(dict.fromkeys(m for n in anchors[first + 1 : last + 1] if (m := _module_of(n))))
+            raise ValueError(
+                f"split point '{point}' would put the reads and the update of buffer '{held.fqn}', which the "
+                "forward updates in place, on two stages; one stage must hold them so that each microbatch "
+                f"reads the value the previous one left. Choose a split point that is none of the modules "
+                f"running between them: {inside}."
+            )
         if position not in allowed:
             raise ValueError(
                 f"split point '{point}' would cut inside an operation with several outputs or "
@@ -364,6 +441,10 @@ def _cuts_at_split_points(
             )
         cuts.append(position)
     return cuts
+
+
+def _module_of(node: fx.Node) -> str:
+    return node.meta.get("custom", {}).get("module", "")
 
 
 def _inside(module: str, prefix: str) -> bool:
@@ -379,6 +460,7 @@ def _build_stages(
     stage_of: dict[fx.Node, int],
     bounds: list[int],
     live_bytes: list[int],
+    updates: Sequence[_BufferUpdate] = (),
 ) -> StagePartition:
     graph = traced.graph_module.graph
     paths = _state_attribute_paths([*traced.param_fqns, *traced.buffer_fqns])
@@ -404,7 +486,9 @@ def _build_stages(
     for k in range(stages_count):
         own = anchors[bounds[k] : bounds[k + 1]]
         own_set = set(own)
-        free = _free_ancestors(own, dependencies, anchored)
+        mine = [u for u in updates if bounds[k] <= u.position < bounds[k + 1] or (k == 0 and not anchors)]
+        computed_here = [u.value for u in mine if u.value not in own_set]  # an update not anchored
+        free = _free_ancestors([*own, *computed_here], dependencies, anchored) | set(computed_here)
         reads = {a for n in own for a in n.all_input_nodes} - own_set - free
         read_inputs = [n for n in graph.nodes if n in reads]  # graph order
         stage_inputs = [n for n in crossing[k]] if k > 0 else [n for n in graph.nodes if _role(n) == INPUT]
@@ -419,6 +503,8 @@ def _build_stages(
 
         params = [n for n in graph.nodes if n in free and _role(n) == PARAM]
         buffers = [n for n in graph.nodes if n in free and _role(n) == BUFFER]
+        elsewhere = {b.meta["zb_name"] for b in buffers} & ({u.fqn for u in updates} - {u.fqn for u in mine})
+        assert not elsewhere, f"stage {k} reads buffers {sorted(elsewhere)} that another stage updates"
         constants = [n for n in graph.nodes if n in free and n.op == "get_attr"]
         for p in params:
             shared.setdefault(p.meta["zb_name"], []).append(k)
@@ -436,7 +522,7 @@ def _build_stages(
             env[node].meta = dict(node.meta)
         body = [n for n in graph.nodes if (n in free and n.op == "call_function") or n in own_set]
         _fx.copy_nodes(new_graph, body, env)
-        new_graph.output(tuple(env[n] for n in graph_outputs))
+        new_graph.output(tuple(env[n] for n in [*graph_outputs, *(u.value for u in mine)]))
         module = _fx.finish(new_graph, root, name=f"Stage{k}")
         stages.append(
             Stage(
@@ -451,6 +537,7 @@ def _build_stages(
                 buffer_fqns=tuple(b.meta["zb_name"] for b in buffers),
                 cost=sum(node_cost(n) for n in own),
                 state_fqns={paths[n.meta["zb_name"]]: n.meta["zb_name"] for n in [*params, *buffers]},
+                buffer_updates=tuple(u.fqn for u in mine),
             )
         )
 

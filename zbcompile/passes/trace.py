@@ -3,8 +3,9 @@
 `trace_model(model, loss_fn, args, kwargs, target)` runs `loss_fn(model(*args, **kwargs), target)`
 under `make_fx` with fake tensors and functionalization. The returned graph takes one placeholder
 per parameter, buffer, tensor input and target tensor (see `TracedModel`) and returns the scalar
-loss. Every call_function node carries the FQN of the innermost module that created it in
-`node.meta["custom"]["module"]`, which the partitioner uses for split points.
+loss, then the new value of every buffer the forward updates (BatchNorm's running statistics in
+training, a counter, an EMA). Every call_function node carries the FQN of the innermost module
+that created it in `node.meta["custom"]["module"]`, which the partitioner uses for split points.
 
 Example (a two-layer MLP, loss = mse):
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import os
 import re
 import traceback
@@ -47,7 +49,8 @@ class TracedModel:
     graph_module: placeholders, in order: parameters, buffers, tensor inputs, target tensors.
         Each placeholder has `meta["zb_role"]` (PARAM, BUFFER, INPUT or TARGET) and
         `meta["zb_name"]` (the FQN for parameters and buffers; "input_<i>"/"target_<i>" for the
-        tensor leaves of (args, kwargs) and of the target, in pytree order). One output: the loss.
+        tensor leaves of (args, kwargs) and of the target, in pytree order). Outputs: the loss,
+        then the new value of each buffer in `buffer_updates`.
     param_fqns / buffer_fqns: the model's parameters and buffers (tied weights once, under the
         name `named_parameters()` reports).
     model: the traced module (its parameters may live on the `meta` device).
@@ -57,6 +60,9 @@ class TracedModel:
     input_spec: pytree spec of (args, kwargs); `constants` holds its non-tensor leaves (None where
         a tensor goes), which the graph has baked in.
     target_spec: pytree spec of the target (None when there is no loss_fn or no target).
+    buffer_updates: FQNs of the buffers the forward updates in place, in the order of their new
+        values among the graph's outputs. The runtime writes each new value into its buffer after
+        the forward of every microbatch, as an eager run microbatch by microbatch would.
     """
 
     graph_module: fx.GraphModule
@@ -68,6 +74,7 @@ class TracedModel:
     input_spec: pytree.TreeSpec
     constants: tuple[Any, ...]
     target_spec: pytree.TreeSpec | None
+    buffer_updates: tuple[str, ...] = ()
 
     def placeholders(self, role: str) -> list[fx.Node]:
         return [n for n in self.graph_module.graph.find_nodes(op="placeholder") if n.meta["zb_role"] == role]
@@ -83,9 +90,10 @@ def trace_model(
 ) -> TracedModel:
     """Trace `loss_fn(model(*args, **kwargs), target)` (or `model(...)` itself when loss_fn is
     None, which must then return the scalar loss). Raises ValueError naming the module and the
-    source line for data-dependent control flow, and naming the buffer for buffers the forward
-    mutates (BatchNorm running statistics). Parameters on the `meta` device trace as if they
-    lived on `device` (default: the inputs' device)."""
+    source line for data-dependent control flow, and naming the parameter or input for a forward
+    that writes one in place (buffer updates become graph outputs, see `TracedModel`).
+    Parameters on the `meta` device trace as if they lived on `device` (default: the inputs'
+    device)."""
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     input_leaves, input_spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
@@ -103,8 +111,8 @@ def trace_model(
         target_value = pytree.tree_unflatten(list(targets), target_spec) if target_spec is not None else None
         with watching_autograd(module_stack.current), _substituted(model, state):
             output = model(*call_args, **call_kwargs)
-        module_stack.in_loss_fn = True
-        loss = _loss_of_output(output) if loss_fn is None else loss_fn(output, target_value)
+            module_stack.in_loss_fn = True
+            loss = _loss_of_output(output) if loss_fn is None else loss_fn(output, target_value)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
             what = "the model" if loss_fn is None else "loss_fn"
             raise TypeError(f"{what} must return a scalar floating-point loss tensor; got {_describe(loss)}")
@@ -145,7 +153,7 @@ def trace_model(
     placeholders = list(graph_module.graph.find_nodes(op="placeholder"))
     for node, (role, name) in zip(placeholders, roles, strict=True):
         node.meta["zb_role"], node.meta["zb_name"] = role, name
-    _refuse_state_mutation(graph_module.graph)
+    buffer_updates = _buffer_updates_as_outputs(graph_module.graph, fake_mode)
     detach_no_grad_results(graph_module.graph)
     _differentiable_copies(graph_module.graph, fake_mode)
     graph_module.graph.eliminate_dead_code()  # autograd's unused `detach`es of saved values
@@ -160,6 +168,7 @@ def trace_model(
         input_spec=input_spec,
         constants=constants,
         target_spec=target_spec,
+        buffer_updates=buffer_updates,
     )
 
 
@@ -398,17 +407,81 @@ def _untraceable_autograd_message(module_stack: _NameStack, error: BaseException
     )
 
 
-def _refuse_state_mutation(graph: fx.Graph) -> None:
-    """After functionalization a mutation of a graph input survives only as `copy_` into the
-    placeholder (or as an op that writes an input in place, like `native_batch_norm`'s running
-    statistics)."""
-    for node in graph.nodes:
+# Batch norms whose schema hides that they update `running_mean` and `running_var` (arguments 3
+# and 4) in training, so functionalization keeps them as they are. They share their first eight
+# arguments and their first three results (output, saved mean, saved inverse std) with
+# `_native_batch_norm_legit_functional`, which returns the new statistics as results 3 and 4.
+_HIDDEN_UPDATE_BATCH_NORMS = (
+    torch.ops.aten.native_batch_norm.default,
+    torch.ops.aten.cudnn_batch_norm.default,
+    torch.ops.aten.miopen_batch_norm.default,
+)
+
+
+def _buffer_updates_as_outputs(graph: fx.Graph, fake_mode: FakeTensorMode) -> tuple[str, ...]:
+    """Turn every in-place update of a buffer into a graph output, the buffer's new value,
+    appended after the loss; returns the buffers' FQNs in that order. After functionalization
+    an update of a graph input survives only as `copy_(placeholder, new value)` (or as a batch
+    norm that hides its update, made functional first). Raises ValueError naming the module for
+    a forward that writes a parameter, an input or a target in place."""
+    _functional_batch_norms(graph, fake_mode)
+    new_values: dict[str, fx.Node] = {}
+    for node in list(graph.nodes):
         for name, value in _fx.written_arguments(node):
-            if node.target is torch.ops.aten.native_batch_norm.default and name in ("running_mean", "running_var"):
-                if not node.args[5]:  # only training=True updates the stats
-                    continue
-            if isinstance(value, fx.Node) and value.op == "placeholder":
+            if not (isinstance(value, fx.Node) and value.op == "placeholder"):
+                continue
+            if node.target is not torch.ops.aten.copy_.default or value.meta["zb_role"] != BUFFER:
                 raise ValueError(_mutation_message(value, node))
+            new_values[value.meta["zb_name"]] = node.args[1]
+            graph.erase_node(node)
+    roots = _fx.storage_roots(graph)
+    for fqn, value in new_values.items():
+        if roots[value].op == "placeholder":  # a graph input (or a view of one) copied as it is
+            with graph.inserting_before(graph.output_node()):
+                new_values[fqn] = graph.call_function(torch.ops.aten.clone.default, (value,))
+            new_values[fqn].meta = {k: v for k, v in value.meta.items() if not k.startswith("zb_")}
+    output = graph.output_node()
+    output.args = ([*output.args[0], *new_values.values()],)
+    return tuple(new_values)
+
+
+def _functional_batch_norms(graph: fx.Graph, fake_mode: FakeTensorMode) -> None:
+    """Replace each batch norm in training that updates running statistics held in placeholders
+    (`_HIDDEN_UPDATE_BATCH_NORMS`) by `_native_batch_norm_legit_functional` (the same kernel):
+    whatever reads a statistic after it reads its new value, and `copy_`s at the end of the graph
+    write the last values into the placeholders, as functionalization writes back any update."""
+    functional = torch.ops.aten._native_batch_norm_legit_functional.default
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    latest = {n: n for n in graph.find_nodes(op="placeholder")}  # a placeholder's current value
+    origin = {n: n for n in latest}  # current value -> its placeholder
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target in _HIDDEN_UPDATE_BATCH_NORMS]:
+        statistics = node.args[3:5]
+        if not node.args[5] or not all(s in origin for s in statistics):
+            continue  # args[5]: training
+        args = node.args[:8]
+        with graph.inserting_before(node):
+            replacement = graph.call_function(functional, args)
+        with fake_mode:
+            value = functional(*[a.meta["val"] if isinstance(a, fx.Node) else a for a in args])
+        replacement.meta = {**node.meta, "val": value}
+        for user in list(node.users):
+            if user.args[1] >= 3:  # cudnn's reserve space, which only its backward reads
+                raise ValueError(f"the forward reads result {user.args[1]} of {node.target}, which zbcompile cannot trace")
+            user.args = (replacement, user.args[1])
+        previous = replacement
+        for statistic, index in zip(statistics, (3, 4)):
+            with graph.inserting_after(previous):
+                new = previous = graph.call_function(operator.getitem, (replacement, index))
+            new.meta = {**node.meta, "val": replacement.meta["val"][index]}
+            for reader in [u for u in statistic.users if order.get(u, -1) > order[node]]:
+                reader.replace_input_with(statistic, new)
+            origin[new] = origin[statistic]
+            latest[origin[new]] = new
+        graph.erase_node(node)
+    for placeholder, value in latest.items():
+        if value is not placeholder:
+            with graph.inserting_before(graph.output_node()):
+                graph.call_function(torch.ops.aten.copy_.default, (placeholder, value))
 
 
 def _mutation_message(placeholder: fx.Node, node: fx.Node) -> str:
@@ -416,13 +489,14 @@ def _mutation_message(placeholder: fx.Node, node: fx.Node) -> str:
     module = node.meta.get("custom", {}).get("module")
     if module is None:  # functionalization's write-back runs after the forward: name the owner
         module = name.rpartition(".")[0] if role in (PARAM, BUFFER) and "." in name else "<root>"
-    return (
-        f"the forward of module '{module}' mutates {role} '{name}' in place ({node.target}). "
-        "Pipelined training splits the batch into microbatches, so per-batch state updates such as "
-        "BatchNorm running statistics would differ from the unpipelined model. Use a norm without "
-        "running statistics (LayerNorm, GroupNorm, BatchNorm with track_running_stats=False), or "
-        "put the module in eval() mode."
-    )
+    if role == PARAM:
+        what, remedy = "parameter", (
+            "Parameters change only in the optimizer's step; keep state that the forward updates in a "
+            "buffer (register_buffer), whose updates zbcompile applies microbatch by microbatch."
+        )
+    else:
+        what, remedy = role, "The stages compute with copies of the inputs; return the new value instead of writing it in place."
+    return f"the forward of module '{module}' mutates {what} '{name}' in place ({node.target}). {remedy}"
 
 
 def _drop_pytree_codegen(graph_module: fx.GraphModule) -> None:

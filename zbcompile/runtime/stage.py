@@ -16,7 +16,10 @@ class StageExecutor:
 
     `state` maps `param:<fqn>` / `buffer:<fqn>` to tensors. Parameter gradients are accumulated
     per microbatch in the order W runs (schedules keep W in microbatch order, so every schedule
-    accumulates identically); `take_grads()` hands them over at the end of a step.
+    accumulates identically); `take_grads()` hands them over at the end of a step. The buffers
+    the stage updates (BatchNorm's running statistics in training) take their new values right
+    after each F, in place; schedules run F in microbatch order on every stage, so microbatch k
+    reads what microbatch k-1 left, as in an eager run microbatch by microbatch.
     """
 
     def __init__(self, program: StageProgram, state: Mapping[str, torch.Tensor]) -> None:
@@ -27,6 +30,7 @@ class StageExecutor:
         self.peak_live_bytes = 0
         self._env_bytes: dict[int, int] = {}
         self._held_after: dict[str, int] = {}  # bytes a microbatch holds after F / after I
+        self._last_forward = -1  # the microbatch of the latest F
         joint, split = program.joint, program.split
         self._backward_reads = {n for n in joint.backward.signature.inputs if not n.startswith(("param:", "buffer:"))}
         self._weight_reads = set(split.weight_reads)
@@ -39,8 +43,10 @@ class StageExecutor:
         """F. `inputs`: every stage input (and target) by value name. Returns the stage outputs
         by value name (`{"loss": ...}` on the last stage)."""
         stage = self.program.stage
+        self._check_forward_order(microbatch)
         env = {f"in:{name}": self._as_traced(f"in:{name}", value) for name, value in inputs.items()}
         self.program.forward.run(env, self.state)
+        self._update_buffers(env)
         if stage.outputs:
             outputs = {v: env[f"out:{v}"] if f"out:{v}" in env else env[f"in:{v}"] for v in stage.outputs}
         else:
@@ -48,6 +54,23 @@ class StageExecutor:
         self.envs[microbatch] = {k: v for k, v in env.items() if k in self._backward_reads}
         self._note_memory(microbatch, "F")
         return outputs
+
+    def _check_forward_order(self, microbatch: int) -> None:
+        """A stage that updates buffers runs F for microbatches 0, 1, 2, ... of each step."""
+        updated = self.program.stage.buffer_updates
+        if updated and microbatch and self._last_forward != microbatch - 1:
+            raise RuntimeError(
+                f"stage {self.program.index}: F of microbatch {microbatch} follows F of microbatch "
+                f"{self._last_forward}; the stage updates buffers ({updated[0]}, ...), so its forwards must run "
+                "in microbatch order"
+            )
+        self._last_forward = microbatch
+
+    def _update_buffers(self, env: dict[str, torch.Tensor]) -> None:
+        """Write the new values F computed for the stage's updated buffers into the buffers."""
+        with torch.no_grad():
+            for fqn in self.program.stage.buffer_updates:
+                self.state[f"buffer:{fqn}"].copy_(env[f"update:{fqn}"])
 
     def input_backward(self, microbatch: int, output_grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """B. `output_grads`: gradients of the stage outputs (`{"loss": scale}` on the last
