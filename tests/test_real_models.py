@@ -120,6 +120,35 @@ def test_meta_model_without_init_refuses_to_step_until_loaded():
     assert_grads_close(grads_of(meta.model), eager_grads, "meta gpt2", **FP32)
 
 
+class _MaskedLinear(nn.Module):
+    """Its reset_parameters() fills the weights, not the mask computed in __init__."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("mask", torch.tril(torch.ones(4, 4)))
+
+    def reset_parameters(self) -> None:
+        self.lin.reset_parameters()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) @ self.mask
+
+
+def test_reset_parameters_fills_the_buffers_it_writes():
+    """BatchNorm's reset_parameters() writes its running statistics: filled. A mask buffer its
+    module's reset_parameters() leaves alone is not, and the step says so until it is loaded."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), _MaskedLinear(), nn.Linear(4, 2))
+    pipe = zbcompile.pipeline(model, stages=2, microbatches=2, loss_fn=F.mse_loss)
+    x, target = torch.randn(8, 4), torch.randn(8, 2)
+    with pytest.raises(ValueError, match=r"neither initialised nor loaded, e\.g\. \['2\.mask'\] \(owned by _MaskedLinear\)"):
+        pipe.step(x, target=target)
+    assert torch.equal(model[1].running_var, torch.ones(4)) and int(model[1].num_batches_tracked) == 0
+    pipe.load_state_dict({"2.mask": torch.tril(torch.ones(4, 4))}, strict=False)
+    pipe.step(x, target=target)
+
+
 def test_failing_compile_of_a_meta_model_materialises_nothing():
     meta = build("llama", meta=True)
     before = dict(meta.model.named_parameters())

@@ -50,6 +50,7 @@ __all__ = [
     "fake_contiguous",
     "fake_like",
     "fake_strided",
+    "version_of",
     "requires_grad_unwrapped",
     "count_flops",
     "has_flop_formula",
@@ -116,6 +117,11 @@ def fake_like(mode: FakeTensorMode, tensor: torch.Tensor, device: torch.device) 
     else:
         fake = mode.from_tensor(tensor)
     return torch.nn.Parameter(fake, tensor.requires_grad) if isinstance(tensor, torch.nn.Parameter) else fake
+
+
+def version_of(tensor: torch.Tensor) -> int:
+    """The tensor's version counter: every in-place write to it increments it."""
+    return tensor._version
 
 
 def fake_contiguous(mode: FakeTensorMode, tensor: torch.Tensor) -> torch.Tensor:

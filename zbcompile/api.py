@@ -111,8 +111,9 @@ def pipeline(
     use materialised when it compiles; `init_fn(module)` (e.g. a transformers model's
     `_init_weights`) is then called, under `torch.no_grad()`, on each module owning one of them
     and must fill that module's own parameters and buffers; without it, a module's
-    `reset_parameters()` fills its parameters. What neither fills must come from
-    `load_state_dict()` before the first step (see `PipelinedModule`).
+    `reset_parameters()` fills its parameters and the buffers it writes (BatchNorm's statistics).
+    What neither fills must come from `load_state_dict()` before the first step (see
+    `PipelinedModule`).
     """
     options = PipelineOptions(
         stages,
@@ -490,8 +491,8 @@ class PipelinedModule:
             f"{len(names)} parameters or buffers this process uses were built on the meta device and neither "
             f"initialised nor loaded, e.g. {names[:4]} (owned by {', '.join(owners[:4])}). Pass init_fn= to "
             "pipeline(): a function that fills one module's own parameters and buffers, such as a transformers "
-            "model's _init_weights (without it, reset_parameters() fills a module's parameters, nothing fills "
-            "buffers)"
+            "model's _init_weights (without it, a module's reset_parameters() fills its parameters and the buffers "
+            "it writes)"
             + (f"; or load them with pipe.load_state_dict(state_dict) after compile()" if len(unloadable) < len(names) else "")
             + (f". No state dict holds {unloadable[:4]} (non-persistent buffers): only init_fn can fill them" if unloadable else "")
         )

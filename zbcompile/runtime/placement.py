@@ -11,6 +11,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 import torch
 from torch import nn
 
+from zbcompile import _torch_internals as ti
 from zbcompile.compiler import CompiledPipeline
 from zbcompile.schedules import Schedule
 
@@ -66,9 +67,8 @@ def placed(
     """Keep on `device` the parameters and buffers named in `held` (canonical FQNs); with
     `move_others`, those on another device move there and the rest move to `meta`. Held tensors
     on `meta` are materialised (uninitialised memory) and then filled by `init_fn(owner)` for
-    each module owning one, or else by the owner's `reset_parameters()` (which fills parameters,
-    not buffers). Yields the names left unfilled: the state dict must provide them
-    (`load_state_dict`). If `init_fn`, `reset_parameters()` or the body of the `with` raises,
+    each module owning one, or else by the owner's `reset_parameters()` (see `_initialise`).
+    Yields the names left unfilled: the state dict must provide them (`load_state_dict`). If `init_fn`, `reset_parameters()` or the body of the `with` raises,
     every module gets back the tensors it had."""
     slots = _Slots(module)
     before = state_tensors(module)
@@ -91,10 +91,13 @@ def placed(
 
 
 def _initialise(module: nn.Module, names: list[str], init_fn: Callable[[nn.Module], None] | None) -> set[str]:
-    """Fill the freshly materialised `names` (see `placed`); returns those left unfilled."""
+    """Fill the freshly materialised `names` (see `placed`); returns those left unfilled. A
+    buffer counts as filled by `reset_parameters()` only if it wrote into it (BatchNorm's running
+    statistics; not a mask its module computed in `__init__`)."""
     owners: dict[str, list[str]] = {}
     for name in names:
         owners.setdefault(name.rpartition(".")[0], []).append(name)
+    state = state_tensors(module)
     parameters = dict(module.named_parameters())
     unfilled: set[str] = set()
     with torch.no_grad():
@@ -103,8 +106,9 @@ def _initialise(module: nn.Module, names: list[str], init_fn: Callable[[nn.Modul
             if init_fn is not None:
                 init_fn(owner)
             elif hasattr(owner, "reset_parameters"):
+                buffers = {n: ti.version_of(state[n]) for n in owned if n not in parameters}
                 owner.reset_parameters()
-                unfilled.update(n for n in owned if n not in parameters)
+                unfilled.update(n for n, version in buffers.items() if ti.version_of(state[n]) == version)
             else:
                 unfilled.update(owned)
     return unfilled
