@@ -563,13 +563,13 @@ class PipelinedModule:
         aliases = placement.canonical_names(self.module)
         return {k: v for k, v in full.items() if aliases.get(k, k) in owned}
 
-    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> placement.LoadResult:
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
         """Copy into the parameters and buffers this process holds their entries of `state_dict`
         (a full state dict, or any holding them; other ranks' entries are skipped), materialising
         those still on the `meta` device. With `strict`, a missing entry this process uses, or
         one the model does not have, raises. In a distributed run with a model on `meta`, call
         it after `compile()` (which decides what each rank holds)."""
-        if self._local is None and self.distributed:
+        if self._local is None and self.distributed:  # every rank holds the whole model until compiled
             if any(t.is_meta for t in placement.state_tensors(self.module).values()):
                 self._require_compiled()
             return self.module.load_state_dict(state_dict, strict=strict)

@@ -133,19 +133,19 @@ class LoadResult(NamedTuple):
 
 
 def load_held(module: nn.Module, state_dict: Mapping[str, Any], held: set[str], strict: bool) -> tuple[LoadResult, set[str]]:
-    """Copy into the tensors named in `held` (canonical FQNs) their entries of `state_dict`,
-    under any of their names; a held tensor still on `meta` is materialised first, on the
-    entry's device. Entries for tensors not held here (other ranks') are skipped.
-    Missing keys: held persistent entries absent from `state_dict`; unexpected keys: entries
-    the module has no tensor for. With `strict`, either raises a ValueError. Returns the report
-    and the canonical names loaded."""
+    """Load into the tensors named in `held` (canonical FQNs) their entries of `state_dict`,
+    under any of their names, with the module's own `load_state_dict`; a held tensor still on
+    `meta` is materialised first, on the entry's device. Entries for tensors not held here
+    (other ranks') are skipped. Missing keys: held persistent entries absent from `state_dict`;
+    unexpected keys: entries the module does not have. With `strict`, either raises a
+    ValueError. Returns the report and the canonical names loaded."""
     slots = _Slots(module)
     aliases = slots.aliases
     entries = set(module.state_dict(keep_vars=True))
-    persistent = {aliases.get(k, k) for k in entries}
-    wanted = {aliases[k]: v for k, v in state_dict.items() if k in aliases and aliases[k] in held}
+    mine = {k: v for k, v in state_dict.items() if aliases.get(k) in held or (k in entries and k not in aliases)}
+    loaded = {aliases[k] for k in mine if k in aliases}
     result = LoadResult(
-        missing_keys=sorted((held & persistent) - set(wanted)),
+        missing_keys=sorted((held & {aliases.get(k, k) for k in entries}) - loaded),
         unexpected_keys=sorted(k for k in state_dict if k not in aliases and k not in entries),
     )
     if strict and (result.missing_keys or result.unexpected_keys):
@@ -156,11 +156,10 @@ def load_held(module: nn.Module, state_dict: Mapping[str, Any], held: set[str], 
             "or strict=False to load what matches"
         )
     state = state_tensors(module)
-    with torch.no_grad():
-        for name, value in wanted.items():
-            tensor = state[name]
-            if tensor.is_meta:
-                tensor = _like(tensor, value.device)
-                slots.replace(name, tensor)
-            tensor.copy_(value)
-    return result, set(wanted)
+    for key, value in mine.items():
+        name = aliases.get(key)
+        if name is not None and state[name].is_meta:
+            state[name] = _like(state[name], value.device)
+            slots.replace(name, state[name])
+    module.load_state_dict(mine, strict=False)
+    return result, loaded
