@@ -7,7 +7,6 @@ ranks; a model that computes its own loss may return it inside a structured outp
 from __future__ import annotations
 
 import copy
-import functools
 from dataclasses import dataclass
 
 import pytest
@@ -197,7 +196,7 @@ def _alias_batch():
 @pytest.mark.parametrize("stages", [2, 3])
 def test_module_registered_under_two_names_trains_exactly(stages):
     torch.manual_seed(0)
-    model, reference = AliasedModule(), None
+    model = AliasedModule()
     reference = copy.deepcopy(model)
     x, target = _alias_batch()
     pipe = zbcompile.pipeline(model, stages=stages, microbatches=2, loss_fn=F.mse_loss, schedule="zb-h1")

@@ -493,7 +493,7 @@ class PipelinedModule:
             "pipeline(): a function that fills one module's own parameters and buffers, such as a transformers "
             "model's _init_weights (without it, a module's reset_parameters() fills its parameters and the buffers "
             "it writes)"
-            + (f"; or load them with pipe.load_state_dict(state_dict) after compile()" if len(unloadable) < len(names) else "")
+            + ("; or load them with pipe.load_state_dict(state_dict) after compile()" if len(unloadable) < len(names) else "")
             + (f". No state dict holds {unloadable[:4]} (non-persistent buffers): only init_fn can fill them" if unloadable else "")
         )
 
