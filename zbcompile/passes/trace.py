@@ -89,11 +89,13 @@ def trace_model(
     device: torch.device | None = None,
 ) -> TracedModel:
     """Trace `loss_fn(model(*args, **kwargs), target)` (or `model(...)` itself when loss_fn is
-    None, which must then return the scalar loss). Raises ValueError naming the module and the
-    source line for data-dependent control flow, and naming the parameter or input for a forward
-    that writes one in place (buffer updates become graph outputs, see `TracedModel`).
-    Parameters on the `meta` device trace as if they lived on `device` (default: the inputs'
-    device)."""
+    None, which must then return the loss, see `_loss_of_output`) with `torch.compiler`'s
+    compiling and exporting flags set, as non-strict `torch.export` does. `model` is left as it
+    was. Raises ValueError naming the module and the source line for data-dependent control
+    flow, and naming the parameter or input for a forward that writes one in place (buffer
+    updates become graph outputs, see `TracedModel`); any other error is re-raised naming the
+    module (or loss_fn) and the source line. Parameters on the `meta` device trace as if they
+    lived on `device` (default: the inputs' device)."""
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     input_leaves, input_spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
