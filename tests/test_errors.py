@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import logging
 import re
 
 import pytest
@@ -105,6 +106,85 @@ def test_data_dependent_forward_names_module_and_source_line(gate, code, stages)
     assert "'encoder.gate'" in message, message
     assert f"{__file__}:{lineno}" in message, message
     assert line in message, message
+
+
+class FakeKernelRefuses(nn.Module):
+    """`grouped_mm` runs eagerly in float32 on the CPU, but torch's shape-only kernel, which
+    tracing uses, accepts bfloat16 only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.Parameter(torch.randn(2, 4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        offsets = torch.tensor([x.shape[0] // 2, x.shape[0]], dtype=torch.int32)
+        return F.grouped_mm(x, self.experts, offs=offsets)
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["quiet", "ZBCOMPILE_DEBUG"])
+def test_error_inside_a_torch_kernel_names_module_and_line_without_torch_log(debug, monkeypatch):
+    """torch logs a traceback before raising from a fake kernel: not logged unless
+    ZBCOMPILE_DEBUG=1; the error names the module and the user's line either way."""
+    monkeypatch.setenv("ZBCOMPILE_DEBUG", "1" if debug else "0")
+    lineno, line = _source_line(FakeKernelRefuses.forward, "F.grouped_mm")
+    records = _Records()
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    logger.addHandler(records)
+    try:
+        with pytest.raises(RuntimeError) as info:
+            _step_gated(FakeKernelRefuses(), 2)
+    finally:
+        logger.removeHandler(records)
+    message = str(info.value)
+    assert "'encoder.gate'" in message and f"{__file__}:{lineno}" in message and line in message, message
+    assert "BF16" in message and "ZBCOMPILE_DEBUG=1" in message, message
+    assert any(r.exc_info for r in records.records) == debug, [r.getMessage() for r in records.records]
+
+
+def test_error_in_loss_fn_names_it_and_its_line():
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (output @ target).mean()  # (batch, 2) @ (batch, 2)
+
+    lineno, line = _source_line(loss_fn, "output @ target")
+    pipe = zbcompile.pipeline(GatedNet(nn.Identity()), stages=2, microbatches=2, loss_fn=loss_fn)
+    with pytest.raises(RuntimeError) as info:
+        pipe.step(torch.randn(BATCH, 4), target=torch.randn(BATCH, 2))
+    message = str(info.value)
+    assert "could not trace loss_fn" in message and f"{__file__}:{lineno}" in message and line in message, message
+
+
+@torch.library.custom_op("zbcompile_tests::double", mutates_args=())
+def _double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_double.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class CustomOpWithoutAutograd(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _double(x)
+
+
+def test_op_without_a_derivative_names_stage_module_and_line():
+    """Tracing the forward succeeds; deriving the stage's backward fails on the op."""
+    lineno, line = _source_line(CustomOpWithoutAutograd.forward, "_double(x)")
+    with pytest.raises(RuntimeError) as info:
+        _step_gated(CustomOpWithoutAutograd(), 2)
+    message = str(info.value)
+    assert "backward of stage" in message and "'encoder.gate'" in message, message
+    assert f"{__file__}:{lineno}" in message and line in message and "register_autograd" in message, message
 
 
 # --- stages and microbatches ---------------------------------------------------------------------

@@ -544,6 +544,32 @@ def test_stage_whose_input_gradient_is_its_output_gradient():
     assert not any(n.op == "call_function" for n in joint.backward.graph.graph.nodes), "the case is gone: stage 1's backward computes"
 
 
+class _ViewedWeightConv(nn.Conv1d):
+    """A depthwise convolution reading its weight through views (`squeeze`, `unsqueeze`), as
+    transformers' Mamba does: its weight gradient and its input gradient both read the view."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.squeeze(1).unsqueeze(1)
+        return F.conv1d(h, weight, self.bias, padding=2, groups=self.groups)[..., : h.shape[-1]]
+
+
+class ViewedWeightConv(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.conv = _ViewedWeightConv(8, 8, 3, groups=8)
+        self.b = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(F.silu(self.conv(self.a(x).transpose(1, 2)).transpose(1, 2)))
+
+
+def test_weight_view_read_by_both_input_and_weight_gradients():
+    """B and W each recompute the weight's views (the stage has an input gradient: not the first)."""
+    model = Model(ViewedWeightConv, lambda g: ((torch.randn(BATCH, 6, 4, generator=g),), {}, torch.randn(BATCH, 6, 2, generator=g)))
+    check_matches_eager(model, 2, 2, "zb-h1", split_points=["conv"])
+
+
 class NoGrad(nn.Module):
     """A batch statistic and a teacher's output computed under torch.no_grad() from values that
     require grad: no gradient may flow through them."""
@@ -696,8 +722,8 @@ class _Unsupported(nn.Module):
     "what, message",
     [
         ("hook", r"module '<root>' registers a gradient hook"),
-        ("function", r"cannot trace the autograd use in module '<root>' at .*_Reverse\.apply"),
-        ("autograd.grad", r"cannot trace the autograd use in module '<root>' at .*torch\.autograd\.grad"),
+        ("function", r"cannot trace the autograd use in module '<root>' \(_Unsupported\) at .*_Reverse\.apply"),
+        ("autograd.grad", r"cannot trace the autograd use in module '<root>' \(_Unsupported\) at .*torch\.autograd\.grad"),
         ("max_norm", r"module 'emb' uses an embedding with max_norm"),
     ],
 )

@@ -4,6 +4,9 @@ formulas). A torch upgrade that moves them touches this file only."""
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -47,16 +50,51 @@ __all__ = [
     "fake_contiguous",
     "fake_like",
     "fake_strided",
+    "version_of",
     "requires_grad_unwrapped",
     "count_flops",
     "has_flop_formula",
     "make_fx",
     "preserve_node_meta",
+    "quiet_torch_logs",
+    "traced_like_export",
 ]
 
 aten = torch.ops.aten
 
 preserve_node_meta = fx_traceback.preserve_node_meta
+
+
+def traced_like_export() -> contextlib.AbstractContextManager:
+    """While active, `torch.compiler.is_compiling()` and `is_exporting()` answer True, as they do
+    while non-strict `torch.export` traces: library code that asks whether it is being traced
+    (transformers' attention masks, its mixture-of-experts kernels) takes its traceable path."""
+    from torch._export.utils import _compiling_state_context
+
+    return _compiling_state_context()
+
+
+DEBUG_ENV = "ZBCOMPILE_DEBUG"
+
+
+@contextlib.contextmanager
+def quiet_torch_logs(warnings_too: bool = False):
+    """Silence torch's own loggers (the tracebacks fake-tensor kernels log before the error we
+    report) and, with `warnings_too`, the warnings torch's modules issue, unless
+    `ZBCOMPILE_DEBUG=1`. Loggers a user set to a level of their own (TORCH_LOGS) keep it."""
+    if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+        yield
+        return
+    logger = logging.getLogger("torch")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL + 1)
+    try:
+        with warnings.catch_warnings():
+            if warnings_too:
+                warnings.filterwarnings("ignore", module=r"torch(\.|$)")
+            yield
+    finally:
+        logger.setLevel(level)
 
 
 def annotate_nodes(annotation: dict[str, Any]) -> contextlib.AbstractContextManager:
@@ -79,6 +117,11 @@ def fake_like(mode: FakeTensorMode, tensor: torch.Tensor, device: torch.device) 
     else:
         fake = mode.from_tensor(tensor)
     return torch.nn.Parameter(fake, tensor.requires_grad) if isinstance(tensor, torch.nn.Parameter) else fake
+
+
+def version_of(tensor: torch.Tensor) -> int:
+    """The tensor's version counter: every in-place write to it increments it."""
+    return tensor._version
 
 
 def fake_contiguous(mode: FakeTensorMode, tensor: torch.Tensor) -> torch.Tensor:

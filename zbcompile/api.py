@@ -48,6 +48,7 @@ class PipelineOptions:
     objective: str = "span"
     compiler: str | None = None
     dump_dir: str | None = None
+    init_fn: Callable[[nn.Module], None] | None = None
 
     def __post_init__(self) -> None:
         check_compiler(self.compiler)
@@ -76,6 +77,7 @@ def pipeline(
     objective: str = "span",
     compiler: str | None = None,
     dump_dir: str | None = None,
+    init_fn: Callable[[nn.Module], None] | None = None,
 ):
     """Make `model` a pipelined model: `pipeline(model, stages=4, microbatches=8, loss_fn=F.mse_loss)`.
 
@@ -104,6 +106,14 @@ def pipeline(
     run; the default (None or "eager") runs them op by op (see `zbcompile.stage_compiler`).
     `dump_dir` (default: `$ZBCOMPILE_DUMP`) receives graphs, tables, the schedule and the measured
     trace of every compile (`zbcompile.dump`; read them with `zbcompile inspect DIR`).
+
+    A model built on the `meta` device gets the parameters and buffers this process's stages
+    use materialised when it compiles; `init_fn(module)` (e.g. a transformers model's
+    `_init_weights`) is then called, under `torch.no_grad()`, on each module owning one of them
+    and must fill that module's own parameters and buffers; without it, a module's
+    `reset_parameters()` fills its parameters and the buffers it writes (BatchNorm's statistics).
+    What neither fills must come from `load_state_dict()` before the first step (see
+    `PipelinedModule`).
     """
     options = PipelineOptions(
         stages,
@@ -120,6 +130,7 @@ def pipeline(
         objective,
         compiler=compiler,
         dump_dir=dump_dir,
+        init_fn=init_fn,
     )
     if model is None:
         return functools.partial(_wrap, options=options)
@@ -162,9 +173,14 @@ class PipelinedModule:
     the `meta` device. So build the optimizer after `compile(batch)`: `parameters()` then yields
     the parameters this rank holds (a tied weight on each rank using it; its gradient is summed
     between them, so the copies stay equal), and `state_dict()` this rank's share (a tied weight
-    from the rank of its first stage): gathering every rank's `state_dict()` gives the model's. A model built on the `meta` device gets its local parameters materialised and
-    initialised with their modules' `reset_parameters()`; `load_state_dict(full_or_partial,
-    strict=False)` then loads whatever it holds.
+    from the rank of its first stage): gathering every rank's `state_dict()` gives the model's.
+
+    A model built on the `meta` device: compiling materialises the parameters and buffers this
+    process uses and fills them with `init_fn` or `reset_parameters()` (see `pipeline()`);
+    `load_state_dict(state_dict)` copies this process's entries from a full state dict (or any
+    holding them), ignoring the other ranks' entries; in one process it may also come before
+    the first compile. A step refuses to run while a parameter or buffer it uses was filled by
+    neither.
     """
 
     def __init__(self, module: nn.Module, options: PipelineOptions) -> None:
@@ -173,6 +189,7 @@ class PipelinedModule:
         self._compiled: dict[Any, _Compiled] = {}
         self._last_key: Any = None
         self._local: set[str] | None = None  # FQNs this rank holds, once compiled (distributed)
+        self._unfilled: set[str] = set()  # materialised from `meta`, filled by neither init nor load_state_dict
         self._timelines: dict[Any, list] = {}
         self._dumps: dict[Any, dump.CompileDump | None] = {}
         self.measured_costs: Costs | None = None  # with profile=True, once measured
@@ -199,6 +216,7 @@ class PipelinedModule:
         micro_inputs, micro_targets, key = self._split(inputs, kwargs, target)
         bundle = self._compile(key, micro_inputs[0], micro_targets[0])
         self._check_given(bundle, absent)
+        self._check_filled()
         bundle.runner.set_state(self._state())  # the module's current tensors, even if reassigned
         feeds = [self._feed(bundle.compiled, args, kw, tgt) for (args, kw), tgt in zip(micro_inputs, micro_targets)]
         for hook in self.pre_step_hooks:
@@ -387,6 +405,7 @@ class PipelinedModule:
             if self.distributed:
                 runner = self._distributed_runner(compiled, schedule, device)
             else:
+                self._place(set(placement.canonical_names(self.module).values()), _device_of((example, example_target)), move_others=False)
                 runner = LocalRunner([StageExecutor(p, self._state()) for p in compiled.programs], schedule)
             self._compiled[key] = _Compiled(compiled, schedule, runner)
             self._dumps[key] = dump.start_dump(self.options.dump_dir, compiled, schedule, self.options, runner)
@@ -438,14 +457,45 @@ class PipelinedModule:
             )
         local_stages = [s for s, r in enumerate(schedule.stage_to_rank) if r == layout.pp_rank]
         used = {f for s in local_stages for f in (*compiled.partition.stages[s].param_fqns, *compiled.partition.stages[s].buffer_fqns)}
-        if self._local is None:
-            self._local = placement.place_state(self.module, used, device)
-        elif used - self._local:
-            raise ValueError(
-                f"these batch shapes cut the model differently from the first compile, and this rank does not "
-                f"hold {sorted(used - self._local)[:4]}; pass split_points=[...] to pipeline() to fix the cut"
-            )
-        return DistributedRunner(compiled, schedule, layout, self._state(), device, self.options.timeout)
+        if self._local is not None:
+            if used - self._local:
+                raise ValueError(
+                    f"these batch shapes cut the model differently from the first compile, and this rank does not "
+                    f"hold {sorted(used - self._local)[:4]}; pass split_points=[...] to pipeline() to fix the cut"
+                )
+            return DistributedRunner(compiled, schedule, layout, self._state(), device, self.options.timeout)
+        # the runner shares tied weights' values between ranks: after placement, undone if it fails
+        return self._place(used, device, move_others=True, then=lambda: DistributedRunner(
+            compiled, schedule, layout, self._state(), device, self.options.timeout
+        ))
+
+    def _place(self, held: set[str], device: torch.device, move_others: bool, then: Callable[[], Any] = lambda: None) -> Any:
+        """Materialise and fill what this process holds (`placement.placed`), then run `then()`;
+        if either raises, the module keeps the tensors it had."""
+        with placement.placed(self.module, held, device, self.options.init_fn, move_others) as unfilled:
+            result = then()
+        self._unfilled |= unfilled
+        if move_others:
+            self._local = set(held)
+        return result
+
+    def _check_filled(self) -> None:
+        """Refuse to compute with parameters or buffers materialised from `meta` but never filled."""
+        if not self._unfilled:
+            return
+        names = sorted(self._unfilled)
+        owners = sorted({type(self.module.get_submodule(n.rpartition(".")[0])).__name__ for n in names})
+        in_state_dict = set(placement.canonical_names(self.module)) & set(self.module.state_dict(keep_vars=True))
+        unloadable = [n for n in names if n not in in_state_dict]
+        raise ValueError(
+            f"{len(names)} parameters or buffers this process uses were built on the meta device and neither "
+            f"initialised nor loaded, e.g. {names[:4]} (owned by {', '.join(owners[:4])}). Pass init_fn= to "
+            "pipeline(): a function that fills one module's own parameters and buffers, such as a transformers "
+            "model's _init_weights (without it, a module's reset_parameters() fills its parameters and the buffers "
+            "it writes)"
+            + ("; or load them with pipe.load_state_dict(state_dict) after compile()" if len(unloadable) < len(names) else "")
+            + (f". No state dict holds {unloadable[:4]} (non-persistent buffers): only init_fn can fill them" if unloadable else "")
+        )
 
     def _state(self) -> dict[str, torch.Tensor]:
         state = {f"param:{n}": p for n, p in self.module.named_parameters()}
@@ -514,11 +564,19 @@ class PipelinedModule:
         return {k: v for k, v in full.items() if aliases.get(k, k) in owned}
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
-        """Load into the module; in a distributed run, only the entries this rank holds (use
-        strict=False with a full or another rank's state dict)."""
-        if self._local is None:
+        """Copy into the parameters and buffers this process holds their entries of `state_dict`
+        (a full state dict, or any holding them; other ranks' entries are skipped), materialising
+        those still on the `meta` device. With `strict`, a missing entry this process uses, or
+        one the model does not have, raises. In a distributed run with a model on `meta`, call
+        it after `compile()` (which decides what each rank holds)."""
+        if self._local is None and self.distributed:  # every rank holds the whole model until compiled
+            if any(t.is_meta for t in placement.state_tensors(self.module).values()):
+                self._require_compiled()
             return self.module.load_state_dict(state_dict, strict=strict)
-        return placement.load_local(self.module, state_dict, self._local, strict)
+        held = self._local if self._local is not None else set(placement.canonical_names(self.module).values())
+        result, loaded = placement.load_held(self.module, state_dict, held, strict)
+        self._unfilled -= loaded
+        return result
 
     def _held(self) -> set[str] | None:
         """FQNs this rank holds (None: all of them, in one process)."""
@@ -531,8 +589,8 @@ class PipelinedModule:
         if self._local is None:
             raise RuntimeError(
                 "in a distributed run each rank holds only its stages' parameters, which are known after "
-                "compiling: call pipe.compile(batch, target=...) (or step()) before parameters(), state_dict() "
-                "or building the optimizer"
+                "compiling: call pipe.compile(batch, target=...) (or step()) before parameters(), state_dict(), "
+                "load_state_dict() of a model on the meta device, or building the optimizer"
             )
 
     def _owned(self) -> set[str] | None:
@@ -557,6 +615,12 @@ class PipelinedModule:
     def __repr__(self) -> str:
         o = self.options
         return f"PipelinedModule(stages={o.stages}, microbatches={o.microbatches}, schedule={o.schedule!r}, module={self.module!r})"
+
+
+def _device_of(batch: Any) -> torch.device:
+    """Where a one-process pipeline computes: the device of the batch's first tensor."""
+    tensors = [x for x in pytree.tree_leaves(batch) if isinstance(x, torch.Tensor)]
+    return tensors[0].device if tensors else torch.device("cpu")
 
 
 def _constant_key(value: Any) -> Any:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from zbcompile import _torch_internals as ti
 from zbcompile.passes import _fx
 from zbcompile.passes.cost import GraphCost, graph_cost
 from zbcompile.passes.joint import Program, StageJoint, export_stage_joints
@@ -96,17 +97,20 @@ def compile_pipeline(
         seconds[phase] = time.perf_counter() - start
         return result
 
-    traced = timed("trace", trace_model, model, loss_fn, args, kwargs, target, device)
-    partition = timed("partition", partition_stages, traced, stages, split_points, cuts=cuts)
-    joints = timed("joint", export_stage_joints, partition, traced.fake_mode)
-    splits = timed("split_backward", lambda: [split_backward(j, min_deferral_intensity) for j in joints])
-    programs = timed(
-        "cost",
-        lambda: tuple(
-            StageProgram(stage, joint, split, _stage_cost(joint, split))
-            for stage, joint, split in zip(partition.stages, joints, splits)
-        ),
-    )
+    # the errors we raise say what went wrong; ZBCOMPILE_DEBUG=1 shows torch's own log
+    with ti.quiet_torch_logs():
+        traced = timed("trace", trace_model, model, loss_fn, args, kwargs, target, device)
+    with ti.quiet_torch_logs(warnings_too=True):  # no user code runs in these passes
+        partition = timed("partition", partition_stages, traced, stages, split_points, cuts=cuts)
+        joints = timed("joint", export_stage_joints, partition, traced.fake_mode)
+        splits = timed("split_backward", lambda: [split_backward(j, min_deferral_intensity) for j in joints])
+        programs = timed(
+            "cost",
+            lambda: tuple(
+                StageProgram(stage, joint, split, _stage_cost(joint, split))
+                for stage, joint, split in zip(partition.stages, joints, splits)
+            ),
+        )
     return CompiledPipeline(traced, partition, programs, seconds)
 
 

@@ -37,6 +37,7 @@ from torch import fx
 from zbcompile import _torch_internals as ti
 from zbcompile.passes import _fx
 from zbcompile.passes.partition import Stage, StagePartition
+from zbcompile.passes.trace import first_line, same_kind, source_line
 
 
 @dataclass(frozen=True)
@@ -110,9 +111,36 @@ def export_stage_joint(
     stage: Stage, partition: StagePartition, grads_from_next: set[str], loss_name: str | None, fake_mode
 ) -> StageJoint:
     module = _prepare_outputs(stage, grads_from_next, loss_name)
-    joint = ti.export_joint(module, _example_inputs(stage, partition, fake_mode))
+    try:
+        joint = ti.export_joint(module, _example_inputs(stage, partition, fake_mode))
+    except Exception as error:  # noqa: BLE001 - re-raised, naming the stage and the op's module
+        raise _backward_error(stage, error) from error
     _refuse_mutated_state(joint, stage)
     return _separate_forward(joint, stage, loss_name)
+
+
+def _backward_error(stage: Stage, error: Exception) -> Exception:
+    """`error` from deriving a stage's backward, naming the stage, and the module and source line
+    of the op it names (e.g. a custom op without an autograd formula)."""
+    text = str(error)
+    culprit = next((n for n in stage.module.graph.nodes if n.op == "call_function" and _names_op(text, n.target)), None)
+    where = ""
+    if culprit is not None:
+        module = culprit.meta.get("custom", {}).get("module", "<root>")
+        where = f" at module '{module}' ({source_line(culprit) or 'unknown source line'})"
+    message = (
+        f"zbcompile could not derive the backward of stage {stage.index}{where}: {type(error).__name__}: "
+        f"{first_line(error)}"
+    )
+    return same_kind(error, message)
+
+
+def _names_op(text: str, target: object) -> bool:
+    """Whether `text` names the operator `target` (`ns::op` or `ns.op.overload`)."""
+    names = {str(target)}
+    if hasattr(target, "name"):
+        names.add(target.name())
+    return any(re.search(rf"(?<![\w.:]){re.escape(name)}(?!\w)", text) for name in names)
 
 
 def _example_inputs(stage: Stage, partition: StagePartition, fake_mode) -> tuple[torch.Tensor, ...]:

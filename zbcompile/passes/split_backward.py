@@ -129,7 +129,6 @@ def _partition(backward: Program, in_input: frozenset[str]) -> _Partition:
     input_body = _fx.ancestors([n for n, _ in input_grads]) - set(placeholders)
     weight_body = _fx.ancestors([n for n, _ in param_grads], stop=input_body) - set(placeholders) - input_body
     weight_body = _fx.with_state_ancestors(weight_body, recompute)
-    input_body -= weight_body & recompute  # each graph recomputes its own parameter views
 
     weight_outputs = {n for n, _ in param_grads}
     stash = [

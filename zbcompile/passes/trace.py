@@ -24,9 +24,10 @@ import contextlib
 import functools
 import operator
 import os
+import re
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import fx, nn
@@ -88,11 +89,13 @@ def trace_model(
     device: torch.device | None = None,
 ) -> TracedModel:
     """Trace `loss_fn(model(*args, **kwargs), target)` (or `model(...)` itself when loss_fn is
-    None, which must then return the scalar loss). Raises ValueError naming the module and the
-    source line for data-dependent control flow, and naming the parameter or input for a forward
-    that writes one in place (buffer updates become graph outputs, see `TracedModel`).
-    Parameters on the `meta` device trace as if they lived on `device` (default: the inputs'
-    device)."""
+    None, which must then return the loss, see `_loss_of_output`) with `torch.compiler`'s
+    compiling and exporting flags set, as non-strict `torch.export` does. `model` is left as it
+    was. Raises ValueError naming the module and the source line for data-dependent control
+    flow, and naming the parameter or input for a forward that writes one in place (buffer
+    updates become graph outputs, see `TracedModel`); any other error is re-raised naming the
+    module (or loss_fn) and the source line. Parameters on the `meta` device trace as if they
+    lived on `device` (default: the inputs' device)."""
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     input_leaves, input_spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
@@ -108,9 +111,10 @@ def trace_model(
         call_args, call_kwargs = pytree.tree_unflatten(leaves, input_spec)
         state = {**dict(zip(params, param_values)), **dict(zip(buffers, buffer_values))}
         target_value = pytree.tree_unflatten(list(targets), target_spec) if target_spec is not None else None
-        with watching_autograd(module_stack.current):
-            output = torch.func.functional_call(model, state, call_args, call_kwargs, tie_weights=True)
-            loss = output if loss_fn is None else loss_fn(output, target_value)
+        with watching_autograd(module_stack.current), _substituted(model, state):
+            output = model(*call_args, **call_kwargs)
+            module_stack.in_loss_fn = True
+            loss = _loss_of_output(output) if loss_fn is None else loss_fn(output, target_value)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
             what = "the model" if loss_fn is None else "loss_fn"
             raise TypeError(f"{what} must return a scalar floating-point loss tensor; got {_describe(loss)}")
@@ -131,16 +135,16 @@ def trace_model(
         [ti.fake_contiguous(fake_mode, t) for t in input_tensors],
         [ti.fake_contiguous(fake_mode, t) for t in target_leaves],
     )
-    with ti.preserve_node_meta(), _module_annotations(model) as module_stack:
+    # Traced as torch.export traces: libraries that ask whether they are being compiled or
+    # exported (transformers' masks) take their traceable path.
+    with ti.traced_like_export(), ti.preserve_node_meta(), _module_annotations(model) as module_stack:
         try:
             with fake_mode, ti.onednn_disabled():
-                graph_module = ti.make_fx(torch.func.functionalize(forward_and_loss, remove="mutations"))(*example)
-        except ti.DATA_DEPENDENT_ERRORS as error:
-            raise ValueError(_data_dependent_message(module_stack, error)) from error
-        except RuntimeError as error:
-            if not any(sign in str(error) for sign in _UNTRACEABLE_AUTOGRAD):
+                graph_module = ti.make_fx(torch.func.functionalize(forward_and_loss, remove="mutations"), record_stack_traces=True)(*example)
+        except Exception as error:  # noqa: BLE001 - re-raised, naming where tracing stopped
+            if _raised_here(error):
                 raise
-            raise ValueError(_untraceable_autograd_message(module_stack, error)) from error
+            raise _traced_error(module_stack, error) from error
 
     roles = (
         [(PARAM, fqn) for fqn in params]
@@ -208,12 +212,12 @@ def _describe(value: Any) -> str:
 def _module_annotations(model: nn.Module):
     """Annotate every traced node with the FQN of the innermost module running; yields the live
     stack of module FQNs (so an error can say where tracing stopped)."""
-    stack: list[tuple[str, contextlib.AbstractContextManager]] = []
+    stack: list[tuple[str, contextlib.AbstractContextManager, nn.Module]] = []
 
     def enter(name, module, args):
         context = ti.annotate_nodes({"module": name})
         context.__enter__()
-        stack.append((name, context))
+        stack.append((name, context, module))
 
     def leave(name, module, args, output):
         if stack and stack[-1][0] == name:
@@ -224,7 +228,7 @@ def _module_annotations(model: nn.Module):
         if name:
             handles.append(module.register_forward_pre_hook(functools.partial(enter, name)))
             handles.append(module.register_forward_hook(functools.partial(leave, name)))
-    names = _NameStack(stack)
+    names = _NameStack(stack, model)
     try:
         yield names
     finally:
@@ -235,13 +239,79 @@ def _module_annotations(model: nn.Module):
 
 
 class _NameStack:
-    """A read-only view of the module stack, snapshotted when an error escapes."""
+    """A read-only view of the module stack, snapshotted when an error escapes; `in_loss_fn` is
+    set once the model's forward has returned."""
 
-    def __init__(self, stack: list) -> None:
+    def __init__(self, stack: list, root: nn.Module) -> None:
         self._stack = stack
+        self._root = root
+        self.in_loss_fn = False
 
     def current(self) -> str:
         return self._stack[-1][0] if self._stack else "<root>"
+
+    def where(self) -> str:
+        """The innermost module running, with its class, or loss_fn."""
+        if not self._stack and self.in_loss_fn:
+            return "loss_fn"
+        module = self._stack[-1][2] if self._stack else self._root
+        return f"module '{self.current()}' ({type(module).__name__})"
+
+
+@contextlib.contextmanager
+def _substituted(model: nn.Module, values: dict[str, torch.Tensor]):
+    """Run with `values[fqn]` in place of every parameter and buffer (by the FQN `named_parameters()`
+    and `named_buffers()` report), wherever the tensor is registered: a weight tied between modules
+    and a module registered under two names (`self.b = self.a`) are substituted once per slot.
+    Afterwards every module is restored exactly, whatever the forward did or raised: parameters,
+    buffers, submodules and attributes are the objects they were."""
+    canonical = {id(t): name for named in (model.named_parameters, model.named_buffers) for name, t in named()}
+    modules = list(model.modules())  # each module once, however many names it has
+    saved = [
+        (m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules), set(m._non_persistent_buffers_set))
+        for m in modules
+    ]
+    try:
+        for module in modules:
+            for slots in (module._parameters, module._buffers):
+                for leaf, tensor in slots.items():
+                    if tensor is not None and id(tensor) in canonical:
+                        slots[leaf] = values[canonical[id(tensor)]]
+        yield
+    finally:
+        for module, attributes, parameters, buffers, submodules, non_persistent in saved:
+            for name in [n for n in module.__dict__ if n not in attributes]:
+                del module.__dict__[name]
+            module.__dict__.update(attributes)
+            for current, before in ((module._parameters, parameters), (module._buffers, buffers), (module._modules, submodules)):
+                current.clear()
+                current.update(before)
+            module._non_persistent_buffers_set.clear()
+            module._non_persistent_buffers_set.update(non_persistent)
+
+
+def _loss_of_output(output: Any) -> Any:
+    """The loss of a model that computes its own: the output itself (a scalar tensor), its `loss`
+    entry (a mapping such as transformers' ModelOutput) or attribute (a dataclass), or the first
+    element of a tuple or list."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping):
+        if "loss" in output:
+            return output["loss"]
+    elif hasattr(output, "loss"):
+        return output.loss
+    elif isinstance(output, (tuple, list)) and output:
+        return output[0]
+    raise TypeError(
+        f"without a loss_fn the model must return its loss: a scalar tensor, an output with a 'loss' entry or "
+        f"attribute, or a tuple whose first element is the loss; it returned {_describe(output)}"
+        f"{_keys_of(output)}. Pass the labels it computes the loss from, or give pipeline() a loss_fn"
+    )
+
+
+def _keys_of(output: Any) -> str:
+    return f" with entries {list(output)[:8]}" if isinstance(output, Mapping) else ""
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -250,23 +320,70 @@ _OWN_DIR = os.path.dirname(os.path.dirname(__file__))
 
 def _user_frame(error: BaseException) -> str:
     """'file:line: code' of the innermost frame outside torch and zbcompile."""
+    return _innermost_user_frame(traceback.extract_tb(error.__traceback__)) or "<unknown source line>"
+
+
+def _innermost_user_frame(frames: traceback.StackSummary) -> str | None:
+    mine = [f for f in frames if not f.filename.startswith((_TORCH_DIR, _OWN_DIR)) and "functorch" not in f.filename]
+    return f"{mine[-1].filename}:{mine[-1].lineno}: {mine[-1].line}" if mine else None
+
+
+_STACK_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
+
+
+def source_line(node: fx.Node) -> str | None:
+    """'file:line: code' of the user's code that created a traced node (from its recorded stack)."""
     frames = [
-        f
-        for f in traceback.extract_tb(error.__traceback__)
-        if not f.filename.startswith((_TORCH_DIR, _OWN_DIR)) and "functorch" not in f.filename
+        traceback.FrameSummary(file, int(line), name, line=code.strip())
+        for file, line, name, code in _STACK_FRAME.findall(node.meta.get("stack_trace") or "")
     ]
-    if not frames:
-        return "<unknown source line>"
-    frame = frames[-1]
-    return f"{frame.filename}:{frame.lineno}: {frame.line}"
+    return _innermost_user_frame(traceback.StackSummary.from_list(frames))
+
+
+def _raised_here(error: BaseException) -> bool:
+    """Whether zbcompile raised `error` itself (a refusal that names its culprit already)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and frames[-1].filename.startswith(_OWN_DIR)
+
+
+def _traced_error(module_stack: _NameStack, error: Exception) -> Exception:
+    """What tracing raises for `error`, naming the module (or loss_fn) and the source line."""
+    if isinstance(error, ti.DATA_DEPENDENT_ERRORS):
+        return ValueError(_data_dependent_message(module_stack, error))
+    if isinstance(error, RuntimeError) and any(sign in str(error) for sign in _UNTRACEABLE_AUTOGRAD):
+        return ValueError(_untraceable_autograd_message(module_stack, error))
+    message = (
+        f"zbcompile could not trace {module_stack.where()} at {_user_frame(error)}: {type(error).__name__}: "
+        f"{first_line(error)}{_DEBUG_HINT}"
+    )
+    return same_kind(error, message)
+
+
+def same_kind(error: Exception, message: str) -> Exception:
+    """An exception of `error`'s type carrying `message`, or a RuntimeError where that type cannot
+    be built from a message alone."""
+    try:
+        rebuilt = type(error)(message)
+    except Exception:  # noqa: BLE001 - a type with another constructor
+        return RuntimeError(message)
+    return rebuilt if str(rebuilt) == message else RuntimeError(message)
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else "(no message)"
+
+
+_DEBUG_HINT = f" (set {ti.DEBUG_ENV}=1 to see torch's own log of the failure)"
 
 
 def _data_dependent_message(module_stack: _NameStack, error: BaseException) -> str:
     return (
-        f"zbcompile cannot trace data-dependent control flow in module '{module_stack.current()}' "
+        f"zbcompile cannot trace data-dependent control flow in {module_stack.where()} "
         f"at {_user_frame(error)}. The branch depends on tensor values, which are unknown while "
         "tracing. Rewrite it with tensor ops (torch.where, masking) or move it out of the model's "
-        f"forward. (torch said: {str(error).splitlines()[0]})"
+        "forward; in a library's model, look for an argument that avoids that code (e.g. compute the loss "
+        f"from the logits in a loss_fn instead of passing labels). (torch said: {first_line(error)})"
     )
 
 
@@ -284,11 +401,11 @@ _UNTRACEABLE_AUTOGRAD = (
 
 def _untraceable_autograd_message(module_stack: _NameStack, error: BaseException) -> str:
     return (
-        f"zbcompile cannot trace the autograd use in module '{module_stack.current()}' at {_user_frame(error)}: "
+        f"zbcompile cannot trace the autograd use in {module_stack.where()} at {_user_frame(error)}: "
         "each stage's backward is derived from the traced forward ops, so a custom torch.autograd.Function's "
         "backward, torch.autograd.grad or requires_grad_() inside the forward, or an in-place update of a "
-        "parameter cannot be reproduced. Express the forward with differentiable torch ops and keep parameter "
-        f"updates out of it. (torch said: {str(error).splitlines()[0]})"
+        f"parameter cannot be reproduced. Express the forward with differentiable torch ops and keep parameter "
+        f"updates out of it. (torch said: {first_line(error)})"
     )
 
 

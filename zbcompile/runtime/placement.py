@@ -1,14 +1,17 @@
 """Which parameters and buffers a rank holds: materialise the ones its stages use (a model may
-be built on the `meta` device), move the others to `meta` so that no rank keeps the whole
-model, and say which entries of the state dict a rank reports."""
+be built on the `meta` device) and fill them (an init function, `reset_parameters()`, or the
+state dict), move the others to `meta` so that no rank keeps the whole model, and say which
+entries of the state dict a rank reports."""
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 from torch import nn
 
+from zbcompile import _torch_internals as ti
 from zbcompile.compiler import CompiledPipeline
 from zbcompile.schedules import Schedule
 
@@ -24,22 +27,23 @@ def canonical_names(module: nn.Module) -> dict[str, str]:
     return result
 
 
-def _locations(module: nn.Module, canonical: str, aliases: dict[str, str]) -> list[tuple[nn.Module, str]]:
-    places = []
-    for name, target in aliases.items():
-        if target == canonical:
-            owner, _, leaf = name.rpartition(".")
-            places.append((module.get_submodule(owner), leaf))
-    return places
+class _Slots:
+    """Where each parameter and buffer is registered: a tied weight, or any tensor of a module
+    registered under two names, has several places; replacing one replaces it at all of them."""
 
+    def __init__(self, module: nn.Module) -> None:
+        self.aliases = canonical_names(module)
+        self.places: dict[str, list[tuple[dict, str]]] = {}
+        for name, canonical in self.aliases.items():
+            owner_name, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(owner_name)
+            table = owner._parameters if leaf in owner._parameters else owner._buffers
+            if not any(t is table and l == leaf for t, l in self.places.get(canonical, [])):
+                self.places.setdefault(canonical, []).append((table, leaf))
 
-def _replace(module: nn.Module, canonical: str, aliases: dict[str, str], value: torch.Tensor) -> None:
-    """Put `value` at every place that holds `canonical` (so tied weights stay tied)."""
-    for owner, leaf in _locations(module, canonical, aliases):
-        if leaf in owner._parameters:
-            owner._parameters[leaf] = value
-        else:
-            owner._buffers[leaf] = value
+    def replace(self, canonical: str, value: torch.Tensor) -> None:
+        for table, leaf in self.places[canonical]:
+            table[leaf] = value
 
 
 def _like(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -47,34 +51,67 @@ def _like(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return nn.Parameter(new, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else new
 
 
-def place_state(module: nn.Module, used: set[str], device: torch.device) -> set[str]:
-    """Keep on `device` exactly the parameters and buffers named in `used` (canonical FQNs):
-    ones on `meta` are materialised and initialised by their modules' `reset_parameters()`;
-    the rest move to `meta`. Returns `used`."""
-    aliases = canonical_names(module)
-    state = dict(module.named_parameters())
-    state.update(module.named_buffers())
-    to_init: list[nn.Module] = []
-    for name, tensor in state.items():
-        if name in used and tensor.is_meta:
-            _replace(module, name, aliases, _like(tensor, device))
-            owner = module.get_submodule(name.rpartition(".")[0])
-            if not hasattr(owner, "reset_parameters"):
-                raise ValueError(
-                    f"'{name}' is on the meta device and its module ({type(owner).__name__}) has no "
-                    "reset_parameters() to initialise it; load weights with pipe.load_state_dict(..., strict=False)"
-                )
-            if owner not in to_init:
-                to_init.append(owner)
-        elif name in used and tensor.device != device:
-            moved = tensor.detach().to(device)
-            _replace(module, name, aliases, nn.Parameter(moved, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else moved)
-        elif name not in used and not tensor.is_meta:
-            _replace(module, name, aliases, _like(tensor, torch.device("meta")))
+def state_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Canonical FQN -> parameter or buffer."""
+    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+
+
+@contextlib.contextmanager
+def placed(
+    module: nn.Module,
+    held: set[str],
+    device: torch.device,
+    init_fn: Callable[[nn.Module], None] | None = None,
+    move_others: bool = True,
+):
+    """Keep on `device` the parameters and buffers named in `held` (canonical FQNs); with
+    `move_others`, those on another device move there and the rest move to `meta`. Held tensors
+    on `meta` are materialised (uninitialised memory) and then filled by `init_fn(owner)` for
+    each module owning one, or else by the owner's `reset_parameters()` (see `_initialise`).
+    Yields the names left unfilled: the state dict must provide them (`load_state_dict`). If `init_fn`, `reset_parameters()` or the body of the `with` raises,
+    every module gets back the tensors it had."""
+    slots = _Slots(module)
+    before = state_tensors(module)
+    materialised: list[str] = []
+    try:
+        for name, tensor in before.items():
+            if name in held and tensor.is_meta:
+                slots.replace(name, _like(tensor, device))
+                materialised.append(name)
+            elif move_others and name in held and tensor.device != device:
+                moved = tensor.detach().to(device)
+                slots.replace(name, nn.Parameter(moved, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else moved)
+            elif move_others and name not in held and not tensor.is_meta:
+                slots.replace(name, _like(tensor, torch.device("meta")))
+        yield _initialise(module, materialised, init_fn)
+    except BaseException:
+        for name, tensor in before.items():
+            slots.replace(name, tensor)
+        raise
+
+
+def _initialise(module: nn.Module, names: list[str], init_fn: Callable[[nn.Module], None] | None) -> set[str]:
+    """Fill the freshly materialised `names` (see `placed`); returns those left unfilled. A
+    buffer counts as filled by `reset_parameters()` only if it wrote into it (BatchNorm's running
+    statistics; not a mask its module computed in `__init__`)."""
+    owners: dict[str, list[str]] = {}
+    for name in names:
+        owners.setdefault(name.rpartition(".")[0], []).append(name)
+    state = state_tensors(module)
+    parameters = dict(module.named_parameters())
+    unfilled: set[str] = set()
     with torch.no_grad():
-        for owner in to_init:
-            owner.reset_parameters()
-    return set(used)
+        for owner_name, owned in owners.items():
+            owner = module.get_submodule(owner_name)
+            if init_fn is not None:
+                init_fn(owner)
+            elif hasattr(owner, "reset_parameters"):
+                buffers = {n: ti.version_of(state[n]) for n in owned if n not in parameters}
+                owner.reset_parameters()
+                unfilled.update(n for n, version in buffers.items() if ti.version_of(state[n]) == version)
+            else:
+                unfilled.update(owned)
+    return unfilled
 
 
 def owned_names(compiled: CompiledPipeline, schedule: Schedule, pp_rank: int) -> set[str]:
@@ -88,17 +125,41 @@ def owned_names(compiled: CompiledPipeline, schedule: Schedule, pp_rank: int) ->
     return {f for f in everything if schedule.stage_to_rank[first_user.get(f, 0)] == pp_rank}
 
 
-def load_local(module: nn.Module, state_dict: dict[str, Any], local: set[str], strict: bool) -> Any:
-    """Copy the entries of `state_dict` that this rank holds; with strict=True every held
-    tensor must be present."""
-    aliases = canonical_names(module)
-    wanted = {k: v for k, v in state_dict.items() if aliases.get(k, k) in local}
-    missing = sorted(local - {aliases.get(k, k) for k in wanted})
-    if strict and missing:
-        raise KeyError(f"state_dict lacks entries this rank holds: {missing}")
-    state = dict(module.named_parameters())
-    state.update(module.named_buffers())
-    with torch.no_grad():
-        for key, value in wanted.items():
-            state[aliases.get(key, key)].copy_(value)
-    return missing
+class LoadResult(NamedTuple):
+    """What `load_held` did not match, as `nn.Module.load_state_dict` reports it."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+def load_held(module: nn.Module, state_dict: Mapping[str, Any], held: set[str], strict: bool) -> tuple[LoadResult, set[str]]:
+    """Load into the tensors named in `held` (canonical FQNs) their entries of `state_dict`,
+    under any of their names, with the module's own `load_state_dict`; a held tensor still on
+    `meta` is materialised first, on the entry's device. Entries for tensors not held here
+    (other ranks') are skipped. Missing keys: held persistent entries absent from `state_dict`;
+    unexpected keys: entries the module does not have. With `strict`, either raises a
+    ValueError. Returns the report and the canonical names loaded."""
+    slots = _Slots(module)
+    aliases = slots.aliases
+    entries = set(module.state_dict(keep_vars=True))
+    mine = {k: v for k, v in state_dict.items() if aliases.get(k) in held or (k in entries and k not in aliases)}
+    loaded = {aliases[k] for k in mine if k in aliases}
+    result = LoadResult(
+        missing_keys=sorted((held & {aliases.get(k, k) for k in entries}) - loaded),
+        unexpected_keys=sorted(k for k in state_dict if k not in aliases and k not in entries),
+    )
+    if strict and (result.missing_keys or result.unexpected_keys):
+        raise ValueError(
+            f"load_state_dict: the state dict lacks {len(result.missing_keys)} entries this rank's stages use "
+            f"{result.missing_keys[:6]} and has {len(result.unexpected_keys)} the model does not know "
+            f"{result.unexpected_keys[:6]}; pass the full state dict (or one holding every entry this rank uses), "
+            "or strict=False to load what matches"
+        )
+    state = state_tensors(module)
+    for key, value in mine.items():
+        name = aliases.get(key)
+        if name is not None and state[name].is_meta:
+            state[name] = _like(state[name], value.device)
+            slots.replace(name, state[name])
+    module.load_state_dict(mine, strict=False)
+    return result, loaded
