@@ -11,7 +11,7 @@ Pure Python; importing this package never imports torch (ortools and matplotlib 
 from .costs import Costs, StageCosts
 from .ir import Action, Schedule
 from .lower import lower
-from .registry import SCHEDULE_NAMES, make_schedule
+from .registry import DEFAULT_SCHEDULE, SCHEDULE_NAMES, SCHEDULES, ScheduleSpec, make_schedule, schedule_spec
 from .simulate import SimResult, simulate
 from .timing import ScheduleError
 from .validate import validate
@@ -19,13 +19,17 @@ from .validate import validate
 __all__ = [
     "Action",
     "Costs",
+    "DEFAULT_SCHEDULE",
+    "SCHEDULES",
     "SCHEDULE_NAMES",
     "Schedule",
     "ScheduleError",
+    "ScheduleSpec",
     "SimResult",
     "StageCosts",
     "lower",
     "make_schedule",
+    "schedule_spec",
     "simulate",
     "validate",
 ]

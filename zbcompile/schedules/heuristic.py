@@ -18,7 +18,7 @@ from typing import Sequence
 
 from .costs import StageCosts
 from .greedy import POLICIES, QUICK_POLICIES, GreedyPolicy, MemoryTooSmall, list_schedule
-from .handcrafted import zb_v
+from .handcrafted import v_placement, zb_v
 from .fastsim import Evaluator
 from .ir import Action, Schedule
 from .reference import ALL_FLAGS, QUICK_FLAGS, reference_rows
@@ -70,6 +70,16 @@ def one_f_one_b_peak(mem_f: float, mem_w: float, stages: int) -> float:
     and the last one's backward adds max(0, mem_w - mem_f) (a fused B runs its I part first), i.e.
     (p - 1) mem_f + max(mem_f, mem_w)."""
     return stages * mem_f + max(0.0, mem_w - mem_f)
+
+
+def one_f_one_b_peaks(stage_to_rank: Sequence[int], costs: StageCosts) -> tuple[float, ...]:
+    """1F1B's memory per rank: ``one_f_one_b_peak`` of the rank's summed ``mem_f`` and ``mem_w``
+    (a whole rank's activations per microbatch), with as many in flight as there are ranks."""
+    ranks = 1 + max(stage_to_rank)
+    own = [[s for s, r in enumerate(stage_to_rank) if r == rank] for rank in range(ranks)]
+    return tuple(
+        one_f_one_b_peak(sum(costs.mem_f[s] for s in stages), sum(costs.mem_w[s] for s in stages), ranks) for stages in own
+    )
 
 
 def check_memory_feasible(name: str, stage_to_rank: Sequence[int], costs: StageCosts, limits) -> None:
@@ -169,12 +179,6 @@ def zb_auto_candidates(
     return rows, value, source
 
 
-def v_placement(stages: int) -> tuple[int, ...]:
-    """Two chunks per rank in a V: stage s on rank s for the first half, 2p-1-s for the second."""
-    ranks = stages // 2
-    return tuple(s if s < ranks else stages - 1 - s for s in range(stages))
-
-
 def sequential(stages: int, microbatches: int, stage_to_rank: Sequence[int]) -> Schedule:
     """One microbatch at a time: per rank its F in stage order, then I and W in reverse. Every
     rank peaks at ``minimum_memory``; the fallback when nothing better fits a tight limit. Each
@@ -204,19 +208,10 @@ def zbv(stages: int, microbatches: int, costs: StageCosts, limits: Sequence[floa
     if stages < 2 or stages % 2:
         raise ValueError(f"zbv puts two chunks on each rank: stages (chunks) must be even and >= 2, got {stages}")
     placement = v_placement(stages)
-    ranks = stages // 2
     if limits is None:
-        # 1F1B memory: p microbatches of a whole rank's activations (see one_f_one_b_peak), at
-        # least one microbatch's peak (chunks whose M_W exceed the other chunk's M_B need more)
-        limits = tuple(
-            max(
-                need,
-                one_f_one_b_peak(
-                    costs.mem_f[r] + costs.mem_f[stages - 1 - r], costs.mem_w[r] + costs.mem_w[stages - 1 - r], ranks
-                ),
-            )
-            for r, need in enumerate(minimum_memory(placement, costs))
-        )
+        # 1F1B's memory, at least one microbatch's peak (chunks whose M_W exceed the other
+        # chunk's M_B need more)
+        limits = tuple(max(need, peak) for need, peak in zip(minimum_memory(placement, costs), one_f_one_b_peaks(placement, costs)))
     check_memory_feasible("zbv", placement, costs, limits)
     candidates = []
     hand = zb_v(stages, microbatches)
