@@ -8,82 +8,16 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable, Mapping, Sequence, Union
 
+from .auto import zb_auto
 from .costs import Costs, StageCosts, resolve_costs
-from .fastsim import Evaluator
 from .handcrafted import gpipe, in_line, interleaved_one_f_one_b, one_f_one_b, round_robin, v_placement, zb_h1, zb_h2
-from .heuristic import analytic_lower_bound, zb_auto_candidates, zbv
-from .search import search
+from .heuristic import zbv
 from .ir import Schedule
 from .validate import rank_limits, validate
 
 OBJECTIVES = ("span", "makespan")
-DEFAULT_TIME_BUDGET_S = 3.0
-CPSAT_MAX_ACTIONS = 1200  # above this, building the CP-SAT model costs more than it returns
 
 MemoryLimit = Union[None, float, Sequence[float]]
-
-
-def _zb_auto(stages, microbatches, sc, limits, objective, time_budget, deterministic, started) -> Schedule:
-    """Heuristic, then search (``search.py``), then CP-SAT on small problems, all within the budget.
-
-    The budget counts from ``started`` (the call) and covers everything: heuristic, evaluator,
-    search, model building and solving. ``deterministic=True`` replaces wall-clock stops by fixed
-    amounts of work derived from the budget (search evaluations, CP-SAT deterministic time).
-    """
-    budget = DEFAULT_TIME_BUDGET_S if time_budget is None else float(time_budget)
-    placement = tuple(range(stages))
-    ev = Evaluator(stages, microbatches, placement, sc)
-    best_rows, score, source = zb_auto_candidates(stages, microbatches, sc, limits, objective, None, ev)
-    heuristic_time = time.perf_counter() - started
-    value = score[0]
-    bound = analytic_lower_bound(stages, microbatches, placement, sc, objective)
-    info = {
-        "objective": objective,
-        "heuristic_value": value,
-        "heuristic_time_s": heuristic_time,
-        "value": value,
-        "lower_bound": bound,
-        "status": "heuristic",
-    }
-
-    def left() -> float:
-        return budget - (time.perf_counter() - started)
-
-    def at_bound() -> bool:
-        return value <= info["lower_bound"] * (1 + 1e-9)
-
-    actions = 3 * stages * microbatches
-    use_cpsat = actions <= CPSAT_MAX_ACTIONS
-    if budget > 0 and not at_bound() and (deterministic or left() > 0):
-        # Keep a margin for turning the result into a Schedule (about one evaluation's time).
-        share = 0.7 if use_cpsat else 0.9
-        search_budget = left() * share if not deterministic else budget * share
-        result = search(ev, limits, objective, search_budget, deterministic, start_rows=best_rows)
-        info.update(result.info)
-        if result.rows is not None and result.score < score:
-            score, best_rows = result.score, result.rows
-            value = score[0]
-            info["status"] = "search"
-        info["value"] = value
-    sched = ev.schedule("zb-auto", best_rows, {"heuristic_source": source})
-    if budget > 0 and use_cpsat and not at_bound() and (deterministic or left() > 0.3):
-        from .solver import improve
-
-        # CP-SAT's presolve does not always stop on time: keep a margin for it and for re-timing.
-        solver_budget = budget * 0.25 if deterministic else 0.8 * left() - 0.1
-        result = improve(sched, sc, limits, objective, solver_budget, deterministic=deterministic)
-        solver_info = dict(result.info)
-        info["solver_status"] = solver_info.pop("status")
-        info.update(solver_info)
-        if info["solver_status"] in ("OPTIMAL", "FEASIBLE"):
-            info["status"] = info["solver_status"]
-        if result.value < value:
-            sched = result.schedule
-            value = result.value
-            info["value"] = value
-        info["lower_bound"] = max(bound, result.lower_bound)
-    info["at_lower_bound"] = at_bound()
-    return sched.with_info(**info)
 
 
 @dataclass(frozen=True)
@@ -130,7 +64,7 @@ def _build_zbv(r: BuildRequest) -> Schedule:
 
 
 def _build_zb_auto(r: BuildRequest) -> Schedule:
-    return _zb_auto(r.stages, r.microbatches, r.costs, r.limits, r.objective, r.time_budget, r.deterministic, r.started)
+    return zb_auto(r.stages, r.microbatches, r.costs, r.limits, r.objective, r.time_budget, r.deterministic, r.started)
 
 
 SCHEDULES: Mapping[str, ScheduleSpec] = MappingProxyType({
