@@ -22,6 +22,21 @@ from typing import Sequence, Union
 Number = Union[int, float]
 PerStage = Union[Number, Sequence[Number]]
 
+# Memory levels are float sums of deltas: a level may pass its limit by rounding, never by more than
+# this fraction of the limit (of 1 for limits below 1).
+MEMORY_TOLERANCE = 1e-9
+
+
+def memory_ceiling(limit: float) -> float:
+    """The highest memory level that fits ``limit`` (``MEMORY_TOLERANCE`` included)."""
+    return limit + MEMORY_TOLERANCE * max(1.0, abs(limit))
+
+
+def fits_memory(level: float, limit: float) -> bool:
+    """Whether memory ``level`` fits ``limit``: the one test every schedule builder and the
+    validator use."""
+    return level <= memory_ceiling(limit)
+
 
 def _per_stage(name: str, value: PerStage, stages: int) -> tuple[float, ...]:
     if isinstance(value, (int, float)):

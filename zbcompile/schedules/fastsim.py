@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from .costs import StageCosts
+from .costs import StageCosts, fits_memory
 from .ir import Action, Schedule
 
 KINDS = "FIW"
@@ -128,6 +128,10 @@ class Evaluator:
             if level > peak:
                 peak = level
         return peak
+
+    def fits(self, rows: Sequence[Sequence[int]], limits: Sequence[float]) -> bool:
+        """Whether every rank's peak fits its limit (``costs.fits_memory``)."""
+        return all(fits_memory(self.peak(row), limit) for row, limit in zip(rows, limits))
 
     def score(self, rows: Sequence[Sequence[int]], objective: str) -> tuple[float, float]:
         """(objective, sum of per-rank spans) -- the second breaks ties in the search; inf if stuck."""

@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from .costs import StageCosts
+from .costs import StageCosts, memory_ceiling
 from .ir import Action, Schedule
 
 _EPS = 1e-9
@@ -93,6 +93,7 @@ def list_schedule(
     for group in stages_of:
         group.sort(reverse=True)
     limit = list(memory_limit) if memory_limit is not None else [math.inf] * ranks
+    ceiling = [memory_ceiling(l) for l in limit]
     f_end = [[math.inf] * M for _ in range(S)]
     i_end = [[math.inf] * M for _ in range(S)]
     nf, ni, nw = [0] * S, [0] * S, [0] * S
@@ -169,7 +170,7 @@ def list_schedule(
                     best = (key, s)
         if best is not None:
             s = best[1]
-            if mem[r] + costs.memory_delta(s, "I") <= limit[r] + _EPS:
+            if mem[r] + costs.memory_delta(s, "I") <= ceiling[r]:
                 return s, "I"
             pending_w = [t for t in group if nw[t] < ni[t]]
             if pending_w:  # the stage whose W frees the most
@@ -178,7 +179,7 @@ def list_schedule(
         next_i = min((i_avail(s) for s in group if ni[s] < M), default=math.inf)
         ready_f = [s for s in group if nf[s] < M and f_avail(s) <= now + _EPS]
         ready_f = [s for s in ready_f if nf[s] - ni[s] < inflight_cap[s]]
-        fits = [s for s in ready_f if mem[r] + costs.mem_f[s] + reserve[s] <= limit[r] + _EPS]
+        fits = [s for s in ready_f if mem[r] + costs.mem_f[s] + reserve[s] <= ceiling[r]]
         # 2. a forward that fits in memory
         for s in fits:
             if policy.f_gate == "eager" or now + costs.f[s] <= next_i + _EPS:
@@ -196,7 +197,7 @@ def list_schedule(
             (
                 f_avail(s)
                 for s in group
-                if nf[s] < M and nf[s] - ni[s] < inflight_cap[s] and mem[r] + costs.mem_f[s] + reserve[s] <= limit[r] + _EPS
+                if nf[s] < M and nf[s] - ni[s] < inflight_cap[s] and mem[r] + costs.mem_f[s] + reserve[s] <= ceiling[r]
             ),
             default=math.inf,
         )

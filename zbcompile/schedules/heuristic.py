@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from .costs import StageCosts
+from .costs import StageCosts, fits_memory
 from .greedy import POLICIES, QUICK_POLICIES, GreedyPolicy, MemoryTooSmall, list_schedule
 from .handcrafted import v_placement, zb_v
 from .fastsim import Evaluator
@@ -25,7 +25,7 @@ from .reference import ALL_FLAGS, QUICK_FLAGS, reference_rows
 from .search import analytic_parameters, handcrafted_rows, make_room, pattern_rows
 from .simulate import peak_memory, simulate
 
-_TOLERANCE = 1e-9
+_STRICTLY_BETTER = 1e-9  # relative margin by which the paper's construction must beat the others
 
 
 def split_backward(schedule: Schedule) -> Schedule:
@@ -42,7 +42,7 @@ def split_backward(schedule: Schedule) -> Schedule:
 def fits(schedule: Schedule, costs: StageCosts, limits: Sequence[float] | None) -> bool:
     if limits is None:
         return True
-    return all(p <= l + _TOLERANCE * max(1.0, l) for p, l in zip(peak_memory(schedule, costs), limits))
+    return all(fits_memory(p, l) for p, l in zip(peak_memory(schedule, costs), limits))
 
 
 def minimum_memory(stage_to_rank: Sequence[int], costs: StageCosts) -> tuple[float, ...]:
@@ -86,7 +86,7 @@ def check_memory_feasible(name: str, stage_to_rank: Sequence[int], costs: StageC
     if limits is None:
         return
     needed = minimum_memory(stage_to_rank, costs)
-    short = [r for r, (l, n) in enumerate(zip(limits, needed)) if l + _TOLERANCE < n]
+    short = [r for r, (l, n) in enumerate(zip(limits, needed)) if not fits_memory(n, l)]
     if short:
         raise ValueError(
             f"{name}: memory_limit {[limits[r] for r in short]} on ranks {short} is below one microbatch's "
@@ -148,7 +148,7 @@ def zb_auto_candidates(
     def consider(source: str, rows: list[list[int]] | None) -> None:
         if rows is None:
             return
-        if limits is not None and any(ev.peak(r) > l + _TOLERANCE * max(1.0, l) for r, l in zip(rows, lims)):
+        if limits is not None and not ev.fits(rows, lims):
             return
         scored.append((ev.score(rows, objective), len(scored), source, rows))
 
@@ -171,7 +171,7 @@ def zb_auto_candidates(
     if reference is not None:
         before = min((t[0][0] for t in scored), default=math.inf)
         consider(*reference)
-        if before < math.inf and scored[-1][2] == reference[0] and not scored[-1][0][0] < before - _TOLERANCE * max(1.0, abs(before)):
+        if before < math.inf and scored[-1][2] == reference[0] and not scored[-1][0][0] < before - _STRICTLY_BETTER * max(1.0, abs(before)):
             scored.pop()
     if not scored:
         raise ValueError(f"zb-auto: no schedule fits memory_limit {list(limits)}; raise it")

@@ -27,6 +27,7 @@ import itertools
 import math
 from typing import Sequence
 
+from .costs import fits_memory
 from .fastsim import Evaluator
 
 
@@ -71,7 +72,7 @@ def _build(ev: Evaluator, limits: Sequence[float], bubble_before_first_i: bool, 
         return count[s][2] < count[s][1]
 
     def w_for_memory(s: int, need: float) -> None:
-        while level[s] + need > limits[s] + 1e-9 * max(1.0, abs(limits[s])):
+        while not fits_memory(level[s] + need, limits[s]):
             if not w_pending(s):
                 raise _NoRoom
             put(s, 2)
@@ -101,7 +102,7 @@ def _build(ev: Evaluator, limits: Sequence[float], bubble_before_first_i: bool, 
                 arrival = last + ev.delay[aid(s, 1, 0)]
                 while count[s][0] + plan[s] < M:
                     f = aid(s, 0, count[s][0] + plan[s])
-                    if m_s + mem[f] > limits[s] + 1e-9 * max(1.0, abs(limits[s])):
+                    if not fits_memory(m_s + mem[f], limits[s]):
                         break
                     if bubble_before_first_i:
                         if t_s + dur[f] > arrival:
@@ -137,7 +138,7 @@ def _build(ev: Evaluator, limits: Sequence[float], bubble_before_first_i: bool, 
                     continue
                 f = aid(s, 0, count[s][0])
                 w_cost, w_n, m_s = 0.0, 0, level[s] + mem[f]
-                while m_s > limits[s] and count[s][2] + w_n < count[s][1]:
+                while not fits_memory(m_s, limits[s]) and count[s][2] + w_n < count[s][1]:
                     w = aid(s, 2, count[s][2] + w_n)
                     w_cost += dur[w]
                     m_s += mem[w]

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from .costs import StageCosts
+from .costs import StageCosts, fits_memory, memory_ceiling
 from .fastsim import Evaluator
 
 _EPS = 1e-9
@@ -91,7 +91,7 @@ def pattern_rows(
     mem = ev.mem
     rows = []
     for s in range(S):
-        lim = limits[s] + _EPS
+        lim = memory_ceiling(limits[s])
         F, I, W = ev.id(s, 0, 0), ev.id(s, 1, 0), ev.id(s, 2, 0)  # ids of microbatch k: base + k
         mf, mi, mw = mem[F], mem[I], mem[W]
         # An F is admitted only with room for the increase of an I right after it (mem_w > mem_f:
@@ -220,9 +220,6 @@ def search(
     clock = _Clock(budget, 3 * S * M, deterministic)
     costs_view = _costs_of(ev)
 
-    def fits(rows) -> bool:
-        return all(ev.peak(r) <= l + _EPS * max(1.0, l) for r, l in zip(rows, lims))
-
     def score(rows):
         clock.tick()
         return clock.timed(ev.score, rows, objective)
@@ -249,7 +246,7 @@ def search(
         else:
             warm, defer = analytic_parameters(S, costs_view, alpha, beta, shift, round_at)
         rows = pattern_rows(ev, lims, warm, defer, w_after)
-        if rows is None or not fits(rows):
+        if rows is None or not ev.fits(rows, lims):
             continue
         value = score(rows)
         if value < grid_best:
@@ -263,7 +260,7 @@ def search(
             if clock.out():
                 break
             rows = pattern_rows(ev, lims, warm, defer, w_after, drain, floor)
-            if rows is None or not fits(rows):
+            if rows is None or not ev.fits(rows, lims):
                 continue
             value = score(rows)
             if value < grid_best:
@@ -296,7 +293,7 @@ def search(
                             continue
                     step_started = time.perf_counter()
                     rows = pattern_rows(ev, lims, w2, d2, w_after, drain, floor)
-                    if rows is None or not fits(rows):
+                    if rows is None or not ev.fits(rows, lims):
                         continue
                     value = score(rows)
                     clock.eval_time = max(clock.eval_time, time.perf_counter() - step_started)
@@ -322,7 +319,7 @@ def search(
                 rows = clock.timed(lambda: [fill_gaps(ev, row, end, fraction) for row in best_rows])
                 if clock.out():
                     break
-                if rows == best_rows or not fits(rows):
+                if rows == best_rows or not ev.fits(rows, lims):
                     break
                 value = score(rows)
                 if value < best:
@@ -349,7 +346,7 @@ def search(
             if not _move(ev, row, end, rng, W_BASE):
                 stale += 1
                 continue
-            if ev.peak(row) > lims[r] + _EPS * max(1.0, lims[r]):
+            if not fits_memory(ev.peak(row), lims[r]):
                 rows[r] = saved
                 stale += 1
                 continue
@@ -462,7 +459,7 @@ def make_room(ev: Evaluator, rows: Sequence[Sequence[int]], limits: Sequence[flo
     mem, local, M = ev.mem, ev.local, ev.M
     out_rows = []
     for row, lim in zip(rows, limits):
-        lim = lim + _EPS * max(1.0, abs(lim))
+        lim = memory_ceiling(lim)
         moved: set[int] = set()
         done: set[int] = set()
         next_w: dict[int, int] = {}  # stage -> next W microbatch to run
