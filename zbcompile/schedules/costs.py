@@ -140,6 +140,25 @@ class Costs:
         )
 
 
+def warmup_windows(stage_to_rank: Sequence[int], costs: StageCosts) -> list[float]:
+    """Per stage, the time from its first F's start until microbatch 0's gradient is back from the
+    last stage (F then I back to back down and up the pipeline, a cross-rank input delayed by
+    ``comm``): the window a stage fills with warm-up forwards."""
+    stages = len(stage_to_rank)
+
+    def delay(a: int, b: int) -> float:
+        return costs.comm if stage_to_rank[a] != stage_to_rank[b] else 0.0
+
+    first_f = [0.0] * stages
+    for s in range(1, stages):
+        first_f[s] = first_f[s - 1] + costs.f[s - 1] + delay(s - 1, s)
+    grad_back = [0.0] * stages
+    grad_back[-1] = first_f[-1] + costs.f[-1]
+    for s in range(stages - 2, -1, -1):
+        grad_back[s] = grad_back[s + 1] + costs.b[s + 1] + delay(s + 1, s)
+    return [back - first for first, back in zip(first_f, grad_back)]
+
+
 def resolve_costs(costs: Costs | StageCosts | None, stages: int) -> StageCosts:
     """Accept ``None`` (defaults), ``Costs`` or already resolved ``StageCosts``."""
     if costs is None:

@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from .costs import StageCosts, memory_ceiling
+from .costs import StageCosts, memory_ceiling, warmup_windows
 from .ir import Action, Schedule
 
 _EPS = 1e-9
@@ -54,22 +54,12 @@ POLICIES = QUICK_POLICIES + tuple(GreedyPolicy("eager", w, extra) for extra in (
 
 
 def warmup_counts(stages: int, stage_to_rank: Sequence[int], costs: StageCosts) -> list[int]:
-    """Per stage, how many F fit between its first F and the return of microbatch 0's gradient."""
-    def delay(a: int, b: int) -> float:
-        return costs.comm if stage_to_rank[a] != stage_to_rank[b] else 0.0
-
-    first_f = [0.0] * stages
-    for s in range(1, stages):
-        first_f[s] = first_f[s - 1] + costs.f[s - 1] + delay(s - 1, s)
-    grad_back = [0.0] * stages
-    grad_back[-1] = first_f[-1] + costs.f[-1]
-    for s in range(stages - 2, -1, -1):
-        grad_back[s] = grad_back[s + 1] + costs.b[s + 1] + delay(s + 1, s)
-    counts = []
-    for s in range(stages):
-        window = grad_back[s] - first_f[s]
-        counts.append(max(1, math.ceil(window / costs.f[s] - _EPS)) if costs.f[s] > 0 else 1)
-    return counts
+    """Per stage, how many F fit between its first F and the return of microbatch 0's gradient
+    (``costs.warmup_windows``), rounded up, at least 1."""
+    return [
+        max(1, math.ceil(window / costs.f[s] - _EPS)) if costs.f[s] > 0 else 1
+        for s, window in enumerate(warmup_windows(stage_to_rank, costs))
+    ]
 
 
 class MemoryTooSmall(ValueError):

@@ -52,10 +52,15 @@ def gpipe(stages: int, microbatches: int) -> Schedule:
     return _single_chunk("gpipe", stages, microbatches, rows)
 
 
+def _one_f_one_b_warmup(stages: int, stage: int, microbatches: int) -> int:
+    """1F1B's (and ZB-H1's) warm-up forwards on ``stage``: p-1-s, at most m."""
+    return min(stages - 1 - stage, microbatches)
+
+
 def one_f_one_b(stages: int, microbatches: int) -> Schedule:
     rows = []
     for s in range(stages):
-        warmup = min(stages - 1 - s, microbatches)
+        warmup = _one_f_one_b_warmup(stages, s, microbatches)
         row = [Action(s, "F", k) for k in range(warmup)]
         for i in range(microbatches - warmup):
             row += [Action(s, "F", warmup + i), Action(s, "B", i)]
@@ -67,7 +72,7 @@ def one_f_one_b(stages: int, microbatches: int) -> Schedule:
 def zb_h1(stages: int, microbatches: int) -> Schedule:
     rows = []
     for s in range(stages):
-        warmup = min(stages - 1 - s, microbatches)
+        warmup = _one_f_one_b_warmup(stages, s, microbatches)
         held_back = min(s, microbatches)
         row = [Action(s, "F", k) for k in range(warmup)]
         next_w = 0

@@ -25,8 +25,9 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from .costs import StageCosts, fits_memory, memory_ceiling
+from .costs import StageCosts, fits_memory, memory_ceiling, warmup_windows
 from .fastsim import Evaluator
+from .handcrafted import in_line, zb_h2
 
 _EPS = 1e-9
 # Work-based limit for deterministic runs: evaluations of ``n`` actions cost about this many seconds
@@ -149,28 +150,7 @@ def handcrafted_rows(ev: Evaluator, name: str) -> list[list[int]]:
         return pattern_rows(ev, unlimited, [S - s for s in range(S)], [0 if name == "1f1b" else s for s in range(S)])
     if name != "zb-h2":
         raise ValueError(f"no handcrafted rows for {name!r}")
-    rows = []
-    for s in range(S):
-        F = lambda k: ev.id(s, 0, k)  # noqa: E731
-        I = lambda k: ev.id(s, 1, k)  # noqa: E731
-        W = lambda k: ev.id(s, 2, k)  # noqa: E731
-        warmup = min(2 * (S - 1 - s) + 1, M)
-        steady = M - warmup
-        held_back = min(2 * s, steady)
-        row = [F(k) for k in range(warmup)]
-        next_w = 0
-        for i in range(steady):
-            row.append(I(i))
-            if i < steady - held_back:
-                row.append(W(next_w))
-                next_w += 1
-            row.append(F(warmup + i))
-        for i in range(steady, M):
-            row += [I(i), W(next_w)]
-            next_w += 1
-        row += [W(k) for k in range(next_w, M)]
-        rows.append(row)
-    return rows
+    return ev.rows_of(zb_h2(S, M))
 
 
 def analytic_parameters(
@@ -182,21 +162,11 @@ def analytic_parameters(
     q = window / T_F, rounded up only when its fraction exceeds ``round_at`` (one more F delays that
     gradient for every upstream stage, one fewer leaves a gap of the fraction), plus ``shift``.
     Deferral: alpha * s (T_F + T_B + 2 comm) / T_W + beta (see the module docstring)."""
-    placement = tuple(range(S))
-    comm = costs.comm
-    first_f = [0.0] * S
-    for s in range(1, S):
-        first_f[s] = first_f[s - 1] + costs.f[s - 1] + comm
-    grad_back = [0.0] * S
-    grad_back[-1] = first_f[-1] + costs.f[-1]
-    for s in range(S - 2, -1, -1):
-        grad_back[s] = grad_back[s + 1] + costs.b[s + 1] + comm
     warm = []
-    for s in range(S):
-        q = (grad_back[s] - first_f[s]) / costs.f[s] if costs.f[s] > 0 else 1.0
+    for s, window in enumerate(warmup_windows(in_line(S), costs)):
+        q = window / costs.f[s] if costs.f[s] > 0 else 1.0
         whole = math.floor(q + _EPS)
         warm.append(max(1, whole + (1 if q - whole > round_at + _EPS else 0) + shift))
-    del placement
     defer = []
     for s in range(S):
         chain = sum(costs.f[t] + costs.b[t] + 2 * costs.comm for t in range(1, s + 1))
