@@ -2,7 +2,7 @@
 
 The search in ``search.py`` re-times thousands of candidate orders, so this module works on plain
 lists of ints instead of ``Action`` objects. An action is ``(kind * S + stage) * M + microbatch``
-with kind 0 = F, 1 = I, 2 = W (split backward only). The timing rule is ``timing.asap_timing``'s:
+with kind 0 = F, 1 = I, 2 = W (split backward only), so every id from ``first_w`` on is a W. The timing rule is ``timing.asap_timing``'s:
 every action starts as soon as its rank is free and its inputs have arrived, in each rank's order,
 a cross-rank input delayed by ``comm``. ``tests/test_schedule_search.py`` checks that both agree.
 """
@@ -27,6 +27,7 @@ class Evaluator:
         self.S, self.M = S, M
         self.stage_to_rank = tuple(stage_to_rank)
         self.ranks = 1 + max(stage_to_rank)
+        self.first_w = 2 * S * M  # the W ids are first_w .. 3 S M - 1
         n = 3 * S * M
         self.dur = [0.0] * n
         self.mem = [0.0] * n
@@ -52,6 +53,12 @@ class Evaluator:
 
     def id(self, stage: int, kind: int, microbatch: int) -> int:
         return (kind * self.S + stage) * self.M + microbatch
+
+    def w_id(self, stage: int, microbatch: int) -> int:
+        return self.first_w + stage * self.M + microbatch
+
+    def stage_of(self, aid: int) -> int:
+        return (aid // self.M) % self.S
 
     def action(self, aid: int) -> Action:
         rest, k = divmod(aid, self.M)

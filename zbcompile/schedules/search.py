@@ -303,7 +303,6 @@ def search(
         rng = random.Random(seed)
         rows = [list(r) for r in best_rows]
         end = [-1.0] * len(ev.dur)
-        W_BASE = 2 * S * M
         stale = 0
         while not clock.out() and stale < 60 * S:
             timed = clock.timed(ev.times, rows, end)
@@ -313,7 +312,7 @@ def search(
             r = order[0] if rng.random() < 0.6 else order[rng.randrange(min(4, len(order)))]
             row = rows[r]
             saved = list(row)
-            if not _move(ev, row, end, rng, W_BASE):
+            if not _move(ev, row, end, rng):
                 stale += 1
                 continue
             if not fits_memory(ev.peak(row), lims[r]):
@@ -336,8 +335,7 @@ def search(
 def fill_gaps(ev: Evaluator, row: list[int], end: list[float], fraction: float) -> list[int]:
     """A copy of ``row`` in which every idle gap at least ``fraction`` of a W long gets the next
     pending W (one whose I ran before the gap), moved forward from later in the row."""
-    dur, local = ev.dur, ev.local
-    W_BASE = 2 * ev.S * ev.M
+    dur, local, first_w = ev.dur, ev.local, ev.first_w
     out = list(row)
     i = 1
     done = set(out[:1])
@@ -347,7 +345,7 @@ def fill_gaps(ev: Evaluator, row: list[int], end: list[float], fraction: float) 
         if gap > 1e-6:
             for j in range(i, len(out)):
                 b = out[j]
-                if b >= W_BASE:
+                if b >= first_w:
                     if local[b] in done and gap >= fraction * dur[b]:
                         out.insert(i, out.pop(j))
                         end[b] = -1.0  # its time is unknown now; do not fill before it again
@@ -357,9 +355,9 @@ def fill_gaps(ev: Evaluator, row: list[int], end: list[float], fraction: float) 
     return out
 
 
-def _move(ev: Evaluator, row: list[int], end: list[float], rng: random.Random, w_base: int) -> bool:
+def _move(ev: Evaluator, row: list[int], end: list[float], rng: random.Random) -> bool:
     """Change ``row`` in place by one move (see ``search`` step 3); False when none applies."""
-    dur, local = ev.dur, ev.local
+    dur, local, first_w = ev.dur, ev.local, ev.first_w
     if rng.random() < 0.6:
         gaps = []
         for i in range(1, len(row)):
@@ -373,13 +371,13 @@ def _move(ev: Evaluator, row: list[int], end: list[float], rng: random.Random, w
         before = set(row[:i])
         for j in range(i, len(row)):
             a = row[j]
-            if a >= w_base:
+            if a >= first_w:
                 if local[a] not in before:
                     return False
                 row.insert(i, row.pop(j))
                 return True
         return False
-    ws = [i for i, a in enumerate(row) if a >= w_base]
+    ws = [i for i, a in enumerate(row) if a >= first_w]
     if not ws:
         return False
     i = rng.choice(ws)
@@ -391,7 +389,7 @@ def _move(ev: Evaluator, row: list[int], end: list[float], rng: random.Random, w
         if not 0 <= k < len(row):
             return False
         other = row[k]
-        if other >= w_base and other // ev.M == a // ev.M:  # another W of this stage: keep order
+        if other >= first_w and ev.stage_of(other) == ev.stage_of(a):  # another W of this stage: keep order
             return False
         if step < 0 and other == local[a]:  # not before its own I
             return False
@@ -425,15 +423,14 @@ def make_room(ev: Evaluator, rows: Sequence[Sequence[int]], limits: Sequence[flo
     pending W of each stage, in microbatch order, most memory freed first), or None when an action
     does not fit even with no W pending. Moving a W earlier (still after its I) keeps every
     dependency, since nothing waits for a W. Used for handcrafted orders when I raises memory."""
-    W_BASE = 2 * ev.S * ev.M
-    mem, local, M = ev.mem, ev.local, ev.M
+    mem, local, M, first_w = ev.mem, ev.local, ev.M, ev.first_w
     out_rows = []
     for row, lim in zip(rows, limits):
         lim = memory_ceiling(lim)
         moved: set[int] = set()
         done: set[int] = set()
         next_w: dict[int, int] = {}  # stage -> next W microbatch to run
-        for s in sorted({(a // M) % ev.S for a in row}):
+        for s in sorted({ev.stage_of(a) for a in row}):
             next_w[s] = 0
         out: list[int] = []
         level = 0.0
@@ -441,14 +438,14 @@ def make_room(ev: Evaluator, rows: Sequence[Sequence[int]], limits: Sequence[flo
             if a in moved:
                 continue
             while level + mem[a] > lim:
-                pending = [W_BASE + s * M + k for s, k in next_w.items() if k < M and local[W_BASE + s * M + k] in done]
+                pending = [ev.w_id(s, k) for s, k in next_w.items() if k < M and local[ev.w_id(s, k)] in done]
                 if not pending:
                     return None
                 w = min(pending, key=lambda x: mem[x])  # frees the most
                 out.append(w); done.add(w); moved.add(w); level += mem[w]
-                next_w[(w - W_BASE) // M] += 1
+                next_w[ev.stage_of(w)] += 1
             out.append(a); done.add(a); level += mem[a]
-            if a >= W_BASE:
-                next_w[(a - W_BASE) // M] += 1
+            if a >= first_w:
+                next_w[ev.stage_of(a)] += 1
         out_rows.append(out)
     return out_rows
