@@ -8,7 +8,7 @@ Pure Python; importing this package never imports torch (ortools and matplotlib 
     res = simulate(sched, costs)   # makespan, span, bubble_rate, stage_bubble_rate, peak_memory
 """
 
-from .costs import Costs, StageCosts
+from .costs import Costs, ResolvedCosts
 from .ir import Action, Schedule
 from .lower import lower
 from .registry import DEFAULT_SCHEDULE, SCHEDULE_NAMES, SCHEDULES, ScheduleSpec, make_schedule, schedule_spec
@@ -20,13 +20,13 @@ __all__ = [
     "Action",
     "Costs",
     "DEFAULT_SCHEDULE",
+    "ResolvedCosts",
     "SCHEDULES",
     "SCHEDULE_NAMES",
     "Schedule",
     "ScheduleError",
     "ScheduleSpec",
     "SimResult",
-    "StageCosts",
     "lower",
     "make_schedule",
     "schedule_spec",

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from .costs import StageCosts
+from .costs import ResolvedCosts
 from .fastsim import Evaluator
 from .handcrafted import in_line
 from .heuristic import analytic_lower_bound, zb_auto_candidates
@@ -41,7 +41,7 @@ def _at_bound(info: dict) -> bool:
 def zb_auto(
     stages: int,
     microbatches: int,
-    costs: StageCosts,
+    costs: ResolvedCosts,
     limits: Sequence[float] | None,
     objective: str,
     time_budget: float | None,
@@ -97,7 +97,7 @@ def _search_phase(
 
 def _solver_phase(
     sched: Schedule,
-    costs: StageCosts,
+    costs: ResolvedCosts,
     limits: Sequence[float] | None,
     objective: str,
     budget: _Budget,

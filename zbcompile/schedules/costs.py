@@ -55,7 +55,7 @@ def _per_stage(name: str, value: PerStage, stages: int) -> tuple[float, ...]:
 
 
 @dataclass(frozen=True)
-class StageCosts:
+class ResolvedCosts:
     """Costs resolved to one value per stage (see ``Costs``)."""
 
     f: tuple[float, ...]
@@ -124,13 +124,13 @@ class Costs:
     mem_f: PerStage = 1.0
     mem_w: PerStage = 0.5
 
-    def resolve(self, stages: int) -> StageCosts:
+    def resolve(self, stages: int) -> ResolvedCosts:
         """One value per stage; raises ValueError on a length mismatch or a negative value."""
         if not isinstance(self.comm, (int, float)) or not math.isfinite(self.comm) or self.comm < 0:
             raise ValueError(f"comm must be a finite non-negative number, got {self.comm!r}")
         mem_f = _per_stage("mem_f", self.mem_f, stages)
         mem_w = _per_stage("mem_w", self.mem_w, stages)
-        return StageCosts(
+        return ResolvedCosts(
             f=_per_stage("f", self.f, stages),
             b=_per_stage("b", self.b, stages),
             w=_per_stage("w", self.w, stages),
@@ -140,7 +140,7 @@ class Costs:
         )
 
 
-def warmup_windows(stage_to_rank: Sequence[int], costs: StageCosts) -> list[float]:
+def warmup_windows(stage_to_rank: Sequence[int], costs: ResolvedCosts) -> list[float]:
     """Per stage, the time from its first F's start until microbatch 0's gradient is back from the
     last stage (F then I back to back down and up the pipeline, a cross-rank input delayed by
     ``comm``): the window a stage fills with warm-up forwards."""
@@ -159,11 +159,11 @@ def warmup_windows(stage_to_rank: Sequence[int], costs: StageCosts) -> list[floa
     return [back - first for first, back in zip(first_f, grad_back)]
 
 
-def resolve_costs(costs: Costs | StageCosts | None, stages: int) -> StageCosts:
-    """Accept ``None`` (defaults), ``Costs`` or already resolved ``StageCosts``."""
+def resolve_costs(costs: Costs | ResolvedCosts | None, stages: int) -> ResolvedCosts:
+    """Accept ``None`` (defaults), ``Costs`` or already resolved ``ResolvedCosts``."""
     if costs is None:
         costs = Costs()
-    if isinstance(costs, StageCosts):
+    if isinstance(costs, ResolvedCosts):
         if costs.stages != stages:
             raise ValueError(f"costs are resolved for {costs.stages} stages, the schedule has {stages}")
         return costs

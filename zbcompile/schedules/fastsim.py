@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from .costs import StageCosts, fits_memory
+from .costs import ResolvedCosts, fits_memory
 from .ir import Action, Schedule
 
 KINDS = "FIW"
@@ -22,7 +22,7 @@ _KIND_INDEX = {"F": 0, "I": 1, "W": 2}
 class Evaluator:
     """Per-rank spans, makespan and peak memory of F/I/W orders given as lists of action ids."""
 
-    def __init__(self, stages: int, microbatches: int, stage_to_rank: Sequence[int], costs: StageCosts):
+    def __init__(self, stages: int, microbatches: int, stage_to_rank: Sequence[int], costs: ResolvedCosts):
         S, M = stages, microbatches
         self.S, self.M = S, M
         self.stage_to_rank = tuple(stage_to_rank)

@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from .costs import StageCosts, memory_ceiling, warmup_windows
+from .costs import ResolvedCosts, memory_ceiling, warmup_windows
 from .ir import Action, Schedule
 
 _EPS = 1e-9
@@ -53,7 +53,7 @@ POLICIES = QUICK_POLICIES + tuple(GreedyPolicy("eager", w, extra) for extra in (
 )
 
 
-def warmup_counts(stages: int, stage_to_rank: Sequence[int], costs: StageCosts) -> list[int]:
+def warmup_counts(stages: int, stage_to_rank: Sequence[int], costs: ResolvedCosts) -> list[int]:
     """Per stage, how many F fit between its first F and the return of microbatch 0's gradient
     (``costs.warmup_windows``), rounded up, at least 1."""
     return [
@@ -75,7 +75,7 @@ class _ListScheduler:
         stages: int,
         microbatches: int,
         stage_to_rank: Sequence[int],
-        costs: StageCosts,
+        costs: ResolvedCosts,
         memory_limit: Sequence[float] | None,
         policy: GreedyPolicy,
     ):
@@ -237,7 +237,7 @@ def list_schedule(
     stages: int,
     microbatches: int,
     stage_to_rank: Sequence[int],
-    costs: StageCosts,
+    costs: ResolvedCosts,
     memory_limit: Sequence[float] | None,
     policy: GreedyPolicy = GreedyPolicy(),
 ) -> Schedule:

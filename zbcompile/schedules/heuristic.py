@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from .costs import StageCosts, fits_memory
+from .costs import ResolvedCosts, fits_memory
 from .greedy import POLICIES, QUICK_POLICIES, GreedyPolicy, MemoryTooSmall, list_schedule
 from .handcrafted import v_placement, zb_v
 from .fastsim import Evaluator
@@ -39,13 +39,13 @@ def split_backward(schedule: Schedule) -> Schedule:
     return Schedule(schedule.name, schedule.stages, schedule.microbatches, schedule.stage_to_rank, tuple(rows))
 
 
-def fits(schedule: Schedule, costs: StageCosts, limits: Sequence[float] | None) -> bool:
+def fits(schedule: Schedule, costs: ResolvedCosts, limits: Sequence[float] | None) -> bool:
     if limits is None:
         return True
     return all(fits_memory(p, l) for p, l in zip(peak_memory(schedule, costs), limits))
 
 
-def minimum_memory(stage_to_rank: Sequence[int], costs: StageCosts) -> tuple[float, ...]:
+def minimum_memory(stage_to_rank: Sequence[int], costs: ResolvedCosts) -> tuple[float, ...]:
     """The smallest per-rank limit under which a schedule exists: the peak of one microbatch
     passing alone through the rank's stages (its F in stage order, then I and at once W in reverse).
     One stage per rank: max(mem_f, mem_w) (an I adds mem_w - mem_f when that is positive)."""
@@ -72,7 +72,7 @@ def one_f_one_b_peak(mem_f: float, mem_w: float, stages: int) -> float:
     return stages * mem_f + max(0.0, mem_w - mem_f)
 
 
-def one_f_one_b_peaks(stage_to_rank: Sequence[int], costs: StageCosts) -> tuple[float, ...]:
+def one_f_one_b_peaks(stage_to_rank: Sequence[int], costs: ResolvedCosts) -> tuple[float, ...]:
     """1F1B's memory per rank: ``one_f_one_b_peak`` of the rank's summed ``mem_f`` and ``mem_w``
     (a whole rank's activations per microbatch), with as many in flight as there are ranks."""
     ranks = 1 + max(stage_to_rank)
@@ -82,7 +82,7 @@ def one_f_one_b_peaks(stage_to_rank: Sequence[int], costs: StageCosts) -> tuple[
     )
 
 
-def check_memory_feasible(name: str, stage_to_rank: Sequence[int], costs: StageCosts, limits) -> None:
+def check_memory_feasible(name: str, stage_to_rank: Sequence[int], costs: ResolvedCosts, limits) -> None:
     if limits is None:
         return
     needed = minimum_memory(stage_to_rank, costs)
@@ -98,7 +98,7 @@ def check_memory_feasible(name: str, stage_to_rank: Sequence[int], costs: StageC
 QUICK_SIZE = 1024  # stages x microbatches above which the list scheduler runs once (or not: uniform costs)
 
 
-def best_of(candidates: Sequence[Schedule], costs: StageCosts, objective: str) -> tuple[Schedule, float]:
+def best_of(candidates: Sequence[Schedule], costs: ResolvedCosts, objective: str) -> tuple[Schedule, float]:
     """The candidate with the smallest simulated objective. List-scheduled candidates are ranked by
     their own timing (an upper bound on the simulated value) and only the best one is simulated."""
     estimated = [c for c in candidates if f"estimate_{objective}" in c.info]
@@ -113,7 +113,7 @@ def best_of(candidates: Sequence[Schedule], costs: StageCosts, objective: str) -
 def zb_auto_heuristic(
     stages: int,
     microbatches: int,
-    costs: StageCosts,
+    costs: ResolvedCosts,
     limits: Sequence[float] | None,
     objective: str = "span",
     policies: Sequence[GreedyPolicy] | None = None,
@@ -128,7 +128,7 @@ def zb_auto_heuristic(
 def zb_auto_candidates(
     stages: int,
     microbatches: int,
-    costs: StageCosts,
+    costs: ResolvedCosts,
     limits: Sequence[float] | None,
     objective: str,
     policies: Sequence[GreedyPolicy] | None,
@@ -197,11 +197,11 @@ def sequential(stages: int, microbatches: int, stage_to_rank: Sequence[int]) -> 
     return Schedule("zbv", stages, microbatches, tuple(stage_to_rank), tuple(rows))
 
 
-def _uniform(costs: StageCosts) -> bool:
+def _uniform(costs: ResolvedCosts) -> bool:
     return all(len(set(v)) <= 1 for v in (costs.f, costs.b, costs.w, costs.mem_f, costs.mem_w))
 
 
-def zbv(stages: int, microbatches: int, costs: StageCosts, limits: Sequence[float] | None = None, objective: str = "span") -> Schedule:
+def zbv(stages: int, microbatches: int, costs: ResolvedCosts, limits: Sequence[float] | None = None, objective: str = "span") -> Schedule:
     """ZB-V: the handcrafted schedule (``handcrafted.zb_v``) at 1F1B's memory unless a limit is
     given; the list scheduler on the same V placement is tried as well when the costs differ between
     chunks or the handcrafted order does not fit the limit, and the better one is kept."""
@@ -238,7 +238,7 @@ def zbv(stages: int, microbatches: int, costs: StageCosts, limits: Sequence[floa
     return best.with_info(memory_limit=list(limits))
 
 
-def analytic_lower_bound(schedule_stages: int, microbatches: int, stage_to_rank: Sequence[int], costs: StageCosts, objective: str) -> float:
+def analytic_lower_bound(schedule_stages: int, microbatches: int, stage_to_rank: Sequence[int], costs: ResolvedCosts, objective: str) -> float:
     """Memory-free bound. span: the busiest rank's work. makespan: a rank cannot start before the
     first forward reaches its earliest stage, and then has all its own work to do."""
     ranks = 1 + max(stage_to_rank)

@@ -9,7 +9,7 @@ from types import MappingProxyType
 from typing import Callable, Mapping, Sequence, Union
 
 from .auto import zb_auto
-from .costs import Costs, StageCosts, resolve_costs
+from .costs import Costs, ResolvedCosts, resolve_costs
 from .handcrafted import gpipe, in_line, interleaved_one_f_one_b, one_f_one_b, round_robin, v_placement, zb_h1, zb_h2
 from .heuristic import zbv
 from .ir import Schedule
@@ -28,7 +28,7 @@ class BuildRequest:
 
     stages: int
     microbatches: int
-    costs: StageCosts
+    costs: ResolvedCosts
     limits: tuple[float, ...] | None
     objective: str
     time_budget: float | None
@@ -110,7 +110,7 @@ def make_schedule(
     name: str,
     stages: int,
     microbatches: int,
-    costs: Costs | StageCosts | None = None,
+    costs: Costs | ResolvedCosts | None = None,
     memory_limit: MemoryLimit = None,
     objective: str = "span",
     *,

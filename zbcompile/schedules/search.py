@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, NamedTuple, Sequence
 
-from .costs import StageCosts, fits_memory, memory_ceiling, warmup_windows
+from .costs import ResolvedCosts, fits_memory, memory_ceiling, warmup_windows
 from .fastsim import Evaluator
 from .handcrafted import in_line, zb_h2
 
@@ -155,7 +155,7 @@ def handcrafted_rows(ev: Evaluator, name: str) -> list[list[int]]:
 
 
 def analytic_parameters(
-    S: int, costs: StageCosts, alpha: float = 1.0, beta: int = 0, shift: int = 0, round_at: float = 0.85
+    S: int, costs: ResolvedCosts, alpha: float = 1.0, beta: int = 0, shift: int = 0, round_at: float = 0.85
 ):
     """Warm-up and deferral counts of the family.
 
@@ -234,7 +234,7 @@ class _Search:
             if value is not None and value < self.member_score:
                 self.member_score, self.member = value, member
 
-    def grid(self, costs: StageCosts) -> None:
+    def grid(self, costs: ResolvedCosts) -> None:
         """Phase 1: the grid around the analytic parameters (up to 40% of the budget), then the
         drain variants of its best point."""
         S, M = self.ev.S, self.ev.M
@@ -459,7 +459,7 @@ def _critical_first(ev: Evaluator, rows) -> list[int]:
     return sorted(range(len(rows)), key=lambda r: -spans[r])
 
 
-def _costs_of(ev: Evaluator) -> StageCosts:
+def _costs_of(ev: Evaluator) -> ResolvedCosts:
     S = ev.S
     f = tuple(ev.dur[ev.id(s, 0, 0)] for s in range(S))
     b = tuple(ev.dur[ev.id(s, 1, 0)] for s in range(S))
@@ -467,7 +467,7 @@ def _costs_of(ev: Evaluator) -> StageCosts:
     comm = max((ev.delay[ev.id(s, 0, 0)] for s in range(1, S)), default=0.0)
     mem_f = tuple(ev.mem[ev.id(s, 0, 0)] for s in range(S))
     mem_w = tuple(-ev.mem[ev.id(s, 2, 0)] for s in range(S))
-    return StageCosts(f, b, w, comm, mem_f, mem_w)
+    return ResolvedCosts(f, b, w, comm, mem_f, mem_w)
 
 
 def make_room(ev: Evaluator, rows: Sequence[Sequence[int]], limits: Sequence[float]) -> list[list[int]] | None:

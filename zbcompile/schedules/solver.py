@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .costs import StageCosts
+from .costs import ResolvedCosts
 from .ir import Action, Schedule
 from .simulate import simulate
 from .timing import asap_timing
@@ -57,7 +57,7 @@ class _Model:
     integer ticks, ``scale`` ticks per unit, durations rounded down; warm-started from the
     schedule's own timing. Built in steps that the caller may stop between."""
 
-    def __init__(self, cp_model, schedule: Schedule, costs: StageCosts, scale: float, objective: str):
+    def __init__(self, cp_model, schedule: Schedule, costs: ResolvedCosts, scale: float, objective: str):
         S = schedule.stages
         self.schedule, self.costs, self.scale, self.objective = schedule, costs, scale, objective
         self.comm = self.ticks(costs.comm)
@@ -169,7 +169,7 @@ class _Model:
 
 def improve(
     schedule: Schedule,
-    costs: StageCosts,
+    costs: ResolvedCosts,
     limits: Sequence[float] | None,
     objective: str,
     time_budget: float,

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Sequence, Union
 
-from .costs import Costs, StageCosts, fits_memory, resolve_costs
+from .costs import Costs, ResolvedCosts, fits_memory, resolve_costs
 from .ir import Action, Schedule
 from .lower import check_rendezvous, lower, message_of
 from .simulate import peak_memory, simulate
@@ -119,7 +119,7 @@ def _check_messages(schedule: Schedule) -> None:
 
 def validate(
     schedule: Schedule,
-    costs: Costs | StageCosts | None = None,
+    costs: Costs | ResolvedCosts | None = None,
     memory_limit: MemoryLimit = None,
     check_lowering: bool = True,
 ) -> None:
