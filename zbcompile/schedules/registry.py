@@ -44,7 +44,8 @@ class ScheduleSpec:
     ``build`` returns the (unvalidated) schedule. ``chunks_per_rank``: stages (chunks) each rank
     holds, so a pipeline of ``stages`` occupies ``ranks(stages)`` ranks (interleaved-1f1b may be
     given another rank count). ``solved``: built from the costs under the memory limit; the other
-    schedules are fixed orders that a limit only checks. ``placement(stages)`` is stage -> rank.
+    schedules are fixed orders that a limit only checks. ``placement(stages)`` is stage -> rank;
+    ``min_stages`` the fewest stages (chunks) it accepts.
     """
 
     name: str
@@ -90,10 +91,9 @@ DEFAULT_SCHEDULE = "zb-auto"
 
 def schedule_spec(name: str) -> ScheduleSpec:
     """The table entry of ``name``; ValueError naming the choices when there is none."""
-    spec = SCHEDULES.get(name)
-    if spec is None:
+    if name not in SCHEDULE_NAMES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
-    return spec
+    return SCHEDULES[name]
 
 
 def _check_sizes(spec: ScheduleSpec, stages: int, microbatches: int) -> None:
