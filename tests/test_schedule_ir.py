@@ -13,9 +13,11 @@ from zbcompile.schedules import (
     ScheduleError,
     lower,
     make_schedule,
+    schedule_spec,
     simulate,
     validate,
 )
+from zbcompile.schedules.heuristic import minimum_memory
 from zbcompile.schedules.ir import format_grid
 
 
@@ -94,6 +96,25 @@ def test_every_schedule_validates_and_keeps_microbatch_order(name, p, m):
     lowered = lower(sched)
     validate(lowered)
     assert lowered.compute_only().actions == sched.actions
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+@pytest.mark.parametrize("p", [2, 4, 6])
+def test_schedule_table_agrees_with_what_each_builder_makes(name, p):
+    spec = schedule_spec(name)
+    sched = make_schedule(name, p, 2 * p, time_budget=0)
+    assert sched.name == name
+    assert sched.stage_to_rank == spec.placement(p)
+    assert sched.ranks == spec.ranks(p)
+    assert len(sched.actions) == spec.ranks(p)
+    # a memory limit shapes exactly the solved schedules: below the fixed orders' peak they fail
+    peak = max(simulate(sched).peak_memory)
+    tight = max(peak - 0.5, *minimum_memory(spec.placement(p), Costs().resolve(p)))
+    if spec.solved:
+        assert max(simulate(make_schedule(name, p, 2 * p, memory_limit=tight, time_budget=0)).peak_memory) <= tight
+    elif tight < peak:
+        with pytest.raises(ScheduleError, match="exceeds the limit"):
+            make_schedule(name, p, 2 * p, memory_limit=tight)
 
 
 def test_fewer_microbatches_than_stages():

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from zbcompile.schedules import Costs, ScheduleError, lower, make_schedule, simulate, validate
 from zbcompile.schedules.fastsim import Evaluator
 from zbcompile.schedules.greedy import POLICIES, list_schedule
-from zbcompile.schedules.heuristic import minimum_memory, one_f_one_b_peak, sequential, v_placement
+from zbcompile.schedules.handcrafted import v_placement
+from zbcompile.schedules.heuristic import minimum_memory, one_f_one_b_peak, sequential
 from zbcompile.schedules.search import handcrafted_rows, make_room, pattern_rows, analytic_parameters
 from zbcompile.schedules.simulate import peak_memory
 

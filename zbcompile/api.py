@@ -25,10 +25,9 @@ from zbcompile.runtime.distributed import DistributedRunner, Layout, make_layout
 from zbcompile.runtime.local import LocalRunner
 from zbcompile.runtime.p2p import device_for
 from zbcompile.runtime.stage import StageExecutor
-from zbcompile.schedules import SCHEDULE_NAMES, Costs, Schedule, make_schedule
+from zbcompile.schedules import DEFAULT_SCHEDULE, SCHEDULE_NAMES, Costs, Schedule, make_schedule, schedule_spec
 from zbcompile.stage_compiler import check_compiler, compile_stage_programs
 
-DEFAULT_SCHEDULE = "zb-auto"
 DEFAULT_TIMEOUT = timedelta(seconds=300)
 
 
@@ -377,7 +376,7 @@ class PipelinedModule:
         """This rank's place among the pipelines (made on the first call: a collective of the
         ranks of `process_group`, the world by default)."""
         if self._layout is None:
-            pp_size = _ranks_per_pipeline(self.options)
+            pp_size = schedule_spec(self.options.schedule).ranks(self.options.stages)
             description = f"schedule {self.options.schedule!r} with stages={self.options.stages}"
             self._layout = make_layout(pp_size, self._device(), description, self.options.process_group)
         return self._layout
@@ -650,10 +649,3 @@ def schedule_costs(compiled: CompiledPipeline) -> Costs:
 def memory_unit(compiled: CompiledPipeline) -> int:
     """Bytes of one unit of `schedule_costs`' memory."""
     return max([p.cost.mem_b for p in compiled.programs] + [1])
-
-
-def _ranks_per_pipeline(options: PipelineOptions) -> int:
-    """Ranks one pipeline occupies for the chosen schedule."""
-    if options.schedule in ("zbv", "interleaved-1f1b"):  # two stages per rank
-        return options.stages // 2
-    return options.stages

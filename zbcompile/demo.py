@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 import zbcompile
 from zbcompile.models import GPT, GPTConfig
 from zbcompile.models.gpt import lm_loss
-from zbcompile.schedules import Action, render
+from zbcompile.schedules import Action, render, schedule_spec
 
 
 def text_batches(batch: int, seq_len: int, seed: int = 0):
@@ -44,7 +44,7 @@ def train(args: argparse.Namespace, schedule: str, device: torch.device, show: b
         model = GPT(config)
     pipe = zbcompile.pipeline(
         model, stages=args.stages, microbatches=args.microbatches, loss_fn=lm_loss, schedule=schedule,
-        profile=schedule == "zb-auto", solver_time_budget=args.solver_budget, timeout=120,
+        profile=schedule_spec(schedule).solved, solver_time_budget=args.solver_budget, timeout=120,
         dump_dir=os.path.join(args.dump, schedule),
     )
     batches = text_batches(args.batch, args.seq_len)

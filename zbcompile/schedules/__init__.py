@@ -8,10 +8,10 @@ Pure Python; importing this package never imports torch (ortools and matplotlib 
     res = simulate(sched, costs)   # makespan, span, bubble_rate, stage_bubble_rate, peak_memory
 """
 
-from .costs import Costs, StageCosts
+from .costs import Costs, ResolvedCosts
 from .ir import Action, Schedule
 from .lower import lower
-from .registry import SCHEDULE_NAMES, make_schedule
+from .registry import DEFAULT_SCHEDULE, SCHEDULE_NAMES, SCHEDULES, ScheduleSpec, make_schedule, schedule_spec
 from .simulate import SimResult, simulate
 from .timing import ScheduleError
 from .validate import validate
@@ -19,13 +19,17 @@ from .validate import validate
 __all__ = [
     "Action",
     "Costs",
+    "DEFAULT_SCHEDULE",
+    "ResolvedCosts",
+    "SCHEDULES",
     "SCHEDULE_NAMES",
     "Schedule",
     "ScheduleError",
+    "ScheduleSpec",
     "SimResult",
-    "StageCosts",
     "lower",
     "make_schedule",
+    "schedule_spec",
     "simulate",
     "validate",
 ]

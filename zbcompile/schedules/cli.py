@@ -7,13 +7,11 @@ import os
 from typing import Sequence
 
 from .costs import Costs
-from .heuristic import one_f_one_b_peak
+from .heuristic import one_f_one_b_peaks
 from .ir import Schedule
-from .registry import OBJECTIVES, SCHEDULE_NAMES, make_schedule
+from .registry import OBJECTIVES, SCHEDULE_NAMES, make_schedule, schedule_spec
 from .render import layout, to_png, to_svg
 from .simulate import simulate
-
-_LIMITED = ("zb-auto", "zbv")  # the schedules a memory limit shapes; others are only measured
 
 
 def _floats(text: str) -> float | list[float]:
@@ -25,22 +23,16 @@ def _floats(text: str) -> float | list[float]:
 
 
 def memory_limit_for(spec: str | None, name: str, stages: int, costs: Costs) -> float | list[float] | None:
-    """``Np`` is N times 1F1B's peak (p microbatches of each rank's activations, plus
-    max(0, mem_w - mem_f) for the backward in progress, ``heuristic.one_f_one_b_peak``); else a number."""
+    """``Np`` is N times 1F1B's peak per rank of schedule ``name``'s placement (p microbatches of
+    each rank's activations, plus max(0, mem_w - mem_f) for the backward in progress,
+    ``heuristic.one_f_one_b_peaks``); else a number."""
     if spec is None:
         return None
     if not spec.endswith("p"):
         return _floats(spec)
     factor = float(spec[:-1] or 1)
-    sc = costs.resolve(stages)
-    mem_f, mem_w = sc.mem_f, sc.mem_w
-    if name == "zbv":
-        ranks = stages // 2
-        return [
-            factor * one_f_one_b_peak(mem_f[r] + mem_f[stages - 1 - r], mem_w[r] + mem_w[stages - 1 - r], ranks)
-            for r in range(ranks)
-        ]
-    return [factor * one_f_one_b_peak(f, w, stages) for f, w in zip(mem_f, mem_w)]
+    placement = schedule_spec(name).placement(stages)
+    return [factor * peak for peak in one_f_one_b_peaks(placement, costs.resolve(stages))]
 
 
 def register(subparsers) -> None:
@@ -76,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
     costs = Costs(f=args.f, b=args.b, w=args.w, comm=args.comm, mem_f=args.mem_f, mem_w=args.mem_w)
     built: list[Schedule] = []
     for name in names:
-        limit = memory_limit_for(args.memory_limit, name, args.stages, costs) if name in _LIMITED else None
+        # only the solved schedules are shaped by a limit; the others are only measured
+        limit = memory_limit_for(args.memory_limit, name, args.stages, costs) if schedule_spec(name).solved else None
         built.append(
             make_schedule(name, args.stages, args.microbatches, costs, limit, args.objective, time_budget=args.time_budget)
         )

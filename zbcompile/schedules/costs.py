@@ -22,6 +22,21 @@ from typing import Sequence, Union
 Number = Union[int, float]
 PerStage = Union[Number, Sequence[Number]]
 
+# Memory levels are float sums of deltas: a level may pass its limit by rounding, never by more than
+# this fraction of the limit (of 1 for limits below 1).
+MEMORY_TOLERANCE = 1e-9
+
+
+def memory_ceiling(limit: float) -> float:
+    """The highest memory level that fits ``limit`` (``MEMORY_TOLERANCE`` included)."""
+    return limit + MEMORY_TOLERANCE * max(1.0, abs(limit))
+
+
+def fits_memory(level: float, limit: float) -> bool:
+    """Whether memory ``level`` fits ``limit``: the one test every schedule builder and the
+    validator use."""
+    return level <= memory_ceiling(limit)
+
 
 def _per_stage(name: str, value: PerStage, stages: int) -> tuple[float, ...]:
     if isinstance(value, (int, float)):
@@ -40,7 +55,7 @@ def _per_stage(name: str, value: PerStage, stages: int) -> tuple[float, ...]:
 
 
 @dataclass(frozen=True)
-class StageCosts:
+class ResolvedCosts:
     """Costs resolved to one value per stage (see ``Costs``)."""
 
     f: tuple[float, ...]
@@ -109,13 +124,13 @@ class Costs:
     mem_f: PerStage = 1.0
     mem_w: PerStage = 0.5
 
-    def resolve(self, stages: int) -> StageCosts:
+    def resolve(self, stages: int) -> ResolvedCosts:
         """One value per stage; raises ValueError on a length mismatch or a negative value."""
         if not isinstance(self.comm, (int, float)) or not math.isfinite(self.comm) or self.comm < 0:
             raise ValueError(f"comm must be a finite non-negative number, got {self.comm!r}")
         mem_f = _per_stage("mem_f", self.mem_f, stages)
         mem_w = _per_stage("mem_w", self.mem_w, stages)
-        return StageCosts(
+        return ResolvedCosts(
             f=_per_stage("f", self.f, stages),
             b=_per_stage("b", self.b, stages),
             w=_per_stage("w", self.w, stages),
@@ -125,11 +140,30 @@ class Costs:
         )
 
 
-def resolve_costs(costs: Costs | StageCosts | None, stages: int) -> StageCosts:
-    """Accept ``None`` (defaults), ``Costs`` or already resolved ``StageCosts``."""
+def warmup_windows(stage_to_rank: Sequence[int], costs: ResolvedCosts) -> list[float]:
+    """Per stage, the time from its first F's start until microbatch 0's gradient is back from the
+    last stage (F then I back to back down and up the pipeline, a cross-rank input delayed by
+    ``comm``): the window a stage fills with warm-up forwards."""
+    stages = len(stage_to_rank)
+
+    def delay(a: int, b: int) -> float:
+        return costs.comm if stage_to_rank[a] != stage_to_rank[b] else 0.0
+
+    first_f = [0.0] * stages
+    for s in range(1, stages):
+        first_f[s] = first_f[s - 1] + costs.f[s - 1] + delay(s - 1, s)
+    grad_back = [0.0] * stages
+    grad_back[-1] = first_f[-1] + costs.f[-1]
+    for s in range(stages - 2, -1, -1):
+        grad_back[s] = grad_back[s + 1] + costs.b[s + 1] + delay(s + 1, s)
+    return [back - first for first, back in zip(first_f, grad_back)]
+
+
+def resolve_costs(costs: Costs | ResolvedCosts | None, stages: int) -> ResolvedCosts:
+    """Accept ``None`` (defaults), ``Costs`` or already resolved ``ResolvedCosts``."""
     if costs is None:
         costs = Costs()
-    if isinstance(costs, StageCosts):
+    if isinstance(costs, ResolvedCosts):
         if costs.stages != stages:
             raise ValueError(f"costs are resolved for {costs.stages} stages, the schedule has {stages}")
         return costs

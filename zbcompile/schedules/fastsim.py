@@ -2,7 +2,7 @@
 
 The search in ``search.py`` re-times thousands of candidate orders, so this module works on plain
 lists of ints instead of ``Action`` objects. An action is ``(kind * S + stage) * M + microbatch``
-with kind 0 = F, 1 = I, 2 = W (split backward only). The timing rule is ``timing.asap_timing``'s:
+with kind 0 = F, 1 = I, 2 = W (split backward only), so every id from ``first_w`` on is a W. The timing rule is ``timing.asap_timing``'s:
 every action starts as soon as its rank is free and its inputs have arrived, in each rank's order,
 a cross-rank input delayed by ``comm``. ``tests/test_schedule_search.py`` checks that both agree.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from .costs import StageCosts
+from .costs import ResolvedCosts, fits_memory
 from .ir import Action, Schedule
 
 KINDS = "FIW"
@@ -22,11 +22,12 @@ _KIND_INDEX = {"F": 0, "I": 1, "W": 2}
 class Evaluator:
     """Per-rank spans, makespan and peak memory of F/I/W orders given as lists of action ids."""
 
-    def __init__(self, stages: int, microbatches: int, stage_to_rank: Sequence[int], costs: StageCosts):
+    def __init__(self, stages: int, microbatches: int, stage_to_rank: Sequence[int], costs: ResolvedCosts):
         S, M = stages, microbatches
         self.S, self.M = S, M
         self.stage_to_rank = tuple(stage_to_rank)
         self.ranks = 1 + max(stage_to_rank)
+        self.first_w = 2 * S * M  # the W ids are first_w .. 3 S M - 1
         n = 3 * S * M
         self.dur = [0.0] * n
         self.mem = [0.0] * n
@@ -52,6 +53,12 @@ class Evaluator:
 
     def id(self, stage: int, kind: int, microbatch: int) -> int:
         return (kind * self.S + stage) * self.M + microbatch
+
+    def w_id(self, stage: int, microbatch: int) -> int:
+        return self.first_w + stage * self.M + microbatch
+
+    def stage_of(self, aid: int) -> int:
+        return (aid // self.M) % self.S
 
     def action(self, aid: int) -> Action:
         rest, k = divmod(aid, self.M)
@@ -128,6 +135,10 @@ class Evaluator:
             if level > peak:
                 peak = level
         return peak
+
+    def fits(self, rows: Sequence[Sequence[int]], limits: Sequence[float]) -> bool:
+        """Whether every rank's peak fits its limit (``costs.fits_memory``)."""
+        return all(fits_memory(self.peak(row), limit) for row, limit in zip(rows, limits))
 
     def score(self, rows: Sequence[Sequence[int]], objective: str) -> tuple[float, float]:
         """(objective, sum of per-rank spans) -- the second breaks ties in the search; inf if stuck."""

@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from .costs import StageCosts
+from .costs import ResolvedCosts, memory_ceiling, warmup_windows
 from .ir import Action, Schedule
 
 _EPS = 1e-9
@@ -53,27 +53,183 @@ POLICIES = QUICK_POLICIES + tuple(GreedyPolicy("eager", w, extra) for extra in (
 )
 
 
-def warmup_counts(stages: int, stage_to_rank: Sequence[int], costs: StageCosts) -> list[int]:
-    """Per stage, how many F fit between its first F and the return of microbatch 0's gradient."""
-    def delay(a: int, b: int) -> float:
-        return costs.comm if stage_to_rank[a] != stage_to_rank[b] else 0.0
-
-    first_f = [0.0] * stages
-    for s in range(1, stages):
-        first_f[s] = first_f[s - 1] + costs.f[s - 1] + delay(s - 1, s)
-    grad_back = [0.0] * stages
-    grad_back[-1] = first_f[-1] + costs.f[-1]
-    for s in range(stages - 2, -1, -1):
-        grad_back[s] = grad_back[s + 1] + costs.b[s + 1] + delay(s + 1, s)
-    counts = []
-    for s in range(stages):
-        window = grad_back[s] - first_f[s]
-        counts.append(max(1, math.ceil(window / costs.f[s] - _EPS)) if costs.f[s] > 0 else 1)
-    return counts
+def warmup_counts(stages: int, stage_to_rank: Sequence[int], costs: ResolvedCosts) -> list[int]:
+    """Per stage, how many F fit between its first F and the return of microbatch 0's gradient
+    (``costs.warmup_windows``), rounded up, at least 1."""
+    return [
+        max(1, math.ceil(window / costs.f[s] - _EPS)) if costs.f[s] > 0 else 1
+        for s, window in enumerate(warmup_windows(stage_to_rank, costs))
+    ]
 
 
 class MemoryTooSmall(ValueError):
     pass
+
+
+class _ListScheduler:
+    """The event simulation of one ``list_schedule`` call: per stage the F, I and W placed so
+    far and their end times; per rank its memory level, when it is free and its program."""
+
+    def __init__(
+        self,
+        stages: int,
+        microbatches: int,
+        stage_to_rank: Sequence[int],
+        costs: ResolvedCosts,
+        memory_limit: Sequence[float] | None,
+        policy: GreedyPolicy,
+    ):
+        S, M = stages, microbatches
+        self.S, self.M, self.stage_to_rank, self.costs, self.policy = S, M, stage_to_rank, costs, policy
+        ranks = self.ranks = 1 + max(stage_to_rank)
+        self.stages_of = [[s for s in range(S) if stage_to_rank[s] == r] for r in range(ranks)]
+        # F of deeper stages and I of deeper stages first (they are further along their chains).
+        for group in self.stages_of:
+            group.sort(reverse=True)
+        self.limit = list(memory_limit) if memory_limit is not None else [math.inf] * ranks
+        self.ceiling = [memory_ceiling(l) for l in self.limit]
+        self.f_end = [[math.inf] * M for _ in range(S)]
+        self.i_end = [[math.inf] * M for _ in range(S)]
+        self.nf, self.ni, self.nw = [0] * S, [0] * S, [0] * S
+        self.free_at = [0.0] * ranks
+        self.first_start = [math.inf] * ranks
+        self.mem = [0.0] * ranks
+        self.rows: list[list[Action]] = [[] for _ in range(ranks)]
+        self.remaining = [3 * M * len(g) for g in self.stages_of]
+        if policy.inflight_extra is None:
+            self.inflight_cap = [M] * S
+        else:
+            self.inflight_cap = [c + policy.inflight_extra for c in warmup_counts(S, stage_to_rank, costs)]
+        # Memory kept free on a rank for one F (and its I's increase) of each deeper stage it holds (V
+        # shapes), so that the oldest microbatch can always continue down the pipeline and back, and
+        # for the increase of this stage's own I (mem_w > mem_f).
+        self.reserve = [
+            costs.excess(s) + sum(max(costs.mem_f[d], costs.mem_w[d]) for d in self.stages_of[stage_to_rank[s]] if d > s)
+            for s in range(S)
+        ]
+        # the delay of stage s's F input (from s - 1) and of its I input (from s + 1)
+        self.f_delay = [0.0] + [self.delay(s - 1, s) for s in range(1, S)]
+        self.i_delay = [self.delay(s + 1, s) for s in range(S - 1)] + [0.0]
+        self.events: list[tuple[float, int]] = [(0.0, r) for r in range(ranks)]
+        heapq.heapify(self.events)
+
+    def delay(self, a: int, b: int) -> float:
+        return self.costs.comm if self.stage_to_rank[a] != self.stage_to_rank[b] else 0.0
+
+    def f_avail(self, s: int) -> float:
+        """When stage ``s``'s next F has its input."""
+        return 0.0 if s == 0 else self.f_end[s - 1][self.nf[s]] + self.f_delay[s]
+
+    def i_avail(self, s: int) -> float:
+        """When stage ``s``'s next I has its inputs (inf before its F ran)."""
+        k = self.ni[s]
+        if k >= self.nf[s]:
+            return math.inf
+        if s == self.S - 1:
+            return self.f_end[s][k]
+        return max(self.f_end[s][k], self.i_end[s + 1][k] + self.i_delay[s])
+
+    def place(self, r: int, s: int, kind: str, now: float) -> None:
+        """Run the next ``kind`` of stage ``s`` on rank ``r`` at ``now``; queue the events it causes."""
+        costs, events, stage_to_rank = self.costs, self.events, self.stage_to_rank
+        if kind == "F":
+            k = self.nf[s]
+            self.nf[s] += 1
+            end = now + costs.f[s]
+            self.f_end[s][k] = end
+            if s + 1 < self.S:
+                heapq.heappush(events, (end + self.f_delay[s + 1], stage_to_rank[s + 1]))
+        elif kind == "I":
+            k = self.ni[s]
+            self.ni[s] += 1
+            end = now + costs.b[s]
+            self.i_end[s][k] = end
+            if s > 0:
+                heapq.heappush(events, (end + self.i_delay[s - 1], stage_to_rank[s - 1]))
+        else:
+            k = self.nw[s]
+            self.nw[s] += 1
+            end = now + costs.w[s]
+        self.rows[r].append(Action(s, kind, k))
+        self.first_start[r] = min(self.first_start[r], now)
+        self.mem[r] += costs.memory_delta(s, kind)
+        self.free_at[r] = end
+        self.remaining[r] -= 1
+        heapq.heappush(events, (end, r))
+
+    def forward_fits(self, r: int, s: int) -> bool:
+        """Room on rank ``r`` for an F of stage ``s`` and its reserve."""
+        return self.mem[r] + self.costs.mem_f[s] + self.reserve[s] <= self.ceiling[r]
+
+    def forward_allowed(self, s: int) -> bool:
+        """Stage ``s`` has forwards left and fewer in flight than its cap."""
+        return self.nf[s] < self.M and self.nf[s] - self.ni[s] < self.inflight_cap[s]
+
+    def decide(self, r: int, now: float) -> tuple[int, str] | None:
+        """What rank ``r`` runs at ``now`` (the order of the module docstring), None to wait."""
+        group = self.stages_of[r]
+        returned = self.returned_gradient(group, now)
+        if returned is not None:
+            return self.backward(r, group, returned)
+        next_i = min((self.i_avail(s) for s in group if self.ni[s] < self.M), default=math.inf)
+        ready_f = [s for s in group if self.forward_allowed(s) and self.f_avail(s) <= now + _EPS]
+        fits = [s for s in ready_f if self.forward_fits(r, s)]
+        for s in fits:
+            if self.policy.f_gate == "eager" or now + self.costs.f[s] <= next_i + _EPS:
+                return s, "F"
+        return self.weight(r, group, now, next_i, ready_f, fits)
+
+    def returned_gradient(self, group: list[int], now: float) -> int | None:
+        """Step 1: the stage whose I has its inputs, oldest microbatch first, deeper stage on ties."""
+        best = None
+        ni, M = self.ni, self.M
+        for s in group:
+            if ni[s] < M and self.i_avail(s) <= now + _EPS:
+                key = (ni[s], -s)
+                if best is None or key < best[0]:
+                    best = (key, s)
+        return None if best is None else best[1]
+
+    def backward(self, r: int, group: list[int], s: int) -> tuple[int, str] | None:
+        """Step 1: the I of stage ``s``; when its increase (mem_w > mem_f) does not fit, first the
+        pending W that frees the most."""
+        if self.mem[r] + self.costs.memory_delta(s, "I") <= self.ceiling[r]:
+            return s, "I"
+        pending_w = [t for t in group if self.nw[t] < self.ni[t]]
+        if pending_w:
+            return max(pending_w, key=lambda t: (self.costs.mem_w[t], -t)), "W"
+        return None  # cannot happen on a single-chunk stage (see the module docstring)
+
+    def weight(
+        self, r: int, group: list[int], now: float, next_i: float, ready_f: list[int], fits: list[int]
+    ) -> tuple[int, str] | None:
+        """Steps 3 and 4: a W of the shallowest stage with one pending, to make room for a waiting
+        forward, or to fill the gap as the policy's ``w_gate`` allows."""
+        w_stage = next((s for s in sorted(group) if self.nw[s] < self.ni[s]), None)
+        if w_stage is None:
+            return None
+        if ready_f and not fits:
+            return w_stage, "W"
+        if self.policy.w_gate == "fill":
+            return w_stage, "W"
+        next_f = min(
+            (self.f_avail(s) for s in group if self.forward_allowed(s) and self.forward_fits(r, s)),
+            default=math.inf,
+        )
+        upcoming = min(next_i, next_f)
+        if fits or now + self.costs.w[w_stage] <= upcoming + _EPS or upcoming == math.inf:
+            return w_stage, "W"
+        return None
+
+    def run(self) -> None:
+        """Advance from event to event until no rank can act."""
+        while self.events:
+            now, r = heapq.heappop(self.events)
+            if self.remaining[r] == 0 or self.free_at[r] > now + _EPS:
+                continue
+            choice = self.decide(r, now)
+            if choice is not None:
+                self.place(r, choice[0], choice[1], now)
 
 
 def list_schedule(
@@ -81,147 +237,23 @@ def list_schedule(
     stages: int,
     microbatches: int,
     stage_to_rank: Sequence[int],
-    costs: StageCosts,
+    costs: ResolvedCosts,
     memory_limit: Sequence[float] | None,
     policy: GreedyPolicy = GreedyPolicy(),
 ) -> Schedule:
     """Build per-rank programs (F, I, W) with ``policy``; raises MemoryTooSmall when stuck."""
-    S, M = stages, microbatches
-    ranks = 1 + max(stage_to_rank)
-    stages_of = [[s for s in range(S) if stage_to_rank[s] == r] for r in range(ranks)]
-    # F of deeper stages and I of deeper stages first (they are further along their chains).
-    for group in stages_of:
-        group.sort(reverse=True)
-    limit = list(memory_limit) if memory_limit is not None else [math.inf] * ranks
-    f_end = [[math.inf] * M for _ in range(S)]
-    i_end = [[math.inf] * M for _ in range(S)]
-    nf, ni, nw = [0] * S, [0] * S, [0] * S
-    free_at = [0.0] * ranks
-    first_start = [math.inf] * ranks
-    mem = [0.0] * ranks
-    rows: list[list[Action]] = [[] for _ in range(ranks)]
-    remaining = [3 * M * len(g) for g in stages_of]
-    if policy.inflight_extra is None:
-        inflight_cap = [M] * S
-    else:
-        inflight_cap = [c + policy.inflight_extra for c in warmup_counts(S, stage_to_rank, costs)]
-    # Memory kept free on a rank for one F (and its I's increase) of each deeper stage it holds (V
-    # shapes), so that the oldest microbatch can always continue down the pipeline and back, and
-    # for the increase of this stage's own I (mem_w > mem_f).
-    reserve = [
-        costs.excess(s) + sum(max(costs.mem_f[d], costs.mem_w[d]) for d in stages_of[stage_to_rank[s]] if d > s)
-        for s in range(S)
-    ]
-
-    def delay(a: int, b: int) -> float:
-        return costs.comm if stage_to_rank[a] != stage_to_rank[b] else 0.0
-
-    def f_avail(s: int) -> float:
-        k = nf[s]
-        return 0.0 if s == 0 else f_end[s - 1][k] + delay(s - 1, s)
-
-    def i_avail(s: int) -> float:
-        k = ni[s]
-        if k >= nf[s]:
-            return math.inf
-        if s == S - 1:
-            return f_end[s][k]
-        return max(f_end[s][k], i_end[s + 1][k] + delay(s + 1, s))
-
-    events: list[tuple[float, int]] = [(0.0, r) for r in range(ranks)]
-    heapq.heapify(events)
-
-    def place(r: int, s: int, kind: str, now: float) -> None:
-        if kind == "F":
-            k = nf[s]
-            nf[s] += 1
-            end = now + costs.f[s]
-            f_end[s][k] = end
-            if s + 1 < S:
-                heapq.heappush(events, (end + delay(s, s + 1), stage_to_rank[s + 1]))
-        elif kind == "I":
-            k = ni[s]
-            ni[s] += 1
-            end = now + costs.b[s]
-            i_end[s][k] = end
-            if s > 0:
-                heapq.heappush(events, (end + delay(s, s - 1), stage_to_rank[s - 1]))
-        else:
-            k = nw[s]
-            nw[s] += 1
-            end = now + costs.w[s]
-        rows[r].append(Action(s, kind, k))
-        first_start[r] = min(first_start[r], now)
-        mem[r] += costs.memory_delta(s, kind)
-        free_at[r] = end
-        remaining[r] -= 1
-        heapq.heappush(events, (end, r))
-
-    def decide(r: int, now: float) -> tuple[int, str] | None:
-        group = stages_of[r]
-        # 1. a returned gradient: I of the oldest microbatch, deeper stage first on ties; when its
-        #    increase (mem_w > mem_f) does not fit, a pending W frees memory first
-        best = None
-        for s in group:
-            if ni[s] < M and i_avail(s) <= now + _EPS:
-                key = (ni[s], -s)
-                if best is None or key < best[0]:
-                    best = (key, s)
-        if best is not None:
-            s = best[1]
-            if mem[r] + costs.memory_delta(s, "I") <= limit[r] + _EPS:
-                return s, "I"
-            pending_w = [t for t in group if nw[t] < ni[t]]
-            if pending_w:  # the stage whose W frees the most
-                return max(pending_w, key=lambda t: (costs.mem_w[t], -t)), "W"
-            return None  # cannot happen on a single-chunk stage (see the module docstring)
-        next_i = min((i_avail(s) for s in group if ni[s] < M), default=math.inf)
-        ready_f = [s for s in group if nf[s] < M and f_avail(s) <= now + _EPS]
-        ready_f = [s for s in ready_f if nf[s] - ni[s] < inflight_cap[s]]
-        fits = [s for s in ready_f if mem[r] + costs.mem_f[s] + reserve[s] <= limit[r] + _EPS]
-        # 2. a forward that fits in memory
-        for s in fits:
-            if policy.f_gate == "eager" or now + costs.f[s] <= next_i + _EPS:
-                return s, "F"
-        w_stage = next((s for s in sorted(group) if nw[s] < ni[s]), None)
-        if w_stage is None:
-            return None
-        # 3. W to make room for a waiting forward
-        if ready_f and not fits:
-            return w_stage, "W"
-        # 4. W to fill the gap
-        if policy.w_gate == "fill":
-            return w_stage, "W"
-        next_f = min(
-            (
-                f_avail(s)
-                for s in group
-                if nf[s] < M and nf[s] - ni[s] < inflight_cap[s] and mem[r] + costs.mem_f[s] + reserve[s] <= limit[r] + _EPS
-            ),
-            default=math.inf,
-        )
-        upcoming = min(next_i, next_f)
-        if fits or now + costs.w[w_stage] <= upcoming + _EPS or upcoming == math.inf:
-            return w_stage, "W"
-        return None
-
-    while events:
-        now, r = heapq.heappop(events)
-        if remaining[r] == 0 or free_at[r] > now + _EPS:
-            continue
-        choice = decide(r, now)
-        if choice is not None:
-            place(r, choice[0], choice[1], now)
-    if any(remaining):
-        stuck = [r for r in range(ranks) if remaining[r]]
+    ls = _ListScheduler(stages, microbatches, stage_to_rank, costs, memory_limit, policy)
+    ls.run()
+    if any(ls.remaining):
+        stuck = [r for r in range(ls.ranks) if ls.remaining[r]]
         raise MemoryTooSmall(
-            f"{name}: the memory limit {[limit[r] for r in stuck]} on ranks {stuck} leaves no room to make "
+            f"{name}: the memory limit {[ls.limit[r] for r in stuck]} on ranks {stuck} leaves no room to make "
             "progress; raise memory_limit (at least one microbatch's activations of every stage on a rank, "
             "and max(mem_f, mem_w) per stage: an I adds mem_w - mem_f when mem_w > mem_f)"
         )
     # The list scheduler's own timing; re-timing the order as soon as possible can only end sooner.
     estimate = {
-        "estimate_span": max(free_at[r] - first_start[r] for r in range(ranks)),
-        "estimate_makespan": max(free_at),
+        "estimate_span": max(ls.free_at[r] - ls.first_start[r] for r in range(ls.ranks)),
+        "estimate_makespan": max(ls.free_at),
     }
-    return Schedule(name, S, M, tuple(stage_to_rank), tuple(tuple(row) for row in rows), estimate)
+    return Schedule(name, stages, microbatches, tuple(stage_to_rank), tuple(tuple(row) for row in ls.rows), estimate)

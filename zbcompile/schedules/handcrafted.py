@@ -24,8 +24,24 @@ from __future__ import annotations
 from .ir import Action, Schedule
 
 
+def in_line(stages: int) -> tuple[int, ...]:
+    """One stage per rank: stage s on rank s."""
+    return tuple(range(stages))
+
+
+def round_robin(stages: int, ranks: int) -> tuple[int, ...]:
+    """Chunks dealt out in turn: stage c*ranks + r on rank r (interleaved 1F1B)."""
+    return tuple(s % ranks for s in range(stages))
+
+
+def v_placement(stages: int) -> tuple[int, ...]:
+    """Two chunks per rank in a V: stage s on rank s for the first half, 2p-1-s for the second."""
+    ranks = stages // 2
+    return tuple(s if s < ranks else stages - 1 - s for s in range(stages))
+
+
 def _single_chunk(name: str, stages: int, microbatches: int, rows: list[list[Action]]) -> Schedule:
-    return Schedule(name, stages, microbatches, tuple(range(stages)), tuple(tuple(r) for r in rows))
+    return Schedule(name, stages, microbatches, in_line(stages), tuple(tuple(r) for r in rows))
 
 
 def gpipe(stages: int, microbatches: int) -> Schedule:
@@ -36,10 +52,15 @@ def gpipe(stages: int, microbatches: int) -> Schedule:
     return _single_chunk("gpipe", stages, microbatches, rows)
 
 
+def _one_f_one_b_warmup(stages: int, stage: int, microbatches: int) -> int:
+    """1F1B's (and ZB-H1's) warm-up forwards on ``stage``: p-1-s, at most m."""
+    return min(stages - 1 - stage, microbatches)
+
+
 def one_f_one_b(stages: int, microbatches: int) -> Schedule:
     rows = []
     for s in range(stages):
-        warmup = min(stages - 1 - s, microbatches)
+        warmup = _one_f_one_b_warmup(stages, s, microbatches)
         row = [Action(s, "F", k) for k in range(warmup)]
         for i in range(microbatches - warmup):
             row += [Action(s, "F", warmup + i), Action(s, "B", i)]
@@ -51,7 +72,7 @@ def one_f_one_b(stages: int, microbatches: int) -> Schedule:
 def zb_h1(stages: int, microbatches: int) -> Schedule:
     rows = []
     for s in range(stages):
-        warmup = min(stages - 1 - s, microbatches)
+        warmup = _one_f_one_b_warmup(stages, s, microbatches)
         held_back = min(s, microbatches)
         row = [Action(s, "F", k) for k in range(warmup)]
         next_w = 0
@@ -121,8 +142,7 @@ def interleaved_one_f_one_b(stages: int, microbatches: int, ranks: int | None = 
             row += [forward_slot(warmup + i, r), backward_slot(i, r)]
         row += [backward_slot(k, r) for k in range(total - warmup, total)]
         rows.append(row)
-    stage_to_rank = tuple(s % ranks for s in range(stages))
-    return Schedule("interleaved-1f1b", stages, microbatches, stage_to_rank, tuple(tuple(r) for r in rows))
+    return Schedule("interleaved-1f1b", stages, microbatches, round_robin(stages, ranks), tuple(tuple(r) for r in rows))
 
 
 def zb_v(stages: int, microbatches: int) -> Schedule:
@@ -183,5 +203,4 @@ def zb_v(stages: int, microbatches: int) -> Schedule:
         while count[(down, "W")] < count[(down, "I")]:
             put(down, "W")
         rows.append(tuple(a for a in row if a.microbatch < microbatches))
-    placement = tuple(s if s < p else stages - 1 - s for s in range(stages))
-    return Schedule("zbv", stages, microbatches, placement, tuple(rows))
+    return Schedule("zbv", stages, microbatches, v_placement(stages), tuple(rows))

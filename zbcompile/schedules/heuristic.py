@@ -16,16 +16,16 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from .costs import StageCosts
+from .costs import ResolvedCosts, fits_memory
 from .greedy import POLICIES, QUICK_POLICIES, GreedyPolicy, MemoryTooSmall, list_schedule
-from .handcrafted import zb_v
+from .handcrafted import v_placement, zb_v
 from .fastsim import Evaluator
 from .ir import Action, Schedule
 from .reference import ALL_FLAGS, QUICK_FLAGS, reference_rows
 from .search import analytic_parameters, handcrafted_rows, make_room, pattern_rows
 from .simulate import peak_memory, simulate
 
-_TOLERANCE = 1e-9
+_STRICTLY_BETTER = 1e-9  # relative margin by which the paper's construction must beat the others
 
 
 def split_backward(schedule: Schedule) -> Schedule:
@@ -39,13 +39,13 @@ def split_backward(schedule: Schedule) -> Schedule:
     return Schedule(schedule.name, schedule.stages, schedule.microbatches, schedule.stage_to_rank, tuple(rows))
 
 
-def fits(schedule: Schedule, costs: StageCosts, limits: Sequence[float] | None) -> bool:
+def fits(schedule: Schedule, costs: ResolvedCosts, limits: Sequence[float] | None) -> bool:
     if limits is None:
         return True
-    return all(p <= l + _TOLERANCE * max(1.0, l) for p, l in zip(peak_memory(schedule, costs), limits))
+    return all(fits_memory(p, l) for p, l in zip(peak_memory(schedule, costs), limits))
 
 
-def minimum_memory(stage_to_rank: Sequence[int], costs: StageCosts) -> tuple[float, ...]:
+def minimum_memory(stage_to_rank: Sequence[int], costs: ResolvedCosts) -> tuple[float, ...]:
     """The smallest per-rank limit under which a schedule exists: the peak of one microbatch
     passing alone through the rank's stages (its F in stage order, then I and at once W in reverse).
     One stage per rank: max(mem_f, mem_w) (an I adds mem_w - mem_f when that is positive)."""
@@ -72,11 +72,21 @@ def one_f_one_b_peak(mem_f: float, mem_w: float, stages: int) -> float:
     return stages * mem_f + max(0.0, mem_w - mem_f)
 
 
-def check_memory_feasible(name: str, stage_to_rank: Sequence[int], costs: StageCosts, limits) -> None:
+def one_f_one_b_peaks(stage_to_rank: Sequence[int], costs: ResolvedCosts) -> tuple[float, ...]:
+    """1F1B's memory per rank: ``one_f_one_b_peak`` of the rank's summed ``mem_f`` and ``mem_w``
+    (a whole rank's activations per microbatch), with as many in flight as there are ranks."""
+    ranks = 1 + max(stage_to_rank)
+    own = [[s for s, r in enumerate(stage_to_rank) if r == rank] for rank in range(ranks)]
+    return tuple(
+        one_f_one_b_peak(sum(costs.mem_f[s] for s in stages), sum(costs.mem_w[s] for s in stages), ranks) for stages in own
+    )
+
+
+def check_memory_feasible(name: str, stage_to_rank: Sequence[int], costs: ResolvedCosts, limits) -> None:
     if limits is None:
         return
     needed = minimum_memory(stage_to_rank, costs)
-    short = [r for r, (l, n) in enumerate(zip(limits, needed)) if l + _TOLERANCE < n]
+    short = [r for r, (l, n) in enumerate(zip(limits, needed)) if not fits_memory(n, l)]
     if short:
         raise ValueError(
             f"{name}: memory_limit {[limits[r] for r in short]} on ranks {short} is below one microbatch's "
@@ -88,7 +98,7 @@ def check_memory_feasible(name: str, stage_to_rank: Sequence[int], costs: StageC
 QUICK_SIZE = 1024  # stages x microbatches above which the list scheduler runs once (or not: uniform costs)
 
 
-def best_of(candidates: Sequence[Schedule], costs: StageCosts, objective: str) -> tuple[Schedule, float]:
+def best_of(candidates: Sequence[Schedule], costs: ResolvedCosts, objective: str) -> tuple[Schedule, float]:
     """The candidate with the smallest simulated objective. List-scheduled candidates are ranked by
     their own timing (an upper bound on the simulated value) and only the best one is simulated."""
     estimated = [c for c in candidates if f"estimate_{objective}" in c.info]
@@ -103,7 +113,7 @@ def best_of(candidates: Sequence[Schedule], costs: StageCosts, objective: str) -
 def zb_auto_heuristic(
     stages: int,
     microbatches: int,
-    costs: StageCosts,
+    costs: ResolvedCosts,
     limits: Sequence[float] | None,
     objective: str = "span",
     policies: Sequence[GreedyPolicy] | None = None,
@@ -118,7 +128,7 @@ def zb_auto_heuristic(
 def zb_auto_candidates(
     stages: int,
     microbatches: int,
-    costs: StageCosts,
+    costs: ResolvedCosts,
     limits: Sequence[float] | None,
     objective: str,
     policies: Sequence[GreedyPolicy] | None,
@@ -138,7 +148,7 @@ def zb_auto_candidates(
     def consider(source: str, rows: list[list[int]] | None) -> None:
         if rows is None:
             return
-        if limits is not None and any(ev.peak(r) > l + _TOLERANCE * max(1.0, l) for r, l in zip(rows, lims)):
+        if limits is not None and not ev.fits(rows, lims):
             return
         scored.append((ev.score(rows, objective), len(scored), source, rows))
 
@@ -161,18 +171,12 @@ def zb_auto_candidates(
     if reference is not None:
         before = min((t[0][0] for t in scored), default=math.inf)
         consider(*reference)
-        if before < math.inf and scored[-1][2] == reference[0] and not scored[-1][0][0] < before - _TOLERANCE * max(1.0, abs(before)):
+        if before < math.inf and scored[-1][2] == reference[0] and not scored[-1][0][0] < before - _STRICTLY_BETTER * max(1.0, abs(before)):
             scored.pop()
     if not scored:
         raise ValueError(f"zb-auto: no schedule fits memory_limit {list(limits)}; raise it")
     value, _, source, rows = min(scored, key=lambda t: (t[0], t[1]))
     return rows, value, source
-
-
-def v_placement(stages: int) -> tuple[int, ...]:
-    """Two chunks per rank in a V: stage s on rank s for the first half, 2p-1-s for the second."""
-    ranks = stages // 2
-    return tuple(s if s < ranks else stages - 1 - s for s in range(stages))
 
 
 def sequential(stages: int, microbatches: int, stage_to_rank: Sequence[int]) -> Schedule:
@@ -193,30 +197,21 @@ def sequential(stages: int, microbatches: int, stage_to_rank: Sequence[int]) -> 
     return Schedule("zbv", stages, microbatches, tuple(stage_to_rank), tuple(rows))
 
 
-def _uniform(costs: StageCosts) -> bool:
+def _uniform(costs: ResolvedCosts) -> bool:
     return all(len(set(v)) <= 1 for v in (costs.f, costs.b, costs.w, costs.mem_f, costs.mem_w))
 
 
-def zbv(stages: int, microbatches: int, costs: StageCosts, limits: Sequence[float] | None = None, objective: str = "span") -> Schedule:
+def zbv(stages: int, microbatches: int, costs: ResolvedCosts, limits: Sequence[float] | None = None, objective: str = "span") -> Schedule:
     """ZB-V: the handcrafted schedule (``handcrafted.zb_v``) at 1F1B's memory unless a limit is
     given; the list scheduler on the same V placement is tried as well when the costs differ between
     chunks or the handcrafted order does not fit the limit, and the better one is kept."""
     if stages < 2 or stages % 2:
         raise ValueError(f"zbv puts two chunks on each rank: stages (chunks) must be even and >= 2, got {stages}")
     placement = v_placement(stages)
-    ranks = stages // 2
     if limits is None:
-        # 1F1B memory: p microbatches of a whole rank's activations (see one_f_one_b_peak), at
-        # least one microbatch's peak (chunks whose M_W exceed the other chunk's M_B need more)
-        limits = tuple(
-            max(
-                need,
-                one_f_one_b_peak(
-                    costs.mem_f[r] + costs.mem_f[stages - 1 - r], costs.mem_w[r] + costs.mem_w[stages - 1 - r], ranks
-                ),
-            )
-            for r, need in enumerate(minimum_memory(placement, costs))
-        )
+        # 1F1B's memory, at least one microbatch's peak (chunks whose M_W exceed the other
+        # chunk's M_B need more)
+        limits = tuple(max(need, peak) for need, peak in zip(minimum_memory(placement, costs), one_f_one_b_peaks(placement, costs)))
     check_memory_feasible("zbv", placement, costs, limits)
     candidates = []
     hand = zb_v(stages, microbatches)
@@ -243,7 +238,7 @@ def zbv(stages: int, microbatches: int, costs: StageCosts, limits: Sequence[floa
     return best.with_info(memory_limit=list(limits))
 
 
-def analytic_lower_bound(schedule_stages: int, microbatches: int, stage_to_rank: Sequence[int], costs: StageCosts, objective: str) -> float:
+def analytic_lower_bound(schedule_stages: int, microbatches: int, stage_to_rank: Sequence[int], costs: ResolvedCosts, objective: str) -> float:
     """Memory-free bound. span: the busiest rank's work. makespan: a rank cannot start before the
     first forward reaches its earliest stage, and then has all its own work to do."""
     ranks = 1 + max(stage_to_rank)

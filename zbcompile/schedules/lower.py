@@ -15,7 +15,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import replace
 
-from .costs import Costs, StageCosts, resolve_costs
+from .costs import Costs, ResolvedCosts, resolve_costs
 from .ir import Action, Schedule
 from .simulate import simulate
 from .timing import ScheduleError, backward_index, dependencies
@@ -31,7 +31,7 @@ def message_of(action: Action, stages: int, stage_to_rank) -> tuple[Action, Acti
     return None
 
 
-def lower(schedule: Schedule, costs: Costs | StageCosts | None = None) -> Schedule:
+def lower(schedule: Schedule, costs: Costs | ResolvedCosts | None = None) -> Schedule:
     """Return ``schedule`` with SEND/RECV actions inserted, checked deadlock-free.
 
     ``costs`` only orders messages (default unit costs); any positive costs give a valid program.

@@ -27,6 +27,7 @@ import itertools
 import math
 from typing import Sequence
 
+from .costs import fits_memory
 from .fastsim import Evaluator
 
 
@@ -36,19 +37,14 @@ class _NoRoom(Exception):
 
 def _build(ev: Evaluator, limits: Sequence[float], bubble_before_first_i: bool, prioritise_i: bool, greedy_fill: bool):
     S, M = ev.S, ev.M
-    dur, mem = ev.dur, ev.mem
-    comm = [0.0] * (3 * S * M)
-    for a in range(3 * S * M):
-        comm[a] = ev.delay[a]
+    dur, mem, delay = ev.dur, ev.mem, ev.delay
     count = [[0, 0, 0] for _ in range(S)]  # placed F, I, W per stage
     end_at = [0.0] * S  # the stage's last end
     level = [0.0] * S  # memory
     done = [0.0] * (3 * S * M)  # end time per action
     bubble = [0.0] * S
     rows: list[list[int]] = [[] for _ in range(S)]
-
-    def aid(s: int, kind: int, k: int) -> int:
-        return (kind * S + s) * M + k
+    aid = ev.id  # (stage, kind, microbatch) -> evaluator id
 
     def put(s: int, kind: int) -> None:
         k = count[s][kind]
@@ -56,9 +52,9 @@ def _build(ev: Evaluator, limits: Sequence[float], bubble_before_first_i: bool, 
         finish = end_at[s] + dur[a]
         busy_end = finish
         if kind == 0 and s > 0:
-            finish = max(finish, done[aid(s - 1, 0, k)] + comm[a] + dur[a])
+            finish = max(finish, done[aid(s - 1, 0, k)] + delay[a] + dur[a])
         elif kind == 1 and s < S - 1:
-            finish = max(finish, done[aid(s + 1, 1, k)] + comm[a] + dur[a])
+            finish = max(finish, done[aid(s + 1, 1, k)] + delay[a] + dur[a])
         if count[s][0] > 0:
             bubble[s] += finish - busy_end
         end_at[s] = finish
@@ -71,7 +67,7 @@ def _build(ev: Evaluator, limits: Sequence[float], bubble_before_first_i: bool, 
         return count[s][2] < count[s][1]
 
     def w_for_memory(s: int, need: float) -> None:
-        while level[s] + need > limits[s] + 1e-9 * max(1.0, abs(limits[s])):
+        while not fits_memory(level[s] + need, limits[s]):
             if not w_pending(s):
                 raise _NoRoom
             put(s, 2)
@@ -98,10 +94,10 @@ def _build(ev: Evaluator, limits: Sequence[float], bubble_before_first_i: bool, 
                     last = done[aid(s, 0, 0)] + dur[aid(s, 1, 0)]
                     continue
                 m_s, t_s = level[s], end_at[s]
-                arrival = last + ev.delay[aid(s, 1, 0)]
+                arrival = last + delay[aid(s, 1, 0)]
                 while count[s][0] + plan[s] < M:
                     f = aid(s, 0, count[s][0] + plan[s])
-                    if m_s + mem[f] > limits[s] + 1e-9 * max(1.0, abs(limits[s])):
+                    if not fits_memory(m_s + mem[f], limits[s]):
                         break
                     if bubble_before_first_i:
                         if t_s + dur[f] > arrival:
@@ -131,13 +127,13 @@ def _build(ev: Evaluator, limits: Sequence[float], bubble_before_first_i: bool, 
                     end_at[s + 1]
                     + dur[aid(s + 1, 0, count[s + 1][0])]
                     + dur[aid(s + 1, 1, count[s + 1][1])]
-                    + ev.delay[aid(s + 1, 1, 0)]
+                    + delay[aid(s + 1, 1, 0)]
                 )
                 if end_at[s] >= nxt:
                     continue
                 f = aid(s, 0, count[s][0])
                 w_cost, w_n, m_s = 0.0, 0, level[s] + mem[f]
-                while m_s > limits[s] and count[s][2] + w_n < count[s][1]:
+                while not fits_memory(m_s, limits[s]) and count[s][2] + w_n < count[s][1]:
                     w = aid(s, 2, count[s][2] + w_n)
                     w_cost += dur[w]
                     m_s += mem[w]
@@ -156,12 +152,12 @@ def _build(ev: Evaluator, limits: Sequence[float], bubble_before_first_i: bool, 
             k = count[s][0]
             w_for_memory(s, mem[aid(s, 0, k)])
             if s > 0:
-                w_before(s, done[aid(s - 1, 0, k)] + ev.delay[aid(s, 0, k)])
+                w_before(s, done[aid(s - 1, 0, k)] + delay[aid(s, 0, k)])
             put(s, 0)
         for s in range(S - 1, -1, -1):
             w_for_memory(s, mem[aid(s, 1, i)])
             if s + 1 < S:
-                w_before(s, done[aid(s + 1, 1, i)] + ev.delay[aid(s, 1, i)])
+                w_before(s, done[aid(s + 1, 1, i)] + delay[aid(s, 1, i)])
             if s == 0 and count[s][0] == M:
                 while w_pending(s):
                     put(s, 2)

@@ -1,102 +1,116 @@
-"""``make_schedule``: one entry point for every schedule, validated before it is returned."""
+"""The schedule table (``SCHEDULES``: every per-schedule fact lives here) and ``make_schedule``,
+the one entry point for every schedule, validated before it is returned."""
 
 from __future__ import annotations
 
 import time
-from typing import Sequence, Union
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Callable, Mapping, Sequence, Union
 
-from .costs import Costs, StageCosts, resolve_costs
-from .handcrafted import gpipe, interleaved_one_f_one_b, one_f_one_b, zb_h1, zb_h2
-from .fastsim import Evaluator
-from .heuristic import analytic_lower_bound, zb_auto_candidates, zbv
-from .search import search
+from .auto import zb_auto
+from .costs import Costs, ResolvedCosts, resolve_costs
+from .handcrafted import gpipe, in_line, interleaved_one_f_one_b, one_f_one_b, round_robin, v_placement, zb_h1, zb_h2
+from .heuristic import zbv
 from .ir import Schedule
 from .validate import rank_limits, validate
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-auto", "zbv")
 OBJECTIVES = ("span", "makespan")
-DEFAULT_TIME_BUDGET_S = 3.0
-CPSAT_MAX_ACTIONS = 1200  # above this, building the CP-SAT model costs more than it returns
 
 MemoryLimit = Union[None, float, Sequence[float]]
 
 
-def _check_sizes(name: str, stages: int, microbatches: int) -> None:
+@dataclass(frozen=True)
+class BuildRequest:
+    """What a builder gets: sizes, resolved costs, per-rank memory limits (None unless the schedule
+    is solved, or no limit), the objective, zb-auto's budget, interleaved-1f1b's rank count, and
+    when ``make_schedule`` was called."""
+
+    stages: int
+    microbatches: int
+    costs: ResolvedCosts
+    limits: tuple[float, ...] | None
+    objective: str
+    time_budget: float | None
+    deterministic: bool
+    ranks: int | None
+    started: float
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """One schedule's facts.
+
+    ``build`` returns the (unvalidated) schedule. ``chunks_per_rank``: stages (chunks) each rank
+    holds, so a pipeline of ``stages`` occupies ``ranks(stages)`` ranks (interleaved-1f1b may be
+    given another rank count). ``solved``: built from the costs under the memory limit; the other
+    schedules are fixed orders that a limit only checks. ``placement(stages)`` is stage -> rank;
+    ``min_stages`` the fewest stages (chunks) it accepts.
+    """
+
+    name: str
+    build: Callable[[BuildRequest], Schedule]
+    placement: Callable[[int], tuple[int, ...]] = in_line
+    chunks_per_rank: int = 1
+    min_stages: int = 1
+    solved: bool = False
+
+    def ranks(self, stages: int) -> int:
+        """Ranks one pipeline of ``stages`` stages (chunks) occupies."""
+        return stages // self.chunks_per_rank
+
+
+def _build_zbv(r: BuildRequest) -> Schedule:
+    return zbv(r.stages, r.microbatches, r.costs, r.limits, r.objective)
+
+
+def _build_zb_auto(r: BuildRequest) -> Schedule:
+    return zb_auto(r.stages, r.microbatches, r.costs, r.limits, r.objective, r.time_budget, r.deterministic, r.started)
+
+
+SCHEDULES: Mapping[str, ScheduleSpec] = MappingProxyType({
+    spec.name: spec
+    for spec in (
+        ScheduleSpec("gpipe", lambda r: gpipe(r.stages, r.microbatches)),
+        ScheduleSpec("1f1b", lambda r: one_f_one_b(r.stages, r.microbatches)),
+        ScheduleSpec(
+            "interleaved-1f1b",
+            lambda r: interleaved_one_f_one_b(r.stages, r.microbatches, r.ranks),
+            placement=lambda stages: round_robin(stages, stages // 2),
+            chunks_per_rank=2,
+        ),
+        ScheduleSpec("zb-h1", lambda r: zb_h1(r.stages, r.microbatches)),
+        ScheduleSpec("zb-h2", lambda r: zb_h2(r.stages, r.microbatches)),
+        ScheduleSpec("zb-auto", _build_zb_auto, solved=True),
+        ScheduleSpec("zbv", _build_zbv, placement=v_placement, chunks_per_rank=2, min_stages=2, solved=True),
+    )
+})
+SCHEDULE_NAMES = tuple(SCHEDULES)
+DEFAULT_SCHEDULE = "zb-auto"
+
+
+def schedule_spec(name: str) -> ScheduleSpec:
+    """The table entry of ``name``; ValueError naming the choices when there is none."""
+    if name not in SCHEDULE_NAMES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
+    return SCHEDULES[name]
+
+
+def _check_sizes(spec: ScheduleSpec, stages: int, microbatches: int) -> None:
     for label, value in (("stages", stages), ("microbatches", microbatches)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}: {label} must be a positive int, got {value!r}")
-    if name == "zbv" and stages < 2:
-        raise ValueError(f"zbv needs at least 2 stages (two chunks per rank), got {stages}")
-
-
-def _zb_auto(stages, microbatches, sc, limits, objective, time_budget, deterministic, started) -> Schedule:
-    """Heuristic, then search (``search.py``), then CP-SAT on small problems, all within the budget.
-
-    The budget counts from ``started`` (the call) and covers everything: heuristic, evaluator,
-    search, model building and solving. ``deterministic=True`` replaces wall-clock stops by fixed
-    amounts of work derived from the budget (search evaluations, CP-SAT deterministic time).
-    """
-    budget = DEFAULT_TIME_BUDGET_S if time_budget is None else float(time_budget)
-    placement = tuple(range(stages))
-    ev = Evaluator(stages, microbatches, placement, sc)
-    best_rows, score, source = zb_auto_candidates(stages, microbatches, sc, limits, objective, None, ev)
-    heuristic_time = time.perf_counter() - started
-    value = score[0]
-    bound = analytic_lower_bound(stages, microbatches, placement, sc, objective)
-    info = {
-        "objective": objective,
-        "heuristic_value": value,
-        "heuristic_time_s": heuristic_time,
-        "value": value,
-        "lower_bound": bound,
-        "status": "heuristic",
-    }
-
-    def left() -> float:
-        return budget - (time.perf_counter() - started)
-
-    def at_bound() -> bool:
-        return value <= info["lower_bound"] * (1 + 1e-9)
-
-    actions = 3 * stages * microbatches
-    use_cpsat = actions <= CPSAT_MAX_ACTIONS
-    if budget > 0 and not at_bound() and (deterministic or left() > 0):
-        # Keep a margin for turning the result into a Schedule (about one evaluation's time).
-        share = 0.7 if use_cpsat else 0.9
-        search_budget = left() * share if not deterministic else budget * share
-        result = search(ev, limits, objective, search_budget, deterministic, start_rows=best_rows)
-        info.update(result.info)
-        if result.rows is not None and result.score < score:
-            score, best_rows = result.score, result.rows
-            value = score[0]
-            info["status"] = "search"
-        info["value"] = value
-    sched = ev.schedule("zb-auto", best_rows, {"heuristic_source": source})
-    if budget > 0 and use_cpsat and not at_bound() and (deterministic or left() > 0.3):
-        from .solver import improve
-
-        # CP-SAT's presolve does not always stop on time: keep a margin for it and for re-timing.
-        solver_budget = budget * 0.25 if deterministic else 0.8 * left() - 0.1
-        result = improve(sched, sc, limits, objective, solver_budget, deterministic=deterministic)
-        solver_info = dict(result.info)
-        info["solver_status"] = solver_info.pop("status")
-        info.update(solver_info)
-        if info["solver_status"] in ("OPTIMAL", "FEASIBLE"):
-            info["status"] = info["solver_status"]
-        if result.value < value:
-            sched = result.schedule
-            value = result.value
-            info["value"] = value
-        info["lower_bound"] = max(bound, result.lower_bound)
-    info["at_lower_bound"] = at_bound()
-    return sched.with_info(**info)
+            raise ValueError(f"{spec.name}: {label} must be a positive int, got {value!r}")
+    if stages < spec.min_stages:
+        raise ValueError(
+            f"{spec.name} needs at least {spec.min_stages} stages ({spec.chunks_per_rank} chunks per rank), got {stages}"
+        )
 
 
 def make_schedule(
     name: str,
     stages: int,
     microbatches: int,
-    costs: Costs | StageCosts | None = None,
+    costs: Costs | ResolvedCosts | None = None,
     memory_limit: MemoryLimit = None,
     objective: str = "span",
     *,
@@ -109,34 +123,23 @@ def make_schedule(
 
     ``stages`` counts chunks for multi-chunk schedules ("interleaved-1f1b": ``ranks`` ranks,
     default two chunks each; "zbv": two chunks per rank in a V) and costs are then per chunk.
-    ``memory_limit`` (units of ``mem_f``; scalar or one per rank) binds zb-auto and zbv and is
-    checked for every schedule. zb-auto spends up to ``time_budget`` seconds (default 3) improving
-    its heuristic with the exact solver; ``time_budget=0`` returns the heuristic.
-    ``objective``: "span" (steps back to back; the paper's) or "makespan" (a barrier per step).
+    ``memory_limit`` (units of ``mem_f``; scalar or one per rank) binds the solved schedules
+    (zb-auto, zbv) and is checked for every schedule. zb-auto spends up to ``time_budget`` seconds
+    (default 3) improving its heuristic with the exact solver; ``time_budget=0`` returns the
+    heuristic. ``objective``: "span" (steps back to back; the paper's) or "makespan" (a barrier
+    per step).
     """
-    if name not in SCHEDULE_NAMES:
-        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
+    spec = schedule_spec(name)
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}; use 'span' or 'makespan'")
-    _check_sizes(name, stages, microbatches)
+    _check_sizes(spec, stages, microbatches)
     sc = resolve_costs(costs, stages)
     started = time.perf_counter()
-    if name == "gpipe":
-        sched = gpipe(stages, microbatches)
-    elif name == "1f1b":
-        sched = one_f_one_b(stages, microbatches)
-    elif name == "zb-h1":
-        sched = zb_h1(stages, microbatches)
-    elif name == "zb-h2":
-        sched = zb_h2(stages, microbatches)
-    elif name == "interleaved-1f1b":
-        sched = interleaved_one_f_one_b(stages, microbatches, ranks)
-    elif name == "zbv":
-        limits = rank_limits(memory_limit, stages // 2)
-        sched = zbv(stages, microbatches, sc, limits, objective)
-    else:
-        sched = _zb_auto(stages, microbatches, sc, rank_limits(memory_limit, stages), objective, time_budget, deterministic, started)
+    limits = rank_limits(memory_limit, spec.ranks(stages)) if spec.solved else None
+    request = BuildRequest(stages, microbatches, sc, limits, objective, time_budget, deterministic, ranks, started)
+    sched = spec.build(request)
     sched = sched.with_info(solve_time_s=time.perf_counter() - started)
     if check:
-        validate(sched, sc, memory_limit if name != "zbv" else sched.info.get("memory_limit", memory_limit))
+        # a schedule that chose its own limit (zbv without one: 1F1B's memory) records it in info
+        validate(sched, sc, sched.info.get("memory_limit", memory_limit))
     return sched

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Sequence
 from xml.sax.saxutils import escape
 
-from .costs import Costs, StageCosts
+from .costs import Costs, ResolvedCosts
 from .ir import Schedule
 from .simulate import simulate
 
@@ -30,7 +30,7 @@ class Box:
     action: str = ""  # full action name, kept as an attribute in the SVG
 
 
-def layout(schedule: Schedule, costs: Costs | StageCosts | None = None) -> list[Box]:
+def layout(schedule: Schedule, costs: Costs | ResolvedCosts | None = None) -> list[Box]:
     """Boxes of the simulated timing of ``schedule`` (compute actions only)."""
     sim = simulate(schedule, costs)
     return [

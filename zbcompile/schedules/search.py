@@ -1,4 +1,4 @@
-"""zb-auto's search step: a parametric schedule family, coordinate descent, then local search.
+"""zb-auto's search step: a parametric schedule family, coordinate descent, gap filling, local search.
 
 Why this family. With the span objective, stage s's own window starts when the first forward
 reaches it, s (T_F + comm) after stage 0's. The gradient of the last microbatch leaves stage s and
@@ -10,9 +10,10 @@ to end its window on time, stage s keeps about ``s (T_F + T_B + 2 comm) / T_W + 
     F x warm[s]; then (I, W while more than defer[s] are pending or memory demands, F) ...; W tail
 
 (``w_after`` puts the W after the F instead). ZB-H1 and ZB-H2 are members of this family. The
-search tries a grid around the analytic warm-up and deferral counts, then improves the best
-per stage by coordinate descent, then moves single W passes on the critical ranks (local
-search). Every candidate is re-timed by ``fastsim.Evaluator`` (the simulator's rule) and must fit
+search runs four phases (methods of ``_Search``): ``grid`` around the analytic warm-up and
+deferral counts, ``descend`` (coordinate descent per stage from the best member),
+``fill_idle_gaps`` (pending W into every rank's gaps) and ``move_single_w`` (local search on the
+critical ranks). Every candidate is re-timed by ``fastsim.Evaluator`` (the simulator's rule) and must fit
 the memory limit. The search stops at a deadline (seconds) or, with ``deterministic=True``, after a
 fixed amount of work derived from the budget, so that results do not depend on machine load.
 """
@@ -23,10 +24,11 @@ import math
 import random
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
-from .costs import StageCosts
+from .costs import ResolvedCosts, fits_memory, memory_ceiling, warmup_windows
 from .fastsim import Evaluator
+from .handcrafted import in_line, zb_h2
 
 _EPS = 1e-9
 # Work-based limit for deterministic runs: evaluations of ``n`` actions cost about this many seconds
@@ -91,7 +93,7 @@ def pattern_rows(
     mem = ev.mem
     rows = []
     for s in range(S):
-        lim = limits[s] + _EPS
+        lim = memory_ceiling(limits[s])
         F, I, W = ev.id(s, 0, 0), ev.id(s, 1, 0), ev.id(s, 2, 0)  # ids of microbatch k: base + k
         mf, mi, mw = mem[F], mem[I], mem[W]
         # An F is admitted only with room for the increase of an I right after it (mem_w > mem_f:
@@ -149,32 +151,11 @@ def handcrafted_rows(ev: Evaluator, name: str) -> list[list[int]]:
         return pattern_rows(ev, unlimited, [S - s for s in range(S)], [0 if name == "1f1b" else s for s in range(S)])
     if name != "zb-h2":
         raise ValueError(f"no handcrafted rows for {name!r}")
-    rows = []
-    for s in range(S):
-        F = lambda k: ev.id(s, 0, k)  # noqa: E731
-        I = lambda k: ev.id(s, 1, k)  # noqa: E731
-        W = lambda k: ev.id(s, 2, k)  # noqa: E731
-        warmup = min(2 * (S - 1 - s) + 1, M)
-        steady = M - warmup
-        held_back = min(2 * s, steady)
-        row = [F(k) for k in range(warmup)]
-        next_w = 0
-        for i in range(steady):
-            row.append(I(i))
-            if i < steady - held_back:
-                row.append(W(next_w))
-                next_w += 1
-            row.append(F(warmup + i))
-        for i in range(steady, M):
-            row += [I(i), W(next_w)]
-            next_w += 1
-        row += [W(k) for k in range(next_w, M)]
-        rows.append(row)
-    return rows
+    return ev.rows_of(zb_h2(S, M))
 
 
 def analytic_parameters(
-    S: int, costs: StageCosts, alpha: float = 1.0, beta: int = 0, shift: int = 0, round_at: float = 0.85
+    S: int, costs: ResolvedCosts, alpha: float = 1.0, beta: int = 0, shift: int = 0, round_at: float = 0.85
 ):
     """Warm-up and deferral counts of the family.
 
@@ -182,27 +163,194 @@ def analytic_parameters(
     q = window / T_F, rounded up only when its fraction exceeds ``round_at`` (one more F delays that
     gradient for every upstream stage, one fewer leaves a gap of the fraction), plus ``shift``.
     Deferral: alpha * s (T_F + T_B + 2 comm) / T_W + beta (see the module docstring)."""
-    placement = tuple(range(S))
-    comm = costs.comm
-    first_f = [0.0] * S
-    for s in range(1, S):
-        first_f[s] = first_f[s - 1] + costs.f[s - 1] + comm
-    grad_back = [0.0] * S
-    grad_back[-1] = first_f[-1] + costs.f[-1]
-    for s in range(S - 2, -1, -1):
-        grad_back[s] = grad_back[s + 1] + costs.b[s + 1] + comm
     warm = []
-    for s in range(S):
-        q = (grad_back[s] - first_f[s]) / costs.f[s] if costs.f[s] > 0 else 1.0
+    for s, window in enumerate(warmup_windows(in_line(S), costs)):
+        q = window / costs.f[s] if costs.f[s] > 0 else 1.0
         whole = math.floor(q + _EPS)
         warm.append(max(1, whole + (1 if q - whole > round_at + _EPS else 0) + shift))
-    del placement
     defer = []
     for s in range(S):
         chain = sum(costs.f[t] + costs.b[t] + 2 * costs.comm for t in range(1, s + 1))
         w = max(costs.w[s], _EPS)
         defer.append(max(0, math.ceil(alpha * chain / w - _EPS) + beta))
     return warm, defer
+
+
+class _Member(NamedTuple):
+    """One member of the family: ``pattern_rows``' parameters after ``ev`` and ``limits``."""
+
+    warm: Sequence[int]
+    defer: Sequence[int]
+    w_after: bool = False
+    drain: int = 0
+    floor: Sequence[int] | None = None
+
+
+# (round_at, shift, alpha, beta, w_after) around the analytic parameters, most promising first;
+# alpha = inf never defers a W past the tail
+_GRID = sorted(
+    [
+        (round_at, shift, alpha, beta, w_after)
+        for w_after in (False, True)
+        for round_at in (0.85, 0.0, 0.5)
+        for shift in (0, -1, 1)
+        for alpha, beta in ((1.0, 0), (1.0, 1), (1.25, 0), (0.75, 0), (1.5, 1), (0.5, 0), (math.inf, 0))
+    ],
+    key=lambda g: (g[4], g[1] != 0, g[0] != 0.85, g[2] != 1.0, g[3], g[2]),
+)
+# coordinate descent steps: ("d" deferral | "w" warm-up, change)
+_DESCENT_STEPS = (("d", 1), ("d", -1), ("w", 1), ("w", -1), ("d", 3), ("d", -3))
+
+
+class _Search:
+    """The best rows found so far and the best member of the family; the phases below offer
+    candidates to it, each stopping when the clock runs out."""
+
+    def __init__(self, ev: Evaluator, limits: Sequence[float], objective: str, clock: _Clock):
+        self.ev, self.lims, self.objective, self.clock = ev, limits, objective, clock
+        self.best_rows: list[list[int]] | None = None
+        self.best = (math.inf, math.inf)
+        self.member: _Member | None = None  # the best member of the family, and its score
+        self.member_score = (math.inf, math.inf)
+
+    def score(self, rows) -> tuple[float, float]:
+        self.clock.tick()
+        return self.clock.timed(self.ev.score, rows, self.objective)
+
+    def offer(self, rows) -> tuple[float, float] | None:
+        """Score ``rows`` unless missing or over the memory limit (None); keep them if best."""
+        if rows is None or not self.ev.fits(rows, self.lims):
+            return None
+        value = self.score(rows)
+        if value < self.best:
+            self.best, self.best_rows = value, rows
+        return value
+
+    def offer_members(self, members: Iterable[_Member], stop: Callable[[], bool]) -> None:
+        for member in members:
+            if stop():
+                break
+            value = self.offer(pattern_rows(self.ev, self.lims, *member))
+            if value is not None and value < self.member_score:
+                self.member_score, self.member = value, member
+
+    def grid(self, costs: ResolvedCosts) -> None:
+        """Phase 1: the grid around the analytic parameters (up to 40% of the budget), then the
+        drain variants of its best point."""
+        S, M = self.ev.S, self.ev.M
+
+        def members():
+            for round_at, shift, alpha, beta, w_after in _GRID:
+                if alpha == math.inf:
+                    warm, _ = analytic_parameters(S, costs, 1.0, 0, shift, round_at)
+                    yield _Member(warm, [M] * S, w_after)
+                else:
+                    yield _Member(*analytic_parameters(S, costs, alpha, beta, shift, round_at), w_after)
+
+        self.offer_members(members(), lambda: self.clock.spent(0.4))
+        if self.member is not None:
+            _, floor = analytic_parameters(S, costs, 1.0, 1, 0)
+            base = self.member
+            self.offer_members((base._replace(drain=d, floor=floor) for d in (1, 2, 3)), self.clock.out)
+
+    def descend(self) -> None:
+        """Phase 2: coordinate descent from the best member on each stage's warm-up and deferral
+        counts, the ranks with the longest spans first; the first improving step is taken."""
+        ev, clock = self.ev, self.clock
+        member = self.member
+        if member is None:
+            return
+        improved = True
+        while improved and not clock.out():
+            improved = False
+            for s in clock.timed(_critical_first, ev, pattern_rows(ev, self.lims, *member)):
+                for which, delta in _DESCENT_STEPS:
+                    if clock.out():
+                        break
+                    candidate = _nudged(member, s, which, delta)
+                    if candidate is None:
+                        continue
+                    step_started = time.perf_counter()
+                    value = self.offer(pattern_rows(ev, self.lims, *candidate))
+                    if value is None:
+                        continue
+                    clock.eval_time = max(clock.eval_time, time.perf_counter() - step_started)
+                    if value < self.member_score:
+                        self.member_score, member, improved = value, candidate, True
+                        break
+
+    def fill_idle_gaps(self) -> None:
+        """Phase 3: fill idle gaps of every rank at once with pending W (``fill_gaps``), re-timed
+        after each round, for gaps of at least a whole W, then of smaller fractions."""
+        ev, clock = self.ev, self.clock
+        if self.best_rows is None:
+            return
+        end = [-1.0] * len(ev.dur)
+        for fraction in (1.0, 0.75, 0.5, 0.25):
+            if clock.out():
+                break
+            improved = True
+            while improved and not clock.out():
+                improved = False
+                best_rows = self.best_rows
+                if clock.timed(ev.times, best_rows, end) is None:
+                    break
+                rows = clock.timed(lambda: [fill_gaps(ev, row, end, fraction) for row in best_rows])
+                if clock.out():
+                    break
+                if rows == best_rows or not ev.fits(rows, self.lims):
+                    break
+                value = self.score(rows)
+                if value < self.best:
+                    self.best, self.best_rows, improved = value, rows, True
+
+    def move_single_w(self, seed: int) -> None:
+        """Phase 4, local search: on a rank with a long span (the longest 60% of the time), move
+        one W into an idle gap or a few places (``_move``); keep the move if the score improves.
+        Stops after 60 S moves in a row without improvement."""
+        ev, clock = self.ev, self.clock
+        if self.best_rows is None or clock.out():
+            return
+        rng = random.Random(seed)
+        rows = [list(r) for r in self.best_rows]
+        end = [-1.0] * len(ev.dur)
+        stale = 0
+        while not clock.out() and stale < 60 * ev.S:
+            first, last = clock.timed(ev.times, rows, end)
+            spans = [y - x for x, y in zip(first, last)]
+            order = sorted(range(len(rows)), key=lambda q: -spans[q])
+            r = order[0] if rng.random() < 0.6 else order[rng.randrange(min(4, len(order)))]
+            row = rows[r]
+            saved = list(row)
+            if not _move(ev, row, end, rng):
+                stale += 1
+                continue
+            if not fits_memory(ev.peak(row), self.lims[r]):
+                rows[r] = saved
+                stale += 1
+                continue
+            value = self.score(rows)
+            if value < self.best:
+                self.best, stale = value, 0
+                self.best_rows = [list(x) for x in rows]
+            else:
+                rows[r] = saved
+                stale += 1
+
+
+def _nudged(member: _Member, stage: int, which: str, delta: int) -> _Member | None:
+    """``member`` with ``stage``'s warm-up ("w", at least 1) or deferral ("d", at least 0) count
+    changed by ``delta``; None when that leaves the range."""
+    warm, defer = list(member.warm), list(member.defer)
+    if which == "w":
+        warm[stage] += delta
+        if warm[stage] < 1:
+            return None
+    else:
+        defer[stage] += delta
+        if defer[stage] < 0:
+            return None
+    return member._replace(warm=warm, defer=defer)
 
 
 def search(
@@ -214,163 +362,31 @@ def search(
     start_rows: list[list[int]] | None = None,
     seed: int = 0,
 ) -> SearchResult:
-    """Best rows found within ``budget`` (see the module docstring); starts from ``start_rows``."""
-    S, M = ev.S, ev.M
-    lims = list(limits) if limits is not None else [math.inf] * S
-    clock = _Clock(budget, 3 * S * M, deterministic)
-    costs_view = _costs_of(ev)
-
-    def fits(rows) -> bool:
-        return all(ev.peak(r) <= l + _EPS * max(1.0, l) for r, l in zip(rows, lims))
-
-    def score(rows):
-        clock.tick()
-        return clock.timed(ev.score, rows, objective)
-
-    best_rows = start_rows
-    best = score(start_rows) if start_rows is not None else (math.inf, math.inf)
-    info = {"search_start": best[0]}
-    best_params = None
-    grid_best = (math.inf, math.inf)
-
-    # 1. grid around the analytic parameters, most promising first
-    grid = [(round_at, shift, alpha, beta, w_after)
-            for w_after in (False, True)
-            for round_at in (0.85, 0.0, 0.5)
-            for shift in (0, -1, 1)
-            for alpha, beta in ((1.0, 0), (1.0, 1), (1.25, 0), (0.75, 0), (1.5, 1), (0.5, 0), (math.inf, 0))]
-    grid.sort(key=lambda g: (g[4], g[1] != 0, g[0] != 0.85, g[2] != 1.0, g[3], g[2]))
-    for round_at, shift, alpha, beta, w_after in grid:
-        if clock.spent(0.4):  # leave most of the budget to the descent and the local search
-            break
-        if alpha == math.inf:
-            warm, _ = analytic_parameters(S, costs_view, 1.0, 0, shift, round_at)
-            defer = [M] * S
-        else:
-            warm, defer = analytic_parameters(S, costs_view, alpha, beta, shift, round_at)
-        rows = pattern_rows(ev, lims, warm, defer, w_after)
-        if rows is None or not fits(rows):
-            continue
-        value = score(rows)
-        if value < grid_best:
-            grid_best, best_params = value, (warm, defer, w_after, 0, None)
-        if value < best:
-            best, best_rows = value, rows
-    if best_params is not None:  # the drain variants of the best grid point
-        warm, defer, w_after = best_params[:3]
-        _, floor = analytic_parameters(S, costs_view, 1.0, 1, 0)
-        for drain in (1, 2, 3):
-            if clock.out():
-                break
-            rows = pattern_rows(ev, lims, warm, defer, w_after, drain, floor)
-            if rows is None or not fits(rows):
-                continue
-            value = score(rows)
-            if value < grid_best:
-                grid_best, best_params = value, (warm, defer, w_after, drain, floor)
-            if value < best:
-                best, best_rows = value, rows
-    info["search_grid"] = best[0]
-    info["search_grid_at_s"] = round(time.perf_counter() - clock.started, 3)
-
-    # 2. coordinate descent on the per-stage warm-up and deferral counts
-    if best_params is not None:
-        warm, defer, w_after, drain, floor = (list(best_params[0]), list(best_params[1]), *best_params[2:])
-        improved = True
-        while improved and not clock.out():
-            improved = False
-            if clock.out():
-                break
-            for s in clock.timed(_critical_first, ev, pattern_rows(ev, lims, warm, defer, w_after, drain, floor), S):
-                for which, delta in (("d", 1), ("d", -1), ("w", 1), ("w", -1), ("d", 3), ("d", -3)):
-                    if clock.out():
-                        break
-                    w2, d2 = list(warm), list(defer)
-                    if which == "w":
-                        w2[s] = w2[s] + delta
-                        if w2[s] < 1:
-                            continue
-                    else:
-                        d2[s] = d2[s] + delta
-                        if d2[s] < 0:
-                            continue
-                    step_started = time.perf_counter()
-                    rows = pattern_rows(ev, lims, w2, d2, w_after, drain, floor)
-                    if rows is None or not fits(rows):
-                        continue
-                    value = score(rows)
-                    clock.eval_time = max(clock.eval_time, time.perf_counter() - step_started)
-                    if value < grid_best:
-                        grid_best, warm, defer, improved = value, w2, d2, True
-                        if value < best:
-                            best, best_rows = value, rows
-                        break
-    info["search_descent"] = best[0]
-    info["search_descent_at_s"] = round(time.perf_counter() - clock.started, 3)
-
-    # 2b. fill idle gaps of every rank at once with pending W passes, re-timed after each round
-    if best_rows is not None:
-        end = [-1.0] * len(ev.dur)
-        for fraction in (1.0, 0.75, 0.5, 0.25):
-            if clock.out():
-                break
-            improved = True
-            while improved and not clock.out():
-                improved = False
-                if clock.timed(ev.times, best_rows, end) is None:
-                    break
-                rows = clock.timed(lambda: [fill_gaps(ev, row, end, fraction) for row in best_rows])
-                if clock.out():
-                    break
-                if rows == best_rows or not fits(rows):
-                    break
-                value = score(rows)
-                if value < best:
-                    best, best_rows, improved = value, rows, True
-    info["search_fill"] = best[0]
-    info["search_fill_at_s"] = round(time.perf_counter() - clock.started, 3)
-
-    # 3. local search on the critical ranks: fill an idle gap with the next pending W (moved
-    #    forward from later in the row), or move a W one to three places later or earlier
-    if best_rows is not None and not clock.out():
-        rng = random.Random(seed)
-        rows = [list(r) for r in best_rows]
-        end = [-1.0] * len(ev.dur)
-        W_BASE = 2 * S * M
-        stale = 0
-        while not clock.out() and stale < 60 * S:
-            timed = clock.timed(ev.times, rows, end)
-            first, last = timed
-            spans = [y - x for x, y in zip(first, last)]
-            order = sorted(range(len(rows)), key=lambda q: -spans[q])
-            r = order[0] if rng.random() < 0.6 else order[rng.randrange(min(4, len(order)))]
-            row = rows[r]
-            saved = list(row)
-            if not _move(ev, row, end, rng, W_BASE):
-                stale += 1
-                continue
-            if ev.peak(row) > lims[r] + _EPS * max(1.0, lims[r]):
-                rows[r] = saved
-                stale += 1
-                continue
-            value = score(rows)
-            if value < best:
-                best, stale = value, 0
-                best_rows = [list(x) for x in rows]
-            else:
-                rows[r] = saved
-                stale += 1
-    info["search_local"] = best[0]
-    info["search_local_at_s"] = round(time.perf_counter() - clock.started, 3)
+    """Best rows found within ``budget`` (see the module docstring); starts from ``start_rows``.
+    ``info`` holds the best value after each phase and when it ended."""
+    clock = _Clock(budget, 3 * ev.S * ev.M, deterministic)
+    run = _Search(ev, list(limits) if limits is not None else [math.inf] * ev.S, objective, clock)
+    costs = _costs_of(ev)
+    if start_rows is not None:
+        run.best, run.best_rows = run.score(start_rows), start_rows
+    info = {"search_start": run.best[0]}
+    for name, phase in (
+        ("grid", lambda: run.grid(costs)),
+        ("descent", run.descend),
+        ("fill", run.fill_idle_gaps),
+        ("local", lambda: run.move_single_w(seed)),
+    ):
+        phase()
+        info[f"search_{name}"] = run.best[0]
+        info[f"search_{name}_at_s"] = round(time.perf_counter() - clock.started, 3)
     info["search_evaluations"] = clock.evals
-    return SearchResult(best_rows, best, clock.evals, info)
+    return SearchResult(run.best_rows, run.best, clock.evals, info)
 
 
 def fill_gaps(ev: Evaluator, row: list[int], end: list[float], fraction: float) -> list[int]:
     """A copy of ``row`` in which every idle gap at least ``fraction`` of a W long gets the next
     pending W (one whose I ran before the gap), moved forward from later in the row."""
-    dur, local = ev.dur, ev.local
-    W_BASE = 2 * ev.S * ev.M
+    dur, local, first_w = ev.dur, ev.local, ev.first_w
     out = list(row)
     i = 1
     done = set(out[:1])
@@ -380,7 +396,7 @@ def fill_gaps(ev: Evaluator, row: list[int], end: list[float], fraction: float) 
         if gap > 1e-6:
             for j in range(i, len(out)):
                 b = out[j]
-                if b >= W_BASE:
+                if b >= first_w:
                     if local[b] in done and gap >= fraction * dur[b]:
                         out.insert(i, out.pop(j))
                         end[b] = -1.0  # its time is unknown now; do not fill before it again
@@ -390,9 +406,9 @@ def fill_gaps(ev: Evaluator, row: list[int], end: list[float], fraction: float) 
     return out
 
 
-def _move(ev: Evaluator, row: list[int], end: list[float], rng: random.Random, w_base: int) -> bool:
-    """Change ``row`` in place by one move (see ``search`` step 3); False when none applies."""
-    dur, local = ev.dur, ev.local
+def _move(ev: Evaluator, row: list[int], end: list[float], rng: random.Random) -> bool:
+    """Change ``row`` in place by one move (``_Search.move_single_w``); False when none applies."""
+    dur, local, first_w = ev.dur, ev.local, ev.first_w
     if rng.random() < 0.6:
         gaps = []
         for i in range(1, len(row)):
@@ -406,13 +422,13 @@ def _move(ev: Evaluator, row: list[int], end: list[float], rng: random.Random, w
         before = set(row[:i])
         for j in range(i, len(row)):
             a = row[j]
-            if a >= w_base:
+            if a >= first_w:
                 if local[a] not in before:
                     return False
                 row.insert(i, row.pop(j))
                 return True
         return False
-    ws = [i for i, a in enumerate(row) if a >= w_base]
+    ws = [i for i, a in enumerate(row) if a >= first_w]
     if not ws:
         return False
     i = rng.choice(ws)
@@ -424,7 +440,7 @@ def _move(ev: Evaluator, row: list[int], end: list[float], rng: random.Random, w
         if not 0 <= k < len(row):
             return False
         other = row[k]
-        if other >= w_base and other // ev.M == a // ev.M:  # another W of this stage: keep order
+        if other >= first_w and ev.stage_of(other) == ev.stage_of(a):  # another W of this stage: keep order
             return False
         if step < 0 and other == local[a]:  # not before its own I
             return False
@@ -433,7 +449,8 @@ def _move(ev: Evaluator, row: list[int], end: list[float], rng: random.Random, w
     return True
 
 
-def _critical_first(ev: Evaluator, rows, S: int) -> list[int]:
+def _critical_first(ev: Evaluator, rows) -> list[int]:
+    """Rank indices, longest span first."""
     timed = ev.times(rows)
     if timed is None:
         return list(range(len(rows)))
@@ -442,7 +459,7 @@ def _critical_first(ev: Evaluator, rows, S: int) -> list[int]:
     return sorted(range(len(rows)), key=lambda r: -spans[r])
 
 
-def _costs_of(ev: Evaluator) -> StageCosts:
+def _costs_of(ev: Evaluator) -> ResolvedCosts:
     S = ev.S
     f = tuple(ev.dur[ev.id(s, 0, 0)] for s in range(S))
     b = tuple(ev.dur[ev.id(s, 1, 0)] for s in range(S))
@@ -450,7 +467,7 @@ def _costs_of(ev: Evaluator) -> StageCosts:
     comm = max((ev.delay[ev.id(s, 0, 0)] for s in range(1, S)), default=0.0)
     mem_f = tuple(ev.mem[ev.id(s, 0, 0)] for s in range(S))
     mem_w = tuple(-ev.mem[ev.id(s, 2, 0)] for s in range(S))
-    return StageCosts(f, b, w, comm, mem_f, mem_w)
+    return ResolvedCosts(f, b, w, comm, mem_f, mem_w)
 
 
 def make_room(ev: Evaluator, rows: Sequence[Sequence[int]], limits: Sequence[float]) -> list[list[int]] | None:
@@ -458,15 +475,14 @@ def make_room(ev: Evaluator, rows: Sequence[Sequence[int]], limits: Sequence[flo
     pending W of each stage, in microbatch order, most memory freed first), or None when an action
     does not fit even with no W pending. Moving a W earlier (still after its I) keeps every
     dependency, since nothing waits for a W. Used for handcrafted orders when I raises memory."""
-    W_BASE = 2 * ev.S * ev.M
-    mem, local, M = ev.mem, ev.local, ev.M
+    mem, local, M, first_w = ev.mem, ev.local, ev.M, ev.first_w
     out_rows = []
     for row, lim in zip(rows, limits):
-        lim = lim + _EPS * max(1.0, abs(lim))
+        lim = memory_ceiling(lim)
         moved: set[int] = set()
         done: set[int] = set()
         next_w: dict[int, int] = {}  # stage -> next W microbatch to run
-        for s in sorted({(a // M) % ev.S for a in row}):
+        for s in sorted({ev.stage_of(a) for a in row}):
             next_w[s] = 0
         out: list[int] = []
         level = 0.0
@@ -474,14 +490,14 @@ def make_room(ev: Evaluator, rows: Sequence[Sequence[int]], limits: Sequence[flo
             if a in moved:
                 continue
             while level + mem[a] > lim:
-                pending = [W_BASE + s * M + k for s, k in next_w.items() if k < M and local[W_BASE + s * M + k] in done]
+                pending = [ev.w_id(s, k) for s, k in next_w.items() if k < M and local[ev.w_id(s, k)] in done]
                 if not pending:
                     return None
                 w = min(pending, key=lambda x: mem[x])  # frees the most
                 out.append(w); done.add(w); moved.add(w); level += mem[w]
-                next_w[(w - W_BASE) // M] += 1
+                next_w[ev.stage_of(w)] += 1
             out.append(a); done.add(a); level += mem[a]
-            if a >= W_BASE:
-                next_w[(a - W_BASE) // M] += 1
+            if a >= first_w:
+                next_w[ev.stage_of(a)] += 1
         out_rows.append(out)
     return out_rows

@@ -10,7 +10,7 @@ Definitions (see docs/schedules.md): every action starts as early as its rank an
 - peak_memory[r]: the largest activation memory rank r holds, in units of ``mem_f``: the running
   sum of the memory deltas in rank r's order (its actions never overlap, so that is time order).
   With ``mem_w > mem_f`` an I raises the level, so the peak can follow an I; a fused B counts its
-  I part (``StageCosts.memory_rise``).
+  I part (``ResolvedCosts.memory_rise``).
 
 For single-chunk schedules a rank is a stage; multi-chunk schedules report per rank.
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from .costs import Costs, StageCosts, resolve_costs
+from .costs import Costs, ResolvedCosts, resolve_costs
 from .ir import Action, Schedule
 from .timing import asap_timing
 
@@ -49,9 +49,9 @@ class SimResult:
         raise ValueError(f"unknown objective {name!r}; use 'span' or 'makespan'")
 
 
-def peak_memory(schedule: Schedule, costs: StageCosts) -> tuple[float, ...]:
+def peak_memory(schedule: Schedule, costs: ResolvedCosts) -> tuple[float, ...]:
     """Per-rank peak of the running sum of memory deltas, in program order (a fused B peaks at
-    the end of its I part, ``StageCosts.memory_rise``)."""
+    the end of its I part, ``ResolvedCosts.memory_rise``)."""
     peaks = []
     for row in schedule.actions:
         level = peak = 0.0
@@ -62,7 +62,7 @@ def peak_memory(schedule: Schedule, costs: StageCosts) -> tuple[float, ...]:
     return tuple(peaks)
 
 
-def simulate(schedule: Schedule, costs: Costs | StageCosts | None = None) -> SimResult:
+def simulate(schedule: Schedule, costs: Costs | ResolvedCosts | None = None) -> SimResult:
     """Time ``schedule`` under ``costs`` (default: uniform unit costs) and measure it."""
     sc = resolve_costs(costs, schedule.stages)
     rows = [tuple(a for a in row if a.is_compute) for row in schedule.actions]

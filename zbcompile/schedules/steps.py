@@ -25,7 +25,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .costs import Costs, StageCosts, resolve_costs
+from .costs import Costs, ResolvedCosts, resolve_costs
 from .ir import Action, Schedule
 from .render import Box
 from .timing import ScheduleError, backward_index, dependencies
@@ -46,7 +46,7 @@ class StepsResult:
 
 
 def _time_step(
-    rows: Sequence[Sequence[Action]], schedule: Schedule, sc: StageCosts, free_at: Sequence[float]
+    rows: Sequence[Sequence[Action]], schedule: Schedule, sc: ResolvedCosts, free_at: Sequence[float]
 ) -> tuple[dict[Action, float], dict[Action, float]]:
     """ASAP timing of one step whose ranks become free at `free_at`."""
     backward_of = backward_index(rows)
@@ -74,7 +74,7 @@ def _time_step(
 
 def simulate_steps(
     schedule: Schedule,
-    costs: Costs | StageCosts | None = None,
+    costs: Costs | ResolvedCosts | None = None,
     mode: str = "post-validation",
     steps: int = 6,
     optimizer: float = 0.0,
@@ -121,7 +121,7 @@ def simulate_steps(
 
 def compare_step_times(
     schedule: Schedule,
-    costs: Costs | StageCosts | None = None,
+    costs: Costs | ResolvedCosts | None = None,
     steps: int = 6,
     optimizer: float = 0.0,
     allreduce: float | None = None,

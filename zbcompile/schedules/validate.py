@@ -15,14 +15,13 @@ from __future__ import annotations
 from collections import Counter
 from typing import Sequence, Union
 
-from .costs import Costs, StageCosts, resolve_costs
+from .costs import Costs, ResolvedCosts, fits_memory, resolve_costs
 from .ir import Action, Schedule
 from .lower import check_rendezvous, lower, message_of
 from .simulate import peak_memory, simulate
 from .timing import ScheduleError
 
 MemoryLimit = Union[None, float, Sequence[float]]
-_TOLERANCE = 1e-9
 
 
 def rank_limits(limit: MemoryLimit, ranks: int) -> tuple[float, ...] | None:
@@ -120,7 +119,7 @@ def _check_messages(schedule: Schedule) -> None:
 
 def validate(
     schedule: Schedule,
-    costs: Costs | StageCosts | None = None,
+    costs: Costs | ResolvedCosts | None = None,
     memory_limit: MemoryLimit = None,
     check_lowering: bool = True,
 ) -> None:
@@ -136,7 +135,7 @@ def validate(
     limits = rank_limits(memory_limit, schedule.ranks)
     if limits is not None:
         for rank, (peak, limit) in enumerate(zip(peak_memory(compute, sc), limits)):
-            if peak > limit + _TOLERANCE * max(1.0, abs(limit)):
+            if not fits_memory(peak, limit):
                 raise ScheduleError(f"rank {rank}: peak activation memory {peak:g} exceeds the limit {limit:g}")
     if schedule.is_lowered:
         _check_messages(schedule)
