@@ -113,20 +113,25 @@ def dies_mid_step(victim: int) -> tuple[str, float]:
     return "no error", time.monotonic() - started
 
 
-def profiled(steps: int) -> dict:
-    """`steps` steps with profile=True: the schedule is re-solved from measured costs after two."""
+def profiled(max_steps: int) -> dict:
+    """Default options (zb-auto measures its costs) until the schedule solved with measured costs
+    is in use (every rank switches after the same step), then one more step; returns the costs,
+    the steps run, this rank's gradients and the schedule."""
     case = build("gpt")
-    pipe = zbcompile.pipeline(
-        case.model, stages=2, microbatches=4, loss_fn=case.loss_fn, schedule="zb-auto", timeout=60,
-        solver_time_budget=0.5, profile=True, profile_steps=2,
-    )
-    for _ in range(steps):
+    pipe = zbcompile.pipeline(case.model, stages=2, microbatches=4, loss_fn=case.loss_fn, timeout=60, solver_time_budget=0)
+    steps = 0
+    while pipe.measured_costs is None and steps < max_steps:
         case.step(pipe)
+        steps += 1
+    case.step(pipe)
     costs = pipe.measured_costs
     return {
         "costs": None if costs is None else (list(costs.f), list(costs.b), list(costs.w), costs.comm),
+        "steps": steps + 1,
         "grads": {n: p.grad.clone() for n, p in pipe.named_parameters()},
         "schedule": [list(map(str, row)) for row in pipe.schedule.actions],
+        "cost_source": pipe.schedule.info.get("cost_source"),
+        "history": pipe._latest().tuner.history,
     }
 
 

@@ -161,15 +161,21 @@ def test_a_dead_peer_fails_the_others_within_the_timeout():
     assert "rank 0" in survivor and "RECV" in survivor, survivor
 
 
-def test_profile_resolves_with_measured_costs():
-    steps = 3
-    per_rank = run_ranks(2, workers.profiled, steps)
+def test_zb_auto_measures_its_costs_by_default():
+    """Without options, a distributed zb-auto pipeline times its first steps, solves with what it
+    measured while steps go on, and switches on every rank after the same step."""
+    per_rank = run_ranks(2, workers.profiled, 400)
+    assert per_rank[0]["steps"] == per_rank[1]["steps"] < 400
     f, b, w, comm = per_rank[0]["costs"]
     assert per_rank[1]["costs"] == per_rank[0]["costs"]  # gathered: every rank has all of them
     assert all(t > 0 for t in f) and b[1] > 0 and all(t > 0 for t in w) and comm > 0
     assert per_rank[0]["schedule"] == per_rank[1]["schedule"]
+    assert per_rank[0]["cost_source"] == "measured", per_rank[0]["history"]
+    events = [e["event"] for e in per_rank[0]["history"]]
+    assert events[:2] == ["solving (first measurement)", "switched"], events
+    assert per_rank[0]["history"][0]["step"] == 2  # a warm-up step, then profile_steps=2 timed ones
     reference = build("gpt")
-    for _ in range(steps):
+    for _ in range(per_rank[0]["steps"]):
         reference.eager_loss().backward()
     grads = {k: v for r in per_rank for k, v in r["grads"].items()}
     for fqn, p in reference.model.named_parameters():

@@ -103,7 +103,8 @@ def pipeline(
     static FLOP estimates (or `costs`) while every action is timed; after the first (warm-up)
     step and `profile_steps` more, the costs measured on every rank (and the time to send a
     boundary message) are gathered, rank 0 solves the schedule with them in a child process
-    while the steps go on, and every rank switches to it at the same later step. It then
+    while the steps go on, and every rank switches to it after the step in which it was
+    ready. It then
     re-solves when the measured step time drifts from the prediction (`runtime/profile.py`).
     `profile=None` (the default) does this for zb-auto without `costs`; True for any schedule;
     False never. `follow_readiness` (default True): a rank whose next computation waits for a
@@ -446,7 +447,7 @@ class PipelinedModule:
         if not wanted or not isinstance(runner, DistributedRunner):
             return None
         static = schedule_costs(compiled)
-        return profile.CostTuner(self.options.profile_steps, self._solve_arguments, static, self.options.solver_time_budget)
+        return profile.CostTuner(self.options.profile_steps, self._solve_arguments, static)
 
     def _distributed_runner(self, compiled: CompiledPipeline, schedule: Schedule, device: torch.device) -> DistributedRunner:
         layout = self._pipeline_layout()

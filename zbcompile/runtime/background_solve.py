@@ -14,12 +14,15 @@ import pickle
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import weakref
 from typing import Any
 
 
 class BackgroundSolve:
-    """`make_schedule(**arguments)` in a child process, started at once; `result()` waits for it."""
+    """`make_schedule(**arguments)` in a child process, started at once; `done()` tells without
+    blocking whether it has finished, `result()` waits for it."""
 
     def __init__(self, arguments: dict[str, Any]) -> None:
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -34,19 +37,29 @@ class BackgroundSolve:
                 stderr=subprocess.PIPE,
                 env=env,
             )
+        self.started = time.perf_counter()
         self._finalizer = weakref.finalize(self, _stop, self._process)
+        self._output: tuple[bytes, bytes] | None = None
+        # reads the child's output as it comes (a large schedule would not fit the pipe's buffer)
+        self._reader = threading.Thread(target=self._read, name="zbcompile-solve", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        self._output = self._process.communicate()
+
+    def done(self) -> bool:
+        return not self._reader.is_alive()
 
     def result(self, timeout: float):
-        """The schedule, or raises RuntimeError with the child's error (or on `timeout` seconds)."""
-        try:
-            out, err = self._process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired as error:
+        """The schedule, or raises RuntimeError with the child's error (or after `timeout` seconds)."""
+        self._reader.join(timeout)
+        if self._reader.is_alive():
             self._finalizer()
-            raise RuntimeError(f"solving the schedule took over {timeout:.0f} s") from error
-        finally:
-            self._finalizer.detach()
+            raise RuntimeError(f"solving the schedule took over {time.perf_counter() - self.started:.0f} s")
+        self._finalizer.detach()
+        out, err = self._output
         if self._process.returncode != 0:
-            raise RuntimeError(f"solving the schedule failed: {err.decode(errors='replace').strip().splitlines()[-1:]}")
+            raise RuntimeError(f"solving the schedule failed: {(err.decode(errors='replace').strip().splitlines() or ['killed'])[-1]}")
         return pickle.loads(out)
 
 

@@ -7,18 +7,18 @@ measured round trip).
 `CostTuner` (a distributed pipeline's default for zb-auto): after the first (warm-up) step it
 times `profile_steps` steps, gathers their costs (one collective), and rank 0 solves the
 schedule with them in a child process (`background_solve`) while the steps go on with the old
-one. The switch happens at a step boundary every rank computed from the same gathered numbers
-(enough steps for the solver's time budget), with one broadcast of the new schedule. From then
-on it compares the measured step (the longest rank's span of actions, median over a window of
-steps, gathered) with the simulator's span of the running schedule under the costs it was
-solved with: when their ratio moves more than `DRIFT_THRESHOLD` away from the ratio measured
-right after the switch, it re-solves with the window's costs. Windows are `DRIFT_WINDOW` steps
-long and double after every re-solve the drift caused (up to `MAX_DRIFT_WINDOW`).
+one. After each of those steps rank 0 broadcasts one number, whether the solver has finished;
+the step after which it has is the switch, on every rank, with one broadcast of the new
+schedule. From then on it compares the measured step (the longest rank's span of actions,
+median over a window of steps, gathered) with the simulator's span of the running schedule
+under the costs it was solved with: when their ratio moves more than `DRIFT_THRESHOLD` away
+from the ratio measured in the first window after the switch, it re-solves with the window's
+costs. Windows are `DRIFT_WINDOW` steps long and double after every re-solve the drift caused
+(up to `MAX_DRIFT_WINDOW`).
 """
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from collections import defaultdict
@@ -31,7 +31,6 @@ from zbcompile.runtime.background_solve import BackgroundSolve
 from zbcompile.runtime.distributed import DistributedRunner
 from zbcompile.runtime.p2p import gather_objects
 from zbcompile.schedules import Action, Costs, Schedule, simulate
-from zbcompile.schedules.registry import DEFAULT_TIME_BUDGET_S
 
 Timeline = Sequence[tuple[str, float, float]]
 Medians = dict[tuple[int, str], float]
@@ -42,8 +41,6 @@ right after the schedule was switched in."""
 DRIFT_WINDOW = 20
 """Steps per drift check (one small gather each); doubled after each re-solve drift caused."""
 MAX_DRIFT_WINDOW = 320
-SOLVER_START_S = 1.0
-"""Seconds the solver's child process takes to start, on top of the solver's time budget."""
 
 
 def action_medians(timelines: Sequence[Timeline]) -> Medians:
@@ -112,11 +109,10 @@ class CostTuner:
     `solve_arguments(costs)` gives `make_schedule`'s keyword arguments for a schedule solved
     with `costs`; `static` are the compiler's estimates (memory, and how a fused backward splits)."""
 
-    def __init__(self, profile_steps: int, solve_arguments: Callable[[Costs], dict[str, Any]], static: Costs, time_budget: float | None) -> None:
+    def __init__(self, profile_steps: int, solve_arguments: Callable[[Costs], dict[str, Any]], static: Costs) -> None:
         self.profile_steps = profile_steps
         self.solve_arguments = solve_arguments
         self.static = static
-        self.time_budget = DEFAULT_TIME_BUDGET_S if time_budget is None else time_budget
         self.measured: Costs | None = None  # the costs of the latest solve
         self.predicted_span: float | None = None  # of the running schedule, under `measured`
         self.reference: float | None = None  # measured / predicted span right after the switch
@@ -125,8 +121,7 @@ class CostTuner:
         self.history: list[dict[str, Any]] = []  # one entry per decision, for people
         self._steps = 0
         self._window: list[Timeline] = []
-        self._step_ends: list[float] = []
-        self._switch: tuple[int, BackgroundSolve | None, Costs] | None = None
+        self._solving: tuple[BackgroundSolve | None, Costs] | None = None
 
     def after_step(self, runner: DistributedRunner) -> Schedule | None:
         """Record the step `runner` just ran; returns the schedule to run from the next step on,
@@ -135,9 +130,8 @@ class CostTuner:
         if step == 0:
             return None  # the first step warms up (allocator, caches): not representative
         self._window.append(list(runner.timeline))
-        self._step_ends.append(time.perf_counter())
-        if self._switch is not None:
-            return self._switch_if_due(runner, step)
+        if self._solving is not None:
+            return self._switch_if_solved(runner, step)
         window = self.profile_steps if self.measured is None else min(DRIFT_WINDOW << self.drift_resolves, MAX_DRIFT_WINDOW)
         if len(self._window) < window:
             return None
@@ -146,11 +140,10 @@ class CostTuner:
 
     def _check(self, runner: DistributedRunner, step: int) -> None:
         """End of a window: gather its numbers; solve with them at first, or on drift."""
-        period = statistics.median(b - a for a, b in zip(self._step_ends, self._step_ends[1:])) if len(self._step_ends) > 1 else 0.0
-        local = (action_medians(self._window), statistics.median(_span(t) for t in self._window), period, round_trip_seconds(runner))
+        local = (action_medians(self._window), statistics.median(_span(t) for t in self._window), round_trip_seconds(runner))
         gathered = gather_objects(local, runner.layout.pp_group)
-        self._window, self._step_ends = [], []
-        costs = costs_of([g[0] for g in gathered], max(g[3] for g in gathered), runner.schedule.stages, self.static)
+        self._window = []
+        costs = costs_of([g[0] for g in gathered], max(g[2] for g in gathered), runner.schedule.stages, self.static)
         span = max(g[1] for g in gathered)
         reason = "first measurement"
         if self.measured is not None:
@@ -164,34 +157,35 @@ class CostTuner:
                 return
             self.drift_resolves += 1
             reason = f"drift {drift:+.0%}"
-        # every rank derives the same switch step from the same gathered numbers
-        step_s = max([g[2] for g in gathered] + [1e-3])
-        switch = step + 1 + math.ceil((self.time_budget + SOLVER_START_S) / step_s)
-        solve = None
-        if runner.layout.pp_rank == 0:
-            solve = BackgroundSolve(self.solve_arguments(costs))
-        self._switch = (switch, solve, costs)
+        solve = BackgroundSolve(self.solve_arguments(costs)) if runner.layout.pp_rank == 0 else None
+        self._solving = (solve, costs)
         self.resolves += 1
-        self.history.append({"step": step, "event": f"solving ({reason})", "switch_step": switch, "measured_span_s": span})
+        self.history.append({"step": step, "event": f"solving ({reason})", "measured_span_s": span})
 
-    def _switch_if_due(self, runner: DistributedRunner, step: int) -> Schedule | None:
-        switch, solve, costs = self._switch
-        if step < switch:
-            self._window.clear()  # the old schedule's steps tell nothing about the new one
-            self._step_ends.clear()
+    def _switch_if_solved(self, runner: DistributedRunner, step: int) -> Schedule | None:
+        """While rank 0 solves: one broadcast per step says whether it has finished (or given up
+        after the pipeline's timeout); the step after which it has is the switch, everywhere."""
+        solve, costs = self._solving
+        self._window.clear()  # the old schedule's steps tell nothing about the new one
+        limit = runner.transport.timeout.total_seconds()
+        finished = solve is None or solve.done() or time.perf_counter() - solve.started > limit
+        if runner.layout.pp_group is not None:
+            flag = torch.tensor([int(finished)], device=runner.device)
+            dist.broadcast(flag, group=runner.layout.pp_group, group_src=0)
+            finished = bool(flag.item())
+        if not finished:
             return None
-        self._switch = None
+        self._solving = None
         schedule, error = None, None
         if solve is not None:
             try:
-                schedule = solve.result(timeout=runner.transport.timeout.total_seconds())
+                schedule = solve.result(timeout=0.0)
             except RuntimeError as failure:
                 error = str(failure)
         box = [(schedule, error)]
         if runner.layout.pp_group is not None:
             dist.broadcast_object_list(box, group=runner.layout.pp_group, group_src=0)
         schedule, error = box[0]
-        self._window, self._step_ends = [], []
         if schedule is None:
             self.history.append({"step": step, "event": f"kept the schedule: {error}"})
             return None
