@@ -131,7 +131,7 @@ def profiled(max_steps: int) -> dict:
         "grads": {n: p.grad.clone() for n, p in pipe.named_parameters()},
         "schedule": [list(map(str, row)) for row in pipe.schedule.actions],
         "cost_source": pipe.schedule.info.get("cost_source"),
-        "history": pipe._latest().tuner.history,
+        "history": pipe.tuner.history,
     }
 
 

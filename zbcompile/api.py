@@ -278,6 +278,12 @@ class PipelinedModule:
         return self._latest().runner
 
     @property
+    def tuner(self) -> profile.CostTuner | None:
+        """What measures the costs of the latest compile and re-solves with them (its `history`
+        of decisions); None where costs are not measured."""
+        return self._latest().tuner
+
+    @property
     def executors(self) -> list[StageExecutor]:
         runner = self.runner
         return list(runner.executors) if isinstance(runner, LocalRunner) else list(runner.executors.values())
@@ -423,7 +429,7 @@ class PipelinedModule:
         if layout is None or layout.pp_rank == 0:
             given = self.options.costs is not None
             schedule = make_schedule(**self._solve_arguments(self.options.costs or schedule_costs(compiled)))
-            schedule = schedule.with_info(cost_source="given" if given else "static")
+            schedule = schedule.with_info(**({"cost_source": "given", "costs": self.options.costs} if given else {"cost_source": "static"}))
         if layout is not None and layout.pp_group is not None:
             box = [schedule]
             dist.broadcast_object_list(box, group=layout.pp_group, group_src=0)
