@@ -196,10 +196,10 @@ class DistributedRunner:
         (action, start, end) in `time.perf_counter()` seconds for every compute action, from
         when its data had arrived to when it finished, and `comm_timeline` the same for every
         SEND (posting it) and RECV (the wait for its data, when a computation needs it)."""
-        program, transport, forecast = self.program, self.transport, self.forecast
+        program, transport, forecast, follow_readiness = self.program, self.transport, self.forecast, self.follow_readiness
         local: dict[tuple[str, int, int], dict[str, torch.Tensor]] = {}
         outgoing: dict[tuple[str, int, int], dict[str, torch.Tensor]] = {}
-        receives = _ReceivesAhead(program, transport, self.device, watch=self.follow_readiness and bool(program.weight_order))
+        receives = _ReceivesAhead(program, transport, self.device)
         weights = _WeightQueue(program.weight_order)
         timeline: list[tuple[str, float, float]] = []
         comm_timeline: list[tuple[str, float, float]] = []
@@ -218,20 +218,20 @@ class DistributedRunner:
                 return local.pop(key)
             receive, pending = receives.take(key)
             reached = clock()
-            if pending.arrival is not None:  # following readiness: W while the message is on its way
+            if follow_readiness:  # W while the message is on its way
                 while (
-                    not pending.arrival.done.is_set()
-                    and (w := weights.runnable()) is not None
+                    (w := weights.runnable()) is not None
                     and forecast.fits(key, clock() - reached, w.stage)
+                    and not transport.arrived(pending)
                 ):
                     weights.advance()
                     run(w, str(w))
                     early.append(str(w))
             waited = clock()
             values = dict(zip(receive.message.names, transport.wait(pending, action)))
-            comm_timeline.append((receive.message.text, waited, clock()))
-            if pending.arrival is not None:
-                forecast.note_wait(key, pending.arrival.time - reached)
+            done = clock()
+            comm_timeline.append((receive.message.text, waited, done))
+            forecast.note_wait(key, (transport.arrival_time(pending) or done) - reached)
             return values
 
         def deliver(direction: str, stage: int, k: int, values: dict[str, torch.Tensor]) -> None:
@@ -390,13 +390,12 @@ class _ReceivesAhead:
     the rank is at, and always by the time the program reaches them. Where the transport matches
     messages by order rather than tag (every backend but gloo, NCCL among them), a receive is
     never posted before an earlier send to the same peer, so each peer still sees one order of
-    operations. With `watch`, the transport can tell when each has arrived."""
+    operations."""
 
-    def __init__(self, program: RankProgram, transport: Transport, device: torch.device, watch: bool) -> None:
+    def __init__(self, program: RankProgram, transport: Transport, device: torch.device) -> None:
         self.plan = program.receives
         self.transport = transport
         self.device = device
-        self.watch = watch
         self.in_order = not transport.matches_by_tag
         self.next = 0
         self.posted: dict[tuple[str, int, int], tuple[Receive, Pending]] = {}
@@ -420,6 +419,6 @@ class _ReceivesAhead:
         receive = self.plan[self.next]
         message = receive.message
         buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in receive.layouts]
-        pending = self.transport.post_recv(buffers, message.peer, message.tag, message.text, watch=self.watch)
+        pending = self.transport.post_recv(buffers, message.peer, message.tag, message.text)
         self.posted[message.key] = (receive, pending)
         self.next += 1

@@ -8,9 +8,9 @@ import functools
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,67 +40,83 @@ class PeerError(RuntimeError):
 
 @dataclass
 class Pending:
-    """Posted receives or sends of one message. `arrival` is set for a watched receive."""
+    """Posted receives or sends of one message. Where helper threads post and wait (gloo),
+    `done` is set once they have: a receive completed (at `arrived_at`) or a send posted."""
 
     works: list
     tensors: list[torch.Tensor]
     peer: int
     action: str
-    arrival: "Arrival | None" = None
-
-
-@dataclass
-class Arrival:
-    """When a watched receive completed (`time.perf_counter()`), or the error its wait raised."""
-
-    done: threading.Event = field(default_factory=threading.Event)
-    time: float | None = None
+    done: threading.Event | None = None
+    arrived_at: float | None = None
     error: BaseException | None = None
     timed_out: bool = False
 
 
-class ArrivalWatch:
-    """Waits for posted receives on helper threads, so that the runner can ask whether a message
-    has arrived without blocking: gloo's `Work` has no such test (`is_completed()` turns true
-    only inside `wait()`), and a wait with a short timeout aborts the process group. Each
-    receive gets its own waiting thread (idle ones are reused), so a message never waits on
-    another; the threads are daemons and hold no Python lock while they wait."""
+class _Helpers:
+    """Threads that post gloo's point-to-point operations and wait for them, so that the
+    runner's thread neither pays for posting (under load a post can wait on gloo's own thread
+    for a millisecond or more) nor blocks to learn whether a message has arrived: gloo's
+    `Work` has no non-blocking test (`is_completed()` turns true only inside `wait()`), and a
+    wait with a short timeout aborts the process group. Each receive gets a thread of its own
+    (idle ones are reused), so a message never waits on another; sends are posted in order by
+    one thread. The threads are daemons and hold no Python lock while they wait."""
 
     def __init__(self, timeout: timedelta) -> None:
         self.timeout = timeout
         self._idle: list[queue.SimpleQueue] = []
         self._lock = threading.Lock()
+        self._sends: queue.SimpleQueue | None = None
 
-    def watch(self, works: list) -> Arrival:
-        arrival = Arrival()
+    def receive(self, pending: Pending, post: Callable[[], list]) -> None:
+        """Post a receive with `post()`, then wait for it, on a thread of its own."""
+        pending.done = threading.Event()
         with self._lock:
             jobs = self._idle.pop() if self._idle else None
         if jobs is None:
             jobs = queue.SimpleQueue()
-            threading.Thread(target=self._serve, args=(jobs,), name="zbcompile-arrivals", daemon=True).start()
-        jobs.put((works, arrival))
-        return arrival
+            threading.Thread(target=self._serve_receives, args=(jobs,), name="zbcompile-receive", daemon=True).start()
+        jobs.put((pending, post))
 
-    def _serve(self, jobs: queue.SimpleQueue) -> None:
+    def send(self, pending: Pending, post: Callable[[], list]) -> None:
+        """Post a send with `post()` on the sending thread, after every send before it."""
+        pending.done = threading.Event()
+        if self._sends is None:
+            self._sends = queue.SimpleQueue()
+            threading.Thread(target=self._serve_sends, args=(self._sends,), name="zbcompile-send", daemon=True).start()
+        self._sends.put((pending, post))
+
+    def _serve_receives(self, jobs: queue.SimpleQueue) -> None:
         while True:
-            works, arrival = jobs.get()
+            pending, post = jobs.get()
             try:
-                for work in works:
+                pending.works = post()
+                for work in pending.works:
                     if work.wait(self.timeout) is False:
-                        arrival.timed_out = True
+                        pending.timed_out = True
             except RuntimeError as error:
-                arrival.error = error
-            arrival.time = time.perf_counter()
+                pending.error = error
+            pending.arrived_at = time.perf_counter()
             with self._lock:
                 self._idle.append(jobs)
-            arrival.done.set()
+            pending.done.set()
+
+    @staticmethod
+    def _serve_sends(jobs: queue.SimpleQueue) -> None:
+        while True:
+            pending, post = jobs.get()
+            try:
+                pending.works = post()
+            except RuntimeError as error:
+                pending.error = error
+            pending.done.set()
 
 
 class Transport:
     """Sends and receives the tensors of one message (several tensors to one peer are posted as
     one batch). Every wait gives up after `timeout` and raises a PeerError naming the peer rank
-    and the action that was waiting. A receive posted with `watch=True` can be asked whether it
-    has `arrived()` without blocking."""
+    and the action that was waiting. `arrived()` tells without blocking whether a receive has
+    completed. With gloo, helper threads post and wait (`_Helpers`)."""
 
     def __init__(self, rank: int, timeout: timedelta) -> None:
         self.rank = rank
@@ -113,54 +129,67 @@ class Transport:
         return dist.get_backend() == "gloo"
 
     @functools.cached_property
-    def _watch(self) -> ArrivalWatch | None:
-        """Helper threads for `arrived()` where the backend's works cannot be tested without
-        blocking (gloo); None where `Work.is_completed()` answers (NCCL)."""
-        return ArrivalWatch(self.timeout) if dist.get_backend() == "gloo" else None
+    def _helpers(self) -> _Helpers | None:
+        """Helper threads where the backend pairs messages by tag (so posting on another thread
+        cannot reorder what a peer sees) and its works cannot be tested without blocking: gloo."""
+        return _Helpers(self.timeout) if self.matches_by_tag else None
 
-    def post_recv(self, buffers: Sequence[torch.Tensor], peer: int, tag: int, action: str, watch: bool = False) -> Pending:
-        pending = Pending(self._post(dist.irecv, buffers, peer, tag, action), list(buffers), peer, action)
-        if watch and self._watch is not None:
-            pending.arrival = self._watch.watch(pending.works)
+    def post_recv(self, buffers: Sequence[torch.Tensor], peer: int, tag: int, action: str) -> Pending:
+        pending = Pending([], list(buffers), peer, action)
+        post = functools.partial(self._post, dist.irecv, pending.tensors, peer, tag, action)
+        if self._helpers is not None:
+            self._helpers.receive(pending, post)
+        else:
+            pending.works = post()
         return pending
 
     def arrived(self, pending: Pending) -> bool:
-        """Whether `pending` (a receive) has completed, without blocking. Always False for a gloo
-        receive posted without `watch=True`."""
-        if pending.arrival is not None:
-            return pending.arrival.done.is_set()
-        if self._watch is not None:
-            return False
+        """Whether `pending` (a receive) has completed, without blocking."""
+        if pending.done is not None:
+            return pending.done.is_set()
         return all(work.is_completed() for work in pending.works)
 
     def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int, action: str) -> None:
-        tensors = [t.contiguous() for t in tensors]
-        self._sends.append(Pending(self._post(dist.isend, tensors, peer, tag, action), tensors, peer, action))
+        pending = Pending([], [t.contiguous() for t in tensors], peer, action)
+        post = functools.partial(self._post, dist.isend, pending.tensors, peer, tag, action)
+        if self._helpers is not None:
+            self._helpers.send(pending, post)
+        else:
+            pending.works = post()
+        self._sends.append(pending)
 
     def wait(self, pending: Pending, waiting_action: str) -> list[torch.Tensor]:
+        """The received tensors, once they are there."""
         action = f"{waiting_action} (waiting for {pending.action})"
-        if pending.arrival is not None:
-            self._wait_watched(pending.arrival, pending.peer, action)
-            return pending.tensors
-        for work in pending.works:
-            self._wait_one(work, pending.peer, action)
+        self._wait_helper(pending, action)
+        if pending.done is None:
+            for work in pending.works:
+                self._wait_one(work, pending.peer, action)
         return pending.tensors
 
-    def _wait_watched(self, arrival: Arrival, peer: int, action: str) -> None:
-        # the helper thread's own wait gives up after `timeout`; this one only backs it up
-        if not arrival.done.wait(self.timeout.total_seconds() + 30):
-            arrival.timed_out = True
-        if arrival.error is not None:
-            raise self._peer_failed(peer, action, arrival.error) from arrival.error
-        if arrival.timed_out:
-            raise self._timed_out(peer, action)
+    def arrival_time(self, pending: Pending) -> float | None:
+        """When a completed receive arrived (`time.perf_counter()`), where helper threads saw it."""
+        return pending.arrived_at
 
     def flush_sends(self) -> None:
         """Wait for every send posted so far (their tensors can then be freed)."""
         sends, self._sends = self._sends, []
         for pending in sends:
+            self._wait_helper(pending, pending.action)
             for work in pending.works:
                 self._wait_one(work, pending.peer, pending.action)
+
+    def _wait_helper(self, pending: Pending, action: str) -> None:
+        """Wait for the helper thread's part (posting; a receive's own wait) and raise its error."""
+        if pending.done is None:
+            return
+        # the helper's own wait gives up after `timeout`; this one only backs it up
+        if not pending.done.wait(self.timeout.total_seconds() + 30):
+            pending.timed_out = True
+        if pending.error is not None:
+            raise self._peer_failed(pending.peer, action, pending.error) from pending.error
+        if pending.timed_out:
+            raise self._timed_out(pending.peer, action)
 
     def _post(self, op, tensors: Sequence[torch.Tensor], peer: int, tag: int, action: str) -> list:
         """Post `op` (dist.isend or dist.irecv) for every tensor; several go as one batch."""
