@@ -22,7 +22,7 @@ class _Recorder:
         self.matches_by_tag = matches_by_tag
         self.log: list[tuple[str, int, str]] = []  # (kind, peer, action)
 
-    def post_recv(self, buffers, peer, tag, action):
+    def post_recv(self, buffers, peer, tag, action, watch=False):
         self.log.append(("recv", peer, action))
         return action
 
@@ -37,7 +37,7 @@ def _runner(schedule, rank: int, transport: _Recorder):
 
 def _replay(runner) -> list[tuple[str, int, str]]:
     """The runner's loop, as far as posting goes: receives ahead, sends in list order."""
-    receives = distributed._ReceivesAhead(runner.program, runner.transport, torch.device("cpu"))
+    receives = distributed._ReceivesAhead(runner.program, runner.transport, torch.device("cpu"), watch=False)
     for index, action in enumerate(runner.actions):
         receives.post_ahead(index)
         if action.kind.startswith("RECV"):

@@ -199,7 +199,8 @@ class DistributedRunner:
         program, transport, forecast, follow_readiness = self.program, self.transport, self.forecast, self.follow_readiness
         local: dict[tuple[str, int, int], dict[str, torch.Tensor]] = {}
         outgoing: dict[tuple[str, int, int], dict[str, torch.Tensor]] = {}
-        receives = _ReceivesAhead(program, transport, self.device)
+        # readiness needs to know whether a message arrived: only where a W could run meanwhile
+        receives = _ReceivesAhead(program, transport, self.device, watch=follow_readiness and bool(program.weight_order))
         weights = _WeightQueue(program.weight_order)
         timeline: list[tuple[str, float, float]] = []
         comm_timeline: list[tuple[str, float, float]] = []
@@ -390,12 +391,13 @@ class _ReceivesAhead:
     the rank is at, and always by the time the program reaches them. Where the transport matches
     messages by order rather than tag (every backend but gloo, NCCL among them), a receive is
     never posted before an earlier send to the same peer, so each peer still sees one order of
-    operations."""
+    operations. With `watch`, the transport can tell when each has arrived."""
 
-    def __init__(self, program: RankProgram, transport: Transport, device: torch.device) -> None:
+    def __init__(self, program: RankProgram, transport: Transport, device: torch.device, watch: bool) -> None:
         self.plan = program.receives
         self.transport = transport
         self.device = device
+        self.watch = watch
         self.in_order = not transport.matches_by_tag
         self.next = 0
         self.posted: dict[tuple[str, int, int], tuple[Receive, Pending]] = {}
@@ -419,6 +421,6 @@ class _ReceivesAhead:
         receive = self.plan[self.next]
         message = receive.message
         buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in receive.layouts]
-        pending = self.transport.post_recv(buffers, message.peer, message.tag, message.text)
+        pending = self.transport.post_recv(buffers, message.peer, message.tag, message.text, watch=self.watch)
         self.posted[message.key] = (receive, pending)
         self.next += 1

@@ -40,8 +40,8 @@ class PeerError(RuntimeError):
 
 @dataclass
 class Pending:
-    """Posted receives or sends of one message. Where helper threads post and wait (gloo),
-    `done` is set once they have: a receive completed (at `arrived_at`) or a send posted."""
+    """Posted receives or sends of one message. For a receive watched by a helper thread (gloo),
+    `done` is set once it completed (at `arrived_at`) or failed (`error`, `timed_out`)."""
 
     works: list
     tensors: list[torch.Tensor]
@@ -53,20 +53,18 @@ class Pending:
     timed_out: bool = False
 
 
-class _Helpers:
-    """Threads that post gloo's point-to-point operations and wait for them, so that the
-    runner's thread neither pays for posting (under load a post can wait on gloo's own thread
-    for a millisecond or more) nor blocks to learn whether a message has arrived: gloo's
-    `Work` has no non-blocking test (`is_completed()` turns true only inside `wait()`), and a
-    wait with a short timeout aborts the process group. Each receive gets a thread of its own
-    (idle ones are reused), so a message never waits on another; sends are posted in order by
-    one thread. The threads are daemons and hold no Python lock while they wait."""
+class _Watch:
+    """Threads that post gloo receives and wait for them, so that the runner can learn without
+    blocking whether a message has arrived: gloo's `Work` has no such test (`is_completed()`
+    turns true only inside `wait()`), and a wait with a short timeout aborts the process group.
+    Posting there also spares the runner's thread the post (under load it can wait on gloo's
+    own thread). Each receive gets a thread of its own (idle ones are reused), so a message
+    never waits on another. The threads are daemons and hold no Python lock while they wait."""
 
     def __init__(self, timeout: timedelta) -> None:
         self.timeout = timeout
         self._idle: list[queue.SimpleQueue] = []
         self._lock = threading.Lock()
-        self._sends: queue.SimpleQueue | None = None
 
     def receive(self, pending: Pending, post: Callable[[], list]) -> None:
         """Post a receive with `post()`, then wait for it, on a thread of its own."""
@@ -77,14 +75,6 @@ class _Helpers:
             jobs = queue.SimpleQueue()
             threading.Thread(target=self._serve_receives, args=(jobs,), name="zbcompile-receive", daemon=True).start()
         jobs.put((pending, post))
-
-    def send(self, pending: Pending, post: Callable[[], list]) -> None:
-        """Post a send with `post()` on the sending thread, after every send before it."""
-        pending.done = threading.Event()
-        if self._sends is None:
-            self._sends = queue.SimpleQueue()
-            threading.Thread(target=self._serve_sends, args=(self._sends,), name="zbcompile-send", daemon=True).start()
-        self._sends.put((pending, post))
 
     def _serve_receives(self, jobs: queue.SimpleQueue) -> None:
         while True:
@@ -101,22 +91,12 @@ class _Helpers:
                 self._idle.append(jobs)
             pending.done.set()
 
-    @staticmethod
-    def _serve_sends(jobs: queue.SimpleQueue) -> None:
-        while True:
-            pending, post = jobs.get()
-            try:
-                pending.works = post()
-            except RuntimeError as error:
-                pending.error = error
-            pending.done.set()
-
 
 class Transport:
     """Sends and receives the tensors of one message (several tensors to one peer are posted as
     one batch). Every wait gives up after `timeout` and raises a PeerError naming the peer rank
-    and the action that was waiting. `arrived()` tells without blocking whether a receive has
-    completed. With gloo, helper threads post and wait (`_Helpers`)."""
+    and the action that was waiting. `arrived()` tells without blocking whether a receive posted
+    with `watch=True` has completed (gloo: helper threads post and wait for it, `_Watch`)."""
 
     def __init__(self, rank: int, timeout: timedelta) -> None:
         self.rank = rank
@@ -129,34 +109,30 @@ class Transport:
         return dist.get_backend() == "gloo"
 
     @functools.cached_property
-    def _helpers(self) -> _Helpers | None:
+    def _watch(self) -> _Watch | None:
         """Helper threads where the backend pairs messages by tag (so posting on another thread
         cannot reorder what a peer sees) and its works cannot be tested without blocking: gloo."""
-        return _Helpers(self.timeout) if self.matches_by_tag else None
+        return _Watch(self.timeout) if self.matches_by_tag else None
 
-    def post_recv(self, buffers: Sequence[torch.Tensor], peer: int, tag: int, action: str) -> Pending:
+    def post_recv(self, buffers: Sequence[torch.Tensor], peer: int, tag: int, action: str, watch: bool = False) -> Pending:
         pending = Pending([], list(buffers), peer, action)
         post = functools.partial(self._post, dist.irecv, pending.tensors, peer, tag, action)
-        if self._helpers is not None:
-            self._helpers.receive(pending, post)
+        if watch and self._watch is not None:
+            self._watch.receive(pending, post)
         else:
             pending.works = post()
         return pending
 
     def arrived(self, pending: Pending) -> bool:
-        """Whether `pending` (a receive) has completed, without blocking."""
+        """Whether `pending` (a receive) has completed, without blocking; False for a gloo
+        receive posted without `watch`, which cannot tell."""
         if pending.done is not None:
             return pending.done.is_set()
-        return all(work.is_completed() for work in pending.works)
+        return not self.matches_by_tag and all(work.is_completed() for work in pending.works)
 
     def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int, action: str) -> None:
-        pending = Pending([], [t.contiguous() for t in tensors], peer, action)
-        post = functools.partial(self._post, dist.isend, pending.tensors, peer, tag, action)
-        if self._helpers is not None:
-            self._helpers.send(pending, post)
-        else:
-            pending.works = post()
-        self._sends.append(pending)
+        tensors = [t.contiguous() for t in tensors]
+        self._sends.append(Pending(self._post(dist.isend, tensors, peer, tag, action), tensors, peer, action))
 
     def wait(self, pending: Pending, waiting_action: str) -> list[torch.Tensor]:
         """The received tensors, once they are there."""
@@ -168,19 +144,18 @@ class Transport:
         return pending.tensors
 
     def arrival_time(self, pending: Pending) -> float | None:
-        """When a completed receive arrived (`time.perf_counter()`), where helper threads saw it."""
+        """When a completed receive arrived (`time.perf_counter()`), where a helper thread saw it."""
         return pending.arrived_at
 
     def flush_sends(self) -> None:
         """Wait for every send posted so far (their tensors can then be freed)."""
         sends, self._sends = self._sends, []
         for pending in sends:
-            self._wait_helper(pending, pending.action)
             for work in pending.works:
                 self._wait_one(work, pending.peer, pending.action)
 
     def _wait_helper(self, pending: Pending, action: str) -> None:
-        """Wait for the helper thread's part (posting; a receive's own wait) and raise its error."""
+        """Wait for a watched receive's helper thread and raise its error."""
         if pending.done is None:
             return
         # the helper's own wait gives up after `timeout`; this one only backs it up
