@@ -37,7 +37,7 @@ def _runner(schedule, rank: int, transport: _Recorder):
 
 def _replay(runner) -> list[tuple[str, int, str]]:
     """The runner's loop, as far as posting goes: receives ahead, sends in list order."""
-    receives = distributed._ReceivesAhead(runner.program, runner.transport, torch.device("cpu"), watch=False)
+    receives = distributed._ReceivesAhead(runner.program, runner.transport, torch.device("cpu"), lambda key: False)
     for index, action in enumerate(runner.actions):
         receives.post_ahead(index)
         if action.kind.startswith("RECV"):

@@ -16,7 +16,7 @@ import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -199,8 +199,9 @@ class DistributedRunner:
         program, transport, forecast, follow_readiness = self.program, self.transport, self.forecast, self.follow_readiness
         local: dict[tuple[str, int, int], dict[str, torch.Tensor]] = {}
         outgoing: dict[tuple[str, int, int], dict[str, torch.Tensor]] = {}
-        # readiness needs to know whether a message arrived: only where a W could run meanwhile
-        receives = _ReceivesAhead(program, transport, self.device, watch=follow_readiness and bool(program.weight_order))
+        # readiness asks whether a message has arrived only where a W is expected to fit in its wait
+        watch = forecast.worth_watching if follow_readiness and program.weight_order else (lambda key: False)
+        receives = _ReceivesAhead(program, transport, self.device, watch)
         weights = _WeightQueue(program.weight_order)
         timeline: list[tuple[str, float, float]] = []
         comm_timeline: list[tuple[str, float, float]] = []
@@ -219,7 +220,7 @@ class DistributedRunner:
                 return local.pop(key)
             receive, pending = receives.take(key)
             reached = clock()
-            if follow_readiness:  # W while the message is on its way
+            if follow_readiness and transport.can_tell(pending):  # W while the message is on its way
                 while (
                     (w := weights.runnable()) is not None
                     and forecast.fits(key, clock() - reached, w.stage)
@@ -324,6 +325,12 @@ class WaitForecast:
         self.lateness: dict[tuple[str, int, int], deque[float]] = defaultdict(lambda: deque(maxlen=self.RECENT_STEPS))
         self.weight_seconds: dict[int, float] = {}
 
+    def worth_watching(self, key: tuple[str, int, int]) -> bool:
+        """Whether the wait for message `key` may leave room for a W: it was late by at least
+        the shortest W in recent steps."""
+        recent = self.lateness.get(key)
+        return bool(recent) and bool(self.weight_seconds) and statistics.median(recent) >= min(self.weight_seconds.values())
+
     def fits(self, key: tuple[str, int, int], waited: float, stage: int) -> bool:
         """Whether a W of `stage` should fit in the rest of the wait for message `key`, of which
         `waited` seconds have passed (the median lateness of its recent steps says so)."""
@@ -391,9 +398,9 @@ class _ReceivesAhead:
     the rank is at, and always by the time the program reaches them. Where the transport matches
     messages by order rather than tag (every backend but gloo, NCCL among them), a receive is
     never posted before an earlier send to the same peer, so each peer still sees one order of
-    operations. With `watch`, the transport can tell when each has arrived."""
+    operations. Where `watch(key)`, the transport can tell when a message has arrived."""
 
-    def __init__(self, program: RankProgram, transport: Transport, device: torch.device, watch: bool) -> None:
+    def __init__(self, program: RankProgram, transport: Transport, device: torch.device, watch: Callable[[tuple[str, int, int]], bool]) -> None:
         self.plan = program.receives
         self.transport = transport
         self.device = device
@@ -421,6 +428,6 @@ class _ReceivesAhead:
         receive = self.plan[self.next]
         message = receive.message
         buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in receive.layouts]
-        pending = self.transport.post_recv(buffers, message.peer, message.tag, message.text, watch=self.watch)
+        pending = self.transport.post_recv(buffers, message.peer, message.tag, message.text, watch=self.watch(message.key))
         self.posted[message.key] = (receive, pending)
         self.next += 1

@@ -10,7 +10,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,7 @@ class PeerError(RuntimeError):
 
 @dataclass
 class Pending:
-    """Posted receives or sends of one message. For a receive watched by a helper thread (gloo),
+    """Posted receives or sends of one message. For a receive a helper thread waits for (gloo),
     `done` is set once it completed (at `arrived_at`) or failed (`error`, `timed_out`)."""
 
     works: list
@@ -54,33 +54,31 @@ class Pending:
 
 
 class _Watch:
-    """Threads that post gloo receives and wait for them, so that the runner can learn without
-    blocking whether a message has arrived: gloo's `Work` has no such test (`is_completed()`
-    turns true only inside `wait()`), and a wait with a short timeout aborts the process group.
-    Posting there also spares the runner's thread the post (under load it can wait on gloo's
-    own thread). Each receive gets a thread of its own (idle ones are reused), so a message
-    never waits on another. The threads are daemons and hold no Python lock while they wait."""
+    """Threads that wait for posted gloo receives, so that the runner can learn without blocking
+    whether a message has arrived: gloo's `Work` has no such test (`is_completed()` turns true
+    only inside `wait()`), and a wait with a short timeout aborts the process group. Each
+    receive gets a thread of its own (idle ones are reused), so a message never waits on
+    another. The threads are daemons and hold no Python lock while they wait."""
 
     def __init__(self, timeout: timedelta) -> None:
         self.timeout = timeout
         self._idle: list[queue.SimpleQueue] = []
         self._lock = threading.Lock()
 
-    def receive(self, pending: Pending, post: Callable[[], list]) -> None:
-        """Post a receive with `post()`, then wait for it, on a thread of its own."""
+    def watch(self, pending: Pending) -> None:
+        """Wait for the posted receive `pending` on a thread of its own."""
         pending.done = threading.Event()
         with self._lock:
             jobs = self._idle.pop() if self._idle else None
         if jobs is None:
             jobs = queue.SimpleQueue()
             threading.Thread(target=self._serve_receives, args=(jobs,), name="zbcompile-receive", daemon=True).start()
-        jobs.put((pending, post))
+        jobs.put(pending)
 
     def _serve_receives(self, jobs: queue.SimpleQueue) -> None:
         while True:
-            pending, post = jobs.get()
+            pending = jobs.get()
             try:
-                pending.works = post()
                 for work in pending.works:
                     if work.wait(self.timeout) is False:
                         pending.timed_out = True
@@ -96,7 +94,7 @@ class Transport:
     """Sends and receives the tensors of one message (several tensors to one peer are posted as
     one batch). Every wait gives up after `timeout` and raises a PeerError naming the peer rank
     and the action that was waiting. `arrived()` tells without blocking whether a receive posted
-    with `watch=True` has completed (gloo: helper threads post and wait for it, `_Watch`)."""
+    with `watch=True` has completed (gloo: a helper thread waits for it, `_Watch`)."""
 
     def __init__(self, rank: int, timeout: timedelta) -> None:
         self.rank = rank
@@ -115,17 +113,17 @@ class Transport:
         return _Watch(self.timeout) if self.matches_by_tag else None
 
     def post_recv(self, buffers: Sequence[torch.Tensor], peer: int, tag: int, action: str, watch: bool = False) -> Pending:
-        pending = Pending([], list(buffers), peer, action)
-        post = functools.partial(self._post, dist.irecv, pending.tensors, peer, tag, action)
+        pending = Pending(self._post(dist.irecv, buffers, peer, tag, action), list(buffers), peer, action)
         if watch and self._watch is not None:
-            self._watch.receive(pending, post)
-        else:
-            pending.works = post()
+            self._watch.watch(pending)
         return pending
 
+    def can_tell(self, pending: Pending) -> bool:
+        """Whether `arrived(pending)` can tell: NCCL's works can; a gloo receive only if watched."""
+        return pending.done is not None or not self.matches_by_tag
+
     def arrived(self, pending: Pending) -> bool:
-        """Whether `pending` (a receive) has completed, without blocking; False for a gloo
-        receive posted without `watch`, which cannot tell."""
+        """Whether `pending` (a receive) has completed, without blocking (see `can_tell`)."""
         if pending.done is not None:
             return pending.done.is_set()
         return not self.matches_by_tag and all(work.is_completed() for work in pending.works)

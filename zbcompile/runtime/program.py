@@ -12,13 +12,21 @@ run the next W early, while it waits for a message that has not arrived.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
-from zbcompile.schedules import Action, Schedule, StageCosts, lower
+from zbcompile.schedules import Action, Schedule, lower
 
 Layout = tuple[torch.Size, torch.dtype]
+
+
+class MemoryModel(Protocol):
+    """The simulator's memory model (costs resolved per stage, `schedules.costs.resolve_costs`)."""
+
+    def memory_delta(self, stage: int, kind: str) -> float: ...
+
+    def memory_rise(self, stage: int, kind: str) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -76,7 +84,7 @@ def rank_program(
     rank_of: Callable[[int], int],
     names: Callable[[str, int], Sequence[str]],
     layout: Callable[[str], Layout],
-    memory: StageCosts | None,
+    memory: MemoryModel | None,
 ) -> RankProgram:
     """Position `pp_rank`'s program for `schedule`. `rank_of(stage)`: the global rank holding a
     stage; `names(direction, stage)`: the values a message in that direction into that stage
@@ -115,7 +123,7 @@ def rank_program(
     )
 
 
-def defer_weights(actions: Sequence[Action], memory: StageCosts) -> tuple[tuple[Action, ...], tuple[str, ...]]:
+def defer_weights(actions: Sequence[Action], memory: MemoryModel) -> tuple[tuple[Action, ...], tuple[str, ...]]:
     """`actions` (one rank's lowered list) with the W that the plan runs between two sends moved,
     in order, to just after the second send; returns the list and the W that moved. Where the
     rank's activation memory (the simulator's model) would then exceed the list's own peak, only
@@ -142,7 +150,7 @@ def defer_weights(actions: Sequence[Action], memory: StageCosts) -> tuple[tuple[
     return tuple(out + segment), tuple(moved)
 
 
-def _peak(actions: Sequence[Action], memory: StageCosts, level: float) -> tuple[float, float]:
+def _peak(actions: Sequence[Action], memory: MemoryModel, level: float) -> tuple[float, float]:
     """(highest activation memory while `actions` run from `level`, the level after them)."""
     peak = level
     for a in actions:
