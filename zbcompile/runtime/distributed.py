@@ -212,7 +212,10 @@ class DistributedRunner:
         def run(action: Action, text: str) -> None:
             started = dispatch.run(action)
             synchronize()
-            timeline.append((text, started, clock()))
+            ended = clock()
+            timeline.append((text, started, ended))
+            if action.kind == "W":
+                forecast.note_weight(action.stage, ended - started)
 
         def fetch(direction: str, stage: int, k: int, action: str) -> dict[str, torch.Tensor]:
             key = (direction, stage, k)
@@ -259,7 +262,7 @@ class DistributedRunner:
                 if kind == "I":
                     weights.backward_ran(action)
         transport.flush_sends()
-        forecast.note_weights(timeline)
+        forecast.end_step()
         self.timeline, self.comm_timeline, self.early_w = timeline, comm_timeline, tuple(early)
         return dispatch.microbatch_losses() if self.schedule.stages - 1 in self.executors else None
 
@@ -323,7 +326,8 @@ class WaitForecast:
 
     def __init__(self) -> None:
         self.lateness: dict[tuple[str, int, int], deque[float]] = defaultdict(lambda: deque(maxlen=self.RECENT_STEPS))
-        self.weight_seconds: dict[int, float] = {}
+        self.weight_seconds: dict[int, float] = {}  # per stage, the median W of the last step
+        self._weights: dict[int, list[float]] = defaultdict(list)  # this step's
 
     def worth_watching(self, key: tuple[str, int, int]) -> bool:
         """Whether the wait for message `key` may leave room for a W: it was late by at least
@@ -342,14 +346,12 @@ class WaitForecast:
     def note_wait(self, key: tuple[str, int, int], lateness: float) -> None:
         self.lateness[key].append(lateness)
 
-    def note_weights(self, timeline: Sequence[tuple[str, float, float]]) -> None:
-        """The step's W durations (its timeline), the median per stage."""
-        durations: dict[int, list[float]] = defaultdict(list)
-        for text, start, end in timeline:
-            action = Action.parse(text)
-            if action.kind == "W":
-                durations[action.stage].append(end - start)
-        self.weight_seconds.update({stage: statistics.median(d) for stage, d in durations.items()})
+    def note_weight(self, stage: int, seconds: float) -> None:
+        self._weights[stage].append(seconds)
+
+    def end_step(self) -> None:
+        self.weight_seconds.update({stage: statistics.median(d) for stage, d in self._weights.items()})
+        self._weights.clear()
 
 
 class _WeightQueue:
