@@ -263,8 +263,8 @@ def test_pipelines_over_a_process_group_or_a_device_mesh():
 
 def test_late_messages_move_w_into_the_wait_and_change_no_bit():
     """Rank 0 sends every forward message 50 ms late. Following readiness, rank 1 runs pending W
-    while it waits (once a step has shown the wait is long enough), and W that preceded a send
-    run after it; without, every W stays where the schedule put it. Gradients (three steps
+    while it waits, and W that preceded a send run after it; without, every W stays where the
+    schedule put it. Gradients (three steps
     accumulated) are the same bits in every run and schedule, and equal eager's."""
     steps = 3
     per_rank = run_ranks(2, workers.late_messages, 0.05, steps)
@@ -273,9 +273,8 @@ def test_late_messages_move_w_into_the_wait_and_change_no_bit():
         if not follow:
             assert all(not any(s["moved"].values()) for r in per_rank for s in r[(schedule, follow)]["steps"]), schedule
     late = per_rank[1][("zb-h2", True)]
-    assert not late["steps"][0]["moved"]["into_wait"]  # the first step has seen no wait yet
     assert late["steps"][0]["moved"]["past_send"]
-    for step in late["steps"][1:]:
+    for step in late["steps"]:  # the first step runs W the plan put before the wait; later ones, what fits
         assert step["moved"]["into_wait"], step["moved"]
         ran = [text for text, _, _ in sorted(step["timeline"], key=lambda e: e[1])]
         for w in step["moved"]["into_wait"]:  # it ran before a computation the program puts first

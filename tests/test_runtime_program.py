@@ -88,3 +88,35 @@ def test_program_resolves_messages():
     assert all(m.peer == 10 and m.names == ("g",) and m.stage == 0 for m in sends)
     assert len({m.tag for m in sends} | {r.message.tag for r in program.receives}) == len(sends) + len(program.receives)
     assert program.weight_order == tuple(a for a in program.actions if a.kind == "W") and program.deferred == ()
+    assert program.overtaken == {}
+
+
+def test_overtaken_w_are_those_the_plan_ran_before_the_waiting_computation():
+    costs = Costs(f=[3.5, 3.7], b=[0.1, 4.3], w=[6.8, 2.9], comm=0.2, mem_f=1.0, mem_w=[1.0, 0.5])
+    schedule = make_schedule("zb-auto", 2, 8, costs=costs, time_budget=0)
+    for rank in range(2):
+        plan = lower(schedule).actions[rank]
+        program = rank_program(schedule, rank, lambda s: s, lambda d, s: ("x",), lambda n: (torch.Size([1]), torch.float32), resolve_costs(costs, 2))
+        assert program.overtaken or not program.deferred
+        for (direction, stage, k), weights in program.overtaken.items():
+            waiting = next(a for a in program.actions if a.stage == stage and a.microbatch == k and a.kind == ("F" if direction == "F" else "I"))
+            for w in weights:
+                assert plan.index(w) < plan.index(waiting) and program.actions.index(w) > program.actions.index(waiting)
+
+
+def test_wait_forecast_runs_a_w_only_where_recent_waits_had_room_for_it():
+    from zbcompile.runtime.distributed import WaitForecast
+
+    forecast = WaitForecast()
+    key = ("F", 1, 3)
+    assert not forecast.worth_watching(key) and not forecast.fits(key, 0.0, 1)  # nothing seen yet
+    forecast.note_weight(1, 0.004)
+    forecast.end_step()
+    for lateness in (0.010, 0.002, 0.012):
+        forecast.note_wait(key, lateness)
+    assert forecast.worth_watching(key)  # median 10 ms >= 4 ms
+    assert forecast.fits(key, 0.0, 1) and forecast.fits(key, 0.006, 1) and not forecast.fits(key, 0.0061, 1)
+    assert not forecast.fits(("F", 1, 4), 0.0, 1)
+    for lateness in (0.001, 0.001):  # the message came on time since: no room
+        forecast.note_wait(key, lateness)
+    assert not forecast.worth_watching(key) and not forecast.fits(key, 0.0, 1)

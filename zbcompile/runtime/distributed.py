@@ -5,9 +5,10 @@ gradients between the ranks that hold them and averages gradients over data-para
 
 Following readiness (the default): the program runs W after the sends the plan put them before
 (`program.defer_weights`), and when a computation's message has not arrived yet, the rank runs
-its next W in the meantime (in the program's W order, once its I has run) where that W is
-expected to fit in the wait: the same message was at least that late in recent steps
-(`WaitForecast`). Either way no computation is delayed in expectation."""
+its next W in the meantime (in the program's W order, once its I has run) where the plan ran
+that W before this computation anyway, or where it is expected to fit in the wait: the same
+message was at least that late in recent steps (`WaitForecast`). So a late message costs no
+more than the plan, and a message on time is not held up by a W the plan put before it."""
 
 from __future__ import annotations
 
@@ -199,8 +200,10 @@ class DistributedRunner:
         program, transport, forecast, follow_readiness = self.program, self.transport, self.forecast, self.follow_readiness
         local: dict[tuple[str, int, int], dict[str, torch.Tensor]] = {}
         outgoing: dict[tuple[str, int, int], dict[str, torch.Tensor]] = {}
-        # readiness asks whether a message has arrived only where a W is expected to fit in its wait
-        watch = forecast.worth_watching if follow_readiness and program.weight_order else (lambda key: False)
+        # readiness asks whether a message has arrived only where a W may run in its wait
+        def watch(key: tuple[str, int, int]) -> bool:
+            return follow_readiness and (key in program.overtaken or (bool(program.weight_order) and forecast.worth_watching(key)))
+
         receives = _ReceivesAhead(program, transport, self.device, watch)
         weights = _WeightQueue(program.weight_order)
         timeline: list[tuple[str, float, float]] = []
@@ -226,7 +229,7 @@ class DistributedRunner:
             if follow_readiness and transport.can_tell(pending):  # W while the message is on its way
                 while (
                     (w := weights.runnable()) is not None
-                    and forecast.fits(key, clock() - reached, w.stage)
+                    and (w in program.overtaken.get(key, ()) or forecast.fits(key, clock() - reached, w.stage))
                     and not transport.arrived(pending)
                 ):
                     weights.advance()

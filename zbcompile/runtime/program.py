@@ -6,7 +6,8 @@ No other rank waits for a W, so where a W runs changes no message, and as long a
 W keep the plan's order, no sum either (gradients stay bitwise equal). `defer_weights` moves W
 that the plan runs before a send to just after that send, so the message leaves sooner, unless
 that would lift the rank's activation memory above the plan's own peak. The runner may in turn
-run the next W early, while it waits for a message that has not arrived.
+run the next W early, while it waits for a message that has not arrived; a W the plan ran
+before the waiting computation (`RankProgram.overtaken`) it runs there as the plan would have.
 """
 
 from __future__ import annotations
@@ -63,7 +64,9 @@ class Receive:
 class RankProgram:
     """What one rank runs in a step. `messages[i]` is the message of a SEND at position i (None
     elsewhere); `weight_order` the W actions in program order (the order they must run in);
-    `deferred` the W that the program runs after a send the plan ran them before."""
+    `deferred` the W that the program runs after a send the plan ran them before;
+    `overtaken[key]` the W that the plan runs before the computation waiting for message `key`
+    and the program after it."""
 
     actions: tuple[Action, ...]
     texts: tuple[str, ...]
@@ -71,6 +74,7 @@ class RankProgram:
     receives: tuple[Receive, ...]
     weight_order: tuple[Action, ...]
     deferred: tuple[str, ...]
+    overtaken: dict[tuple[str, int, int], frozenset[Action]]
 
 
 def message_tag(direction: str, stage: int, microbatch: int, stages: int) -> int:
@@ -91,10 +95,10 @@ def rank_program(
     carries; `layout(name)`: a value's (shape, dtype). With `memory` (the memory model of the
     schedule's costs), W are deferred past sends within the plan's peak; without, the lowered
     list is kept as it is."""
-    actions = lower(schedule).actions[pp_rank]
+    planned = actions = lower(schedule).actions[pp_rank]
     deferred: tuple[str, ...] = ()
     if memory is not None:
-        actions, deferred = defer_weights(actions, memory)
+        actions, deferred = defer_weights(planned, memory)
     messages: list[Message | None] = []
     receives: list[Receive] = []
     last_send: dict[int, int] = {}
@@ -120,7 +124,23 @@ def rank_program(
         receives=tuple(receives),
         weight_order=tuple(a for a in actions if a.kind == "W"),
         deferred=deferred,
+        overtaken=_overtaken(planned, actions),
     )
+
+
+def _overtaken(planned: Sequence[Action], actions: Sequence[Action]) -> dict[tuple[str, int, int], frozenset[Action]]:
+    """For each message a computation of `actions` waits for, the W that `planned` runs before
+    that computation and `actions` after it."""
+    before = {a: i for i, a in enumerate(planned)}
+    now = {a: i for i, a in enumerate(actions)}
+    weights = [a for a in actions if a.kind == "W"]
+    result = {}
+    for a in actions:
+        if a.kind in ("F", "I", "B"):
+            late = frozenset(w for w in weights if before[w] < before[a] and now[w] > now[a])
+            if late:
+                result[("F" if a.kind == "F" else "B", a.stage, a.microbatch)] = late
+    return result
 
 
 def defer_weights(actions: Sequence[Action], memory: MemoryModel) -> tuple[tuple[Action, ...], tuple[str, ...]]:
