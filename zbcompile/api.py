@@ -103,9 +103,9 @@ def pipeline(
     static FLOP estimates (or `costs`) while every action is timed; after the first (warm-up)
     step and `profile_steps` more, the costs measured on every rank (and the time to send a
     boundary message) are gathered, rank 0 solves the schedule with them in a child process
-    while the steps go on, and every rank switches to it after the step in which it was
-    ready. It then
-    re-solves when the measured step time drifts from the prediction (`runtime/profile.py`).
+    while the steps go on, and every rank switches to it after the step in which it was ready.
+    It then re-solves when the measured step time drifts from the prediction
+    (`runtime/profile.py`).
     `profile=None` (the default) does this for zb-auto without `costs`; True for any schedule;
     False never. `follow_readiness` (default True): a rank whose next computation waits for a
     message runs its next weight-gradient work (W) meanwhile, and W that the schedule puts just
