@@ -166,7 +166,7 @@ class ZbPipeline:
         self.optimizer = torch.optim.SGD(self.pipe.parameters(), lr=settings.lr)
         self.tokens, self.targets = tokens, targets
         self.warmup = settings.warmup
-        self.samples: list[dict] = []  # per round: the last back-to-back step's timeline and waits
+        self.samples: list[list[dict]] = []  # per round, per settled back-to-back step: timeline and waits
         self.moved: list[dict] = []  # per timed step: W moved into waits, past sends
         self.switch_steps: int | None = None  # warm-up steps until zb-auto ran its measured schedule
         self._waits: list[tuple[str, float, float]] = []
@@ -203,8 +203,11 @@ class ZbPipeline:
         moved = self.pipe.runner.moved_w
         self.moved.append({"into_wait": len(moved["into_wait"]), "past_send": len(moved["past_send"])})
 
+    def new_round(self) -> None:
+        self.samples.append([])
+
     def record(self) -> None:
-        self.samples.append({"timeline": list(self.pipe.runner.timeline), "waits": list(self._waits)})
+        self.samples[-1].append({"timeline": list(self.pipe.runner.timeline), "waits": list(self._waits)})
 
     def optimize(self) -> None:
         self.optimizer.step()
@@ -248,6 +251,9 @@ class TorchPipeline:
             self.schedule.step(*args, target=self.targets, losses=[], return_outputs=False)
         else:
             self.schedule.step(*args, return_outputs=False)
+
+    def new_round(self) -> None:
+        pass
 
     def record(self) -> None:
         pass
@@ -324,14 +330,17 @@ def rank_main(settings: Settings) -> dict:
         training loop runs them, with barriers only around the whole run: seconds between the
         ends of this rank's steps, after the first `settle_steps` (which still feel the barrier
         that lined the ranks up)."""
+        settle = min(settings.settle_steps, steps - 1)
+        pipeline.new_round()
         dist.barrier()
         ends = [time.perf_counter()]
-        for _ in range(steps):
+        for i in range(steps):
             pipeline.step()
+            if i >= settle:
+                pipeline.record()  # the runtime's timeline of a settled step
             pipeline.optimize()
             ends.append(time.perf_counter())
         dist.barrier()
-        settle = min(settings.settle_steps, steps - 1)
         return (ends[-1] - ends[settle]) / (steps - settle)
 
     keys = list(pipelines)
@@ -359,7 +368,6 @@ def rank_main(settings: Settings) -> dict:
             wall, own, busy = time.perf_counter(), time.process_time(), _launch.cpu_busy_seconds()
             barrier_times[key].append(barrier_step(pipelines[key]))
             times[key].append(back_to_back(pipelines[key], settings.steps_per_round))
-            pipelines[key].record()
             usage[key].append((time.perf_counter() - wall, time.process_time() - own, _launch.cpu_busy_seconds() - busy))
         loads.append(_launch.machine()["loadavg_1_5_15"][0])
         if rank == 0:
@@ -411,9 +419,9 @@ def _share_compilation() -> None:
 # --- analysis ---------------------------------------------------------------------------------
 
 
-def _durations(per_rank: list[dict], key) -> tuple[dict, list[float], list[float], int]:
-    """From every recorded step's timelines (the last back-to-back step of each round): each
-    (stage, kind)'s compute times (the time an action waited for a message taken out), the
+def _durations(per_rank: list[dict], key, rounds: list[int]) -> tuple[dict, list[float], list[float], int]:
+    """From the timelines of every settled back-to-back step of `rounds`: each (stage, kind)'s
+    compute times (the time an action waited for a message taken out), the
     message latencies that could be observed, per step the largest per-rank sum of gaps between
     consecutive actions that were not waits (the runtime's own work between actions: posting
     sends and receives, bookkeeping), and the actions per rank and step."""
@@ -423,12 +431,13 @@ def _durations(per_rank: list[dict], key) -> tuple[dict, list[float], list[float
     latencies: list[float] = []
     gaps: list[float] = []
     actions = 0
-    for step in range(len(per_rank[0]["zb"][key]["samples"])):
+    steps = [(r, i) for r in rounds for i in range(len(per_rank[0]["zb"][key]["samples"][r]))]
+    for r, i in steps:
         end_of: dict[tuple[int, str, int], float] = {}
         wait_of: dict[str, tuple[float, float]] = {}
         step_gaps = []
         for rank_result in per_rank:
-            sample = rank_result["zb"][key]["samples"][step]
+            sample = rank_result["zb"][key]["samples"][r][i]
             rank_waits = {a: (s, e) for a, s, e in sample["waits"]}
             previous_end = None
             gap = 0.0
@@ -476,14 +485,14 @@ def _costs(stat: dict, stages: int, comm: float):
     return Costs(f=f, b=b, w=w, comm=comm)
 
 
-def predict(per_rank: list[dict], key) -> dict:
-    """The simulator's makespan and span for the schedule that ran, from the measured per-action
-    medians, and 1F1B simulated under the same costs: the most this schedule could gain over it
-    between barriers (makespans) and back to back (spans, the steady-state gain)."""
+def predict(per_rank: list[dict], key, rounds: list[int]) -> dict:
+    """The simulator's makespan and span for the schedule that ran, from the per-action medians
+    measured in `rounds`, and 1F1B simulated under the same costs: the most this schedule could
+    gain over it between barriers (makespans) and back to back (spans, the steady-state gain)."""
     from zbcompile.schedules import make_schedule, simulate
 
     schedule = per_rank[0]["zb"][key]["schedule"]
-    durations, latencies, gaps, actions = _durations(per_rank, key)
+    durations, latencies, gaps, actions = _durations(per_rank, key, rounds)
     comm = _launch.median(latencies) if latencies else 0.0
     medians = {k: _launch.median(v) for k, v in durations.items()}
     costs = _costs(medians, schedule.stages, comm)
@@ -575,7 +584,7 @@ def analyse(per_rank: list[dict], settings: Settings, machine_before: dict, mach
             }
             if lib == "zbcompile":
                 zb = per_rank[0]["zb"][key]
-                prediction = predict(per_rank, key)
+                prediction = predict(per_rank, key, chosen[key])
                 predicted = prediction["simulated_steady_gain_over_1f1b"]
                 row["prediction"] = prediction
                 row["captured_share"] = (row["vs_zbcompile_1f1b"] - 1) / (predicted - 1) if predicted > 1.005 else None
@@ -660,7 +669,7 @@ def report(data: dict) -> str:
     ))
     bests = sorted({(r["m"], r["torch_best"]) for r in rows})
     lines += ["", "torch best: " + ", ".join(f"m={m}: {a}" for m, a in bests), ""]
-    lines += ["## Where the time goes (zbcompile; per-action medians from the runtime's timelines)", ""]
+    lines += ["## Where the time goes (zbcompile; per-action medians from the runtime's timelines of the settled steps of the rounds used)", ""]
     lines.append(_launch.table(
         ["schedule", "m", "F ms (s0/s1)", "I or B ms", "W ms", "comm ms", "busy ms (r0/r1)", "simulated span ms",
          "ms/step", "predicted gain over 1f1b", "measured gain", "captured share", "runtime gaps ms",
