@@ -143,20 +143,25 @@ def dies_mid_step(victim: int) -> tuple[str, float]:
     return "no error", time.monotonic() - started
 
 
-def profiled(steps: int) -> dict:
-    """`steps` steps with profile=True: the schedule is re-solved from measured costs after two."""
+def profiled(max_steps: int) -> dict:
+    """Default options (zb-auto measures its costs) until the schedule solved with measured costs
+    is in use (every rank switches after the same step), then one more step; returns the costs,
+    the steps run, this rank's gradients and the schedule."""
     case = build("gpt")
-    pipe = zbcompile.pipeline(
-        case.model, stages=2, microbatches=4, loss_fn=case.loss_fn, schedule="zb-auto", timeout=60,
-        solver_time_budget=0.5, profile=True, profile_steps=2,
-    )
-    for _ in range(steps):
+    pipe = zbcompile.pipeline(case.model, stages=2, microbatches=4, loss_fn=case.loss_fn, timeout=60, solver_time_budget=0)
+    steps = 0
+    while pipe.measured_costs is None and steps < max_steps:
         case.step(pipe)
+        steps += 1
+    case.step(pipe)
     costs = pipe.measured_costs
     return {
         "costs": None if costs is None else (list(costs.f), list(costs.b), list(costs.w), costs.comm),
+        "steps": steps + 1,
         "grads": {n: p.grad.clone() for n, p in pipe.named_parameters()},
         "schedule": [list(map(str, row)) for row in pipe.schedule.actions],
+        "cost_source": pipe.schedule.info.get("cost_source"),
+        "history": pipe.tuner.history,
     }
 
 
@@ -258,4 +263,42 @@ def pipelines_in_process_groups() -> dict:
         results["error"] = "no error"
     except ValueError as error:
         results["error"] = str(error)
+    return results
+
+
+def late_messages(delay: float, steps: int) -> dict:
+    """The GPT under zb-h2, zb-auto and 1f1b (one compile, `set_schedule`), with readiness
+    followed and not, `steps` steps each, in which rank 0 sleeps `delay` seconds before each
+    forward message it sends (its messages arrive late at rank 1). Returns per run this rank's
+    accumulated gradients, its program and, per step, the timeline and the W it moved."""
+    results = {}
+    for follow in (True, False):
+        case = build("gpt")
+        pipe = zbcompile.pipeline(
+            case.model, stages=2, microbatches=4, loss_fn=case.loss_fn, schedule="zb-h2", timeout=60,
+            follow_readiness=follow, profile=False, solver_time_budget=0,
+        )
+        pipe.compile(*case.args, target=case.target)
+        if dist.get_rank() == 0:
+            transport = pipe.runner.transport
+            send = transport.send
+
+            def late_send(tensors, peer, tag, action, send=send):
+                if "SEND_F" in action:
+                    time.sleep(delay)
+                send(tensors, peer, tag, action)
+
+            transport.send = late_send
+        for schedule in ("zb-h2", "zb-auto", "1f1b"):
+            pipe.set_schedule(schedule)
+            pipe.zero_grad()
+            steps_seen = []
+            for _ in range(steps):
+                case.step(pipe)
+                steps_seen.append({"moved": pipe.runner.moved_w, "timeline": list(pipe.runner.timeline)})
+            results[(schedule, follow)] = {
+                "grads": {n: p.grad.clone() for n, p in pipe.named_parameters()},
+                "program": [str(a) for a in pipe.runner.actions],
+                "steps": steps_seen,
+            }
     return results

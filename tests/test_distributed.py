@@ -161,15 +161,21 @@ def test_a_dead_peer_fails_the_others_within_the_timeout():
     assert "rank 0" in survivor and "RECV" in survivor, survivor
 
 
-def test_profile_resolves_with_measured_costs():
-    steps = 3
-    per_rank = run_ranks(2, workers.profiled, steps)
+def test_zb_auto_measures_its_costs_by_default():
+    """Without options, a distributed zb-auto pipeline times its first steps, solves with what it
+    measured while steps go on, and switches on every rank after the same step."""
+    per_rank = run_ranks(2, workers.profiled, 400)
+    assert per_rank[0]["steps"] == per_rank[1]["steps"] < 400
     f, b, w, comm = per_rank[0]["costs"]
     assert per_rank[1]["costs"] == per_rank[0]["costs"]  # gathered: every rank has all of them
     assert all(t > 0 for t in f) and b[1] > 0 and all(t > 0 for t in w) and comm > 0
     assert per_rank[0]["schedule"] == per_rank[1]["schedule"]
+    assert per_rank[0]["cost_source"] == "measured", per_rank[0]["history"]
+    events = [e["event"] for e in per_rank[0]["history"]]
+    assert events[:2] == ["solving (first measurement)", "switched"], events
+    assert per_rank[0]["history"][0]["step"] == 2  # a warm-up step, then profile_steps=2 timed ones
     reference = build("gpt")
-    for _ in range(steps):
+    for _ in range(per_rank[0]["steps"]):
         reference.eager_loss().backward()
     grads = {k: v for r in per_rank for k, v in r["grads"].items()}
     for fqn, p in reference.model.named_parameters():
@@ -253,3 +259,34 @@ def test_pipelines_over_a_process_group_or_a_device_mesh():
             torch.testing.assert_close(grads[fqn], p.grad, rtol=1e-5, atol=1e-6, msg=f"mesh: {fqn}")
     for r in per_rank:
         assert "process_group of 4 ranks" in r["error"] and "DeviceMesh" in r["error"], r["error"]
+
+
+def test_late_messages_move_w_into_the_wait_and_change_no_bit():
+    """Rank 0 sends every forward message 50 ms late. Following readiness, rank 1 runs pending W
+    while it waits, and W that preceded a send run after it; without, every W stays where the
+    schedule put it. Gradients (three steps
+    accumulated) are the same bits in every run and schedule, and equal eager's."""
+    steps = 3
+    per_rank = run_ranks(2, workers.late_messages, 0.05, steps)
+    runs = list(per_rank[0])
+    for schedule, follow in runs:
+        if not follow:
+            assert all(not any(s["moved"].values()) for r in per_rank for s in r[(schedule, follow)]["steps"]), schedule
+    late = per_rank[1][("zb-h2", True)]
+    assert late["steps"][0]["moved"]["past_send"]
+    for step in late["steps"]:  # the first step runs W the plan put before the wait; later ones, what fits
+        assert step["moved"]["into_wait"], step["moved"]
+        ran = [text for text, _, _ in sorted(step["timeline"], key=lambda e: e[1])]
+        for w in step["moved"]["into_wait"]:  # it ran before a computation the program puts first
+            planned_before = {a for a in late["program"][: late["program"].index(w)] if "SEND" not in a and "RECV" not in a}
+            assert planned_before - set(ran[: ran.index(w)]), (w, ran)
+    reference = build("gpt")
+    for _ in range(steps):
+        reference.eager_loss().backward()
+    grads = {run: {k: v for r in per_rank for k, v in r[run]["grads"].items()} for run in runs}
+    first = grads[runs[0]]
+    for run in runs[1:]:
+        for fqn in first:
+            assert torch.equal(first[fqn], grads[run][fqn]), f"{run}: {fqn} differs from {runs[0]}"
+    for fqn, p in reference.model.named_parameters():
+        torch.testing.assert_close(first[fqn], p.grad, rtol=1e-5, atol=1e-6, msg=fqn)

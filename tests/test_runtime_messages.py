@@ -8,8 +8,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from zbcompile.runtime import distributed
+from zbcompile.runtime.program import rank_program
 from zbcompile.schedules import lower, make_schedule
 
 
@@ -20,28 +22,22 @@ class _Recorder:
         self.matches_by_tag = matches_by_tag
         self.log: list[tuple[str, int, str]] = []  # (kind, peer, action)
 
-    def post_recv(self, buffers, peer, tag, action):
+    def post_recv(self, buffers, peer, tag, action, watch=False):
         self.log.append(("recv", peer, action))
         return action
 
 
 def _runner(schedule, rank: int, transport: _Recorder):
-    runner = SimpleNamespace(
-        schedule=schedule,
-        actions=lower(schedule).actions[rank],
-        transport=transport,
-        rank_of=lambda stage: schedule.stage_to_rank[stage],
-        _forward_names=lambda stage: ("x",),
-        _backward_names=lambda stage: ("x",),
-        _buffers=lambda names: [],
-    )
-    runner.receive_plan = distributed._receive_plan(runner)
-    return runner
+    """The parts of a runner its posting logic reads: the program (the lowered list as it is) and
+    the transport."""
+    rank_of = lambda stage: schedule.stage_to_rank[stage]  # noqa: E731
+    program = rank_program(schedule, rank, rank_of, lambda direction, stage: ("x",), lambda name: (torch.Size([1]), torch.float32), None)
+    return SimpleNamespace(schedule=schedule, program=program, actions=program.actions, transport=transport, rank_of=rank_of)
 
 
 def _replay(runner) -> list[tuple[str, int, str]]:
     """The runner's loop, as far as posting goes: receives ahead, sends in list order."""
-    receives = distributed._ReceivesAhead(runner)
+    receives = distributed._ReceivesAhead(runner.program, runner.transport, torch.device("cpu"), lambda key: False)
     for index, action in enumerate(runner.actions):
         receives.post_ahead(index)
         if action.kind.startswith("RECV"):

@@ -42,15 +42,21 @@ class PipelineOptions:
     process_group: Any = None
     timeout: timedelta = DEFAULT_TIMEOUT
     solver_time_budget: float | None = None
-    profile: bool = False
+    profile: bool | None = None
     profile_steps: int = 2
     objective: str = "span"
     compiler: str | None = None
     dump_dir: str | None = None
     init_fn: Callable[[nn.Module], None] | None = None
+    costs: Costs | None = None
+    follow_readiness: bool = True
 
     def __post_init__(self) -> None:
         check_compiler(self.compiler)
+        if self.profile not in (None, True, False):
+            raise ValueError(f"pipeline(): profile must be None (automatic), True or False, got {self.profile!r}")
+        if self.costs is not None and not isinstance(self.costs, Costs):
+            raise TypeError(f"pipeline(): costs must be a zbcompile.schedules.Costs, got {type(self.costs).__name__}")
         for name in ("stages", "microbatches", "profile_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -71,12 +77,14 @@ def pipeline(
     process_group: Any = None,
     timeout: float | timedelta = DEFAULT_TIMEOUT,
     solver_time_budget: float | None = None,
-    profile: bool = False,
+    profile: bool | None = None,
     profile_steps: int = 2,
     objective: str = "span",
     compiler: str | None = None,
     dump_dir: str | None = None,
     init_fn: Callable[[nn.Module], None] | None = None,
+    costs: Costs | None = None,
+    follow_readiness: bool = True,
 ):
     """Make `model` a pipelined model: `pipeline(model, stages=4, microbatches=8, loss_fn=F.mse_loss)`.
 
@@ -89,11 +97,21 @@ def pipeline(
     `solver_time_budget` caps the seconds zb-auto spends improving its heuristic; `objective`
     is what it minimises: "span" (steps run back to back, the default) or "makespan" (every
     step ends in a synchronisation, e.g. global gradient clipping without post-validation).
-    With `profile=True` the `profile_steps` steps after the first (warm-up) step run the
-    schedule solved from static FLOP estimates while every action is timed; then the costs
-    measured on every rank (and
-    the time to send a boundary message) are gathered, the schedule is solved once more on
-    rank 0 with them, broadcast, and used from the next step on.
+    `costs` (a `zbcompile.schedules.Costs`, times in any one unit) replace the compiler's
+    static estimates for solving the schedule.
+
+    Measured costs (`profile`): a distributed pipeline first runs the schedule solved from
+    static FLOP estimates (or `costs`) while every action is timed; after the first (warm-up)
+    step and `profile_steps` more, the costs measured on every rank (and the time to send a
+    boundary message) are gathered, rank 0 solves the schedule with them in a child process
+    while the steps go on, and every rank switches to it after the step in which it was ready.
+    It then re-solves when the measured step time drifts from the prediction
+    (`runtime/profile.py`).
+    `profile=None` (the default) does this for zb-auto without `costs`; True for any schedule;
+    False never. `follow_readiness` (default True): a rank whose next computation waits for a
+    message runs its next weight-gradient work (W) meanwhile, and W that the schedule puts just
+    before a send run after it where memory allows; W keep their order, so gradients are the
+    same bits either way (`runtime/distributed.py`).
 
     Under torch.distributed (an initialised default group), each rank runs its own stage(s) (see
     `PipelinedModule`); `timeout` (seconds) bounds every wait on a peer. The pipelines span the
@@ -130,6 +148,8 @@ def pipeline(
         compiler=compiler,
         dump_dir=dump_dir,
         init_fn=init_fn,
+        costs=costs,
+        follow_readiness=follow_readiness,
     )
     if model is None:
         return functools.partial(_wrap, options=options)
@@ -154,6 +174,7 @@ class _Compiled:
     compiled: CompiledPipeline
     schedule: Schedule
     runner: LocalRunner | DistributedRunner
+    tuner: profile.CostTuner | None = None  # measured costs (distributed)
 
 
 class PipelinedModule:
@@ -189,9 +210,8 @@ class PipelinedModule:
         self._last_key: Any = None
         self._local: set[str] | None = None  # FQNs this rank holds, once compiled (distributed)
         self._unfilled: set[str] = set()  # materialised from `meta`, filled by neither init nor load_state_dict
-        self._timelines: dict[Any, list] = {}
         self._dumps: dict[Any, dump.CompileDump | None] = {}
-        self.measured_costs: Costs | None = None  # with profile=True, once measured
+        self.measured_costs: Costs | None = None  # the costs of the latest schedule solved with measured ones
         self._layout: Layout | None = None  # this rank's place (distributed), once known
         self._agreed: list[BatchDescription] = []  # batches the ranks agreed on (distributed), latest last
         self._placeholder_cache: dict[str, tuple[batch_agreement.Part, Any]] = {}
@@ -224,8 +244,12 @@ class PipelinedModule:
         if self._dumps.get(key) is not None:
             self._dumps[key].record_step(bundle.runner, self.measured_costs)
         self._accumulate_grads(bundle.runner.reduce_grads())
-        if self.options.profile and isinstance(bundle.runner, DistributedRunner):
-            self._profile(bundle)
+        if bundle.tuner is not None:
+            schedule = bundle.tuner.after_step(bundle.runner)
+            if schedule is not None:
+                bundle.runner.reschedule(schedule)
+                self._compiled[key] = dataclasses.replace(bundle, schedule=schedule)
+                self.measured_costs = bundle.tuner.measured
         return torch.stack(losses).mean().detach() if losses is not None else None
 
     def compile(self, *inputs: Any, target: Any = None, **kwargs: Any) -> "PipelinedModule":
@@ -246,8 +270,7 @@ class PipelinedModule:
                 bundle.runner.reschedule(new)
             else:
                 bundle.runner.schedule = new
-            self._compiled[key] = _Compiled(bundle.compiled, new, bundle.runner)
-        self._timelines.clear()
+            self._compiled[key] = _Compiled(bundle.compiled, new, bundle.runner, self._tuner(bundle.runner, bundle.compiled))
         return self
 
     def explain(self) -> str:
@@ -270,6 +293,12 @@ class PipelinedModule:
     @property
     def runner(self) -> LocalRunner | DistributedRunner:
         return self._latest().runner
+
+    @property
+    def tuner(self) -> profile.CostTuner | None:
+        """What measures the costs of the latest compile and re-solves with them (its `history`
+        of decisions); None where costs are not measured."""
+        return self._latest().tuner
 
     @property
     def executors(self) -> list[StageExecutor]:
@@ -406,46 +435,43 @@ class PipelinedModule:
             else:
                 self._place(set(placement.canonical_names(self.module).values()), _device_of((example, example_target)), move_others=False)
                 runner = LocalRunner([StageExecutor(p, self._state()) for p in compiled.programs], schedule)
-            self._compiled[key] = _Compiled(compiled, schedule, runner)
+            self._compiled[key] = _Compiled(compiled, schedule, runner, self._tuner(runner, compiled))
             self._dumps[key] = dump.start_dump(self.options.dump_dir, compiled, schedule, self.options, runner)
         self._last_key = key
         return self._compiled[key]
 
-    def _make_schedule(self, compiled: CompiledPipeline, costs: Costs | None = None) -> Schedule:
+    def _make_schedule(self, compiled: CompiledPipeline) -> Schedule:
         """The schedule, solved on one rank and broadcast so that every rank runs the same one."""
         schedule = None
         layout = self._pipeline_layout() if self.distributed else None
         if layout is None or layout.pp_rank == 0:
-            schedule = make_schedule(
-                self.options.schedule,
-                stages=self.options.stages,
-                microbatches=self.options.microbatches,
-                costs=costs or schedule_costs(compiled),
-                memory_limit=self.options.memory_limit,
-                time_budget=self.options.solver_time_budget,
-                objective=self.options.objective,
-            ).with_info(cost_source="static" if costs is None else "measured")
+            given = self.options.costs is not None
+            schedule = make_schedule(**self._solve_arguments(self.options.costs or schedule_costs(compiled)))
+            schedule = schedule.with_info(**({"cost_source": "given", "costs": self.options.costs} if given else {"cost_source": "static"}))
         if layout is not None and layout.pp_group is not None:
             box = [schedule]
             dist.broadcast_object_list(box, group=layout.pp_group, group_src=0)
             schedule = box[0]
         return schedule
 
-    def _profile(self, bundle: _Compiled) -> None:
-        """Collect this step's timeline; after `profile_steps` steps, re-solve with measured costs."""
-        timelines = self._timelines.setdefault(self._last_key, [])
-        if len(timelines) > self.options.profile_steps + 1:
-            return
-        timelines.append(list(bundle.runner.timeline))
-        if len(timelines) == 1:
-            return  # the first step warms up (allocator, caches): not representative
-        if len(timelines) == self.options.profile_steps + 1:
-            costs = profile.measured_costs(bundle.runner, timelines[1:], schedule_costs(bundle.compiled))
-            schedule = self._make_schedule(bundle.compiled, costs)
-            bundle.runner.reschedule(schedule)
-            self._compiled[self._last_key] = _Compiled(bundle.compiled, schedule, bundle.runner)
-            self.measured_costs = costs
-            timelines.append([])  # done
+    def _solve_arguments(self, costs: Costs) -> dict[str, Any]:
+        """`make_schedule`'s arguments for this pipeline's schedule under `costs`."""
+        o = self.options
+        return dict(
+            name=o.schedule, stages=o.stages, microbatches=o.microbatches, costs=costs, memory_limit=o.memory_limit,
+            time_budget=o.solver_time_budget, objective=o.objective,
+        )
+
+    def _tuner(self, runner: LocalRunner | DistributedRunner, compiled: CompiledPipeline) -> profile.CostTuner | None:
+        """Measured costs for a distributed runner, where `profile` asks for them (None: for
+        zb-auto without given costs)."""
+        wanted = self.options.profile
+        if wanted is None:
+            wanted = self.options.schedule == "zb-auto" and self.options.costs is None
+        if not wanted or not isinstance(runner, DistributedRunner):
+            return None
+        static = schedule_costs(compiled)
+        return profile.CostTuner(self.options.profile_steps, self._solve_arguments, static)
 
     def _distributed_runner(self, compiled: CompiledPipeline, schedule: Schedule, device: torch.device) -> DistributedRunner:
         layout = self._pipeline_layout()
@@ -462,10 +488,10 @@ class PipelinedModule:
                     f"these batch shapes cut the model differently from the first compile, and this rank does not "
                     f"hold {sorted(used - self._local)[:4]}; pass split_points=[...] to pipeline() to fix the cut"
                 )
-            return DistributedRunner(compiled, schedule, layout, self._state(), device, self.options.timeout)
+            return DistributedRunner(compiled, schedule, layout, self._state(), device, self.options.timeout, self.options.follow_readiness)
         # the runner shares tied weights' values between ranks: after placement, undone if it fails
         return self._place(used, device, move_others=True, then=lambda: DistributedRunner(
-            compiled, schedule, layout, self._state(), device, self.options.timeout
+            compiled, schedule, layout, self._state(), device, self.options.timeout, self.options.follow_readiness
         ))
 
     def _place(self, held: set[str], device: torch.device, move_others: bool, then: Callable[[], Any] = lambda: None) -> Any:

@@ -12,9 +12,10 @@ in the same order, so all ranks agree on it):
                           the stage's forward, input-gradient (B), weight-gradient (W) and unsplit
                           backward graphs as code, headed by their calling convention
     schedule.txt .csv     the schedule (grid; torch's compute-only CSV) with the simulator's prediction
-    schedule.json         every schedule version the pipeline ran (a `profile=True` pipeline
-                          re-solves once): actions, lowered actions, the costs it was made with,
-                          the prediction (makespan, span, bubble rates, peak memory, per-action times)
+    schedule.json         every schedule version the pipeline ran (one measuring its costs
+                          re-solves with them): actions, lowered actions, the costs it was made
+                          with, the prediction (makespan, span, bubble rates, peak memory,
+                          per-action times)
     timeline-rank<r>.jsonl, trace.json
                           measured per-action times of every step on every rank (`trace_events`)
 
@@ -94,12 +95,16 @@ def compile_record(compiled: "CompiledPipeline", options: Any, world: dict[str, 
 
 
 def schedule_costs_used(schedule: Schedule, compiled: "CompiledPipeline", measured: Costs | None) -> tuple[Costs, str]:
-    """The costs `schedule` was made with and where they came from ("measured": seconds from a
-    `profile=True` run; "static": the compiler's FLOP-equivalent estimates)."""
+    """The costs `schedule` was made with and where they came from ("measured": seconds the
+    pipeline measured; "given": `pipeline(costs=...)`; "static": the compiler's FLOP-equivalent
+    estimates)."""
     from zbcompile.api import schedule_costs
 
-    if schedule.info.get("cost_source") == "measured" and measured is not None:
+    source = schedule.info.get("cost_source")
+    if source == "measured" and measured is not None:
         return measured, "measured"
+    if source == "given" and isinstance(schedule.info.get("costs"), Costs):
+        return schedule.info["costs"], "given"
     return schedule_costs(compiled), "static"
 
 
@@ -118,7 +123,7 @@ def schedule_record(schedule: Schedule, costs: Costs, cost_source: str, memory_u
             "actions": schedule.compute_only().rows_as_text(),
             "lowered": lower(schedule).rows_as_text(),
             "cost_source": cost_source,
-            "time_unit": "s" if cost_source == "measured" else "FLOP-eq",
+            "time_unit": {"measured": "s", "static": "FLOP-eq"}.get(cost_source, "given unit"),
             "costs": {k: getattr(resolved, k) for k in ("f", "b", "w", "comm", "mem_f", "mem_w")},
             "prediction": {
                 "makespan": result.makespan,
@@ -243,6 +248,7 @@ class CompileDump:
             "schedule_version": len(self.versions) - 1,
             "events": [[text, start, end] for text, start, end in events],
             "peak_live_bytes": runner.peak_live_bytes,
+            "moved_w": {how: list(ws) for how, ws in getattr(runner, "moved_w", {}).items()},
         }
         trace_events.append_step(self.timeline, record)
         self.steps += 1

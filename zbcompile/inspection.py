@@ -88,11 +88,10 @@ def format_schedule(version: dict[str, Any], count: int = 1, memory_unit: int | 
     unit, costs, predicted = version["time_unit"], version["costs"], version["prediction"]
     ranks = len(version["actions"])
     placement = ", ".join(f"{s}->{r}" for s, r in enumerate(version["stage_to_rank"]))
-    source = (
-        "measured on this machine (profile=True; seconds)"
-        if version["cost_source"] == "measured"
-        else "static estimates in FLOP-equivalents (FLOPs + 4 x bytes written)"
-    )
+    source = {
+        "measured": "measured on this machine (seconds)",
+        "given": "given to pipeline(costs=...)",
+    }.get(version["cost_source"], "static estimates in FLOP-equivalents (FLOPs + 4 x bytes written)")
     lines = [
         f"schedule {version['name']} (version {version['version']} of {count}), {ranks} ranks (stage->rank {placement}), "
         f"{version['microbatches']} microbatches",
@@ -154,6 +153,7 @@ def comparison(version: dict[str, Any], trace: dict[str, Any] | None) -> dict[st
         "stage_bubble_rate": trace_events.median(s["stage_bubble_rate"] for s in steps),
         "rank_busy": [trace_events.median(s["rank_busy"][r] for s in steps) for r in ranks],
         "recv_wait": [trace_events.median(s["recv_wait"][r] for s in steps) for r in ranks],
+        "moved": {how: trace_events.median(s.get("moved", {}).get(how, 0) for s in steps) for how in trace_events.MOVED.values()},
         "scale": scale,
         "predicted_makespan": predicted["makespan"] * scale,
         "ratio": makespan / (predicted["makespan"] * scale) if predicted["makespan"] > 0 else float("nan"),
@@ -181,6 +181,8 @@ def format_measured(version: dict[str, Any], trace: dict[str, Any] | None) -> st
             f"  per rank: busy {', '.join(f'{b * 1e3:.2f}' for b in found['rank_busy'])} ms; waiting on RECV "
             f"{', '.join(f'{w * 1e3:.2f}' for w in found['recv_wait'])} ms; peak live activations "
             f"{', '.join(si(b, 'B') for b in found['peak_live_bytes'])}",
+            f"  W run elsewhere than the schedule put them, per step (all ranks): "
+            + ", ".join(f"{count:g} {how}" for how, count in found["moved"].items()),
             f"  predicted makespan {found['predicted_makespan'] * 1e3:.2f} ms ({how})",
             f"  measured / predicted makespan = {found['ratio']:.2f}",
         ]

@@ -4,15 +4,18 @@ trace says per step (makespan, span, bubble). Pure Python; no torch.
 
 Each rank appends its own file, `timeline-rank<r>.jsonl`: a header line (rank, pipeline
 position, host, the clocks), then one line per step, `{"step", "schedule_version", "events":
-[[action, start, end], ...], "peak_live_bytes"}`, times in `time.perf_counter()` seconds. No
-rank waits for another to write it; `write_trace` merges the files afterwards.
+[[action, start, end], ...], "peak_live_bytes", "moved_w": {"past_send": [...], "into_wait":
+[...]}}`, times in `time.perf_counter()` seconds (`moved_w`: the W that ran elsewhere than the
+schedule put them, see `runtime/distributed.py`). No rank waits for another to write it;
+`write_trace` merges the files afterwards.
 
 The trace: one process per rank (`pid` = global rank, named by `process_name` metadata), thread
 0 "compute" (F, I, W, B) and thread 1 "communication" (SEND_*: posting the message; RECV_*: the
 wait for its data when a computation needed it, zero when it had already arrived), one complete
 ("X") event per action of every step, named by the schedule's action text
 (`<stage><kind><microbatch>`: `2F3`, `2I3` (the paper's B, the input-gradient backward), `2W3`,
-`1SEND_F3`, `2RECV_F3`), with `args` {step, stage, microbatch, schedule_version}.
+`1SEND_F3`, `2RECV_F3`), with `args` {step, stage, microbatch, schedule_version} and, for a W
+that ran elsewhere than the schedule put it, `moved` ("past a send" or "into a wait").
 
 Clock: `perf_counter` is CLOCK_MONOTONIC, one clock for every process of a host, so ranks on one
 host line up exactly. Ranks on several hosts are aligned through each host's wall clock (the
@@ -35,6 +38,7 @@ TRACE_FILE = "trace.json"
 _TIMELINE = "timeline-rank{}.jsonl"
 _TIMELINE_RE = re.compile(r"timeline-rank(\d+)\.jsonl$")
 COMPUTE_THREAD, COMM_THREAD = 0, 1
+MOVED = {"past_send": "past a send", "into_wait": "into a wait"}  # a step's moved_w -> event args
 
 
 def timeline_path(directory: str, rank: int) -> str:
@@ -100,8 +104,12 @@ def chrome_trace(timelines: dict[int, tuple[dict, list[dict]]]) -> dict[str, Any
         for tid, name in ((COMPUTE_THREAD, "compute"), (COMM_THREAD, "communication")):
             events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": name}})
         for step in steps:
+            moved = {w: how for key, how in MOVED.items() for w in step.get("moved_w", {}).get(key, [])}
             for text, start, end in step["events"]:
                 action = Action.parse(text)
+                args = {"step": step["step"], "stage": action.stage, "microbatch": action.microbatch, "schedule_version": step["schedule_version"]}
+                if text in moved:
+                    args["moved"] = moved[text]
                 events.append(
                     {
                         "ph": "X",
@@ -111,12 +119,7 @@ def chrome_trace(timelines: dict[int, tuple[dict, list[dict]]]) -> dict[str, Any
                         "tid": COMPUTE_THREAD if action.is_compute else COMM_THREAD,
                         "ts": round((start + offsets[rank] - origin) * 1e6, 3),
                         "dur": round(max(end - start, 0.0) * 1e6, 3),
-                        "args": {
-                            "step": step["step"],
-                            "stage": action.stage,
-                            "microbatch": action.microbatch,
-                            "schedule_version": step["schedule_version"],
-                        },
+                        "args": args,
                     }
                 )
         ranks[str(rank)] = {
@@ -200,7 +203,8 @@ def validate_trace(trace: dict[str, Any], lowered: Sequence[Sequence[Sequence[st
 def step_stats(trace: dict[str, Any]) -> list[dict[str, Any]]:
     """Per step that every rank recorded, over every rank's compute actions: makespan (first
     start to last end), span (the longest rank's own first start to last end), busy time, both
-    bubble rates, and per rank the busy time and the RECV waits. Seconds."""
+    bubble rates, per rank the busy time and the RECV waits (seconds), and how many W ran
+    elsewhere than the schedule put them, over all ranks, by how (`MOVED`)."""
     steps: dict[int, list[dict]] = defaultdict(list)
     for e in action_events(trace):
         steps[e["args"]["step"]].append(e)
@@ -232,6 +236,7 @@ def step_stats(trace: dict[str, Any]) -> list[dict[str, Any]]:
                 "stage_bubble_rate": 1 - total / (len(ranks) * span) if span > 0 else 0.0,
                 "rank_busy": busy,
                 "recv_wait": waits,
+                "moved": {how: sum(1 for e in compute if e["args"].get("moved") == how) for how in MOVED.values()},
             }
         )
     return result

@@ -5,6 +5,9 @@ group's backend (CPU for gloo, the current CUDA device for NCCL): one code path 
 from __future__ import annotations
 
 import functools
+import queue
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Sequence
@@ -37,18 +40,61 @@ class PeerError(RuntimeError):
 
 @dataclass
 class Pending:
-    """Posted receives or sends of one message."""
+    """Posted receives or sends of one message. For a receive a helper thread waits for (gloo),
+    `done` is set once it completed (at `arrived_at`) or failed (`error`, `timed_out`)."""
 
     works: list
     tensors: list[torch.Tensor]
     peer: int
     action: str
+    done: threading.Event | None = None
+    arrived_at: float | None = None
+    error: BaseException | None = None
+    timed_out: bool = False
+
+
+class _Watch:
+    """Threads that wait for posted gloo receives, so that the runner can learn without blocking
+    whether a message has arrived: gloo's `Work` has no such test (`is_completed()` turns true
+    only inside `wait()`), and a wait with a short timeout aborts the process group. Each
+    receive gets a thread of its own (idle ones are reused), so a message never waits on
+    another. The threads are daemons and hold no Python lock while they wait."""
+
+    def __init__(self, timeout: timedelta) -> None:
+        self.timeout = timeout
+        self._idle: list[queue.SimpleQueue] = []
+        self._lock = threading.Lock()
+
+    def watch(self, pending: Pending) -> None:
+        """Wait for the posted receive `pending` on a thread of its own."""
+        pending.done = threading.Event()
+        with self._lock:
+            jobs = self._idle.pop() if self._idle else None
+        if jobs is None:
+            jobs = queue.SimpleQueue()
+            threading.Thread(target=self._serve_receives, args=(jobs,), name="zbcompile-receive", daemon=True).start()
+        jobs.put(pending)
+
+    def _serve_receives(self, jobs: queue.SimpleQueue) -> None:
+        while True:
+            pending = jobs.get()
+            try:
+                for work in pending.works:
+                    if work.wait(self.timeout) is False:
+                        pending.timed_out = True
+            except RuntimeError as error:
+                pending.error = error
+            pending.arrived_at = time.perf_counter()
+            with self._lock:
+                self._idle.append(jobs)
+            pending.done.set()
 
 
 class Transport:
     """Sends and receives the tensors of one message (several tensors to one peer are posted as
     one batch). Every wait gives up after `timeout` and raises a PeerError naming the peer rank
-    and the action that was waiting."""
+    and the action that was waiting. `arrived()` tells without blocking whether a receive posted
+    with `watch=True` has completed (gloo: a helper thread waits for it, `_Watch`)."""
 
     def __init__(self, rank: int, timeout: timedelta) -> None:
         self.rank = rank
@@ -60,17 +106,44 @@ class Transport:
         """gloo pairs a send with its receive by tag; NCCL (and the others) by order per peer."""
         return dist.get_backend() == "gloo"
 
-    def post_recv(self, buffers: Sequence[torch.Tensor], peer: int, tag: int, action: str) -> Pending:
-        return Pending(self._post(dist.irecv, buffers, peer, tag, action), list(buffers), peer, action)
+    @functools.cached_property
+    def _watch(self) -> _Watch | None:
+        """Helper threads where the backend pairs messages by tag (so posting on another thread
+        cannot reorder what a peer sees) and its works cannot be tested without blocking: gloo."""
+        return _Watch(self.timeout) if self.matches_by_tag else None
+
+    def post_recv(self, buffers: Sequence[torch.Tensor], peer: int, tag: int, action: str, watch: bool = False) -> Pending:
+        pending = Pending(self._post(dist.irecv, buffers, peer, tag, action), list(buffers), peer, action)
+        if watch and self._watch is not None:
+            self._watch.watch(pending)
+        return pending
+
+    def can_tell(self, pending: Pending) -> bool:
+        """Whether `arrived(pending)` can tell: NCCL's works can; a gloo receive only if watched."""
+        return pending.done is not None or not self.matches_by_tag
+
+    def arrived(self, pending: Pending) -> bool:
+        """Whether `pending` (a receive) has completed, without blocking (see `can_tell`)."""
+        if pending.done is not None:
+            return pending.done.is_set()
+        return not self.matches_by_tag and all(work.is_completed() for work in pending.works)
 
     def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int, action: str) -> None:
         tensors = [t.contiguous() for t in tensors]
         self._sends.append(Pending(self._post(dist.isend, tensors, peer, tag, action), tensors, peer, action))
 
     def wait(self, pending: Pending, waiting_action: str) -> list[torch.Tensor]:
-        for work in pending.works:
-            self._wait_one(work, pending.peer, f"{waiting_action} (waiting for {pending.action})")
+        """The received tensors, once they are there."""
+        action = f"{waiting_action} (waiting for {pending.action})"
+        self._wait_helper(pending, action)
+        if pending.done is None:
+            for work in pending.works:
+                self._wait_one(work, pending.peer, action)
         return pending.tensors
+
+    def arrival_time(self, pending: Pending) -> float | None:
+        """When a completed receive arrived (`time.perf_counter()`), where a helper thread saw it."""
+        return pending.arrived_at
 
     def flush_sends(self) -> None:
         """Wait for every send posted so far (their tensors can then be freed)."""
@@ -78,6 +151,18 @@ class Transport:
         for pending in sends:
             for work in pending.works:
                 self._wait_one(work, pending.peer, pending.action)
+
+    def _wait_helper(self, pending: Pending, action: str) -> None:
+        """Wait for a watched receive's helper thread and raise its error."""
+        if pending.done is None:
+            return
+        # the helper's own wait gives up after `timeout`; this one only backs it up
+        if not pending.done.wait(self.timeout.total_seconds() + 30):
+            pending.timed_out = True
+        if pending.error is not None:
+            raise self._peer_failed(pending.peer, action, pending.error) from pending.error
+        if pending.timed_out:
+            raise self._timed_out(pending.peer, action)
 
     def _post(self, op, tensors: Sequence[torch.Tensor], peer: int, tag: int, action: str) -> list:
         """Post `op` (dist.isend or dist.irecv) for every tensor; several go as one batch."""
@@ -92,13 +177,19 @@ class Transport:
         try:
             completed = work.wait(self.timeout)
         except RuntimeError as error:
-            raise PeerError(
-                f"rank {self.rank}: {action} failed on its message with rank {peer} "
-                f"(peer rank {peer} may have died or timed out after {self.timeout.total_seconds():.0f} s): "
-                f"{str(error).splitlines()[0]}"
-            ) from error
+            raise self._peer_failed(peer, action, error) from error
         if completed is False:
-            raise PeerError(
-                f"rank {self.rank}: timed out after {self.timeout.total_seconds():.0f} s in {action} "
-                f"waiting for peer rank {peer}"
-            )
+            raise self._timed_out(peer, action)
+
+    def _peer_failed(self, peer: int, action: str, error: BaseException) -> PeerError:
+        return PeerError(
+            f"rank {self.rank}: {action} failed on its message with rank {peer} "
+            f"(peer rank {peer} may have died or timed out after {self.timeout.total_seconds():.0f} s): "
+            f"{str(error).splitlines()[0]}"
+        )
+
+    def _timed_out(self, peer: int, action: str) -> PeerError:
+        return PeerError(
+            f"rank {self.rank}: timed out after {self.timeout.total_seconds():.0f} s in {action} "
+            f"waiting for peer rank {peer}"
+        )

@@ -1,25 +1,49 @@
-"""Costs from the real machine: per-stage median times of F, I and W from the runners'
-timelines of a few steps, and the time to send a stage's boundary tensors to the next rank
-(half a measured round trip). With them the zb-auto solver schedules for this machine."""
+"""Costs from the real machine, and schedules re-solved with them while training goes on.
+
+Costs: per-stage median times of F, I and W from the runners' timelines, gathered from every
+rank of the pipeline, and the time to send a stage's boundary tensors to the next rank (half a
+measured round trip).
+
+`CostTuner` (a distributed pipeline's default for zb-auto): after the first (warm-up) step it
+times `profile_steps` steps, gathers their costs (one collective), and rank 0 solves the
+schedule with them in a child process (`background_solve`) while the steps go on with the old
+one. After each of those steps rank 0 broadcasts one number, whether the solver has finished;
+the step after which it has is the switch, on every rank, with one broadcast of the new
+schedule. From then on it compares the measured step (the longest rank's span of actions,
+median over a window of steps, gathered) with the simulator's span of the running schedule
+under the costs it was solved with: when their ratio moves more than `DRIFT_THRESHOLD` away
+from the ratio measured in the first window after the switch, it re-solves with the window's
+costs. Windows are `DRIFT_WINDOW` steps long and double after every re-solve the drift caused
+(up to `MAX_DRIFT_WINDOW`).
+"""
 
 from __future__ import annotations
 
 import statistics
 import time
 from collections import defaultdict
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from zbcompile.runtime.background_solve import BackgroundSolve
 from zbcompile.runtime.distributed import DistributedRunner
 from zbcompile.runtime.p2p import gather_objects
-from zbcompile.schedules import Action, Costs
+from zbcompile.schedules import Action, Costs, Schedule, simulate
 
 Timeline = Sequence[tuple[str, float, float]]
+Medians = dict[tuple[int, str], float]
+
+DRIFT_THRESHOLD = 0.15
+"""Re-solve when measured / predicted step time differs by more than this share from its value
+right after the schedule was switched in."""
+DRIFT_WINDOW = 20
+"""Steps per drift check (one small gather each); doubled after each re-solve drift caused."""
+MAX_DRIFT_WINDOW = 320
 
 
-def action_medians(timelines: Sequence[Timeline]) -> dict[tuple[int, str], float]:
+def action_medians(timelines: Sequence[Timeline]) -> Medians:
     """(stage, kind) -> median seconds over every recorded action of that kind and stage. A fused
     backward B counts as I plus W and is reported under "B"."""
     samples: dict[tuple[int, str], list[float]] = defaultdict(list)
@@ -52,16 +76,12 @@ def round_trip_seconds(runner: DistributedRunner, repeats: int = 5) -> float:
     return statistics.median(samples) if samples else 0.0
 
 
-def measured_costs(runner: DistributedRunner, timelines: Sequence[Timeline], static: Costs) -> Costs:
-    """Per-stage costs measured on every rank of this pipeline, gathered to all of them. Times
-    in seconds; memory as in `static`."""
-    local = action_medians(timelines)
-    comm = round_trip_seconds(runner)
-    gathered = gather_objects((local, comm), runner.layout.pp_group)
-    medians: dict[tuple[int, str], float] = {}
-    for part, _ in gathered:
+def costs_of(parts: Sequence[Medians], comm: float, stages: int, static: Costs) -> Costs:
+    """Costs from every rank's action medians (a fused backward split into I and W by the static
+    estimates' shares); memory as in `static`."""
+    medians: Medians = {}
+    for part in parts:
         medians.update(part)
-    stages = runner.schedule.stages
 
     def time_of(stage: int, kind: str) -> float:
         if (stage, kind) in medians:
@@ -75,7 +95,107 @@ def measured_costs(runner: DistributedRunner, timelines: Sequence[Timeline], sta
         f=[time_of(s, "F") for s in range(stages)],
         b=[time_of(s, "I") for s in range(stages)],
         w=[time_of(s, "W") for s in range(stages)],
-        comm=max(c for _, c in gathered),
+        comm=comm,
         mem_f=static.mem_f,
         mem_w=static.mem_w,
     )
+
+
+class CostTuner:
+    """Measured costs and re-solved schedules for one compiled pipeline (see the module
+    docstring). Every rank of the pipeline calls `after_step()` after each step; all of them
+    take every decision at the same step, from the same gathered numbers.
+
+    `solve_arguments(costs)` gives `make_schedule`'s keyword arguments for a schedule solved
+    with `costs`; `static` are the compiler's estimates (memory, and how a fused backward splits)."""
+
+    def __init__(self, profile_steps: int, solve_arguments: Callable[[Costs], dict[str, Any]], static: Costs) -> None:
+        self.profile_steps = profile_steps
+        self.solve_arguments = solve_arguments
+        self.static = static
+        self.measured: Costs | None = None  # the costs of the latest solve
+        self.predicted_span: float | None = None  # of the running schedule, under `measured`
+        self.reference: float | None = None  # measured / predicted span right after the switch
+        self.resolves = 0  # solves started, the first included
+        self.drift_resolves = 0
+        self.history: list[dict[str, Any]] = []  # one entry per decision, for people
+        self._steps = 0
+        self._window: list[Timeline] = []
+        self._solving: tuple[BackgroundSolve | None, Costs] | None = None
+
+    def after_step(self, runner: DistributedRunner) -> Schedule | None:
+        """Record the step `runner` just ran; returns the schedule to run from the next step on,
+        when this step is a switch (the same on every rank), else None."""
+        step, self._steps = self._steps, self._steps + 1
+        if step == 0:
+            return None  # the first step warms up (allocator, caches): not representative
+        self._window.append(list(runner.timeline))
+        if self._solving is not None:
+            return self._switch_if_solved(runner, step)
+        window = self.profile_steps if self.measured is None else min(DRIFT_WINDOW << self.drift_resolves, MAX_DRIFT_WINDOW)
+        if len(self._window) < window:
+            return None
+        self._check(runner, step)
+        return None
+
+    def _check(self, runner: DistributedRunner, step: int) -> None:
+        """End of a window: gather its numbers; solve with them at first, or on drift."""
+        local = (action_medians(self._window), statistics.median(_span(t) for t in self._window), round_trip_seconds(runner))
+        gathered = gather_objects(local, runner.layout.pp_group)
+        self._window = []
+        costs = costs_of([g[0] for g in gathered], max(g[2] for g in gathered), runner.schedule.stages, self.static)
+        span = max(g[1] for g in gathered)
+        reason = "first measurement"
+        if self.measured is not None:
+            ratio = span / max(self.predicted_span, 1e-12)
+            if self.reference is None:
+                self.reference = ratio
+                self.history.append({"step": step, "event": "calibrated", "measured_span_s": span, "ratio": ratio})
+                return
+            drift = ratio / self.reference - 1
+            if abs(drift) <= DRIFT_THRESHOLD:
+                return
+            self.drift_resolves += 1
+            reason = f"drift {drift:+.0%}"
+        solve = BackgroundSolve(self.solve_arguments(costs)) if runner.layout.pp_rank == 0 else None
+        self._solving = (solve, costs)
+        self.resolves += 1
+        self.history.append({"step": step, "event": f"solving ({reason})", "measured_span_s": span})
+
+    def _switch_if_solved(self, runner: DistributedRunner, step: int) -> Schedule | None:
+        """While rank 0 solves: one broadcast per step says whether it has finished (or given up
+        after the pipeline's timeout); the step after which it has is the switch, everywhere."""
+        solve, costs = self._solving
+        self._window.clear()  # the old schedule's steps tell nothing about the new one
+        limit = runner.transport.timeout.total_seconds()
+        finished = solve is None or solve.done() or time.perf_counter() - solve.started > limit
+        if runner.layout.pp_group is not None:
+            flag = torch.tensor([int(finished)], device=runner.device)
+            dist.broadcast(flag, group=runner.layout.pp_group, group_src=0)
+            finished = bool(flag.item())
+        if not finished:
+            return None
+        self._solving = None
+        schedule, error = None, None
+        if solve is not None:
+            try:
+                schedule = solve.result(timeout=0.0)
+            except RuntimeError as failure:
+                error = str(failure)
+        box = [(schedule, error)]
+        if runner.layout.pp_group is not None:
+            dist.broadcast_object_list(box, group=runner.layout.pp_group, group_src=0)
+        schedule, error = box[0]
+        if schedule is None:
+            self.history.append({"step": step, "event": f"kept the schedule: {error}"})
+            return None
+        self.measured = costs
+        self.predicted_span = simulate(schedule, costs).span
+        self.reference = None
+        self.history.append({"step": step, "event": "switched", "predicted_span_s": self.predicted_span})
+        return schedule.with_info(cost_source="measured")
+
+
+def _span(timeline: Timeline) -> float:
+    """First start to last end of one rank's actions in a step."""
+    return max(e for _, _, e in timeline) - min(s for _, s, _ in timeline) if timeline else 0.0

@@ -1,0 +1,179 @@
+"""A rank's part of a pipeline schedule, resolved once per schedule so that a step only follows
+it (`DistributedRunner`): the lowered action list, each message's peer, tag, value names and
+buffer layouts, the receives in posting order, and where weight-gradient (W) work runs.
+
+No other rank waits for a W, so where a W runs changes no message, and as long as each stage's
+W keep the plan's order, no sum either (gradients stay bitwise equal). `defer_weights` moves W
+that the plan runs before a send to just after that send, so the message leaves sooner, unless
+that would lift the rank's activation memory above the plan's own peak. The runner may in turn
+run the next W early, while it waits for a message that has not arrived; a W the plan ran
+before the waiting computation (`RankProgram.overtaken`) it runs there as the plan would have.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from zbcompile.schedules import Action, Schedule, lower
+
+Layout = tuple[torch.Size, torch.dtype]
+
+
+class MemoryModel(Protocol):
+    """The simulator's memory model (costs resolved per stage, `schedules.costs.resolve_costs`)."""
+
+    def memory_delta(self, stage: int, kind: str) -> float: ...
+
+    def memory_rise(self, stage: int, kind: str) -> float: ...
+
+
+@dataclass(frozen=True)
+class Message:
+    """The values one stage sends another for one microbatch: direction "F" (activations, from
+    stage - 1) or "B" (gradients, from stage + 1) into `stage`. `peer` is the global rank at
+    the other end (receiver of a SEND, sender of a RECV); `text` the SEND or RECV action."""
+
+    direction: str
+    stage: int
+    microbatch: int
+    peer: int
+    tag: int
+    names: tuple[str, ...]
+    text: str
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.direction, self.stage, self.microbatch)
+
+
+@dataclass(frozen=True)
+class Receive:
+    """A RECV at position `index` of the program; `after` is the position of the last SEND to
+    the same peer before it (-1: none); `layouts` the (shape, dtype) of each value."""
+
+    message: Message
+    index: int
+    after: int
+    layouts: tuple[Layout, ...]
+
+
+@dataclass(frozen=True)
+class RankProgram:
+    """What one rank runs in a step. `messages[i]` is the message of a SEND at position i (None
+    elsewhere); `weight_order` the W actions in program order (the order they must run in);
+    `deferred` the W that the program runs after a send the plan ran them before;
+    `overtaken[key]` the W that the plan runs before the computation waiting for message `key`
+    and the program after it."""
+
+    actions: tuple[Action, ...]
+    texts: tuple[str, ...]
+    messages: tuple[Message | None, ...]
+    receives: tuple[Receive, ...]
+    weight_order: tuple[Action, ...]
+    deferred: tuple[str, ...]
+    overtaken: dict[tuple[str, int, int], frozenset[Action]]
+
+
+def message_tag(direction: str, stage: int, microbatch: int, stages: int) -> int:
+    """A distinct tag per message of a step (gloo matches messages by tag)."""
+    return (microbatch * stages + stage) * 2 + (direction == "B")
+
+
+def rank_program(
+    schedule: Schedule,
+    pp_rank: int,
+    rank_of: Callable[[int], int],
+    names: Callable[[str, int], Sequence[str]],
+    layout: Callable[[str], Layout],
+    memory: MemoryModel | None,
+) -> RankProgram:
+    """Position `pp_rank`'s program for `schedule`. `rank_of(stage)`: the global rank holding a
+    stage; `names(direction, stage)`: the values a message in that direction into that stage
+    carries; `layout(name)`: a value's (shape, dtype). With `memory` (the memory model of the
+    schedule's costs), W are deferred past sends within the plan's peak; without, the lowered
+    list is kept as it is."""
+    planned = actions = lower(schedule).actions[pp_rank]
+    deferred: tuple[str, ...] = ()
+    if memory is not None:
+        actions, deferred = defer_weights(planned, memory)
+    messages: list[Message | None] = []
+    receives: list[Receive] = []
+    last_send: dict[int, int] = {}
+    for index, action in enumerate(actions):
+        s, k, kind = action.stage, action.microbatch, action.kind
+        message = None
+        if kind in ("SEND_F", "SEND_B", "RECV_F", "RECV_B"):
+            direction = kind[-1]
+            receiver = {"SEND_F": s + 1, "SEND_B": s - 1}.get(kind, s)
+            sender = {"RECV_F": s - 1, "RECV_B": s + 1}.get(kind, s)
+            peer = rank_of(receiver if kind.startswith("SEND") else sender)
+            value_names = tuple(names(direction, receiver))
+            message = Message(direction, receiver, k, peer, message_tag(direction, receiver, k, schedule.stages), value_names, str(action))
+            if kind.startswith("SEND"):
+                last_send[peer] = index
+            else:
+                receives.append(Receive(message, index, last_send.get(peer, -1), tuple(layout(n) for n in value_names)))
+        messages.append(message if message is not None and kind.startswith("SEND") else None)
+    return RankProgram(
+        actions=tuple(actions),
+        texts=tuple(str(a) for a in actions),
+        messages=tuple(messages),
+        receives=tuple(receives),
+        weight_order=tuple(a for a in actions if a.kind == "W"),
+        deferred=deferred,
+        overtaken=_overtaken(planned, actions),
+    )
+
+
+def _overtaken(planned: Sequence[Action], actions: Sequence[Action]) -> dict[tuple[str, int, int], frozenset[Action]]:
+    """For each message a computation of `actions` waits for, the W that `planned` runs before
+    that computation and `actions` after it."""
+    before = {a: i for i, a in enumerate(planned)}
+    now = {a: i for i, a in enumerate(actions)}
+    weights = [a for a in actions if a.kind == "W"]
+    result = {}
+    for a in actions:
+        if a.kind in ("F", "I", "B"):
+            late = frozenset(w for w in weights if before[w] < before[a] and now[w] > now[a])
+            if late:
+                result[("F" if a.kind == "F" else "B", a.stage, a.microbatch)] = late
+    return result
+
+
+def defer_weights(actions: Sequence[Action], memory: MemoryModel) -> tuple[tuple[Action, ...], tuple[str, ...]]:
+    """`actions` (one rank's lowered list) with the W that the plan runs between two sends moved,
+    in order, to just after the second send; returns the list and the W that moved. Where the
+    rank's activation memory (the simulator's model) would then exceed the list's own peak, only
+    the latest of them move, as many as fit."""
+    peak = _peak(actions, memory, 0.0)[0]
+    out: list[Action] = []
+    moved: list[str] = []
+    segment: list[Action] = []
+    level = 0.0
+    for a in actions:
+        segment.append(a)
+        if not a.kind.startswith("SEND"):
+            continue
+        weights = [w for w in segment if w.kind == "W"]
+        for count in range(len(weights), 0, -1):  # the latest `count` W go after the send
+            late = weights[len(weights) - count :]
+            arranged = [b for b in segment if b not in late] + late
+            if _peak(arranged, memory, level)[0] <= peak * (1 + 1e-9):
+                segment, moved = arranged, moved + [str(w) for w in late]
+                break
+        out += segment
+        level = _peak(segment, memory, level)[1]
+        segment = []
+    return tuple(out + segment), tuple(moved)
+
+
+def _peak(actions: Sequence[Action], memory: MemoryModel, level: float) -> tuple[float, float]:
+    """(highest activation memory while `actions` run from `level`, the level after them)."""
+    peak = level
+    for a in actions:
+        peak = max(peak, level + memory.memory_rise(a.stage, a.kind))
+        level += memory.memory_delta(a.stage, a.kind)
+    return peak, level
