@@ -83,7 +83,7 @@ def compared_panels(dumps: Sequence[inspection.Dump]) -> list[tuple[str, list[Bo
 
 def _compared_svg(panels: Sequence[tuple[str, list[Box]]]) -> str:
     span = (min(b.start for _, boxes in panels for b in boxes), max(b.end for _, boxes in panels for b in boxes))
-    return "\n".join(to_svg(boxes, f"{title} (ms)", _TIMELINE_WIDTH, span) for title, boxes in panels)
+    return "\n".join(to_svg(boxes, title, _TIMELINE_WIDTH, span) for title, boxes in panels)
 
 
 def write_compared_png(dumps: Sequence[inspection.Dump], path: str) -> str | None:
@@ -244,7 +244,14 @@ def _compared_section(dumps: Sequence[inspection.Dump]) -> str:
     panels = compared_panels(dumps)
     if not panels:
         return "<p>schedules compared: no trace recorded</p>"
-    return "\n".join(["<h2>Measured steps, schedule against schedule</h2>", f'<div class="timelines">{_compared_svg(panels)}</div>'])
+    return "\n".join(
+        [
+            "<h2>Measured steps, schedule against schedule</h2>",
+            "<p>One time scale, in ms from each step's first action; shaded: a rank idle between its first and last "
+            "action (the bubble).</p>",
+            f'<div class="timelines">{_compared_svg(panels)}</div>',
+        ]
+    )
 
 
 def write_report(dump: inspection.Dump | str, path: str, compared: Sequence[inspection.Dump | str] = ()) -> str:
