@@ -20,6 +20,7 @@ IDLE = "idle"  # the kind of a box that marks a rank's idle time (the bubble)
 
 COLOURS = {"F": "#8fb4e3", "I": "#7fd1c7", "B": "#7fd1c7", "W": "#a8d98a", IDLE: "#f3b6b0"}
 _ROW_HEIGHT, _LABEL_WIDTH, _TITLE_HEIGHT = 28, 70, 24
+_LEGEND = {"F": "F: forward", "I": "I: input-gradient backward", "B": "B: whole backward", "W": "W: weight gradients", IDLE: "idle (bubble)"}
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,7 @@ def to_png_panels(panels: Sequence[tuple[str, Sequence[Box]]], path: str, xlabel
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     rows = [1 + max((b.rank for b in boxes), default=0) for _, boxes in panels]
     fig, axes = plt.subplots(
@@ -129,6 +131,9 @@ def to_png_panels(panels: Sequence[tuple[str, Sequence[Box]]], path: str, xlabel
         ax.set_ylim(ranks - 0.5, -0.5)
         ax.set_title(title, fontsize=10, loc="left")
     axes[-1, 0].set_xlabel(xlabel)
+    kinds = [k for k in _LEGEND if any(b.kind == k for _, boxes in panels for b in boxes)]
+    handles = [Patch(facecolor=COLOURS[k], edgecolor="#333", linewidth=0.3, hatch="///" if k == IDLE else None) for k in kinds]
+    axes[0, 0].legend(handles, [_LEGEND[k] for k in kinds], loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=150)
     plt.close(fig)
