@@ -44,8 +44,10 @@ def test_layout_reads_the_cores_this_process_may_use(monkeypatch):
 def test_layout_with_gpus(gpus, ranks, backend):
     layout = demo.choose_layout(cores=2, gpus=gpus)
     assert (layout.ranks, layout.stages, layout.microbatches, layout.backend) == (ranks, ranks, 2 * ranks, backend)
-    assert not layout.shares_cores
-    if gpus == 1:
+    assert not layout.shares_cores and layout.spare_cores == 0
+    if backend == "nccl":  # a GPU's rank drives it from one core
+        assert demo.choose_layout(cores=16, gpus=gpus).spare_cores == 16 - ranks
+    else:
         assert "1 GPU: a pipeline needs 2, so on CPU" in layout.describe()
 
 
@@ -122,3 +124,9 @@ def test_idle_boxes_are_the_gaps_inside_each_rank_span():
     ]
     gaps = idle_boxes(boxes)
     assert [(g.rank, g.start, g.end, g.kind) for g in gaps] == [(0, 1.0, 2.0, IDLE), (1, 2.0, 2.5, IDLE)]
+
+
+def test_summary_without_proc_stat_says_the_load_is_unknown():
+    summary = demo.summarize({"1f1b": [0.3], "zb-auto": [0.25]}, 1.25, "static", float("nan"), 0)
+    assert not summary.busy
+    assert summary.machine_line(demo.choose_layout(cores=2, gpus=0)).startswith("other processes' CPU use during the run is unknown")

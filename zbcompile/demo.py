@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.resources
+import math
 import os
 import shutil
 import socket
@@ -89,8 +90,9 @@ class DemoLayout:
 
     @property
     def spare_cores(self) -> int:
-        """Cores the ranks leave free (other processes may use them without slowing the ranks)."""
-        return 0 if self.on_gpus else max(0, self.cores - self.ranks * self.threads)
+        """Cores the ranks leave free (other processes may use them without slowing the ranks; a
+        rank driving a GPU keeps one core busy)."""
+        return max(0, self.cores - self.ranks * self.threads)
 
     def describe(self) -> str:
         cores = f"{self.cores} core{'s' if self.cores != 1 else ''}"
@@ -243,8 +245,8 @@ class Summary:
 
     def machine_line(self, layout: DemoLayout) -> str:
         used = f"other processes used {self.others_cores:.0%} of a core during the run"
-        if self.others_cores != self.others_cores:  # NaN: no /proc/stat
-            used = "other processes' CPU use is unknown here (no /proc/stat)"
+        if math.isnan(self.others_cores):
+            used = "other processes' CPU use during the run is unknown here (no /proc/stat)"
         if layout.shares_cores:
             return (
                 f"UNRELIABLE: {layout.ranks} ranks shared {layout.cores} core(s), so a rank's bubble was another rank's "
@@ -252,6 +254,8 @@ class Summary:
             )
         if self.busy:
             return f"machine was BUSY: {used}, so these numbers are noisy; run again on a quieter machine"
+        if math.isnan(self.others_cores):
+            return used
         return f"machine quiet: {used}"
 
 
@@ -385,6 +389,8 @@ def _write_pictures(out_dir: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.rounds < 1:
+        raise ValueError(f"zbcompile demo: --rounds must be at least 1, got {args.rounds}")
     layout = choose_layout()
     size = size_model(layout, lambda hidden: measured_block_seconds(hidden, layout))
     print(f"{layout.describe()}; {size.describe()}", flush=True)
