@@ -30,7 +30,7 @@ def test_layout_on_cpu(cores, ranks, microbatches, threads, shares):
     assert layout.spare_cores == max(0, cores - ranks * threads)
     line = layout.describe()
     assert line.startswith(f"{cores} core") and f"{ranks} gloo ranks" in line and f"{microbatches} microbatches" in line
-    assert ("share" in line) is shares
+    assert ("sharing it: a pipeline needs 2" in line) is shares
 
 
 def test_layout_reads_the_cores_this_process_may_use(monkeypatch):

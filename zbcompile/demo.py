@@ -95,16 +95,20 @@ class DemoLayout:
         return max(0, self.cores - self.ranks * self.threads)
 
     def describe(self) -> str:
-        cores = f"{self.cores} core{'s' if self.cores != 1 else ''}"
-        per_stage = f"one stage each; {self.microbatches} microbatches ({MICROBATCHES_PER_STAGE} per stage, where zero bubble gains most over 1F1B)"
+        stages = (
+            f"one stage per rank, {self.microbatches} microbatches ({MICROBATCHES_PER_STAGE} per stage: zero bubble's "
+            "predicted gain over 1F1B peaks there)"
+        )
         if self.on_gpus:
-            return f"{self.gpus} GPUs -> {self.ranks} nccl ranks, one per GPU, {per_stage}"
-        why = f"one per core, at most {MAX_RANKS}" if self.cores > MAX_RANKS else "one per core"
-        if self.shares_cores:
-            why = f"they share {'it' if self.cores == 1 else 'them'}: a pipeline needs 2"
+            why = f"at most {MAX_RANKS}" if self.gpus > MAX_RANKS else "one per GPU"
+            return f"{self.gpus} GPUs -> {self.ranks} nccl ranks ({why}), {stages}"
+        cores = f"{self.cores} core{'s' if self.cores != 1 else ''}"
         gpu_note = f" ({self.gpus} GPU: a pipeline needs 2, so on CPU)" if self.gpus == 1 else ""
-        threads = f"{self.threads} thread{'s' if self.threads != 1 else ''} per rank"
-        return f"{cores}{gpu_note} -> {self.ranks} gloo ranks ({why}), {per_stage}, {threads}"
+        threads = f"{self.threads} thread{'s' if self.threads != 1 else ''} each"
+        why = f"at most {MAX_RANKS}, {threads}" if self.cores > MAX_RANKS else f"one per core, {threads}"
+        if self.shares_cores:
+            why = f"sharing {'it' if self.cores == 1 else 'them'}: a pipeline needs 2; the comparison will be unreliable"
+        return f"{cores}{gpu_note} -> {self.ranks} gloo ranks ({why}), {stages}"
 
 
 def available_cores() -> int:
