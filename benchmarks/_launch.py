@@ -9,11 +9,12 @@ import pathlib
 import pickle
 import platform
 import socket
-import statistics
 import tempfile
 import time
 from datetime import timedelta
 from typing import Any, Callable, Sequence
+
+from zbcompile.measure import cpu_busy_seconds, median  # noqa: F401 (the benchmarks use them from here)
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
@@ -54,22 +55,6 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout_s: float = 120.0) ->
             with open(os.path.join(out_dir, f"{rank}.pkl"), "rb") as f:
                 results.append(pickle.load(f))
         return results
-
-
-def cpu_busy_seconds() -> float:
-    """CPU seconds all cores of this machine have spent busy since boot (/proc/stat; NaN where
-    there is none)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return float("nan")
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def median(values: Sequence[float]) -> float:
-    return statistics.median(values) if values else float("nan")
 
 
 def machine() -> dict[str, Any]:

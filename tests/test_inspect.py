@@ -349,3 +349,22 @@ def test_report_screenshot_shows_the_timelines(distributed_dump):
 
     for colour in ("#8fb4e3", "#7fd1c7", "#a8d98a"):  # F, B (I) and W boxes of both timelines
         assert count(colour) > 200, colour
+
+
+@pytest.mark.xdist_group("distributed")
+def test_report_compares_measured_steps_with_the_bubble_shaded(distributed_dump, tmp_path):
+    root, per_rank = distributed_dump
+    html = open(report.write_report(root, str(tmp_path / "compared.html"), compared=[root])).read()
+    computed = sorted(a for result in per_rank for a in result["actions"] if Action.parse(a).is_compute)
+    rect = re.compile(r'<rect class="action (\w+)" data-action="(\w*)" x="([\d.]+)" y="([\d.]+)" width="([\d.]+)"')
+    for svg in _svgs(html)[:2]:  # the compared run above, this run below
+        assert re.search(r"zb-h1, step \d+ \(the median of \d+ steady steps\).*idle \d+% of the ranks' spans", svg)
+        rects = [(kind, action, float(x), float(y), float(w)) for kind, action, x, y, w in rect.findall(svg)]
+        assert sorted(a for kind, a, *_ in rects if kind != "idle") == computed
+        busy = [(y, x, x + w) for kind, _, x, y, w in rects if kind != "idle"]
+        for kind, _, x, y, w in rects:
+            if kind == "idle":  # inside a rank's span, overlapping none of its actions
+                assert not any(by == y and bx < x + w - 0.6 and x + 0.6 < bend for by, bx, bend in busy)  # boxes are >= 0.5 px wide
+                assert min(bx for by, bx, _ in busy if by == y) <= x and x + w <= max(bend for by, _, bend in busy if by == y) + 0.01
+    png = report.write_compared_png([inspection.load(root)] * 2, str(tmp_path / "timelines.png"))
+    assert os.path.getsize(png) > 1000

@@ -1,28 +1,53 @@
-"""`zbcompile demo`: train a small GPT on the text shipped with the package as a 4-rank pipeline
-(local processes; gloo on CPU, NCCL when there are enough GPUs) with the zb-auto schedule solved
-from measured costs, then the same run with 1F1B, and compare measured step time and bubble.
+"""`zbcompile demo`: zero bubble against 1F1B on this machine.
 
-Each rank is a process launched here; `examples/train_gpt.py` shows the same under torchrun."""
+1. Lay the pipeline out on the machine (`choose_layout`): one rank per available core (at least
+   2, at most `MAX_RANKS`; on a machine with 2 or more GPUs one rank per GPU), one stage per rank,
+   2 microbatches per stage, where zero bubble's advantage over 1F1B is largest.
+2. Size a small GPT from one measured transformer block (`size_model`) so that a step takes
+   0.1-0.5 s, and say in one line what was chosen and why.
+3. Train it on the text shipped with the package as two pipelines with default options, one
+   scheduled by 1F1B and one by zb-auto, on local processes (gloo on CPU, NCCL on GPUs). After
+   warm-up, rounds alternate between the two (the order reverses every round); each round times
+   a few steps run back to back, as a training loop runs them.
+4. Print the median step times, the speed-up paired per round, the simulator's predicted gain
+   for this layout and the share of it the run captured, and whether other processes took CPU
+   meanwhile (`zbcompile.measure`). Leave dumps, `report.html` (both schedules' measured steps one
+   above the other, bubbles shaded) and `timelines.png` in the output directory.
+
+`examples/train_gpt.py` shows the same training under torchrun."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.resources
+import math
 import os
+import shutil
 import socket
-import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import zbcompile
+from zbcompile import measure
 from zbcompile.models import GPT, GPTConfig
-from zbcompile.models.gpt import lm_loss
-from zbcompile.schedules import Action, render, schedule_spec
+from zbcompile.models.gpt import Block, lm_loss
+
+SCHEDULES = ("1f1b", "zb-auto")  # the reference first
+MAX_RANKS = 8
+MICROBATCHES_PER_STAGE = 2  # zb-auto's simulated steady-state gain over 1F1B peaks at m = 2p (p = 2..8)
+VOCAB, SEQ_LEN, HEADS, ROWS = 256, 64, 4, 4  # bytes as tokens; ROWS sequences per microbatch
+WIDTHS = (64, 128, 256, 512, 1024)  # candidate hidden sizes, smallest first
+TARGET_STEP_S, STEP_RANGE_S = 0.25, (0.1, 0.5)
+MAX_LAYERS_PER_STAGE = 6
+ROUNDS, STEPS_PER_ROUND, SETTLE_STEPS = 8, 4, 1
+BUSY_CORES = 0.1  # other processes' CPU use (cores) above which the numbers are called noisy
 
 
 def text_batches(batch: int, seq_len: int, seed: int = 0):
@@ -36,128 +61,355 @@ def text_batches(batch: int, seq_len: int, seed: int = 0):
         yield window[:, :-1], window[:, 1:]
 
 
-def train(args: argparse.Namespace, schedule: str, device: torch.device, show: bool) -> dict:
-    """Train for args.steps steps; returns per-step times and the last step's timelines."""
-    torch.manual_seed(0)
-    config = GPTConfig(vocab_size=256, seq_len=args.seq_len, hidden=args.hidden, heads=4, layers=args.layers)
-    with torch.device("meta"):
-        model = GPT(config)
-    pipe = zbcompile.pipeline(
-        model, stages=args.stages, microbatches=args.microbatches, loss_fn=lm_loss, schedule=schedule,
-        profile=schedule_spec(schedule).solved, solver_time_budget=args.solver_budget, timeout=120,
-        dump_dir=os.path.join(args.dump, schedule),
-    )
-    batches = text_batches(args.batch, args.seq_len)
-    tokens, targets = next(batches)
-    pipe.compile(tokens.to(device), target=targets.to(device))
-    optimizer = torch.optim.AdamW(pipe.parameters(), lr=3e-3)
-    progress = _progress(args.steps, f"{schedule:>7s}") if show else None
-    times, loss = [], None
-    for _ in range(args.steps):
-        tokens, targets = next(batches)
-        started = time.perf_counter()
-        optimizer.zero_grad()
-        step_loss = pipe.step(tokens.to(device), target=targets.to(device))
-        optimizer.step()
-        times.append(time.perf_counter() - started)
-        loss = step_loss if step_loss is not None else loss
-        if progress is not None:
-            progress.set_postfix(loss=f"{loss.item():.3f}", tokens_s=f"{tokens.numel() / times[-1]:,.0f}")
-            progress.update()
-    if progress is not None:
-        progress.close()
-    timelines: list = [None] * dist.get_world_size()
-    dist.all_gather_object(timelines, pipe.runner.timeline)
-    return {"times": times, "timelines": timelines, "loss": None if loss is None else loss.item(), "schedule": pipe.schedule}
+# --- the layout --------------------------------------------------------------------------------
 
 
-def _progress(total: int, name: str):
-    from tqdm import tqdm
+@dataclass(frozen=True)
+class DemoLayout:
+    """Where the demo's pipeline runs: `ranks` processes, one stage each."""
 
-    return tqdm(total=total, desc=name, unit="step")
+    cores: int
+    gpus: int
+    ranks: int
+    threads: int  # intra-op threads per rank (CPU)
+    microbatches: int
+    backend: str  # "gloo" (CPU) or "nccl" (one GPU per rank)
+
+    @property
+    def stages(self) -> int:
+        return self.ranks
+
+    @property
+    def on_gpus(self) -> bool:
+        return self.backend == "nccl"
+
+    @property
+    def shares_cores(self) -> bool:
+        """More ranks than cores: a rank's bubble is another rank's compute time."""
+        return not self.on_gpus and self.ranks > self.cores
+
+    @property
+    def spare_cores(self) -> int:
+        """Cores the ranks leave free (other processes may use them without slowing the ranks; a
+        rank driving a GPU keeps one core busy)."""
+        return max(0, self.cores - self.ranks * self.threads)
+
+    def describe(self) -> str:
+        stages = (
+            f"one stage per rank, {self.microbatches} microbatches ({MICROBATCHES_PER_STAGE} per stage: zero bubble's "
+            "predicted gain over 1F1B peaks there)"
+        )
+        if self.on_gpus:
+            why = f"at most {MAX_RANKS}" if self.gpus > MAX_RANKS else "one per GPU"
+            return f"{self.gpus} GPUs -> {self.ranks} nccl ranks ({why}), {stages}"
+        cores = f"{self.cores} core{'s' if self.cores != 1 else ''}"
+        gpu_note = f" ({self.gpus} GPU: a pipeline needs 2, so on CPU)" if self.gpus == 1 else ""
+        threads = f"{self.threads} thread{'s' if self.threads != 1 else ''} each"
+        why = f"at most {MAX_RANKS}, {threads}" if self.cores > MAX_RANKS else f"one per core, {threads}"
+        if self.shares_cores:
+            why = f"sharing {'it' if self.cores == 1 else 'them'}: a pipeline needs 2; the comparison will be unreliable"
+        return f"{cores}{gpu_note} -> {self.ranks} gloo ranks ({why}), {stages}"
 
 
-def measured_bubble(timelines: list, ranks: int) -> tuple[float, float]:
-    """(step time, bubble rate) of one measured step: 1 - busy / (ranks x step time)."""
-    spans = [(min(s for _, s, _ in t), max(e for _, _, e in t)) for t in timelines if t]
-    step = max(e for _, e in spans) - min(s for s, _ in spans)
-    busy = sum(e - s for t in timelines for _, s, e in t)
-    return step, 1 - busy / (ranks * step)
+def available_cores() -> int:
+    """Cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
-def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
-    if use_cuda:
-        torch.cuda.set_device(rank)
+def available_gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def choose_layout(cores: int | None = None, gpus: int | None = None) -> DemoLayout:
+    """One rank per GPU when there are 2 or more, else one rank per core (at least 2: the
+    smallest pipeline); at most `MAX_RANKS`; one stage per rank; `MICROBATCHES_PER_STAGE`
+    microbatches per stage. `cores` and `gpus` default to this machine's."""
+    cores = available_cores() if cores is None else cores
+    gpus = available_gpus() if gpus is None else gpus
+    if cores < 1 or gpus < 0:
+        raise ValueError(f"choose_layout: need cores >= 1 and gpus >= 0, got cores={cores}, gpus={gpus}")
+    if gpus >= 2:
+        ranks, threads, backend = min(gpus, MAX_RANKS), 1, "nccl"
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
-    device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
+        ranks = min(max(2, cores), MAX_RANKS)
+        threads, backend = max(1, cores // ranks), "gloo"
+    return DemoLayout(cores, gpus, ranks, threads, MICROBATCHES_PER_STAGE * ranks, backend)
+
+
+# --- the model's size --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    hidden: int
+    layers: int
+    block_s: float  # forward + backward of one block on one microbatch, measured
+    step_s: float  # the 1F1B step this predicts
+
+    def config(self) -> GPTConfig:
+        # untied: a tied embedding and LM head would exchange gradients between the first and the
+        # last rank at the end of every step, lining the ranks up as a barrier does, so steps
+        # could not overlap and zb-auto (solved for steps run back to back) would lose its edge
+        return GPTConfig(vocab_size=VOCAB, seq_len=SEQ_LEN, hidden=self.hidden, heads=HEADS, layers=self.layers, tie_embeddings=False)
+
+    def describe(self) -> str:
+        low, high = STEP_RANGE_S
+        return (
+            f"GPT (untied embeddings) with {self.layers} layers, hidden {self.hidden}, {ROWS} sequences of {SEQ_LEN} bytes per microbatch: "
+            f"a 1F1B step ~{self.step_s:.2f} s ({low}-{high} s wanted; one block measured at {self.block_s * 1e3:.1f} ms)"
+        )
+
+
+def size_model(layout: DemoLayout, block_seconds: Callable[[int], float]) -> ModelSize:
+    """The widest of `WIDTHS` whose one-layer-per-stage step stays within `TARGET_STEP_S`, with as
+    many layers per stage as bring the step nearest to it (at most `MAX_LAYERS_PER_STAGE`).
+    `block_seconds(hidden)`: seconds of one block's forward + backward on one microbatch. A
+    1F1B step runs m + p - 1 such slots one after another on its busiest path; ranks sharing a
+    core run at that share of its speed."""
+    slots = layout.microbatches + layout.stages - 1
+    slowdown = max(1.0, layout.ranks * layout.threads / layout.cores) if not layout.on_gpus else 1.0
+    chosen = None
+    for hidden in WIDTHS:
+        block = block_seconds(hidden)
+        if chosen is not None and slots * block * slowdown > TARGET_STEP_S:
+            break
+        chosen = (hidden, block)
+    hidden, block = chosen
+    one_layer = slots * block * slowdown
+    per_stage = min(MAX_LAYERS_PER_STAGE, max(1, round(TARGET_STEP_S / one_layer)))
+    return ModelSize(hidden, per_stage * layout.stages, block, per_stage * one_layer)
+
+
+def measured_block_seconds(hidden: int, layout: DemoLayout, repeats: int = 3) -> float:
+    """Median seconds of forward + backward of one GPT block on one microbatch, with the
+    threads (CPU) or the device (GPU) one rank will have."""
+    device = torch.device("cuda", 0) if layout.on_gpus else torch.device("cpu")
+    torch.set_num_threads(layout.threads)
+    block = Block(GPTConfig(vocab_size=VOCAB, seq_len=SEQ_LEN, hidden=hidden, heads=HEADS)).to(device)
+    x = torch.randn(ROWS, SEQ_LEN, hidden, device=device, requires_grad=True)
+    times = []
+    for _ in range(repeats + 1):  # the first warms up
+        started = time.perf_counter()
+        block(x).sum().backward()
+        if layout.on_gpus:
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - started)
+    return measure.median(times[1:])
+
+
+# --- what the run found ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Step times per schedule (medians over rounds), zb-auto's speed-up over 1F1B paired per
+    round, the simulator's predicted gain and how much CPU other processes took meanwhile."""
+
+    step_s: dict[str, float]
+    rounds: int
+    speedup: float
+    predicted: float
+    cost_source: str
+    others_cores: float
+    spare_cores: float
+
+    @property
+    def captured(self) -> float:
+        """The measured gain's share of the predicted one ((speed-up - 1) / (predicted - 1))."""
+        return (self.speedup - 1) / (self.predicted - 1) if self.predicted > 1 else float("nan")
+
+    @property
+    def busy(self) -> bool:
+        """Other processes took more than `BUSY_CORES` of the cores the ranks ran on."""
+        return self.others_cores - self.spare_cores > BUSY_CORES
+
+    def lines(self, layout: DemoLayout, losses: dict[str, float | None]) -> list[str]:
+        reference, other = SCHEDULES
+        rows = [f"{'schedule':>9s}  {'median step':>11s}  {'final loss':>10s}"]
+        for name in SCHEDULES:
+            loss = losses.get(name)
+            rows.append(f"{name:>9s}  {self.step_s[name] * 1e3:8.1f} ms  {'-' if loss is None else f'{loss:.4f}':>10s}")
+        same = " (the same: every schedule computes the same gradients)" if losses.get(reference) == losses.get(other) else ""
+        rows[-1] += same
+        faster = "faster" if self.speedup >= 1 else "SLOWER"
+        rows.append(
+            f"{other} vs {reference}: {self.speedup:.3f}x the speed ({faster}; median over {self.rounds} rounds of "
+            f"{reference} step time / {other} step time in the same round)"
+        )
+        captured = f"{self.captured:.0%}" if self.predicted > 1 else "n/a"
+        rows.append(
+            f"simulator's predicted gain for {layout.stages} stages x {layout.microbatches} microbatches: "
+            f"{self.predicted:.3f}x (steady state, under the {self.cost_source} costs zb-auto was solved with); "
+            f"captured: {captured}"
+        )
+        rows.append(self.machine_line(layout))
+        return rows
+
+    def machine_line(self, layout: DemoLayout) -> str:
+        used = f"other processes used {self.others_cores:.0%} of a core during the run"
+        if math.isnan(self.others_cores):
+            used = "other processes' CPU use during the run is unknown here (no /proc/stat)"
+        if layout.shares_cores:
+            return (
+                f"UNRELIABLE: {layout.ranks} ranks shared {layout.cores} core(s), so a rank's bubble was another rank's "
+                f"compute time and this measured the operating system's scheduler more than the pipeline; {used}"
+            )
+        if self.busy:
+            return f"machine was BUSY: {used}, so these numbers are noisy; run again on a quieter machine"
+        if math.isnan(self.others_cores):
+            return used
+        return f"machine quiet: {used}"
+
+
+def summarize(
+    periods: dict[str, Sequence[float]], predicted: float, cost_source: str, others_cores: float, spare_cores: float
+) -> Summary:
+    """`periods[schedule]`: seconds per step, one value per round, rounds in the same order."""
+    reference, other = SCHEDULES
+    return Summary(
+        step_s={name: measure.median(values) for name, values in periods.items()},
+        rounds=len(periods[reference]),
+        speedup=measure.paired_ratio(periods[reference], periods[other]),
+        predicted=predicted,
+        cost_source=cost_source,
+        others_cores=others_cores,
+        spare_cores=spare_cores,
+    )
+
+
+def predicted_gain(reference: zbcompile.schedules.Schedule, pipe: zbcompile.PipelinedModule) -> tuple[float, str]:
+    """The simulator's steady-state gain of `pipe`'s schedule over `reference` (ratio of their
+    spans) under the costs `pipe`'s schedule was solved with, and where those came from."""
+    from zbcompile.dump import schedule_costs_used
+    from zbcompile.schedules import simulate
+
+    costs, source = schedule_costs_used(pipe.schedule, pipe.compiled, pipe.measured_costs)
+    return simulate(reference, costs).span / simulate(pipe.schedule, costs).span, source
+
+
+# --- the ranks ---------------------------------------------------------------------------------
+
+
+class _Training:
+    """One schedule's pipeline on this rank, its optimizer and its data; every schedule starts
+    from the same weights and sees the same batches."""
+
+    def __init__(self, schedule: str, layout: DemoLayout, size: ModelSize, device: torch.device, dump_dir: str) -> None:
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = GPT(size.config())
+        self.pipe = zbcompile.pipeline(
+            model, stages=layout.stages, microbatches=layout.microbatches, loss_fn=lm_loss, schedule=schedule, dump_dir=dump_dir
+        )
+        self.device = device
+        self.batches = text_batches(layout.microbatches * ROWS, SEQ_LEN)
+        tokens, targets = next(self.batches)
+        self.pipe.compile(tokens.to(device), target=targets.to(device))
+        self.optimizer = torch.optim.AdamW(self.pipe.parameters(), lr=3e-3)
+        self.loss: torch.Tensor | None = None
+
+    @property
+    def warmup_steps(self) -> int:
+        """The first step, any profiling steps and the first step of a re-solved schedule."""
+        return self.pipe.options.profile_steps + 2
+
+    def step(self) -> None:
+        tokens, targets = next(self.batches)
+        self.optimizer.zero_grad()
+        loss = self.pipe.step(tokens.to(self.device), target=targets.to(self.device))
+        self.optimizer.step()
+        if loss is not None:
+            self.loss = loss
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dist.barrier()
+
+    return sync
+
+
+def _rank_main(rank: int, layout: DemoLayout, size: ModelSize, port: int, out_dir: str, rounds: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if layout.on_gpus:
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        torch.set_num_threads(layout.threads)
+        device = torch.device("cpu")
+    dist.init_process_group(layout.backend, rank=rank, world_size=layout.ranks, timeout=timedelta(seconds=300))
+    reporter = rank == layout.ranks - 1  # the last stage's rank has the loss
     try:
-        results = {}
-        for schedule in ("zb-auto", "1f1b"):
-            results[schedule] = train(args, schedule, device, show=rank == world - 1)
-        if rank == world - 1:  # the last stage's rank has the loss
-            _report(args, results, out_dir, "nccl" if use_cuda else "gloo")
+        if reporter:
+            print("compiling both pipelines", flush=True)
+        runs = {name: _Training(name, layout, size, device, os.path.join(out_dir, "dump", name)) for name in SCHEDULES}
+        for run in runs.values():
+            for _ in range(run.warmup_steps):
+                run.step()
+        sync = _sync(device)
+        sync()
+        periods: dict[str, list[float]] = {name: [] for name in SCHEDULES}
+        progress = _progress(rounds) if reporter else None
+        before = measure.Usage.now()
+        for r in range(rounds):
+            for name in SCHEDULES if r % 2 == 0 else reversed(SCHEDULES):
+                periods[name].append(measure.steady_period(runs[name].step, STEPS_PER_ROUND, SETTLE_STEPS, sync))
+            if progress is not None:
+                progress.update()
+        usage = measure.Usage.now().since(before)
+        own_cpu: list = [None] * layout.ranks
+        dist.all_gather_object(own_cpu, usage.own_cpu_s)
+        if progress is not None:
+            progress.close()
+        if reporter:
+            gain, source = predicted_gain(runs[SCHEDULES[0]].pipe.schedule, runs[SCHEDULES[1]].pipe)
+            others = measure.others_cores(usage.wall_s, usage.machine_busy_s, own_cpu)
+            summary = summarize(periods, gain, source, others, layout.spare_cores)
+            losses = {name: None if run.loss is None else run.loss.item() for name, run in runs.items()}
+            print("\n" + "\n".join(summary.lines(layout, losses)), flush=True)
+            _write_pictures(out_dir)
     finally:
         dist.destroy_process_group()
 
 
-def _report(args: argparse.Namespace, results: dict, out_dir: str, backend: str) -> None:
-    print(f"\n{args.stages}-rank pipeline ({backend}), {args.microbatches} microbatches, {args.steps} steps each")
-    print(f"{'schedule':>9s}  {'median step':>11s}  {'measured bubble':>15s}  {'final loss':>10s}")
-    medians = {}
-    for name, result in results.items():
-        steady = result["times"][min(3, len(result["times"]) - 1) :]
-        medians[name] = statistics.median(steady)
-        _, bubble = measured_bubble(result["timelines"], args.stages)
-        print(f"{name:>9s}  {medians[name] * 1000:9.1f} ms  {bubble:15.1%}  {result['loss']:10.4f}")
-    print(f"zb-auto / 1f1b step time: {medians['zb-auto'] / medians['1f1b']:.3f} (same losses: every schedule computes the same gradients)")
-    print("\nzb-auto schedule (solved from measured costs):")
-    print(results["zb-auto"]["schedule"].grid())
-    timelines = results["zb-auto"]["timelines"]
-    origin = min(start for timeline in timelines for _, start, _ in timeline)
-    boxes = []
-    for rank, timeline in enumerate(timelines):
-        for text, start, end in timeline:
-            action = Action.parse(text)
-            boxes.append(render.Box(rank, (start - origin) * 1e3, (end - origin) * 1e3, str(action.microbatch), action.kind, text))
-    path = os.path.join(out_dir, "zb-auto-measured.svg")
-    with open(path, "w") as f:
-        f.write(render.to_svg(boxes, title="zb-auto: one measured step (ms)"))
-    print(f"\nmeasured timeline of the last zb-auto step: {path}")
+def _progress(rounds: int):
+    from tqdm import tqdm
+
+    return tqdm(total=rounds, desc=f"{' vs '.join(SCHEDULES)}, rounds", unit="round")
+
+
+def _write_pictures(out_dir: str) -> None:
     from zbcompile import inspection, report
 
-    dump = inspection.load(os.path.join(args.dump, "zb-auto"))
-    page = report.write_report(dump, os.path.join(out_dir, "report.html"))
-    found = inspection.comparison(dump.versions[-1], dump.trace)
-    if found is not None:
-        print(f"zb-auto measured / predicted makespan: {found['ratio']:.2f} ({found['makespan'] * 1e3:.1f} / {found['predicted_makespan'] * 1e3:.1f} ms)")
-    print(f"dumps (graphs, tables, schedules, trace.json for Perfetto): {args.dump}; summary: zbcompile inspect {dump.directory}")
-    print(f"report: {page}")
+    dumps = [inspection.load(os.path.join(out_dir, "dump", name)) for name in SCHEDULES]
+    page = report.write_report(dumps[-1], os.path.join(out_dir, "report.html"), compared=dumps[:-1])
+    png = report.write_compared_png(dumps, os.path.join(out_dir, "timelines.png"))
+    print(f"report: {page} (both schedules' measured steps, bubbles shaded); picture: {png}")
+    print(f"dumps (graphs, schedules, trace.json for Perfetto): {os.path.join(out_dir, 'dump')}; summary: zbcompile inspect DIR")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.rounds < 1:
+        raise ValueError(f"zbcompile demo: --rounds must be at least 1, got {args.rounds}")
+    layout = choose_layout()
+    size = size_model(layout, lambda hidden: measured_block_seconds(hidden, layout))
+    print(f"{layout.describe()}; {size.describe()}", flush=True)
     out_dir = args.out or tempfile.mkdtemp(prefix="zbcompile-demo-")
+    shutil.rmtree(os.path.join(out_dir, "dump"), ignore_errors=True)  # the previous run's
     os.makedirs(out_dir, exist_ok=True)
-    args.dump = os.path.join(out_dir, "dump")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_rank_main, args=(args.stages, port, args, out_dir), nprocs=args.stages, start_method="spawn")
+    mp.start_processes(_rank_main, args=(layout, size, port, out_dir, args.rounds), nprocs=layout.ranks, start_method="spawn")
     return 0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("demo", help="train a small GPT as a 4-rank zero-bubble pipeline")
-    parser.add_argument("--stages", type=int, default=4, help="pipeline ranks (processes)")
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--solver-budget", type=float, default=2.0)
-    parser.add_argument("--out", default="zbcompile_demo", help="where pictures and dumps go")
+    parser = subparsers.add_parser("demo", help="zero bubble against 1F1B on this machine, one pipeline rank per core")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="measurement rounds (each times both schedules)")
+    parser.add_argument("--out", default="zbcompile_demo", help="where the report, the picture and the dumps go")
     parser.set_defaults(func=run)

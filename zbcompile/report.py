@@ -3,6 +3,11 @@ summary, the predicted and the measured timeline one above the other on one time
 SVG, drawn by `schedules.render` like `zbcompile schedule`), per-stage bars of time and memory,
 the schedule grid and every graph listing. No scripts, no external resources.
 
+Given the dumps of other runs of the same pipeline under other schedules (`compared=`), the page
+opens with every run's measured step one above the other on one time scale, each rank's idle
+time between its first and last action (the bubble) shaded: `compared_panels`, also drawn as a
+PNG by `write_compared_png` (`zbcompile demo` does both).
+
 The predicted timeline is the simulator's under the schedule's costs (static estimates put in
 seconds as `inspection.comparison` explains); the measured one is the step whose makespan is
 the median of the steady steps, every rank of the first replica, compute and communication
@@ -16,7 +21,7 @@ from typing import Any, Sequence
 
 from zbcompile import inspection, trace_events
 from zbcompile.schedules.ir import COMPUTE_KINDS, Action, format_grid
-from zbcompile.schedules.render import COLOURS, Box, to_svg
+from zbcompile.schedules.render import COLOURS, Box, idle_boxes, to_png_panels, to_svg
 from zbcompile.summary import si
 
 _TIMELINE_WIDTH = 1200.0
@@ -52,6 +57,42 @@ def measured_boxes(trace: dict[str, Any], step: int) -> list[Box]:
         )
         for e in events
     ]
+
+
+def compared_panels(dumps: Sequence[inspection.Dump]) -> list[tuple[str, list[Box]]]:
+    """Per dump with a trace: (title, boxes) of its median steady step's compute actions (ms from
+    the step's first start) and of each rank's idle gaps between them (kind `render.IDLE`)."""
+    panels = []
+    for run in dumps:
+        version = run.versions[-1]
+        found = inspection.comparison(version, run.trace)
+        if found is None:
+            continue
+        step = found["representative"]
+        compute = [b for b in measured_boxes(run.trace, step) if b.kind in COMPUTE_KINDS]
+        idle = idle_boxes(compute)
+        spans = [max(b.end for b in compute if b.rank == r) - min(b.start for b in compute if b.rank == r) for r in {b.rank for b in compute}]
+        share = sum(b.end - b.start for b in idle) / max(sum(spans), 1e-12)
+        title = (
+            f"{version['name']}, step {step} (the median of {len(found['steps'])} steady steps): longest rank span "
+            f"{max(spans):.1f} ms, idle {share:.0%} of the ranks' spans (shaded)"
+        )
+        panels.append((title, [*idle, *compute]))
+    return panels
+
+
+def _compared_svg(panels: Sequence[tuple[str, list[Box]]]) -> str:
+    span = (min(b.start for _, boxes in panels for b in boxes), max(b.end for _, boxes in panels for b in boxes))
+    return "\n".join(to_svg(boxes, title, _TIMELINE_WIDTH, span) for title, boxes in panels)
+
+
+def write_compared_png(dumps: Sequence[inspection.Dump], path: str) -> str | None:
+    """`compared_panels(dumps)` as a PNG at `path` (None, nothing written, without a trace)."""
+    panels = compared_panels(dumps)
+    if not panels:
+        return None
+    to_png_panels(panels, path, xlabel="ms from the step's first action")
+    return path
 
 
 def bar_chart(title: str, groups: Sequence[tuple[str, Sequence[tuple[str, float]]]], fmt, width: float = 560.0) -> str:
@@ -163,8 +204,9 @@ summary { cursor: pointer; margin: 4px 0; }
 """
 
 
-def report_html(dump: inspection.Dump) -> str:
-    """The page (see the module docstring)."""
+def report_html(dump: inspection.Dump, compared: Sequence[inspection.Dump] = ()) -> str:
+    """The page (see the module docstring); `compared`: dumps of other schedules' runs to draw
+    above it, measured step against measured step."""
     version = dump.versions[-1]
     found = inspection.comparison(version, dump.trace)
     headline = (
@@ -182,6 +224,7 @@ def report_html(dump: inspection.Dump) -> str:
             f"<style>{_STYLE}</style></head><body>",
             f"<h1>zbcompile: {escape(dump.record['model'])}, {dump.record['stages']} stages, schedule {escape(version['name'])}</h1>",
             headline,
+            _compared_section([*compared, dump]) if compared else "",
             "<h2>Timelines</h2>",
             f'<div class="timelines">{_timelines(dump, version, found)}</div>',
             "<h2>Per stage</h2>",
@@ -197,11 +240,27 @@ def report_html(dump: inspection.Dump) -> str:
     )
 
 
-def write_report(dump: inspection.Dump | str, path: str) -> str:
-    """Write the report of `dump` (a loaded dump or a dump directory) to `path`; returns `path`."""
+def _compared_section(dumps: Sequence[inspection.Dump]) -> str:
+    panels = compared_panels(dumps)
+    if not panels:
+        return "<p>schedules compared: no trace recorded</p>"
+    return "\n".join(
+        [
+            "<h2>Measured steps, schedule against schedule</h2>",
+            "<p>One time scale, in ms from each step's first action; shaded: a rank idle between its first and last "
+            "action (the bubble).</p>",
+            f'<div class="timelines">{_compared_svg(panels)}</div>',
+        ]
+    )
+
+
+def write_report(dump: inspection.Dump | str, path: str, compared: Sequence[inspection.Dump | str] = ()) -> str:
+    """Write the report of `dump` (a loaded dump or a dump directory) to `path`, with the
+    measured steps of `compared` (the same) drawn above it; returns `path`."""
     if isinstance(dump, str):
         dump = inspection.load(dump)
+    others = [inspection.load(d) if isinstance(d, str) else d for d in compared]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        f.write(report_html(dump))
+        f.write(report_html(dump, others))
     return path

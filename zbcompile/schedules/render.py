@@ -16,8 +16,11 @@ from .costs import Costs, ResolvedCosts
 from .ir import Schedule
 from .simulate import simulate
 
-COLOURS = {"F": "#8fb4e3", "I": "#7fd1c7", "B": "#7fd1c7", "W": "#a8d98a"}
+IDLE = "idle"  # the kind of a box that marks a rank's idle time (the bubble)
+
+COLOURS = {"F": "#8fb4e3", "I": "#7fd1c7", "B": "#7fd1c7", "W": "#a8d98a", IDLE: "#f3b6b0"}
 _ROW_HEIGHT, _LABEL_WIDTH, _TITLE_HEIGHT = 28, 70, 24
+_LEGEND = {"F": "F: forward", "I": "I: input-gradient backward", "B": "B: whole backward", "W": "W: weight gradients", IDLE: "idle (bubble)"}
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,24 @@ def layout(schedule: Schedule, costs: Costs | ResolvedCosts | None = None) -> li
         for a in row
         if a.is_compute
     ]
+
+
+def idle_boxes(boxes: Sequence[Box], kinds: Sequence[str] = ("F", "I", "B", "W")) -> list[Box]:
+    """The bubble: per rank, every gap between its actions of `kinds` from its first start to
+    its last end, as boxes of kind ``IDLE`` (no label)."""
+    by_rank: dict[int, list[Box]] = {}
+    for b in boxes:
+        if b.kind in kinds:
+            by_rank.setdefault(b.rank, []).append(b)
+    gaps = []
+    for rank, row in sorted(by_rank.items()):
+        row.sort(key=lambda b: b.start)
+        reached = row[0].end
+        for b in row[1:]:
+            if b.start > reached:
+                gaps.append(Box(rank, reached, b.start, "", IDLE, "idle"))
+            reached = max(reached, b.end)
+    return gaps
 
 
 def to_svg(
@@ -65,9 +86,10 @@ def to_svg(
         w = max((b.end - b.start) * xscale, 0.5)
         y = _TITLE_HEIGHT + b.rank * _ROW_HEIGHT
         colour = COLOURS.get(b.kind, "#cccccc")
+        stroke = 'stroke="none"' if b.kind == IDLE else 'stroke="#333" stroke-width="0.5"'
         out.append(
             f'<rect class="action {escape(b.kind)}" data-action="{escape(b.action)}" x="{x:.2f}" y="{y + 2}" '
-            f'width="{w:.2f}" height="{_ROW_HEIGHT - 4}" fill="{colour}" stroke="#333" stroke-width="0.5"/>'
+            f'width="{w:.2f}" height="{_ROW_HEIGHT - 4}" fill="{colour}" {stroke}/>'
         )
         font = min(11.0, max(5.0, w * 0.6))
         out.append(
@@ -80,21 +102,38 @@ def to_svg(
 
 def to_png(boxes: Sequence[Box], path: str, title: str = "") -> None:
     """The same picture through matplotlib."""
+    to_png_panels([(title, boxes)], path, xlabel="time")
+
+
+def to_png_panels(panels: Sequence[tuple[str, Sequence[Box]]], path: str, xlabel: str = "time") -> None:
+    """Several timelines (title, boxes) one above the other on one time axis, through matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
-    ranks = 1 + max((b.rank for b in boxes), default=0)
-    fig, ax = plt.subplots(figsize=(14, 0.45 * ranks + 1))
-    for b in boxes:
-        ax.barh(b.rank, b.end - b.start, left=b.start, height=0.85, color=COLOURS.get(b.kind, "#cccccc"), edgecolor="#333", linewidth=0.3)
-        if ranks <= 16 and len(boxes) <= 2000:
-            ax.text((b.start + b.end) / 2, b.rank, b.label, ha="center", va="center", fontsize=5)
-    ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
-    ax.invert_yaxis()
-    ax.set_xlabel("time")
-    ax.set_title(title)
+    rows = [1 + max((b.rank for b in boxes), default=0) for _, boxes in panels]
+    fig, axes = plt.subplots(
+        len(panels), 1, sharex=True, squeeze=False, figsize=(14, sum(0.45 * r + 0.8 for r in rows) + 0.4),
+        gridspec_kw={"height_ratios": [r + 1 for r in rows]},
+    )
+    for ax, (title, boxes), ranks in zip(axes[:, 0], panels, rows):
+        for b in boxes:
+            idle = b.kind == IDLE
+            ax.barh(
+                b.rank, b.end - b.start, left=b.start, height=0.85, color=COLOURS.get(b.kind, "#cccccc"),
+                edgecolor="none" if idle else "#333", linewidth=0.3, hatch="///" if idle else None, zorder=1 if idle else 2,
+            )
+            if not idle and ranks <= 16 and len(boxes) <= 2000:
+                ax.text((b.start + b.end) / 2, b.rank, b.label, ha="center", va="center", fontsize=5, zorder=3)
+        ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
+        ax.set_ylim(ranks - 0.5, -0.5)
+        ax.set_title(title, fontsize=10, loc="left")
+    axes[-1, 0].set_xlabel(xlabel)
+    kinds = [k for k in _LEGEND if any(b.kind == k for _, boxes in panels for b in boxes)]
+    handles = [Patch(facecolor=COLOURS[k], edgecolor="#333", linewidth=0.3, hatch="///" if k == IDLE else None) for k in kinds]
+    axes[0, 0].legend(handles, [_LEGEND[k] for k in kinds], loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=150)
     plt.close(fig)
