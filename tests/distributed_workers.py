@@ -6,7 +6,6 @@ import time
 
 import torch
 import torch.distributed as dist
-
 import torch.nn.functional as F
 
 import zbcompile

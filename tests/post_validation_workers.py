@@ -12,9 +12,9 @@ import time
 
 import torch
 import torch.distributed as dist
-from models import BATCH, GPT_CONFIG, build
 
 import zbcompile
+from models import BATCH, GPT_CONFIG, build
 from zbcompile.runtime.optimizer import (
     PostValidatedOptimizer,
     StepRecord,

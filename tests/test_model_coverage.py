@@ -19,10 +19,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils import _pytree as pytree
 
 import zbcompile
 from test_equivalence import FP32, assert_grads_close, grads_of
+from zbcompile._torch_internals import pytree
 
 BATCH = 8
 

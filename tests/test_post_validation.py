@@ -9,9 +9,10 @@ rank's gradients leaves every rank's parameters and optimizer state bitwise unch
 
 from __future__ import annotations
 
-import post_validation_workers as workers
 import pytest
 import torch
+
+import post_validation_workers as workers
 from multiprocess import run_ranks
 
 pytestmark = pytest.mark.xdist_group("distributed")

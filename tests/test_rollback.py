@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import build
 
 import zbcompile
+from models import build
 from zbcompile.runtime.optimizer import (
     NormState,
     chain_sum,

@@ -21,9 +21,11 @@ from torch._functorch._aot_autograd.descriptors import (
 )
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch._functorch.partitioners import default_partition
+from torch._ops import OpOverload
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch.utils import _pytree as pytree
 from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -33,6 +35,11 @@ DATA_DEPENDENT_ERRORS = (GuardOnDataDependentSymNode, DataDependentOutputExcepti
 __all__ = [
     "DATA_DEPENDENT_ERRORS",
     "FakeTensorMode",
+    "OpOverload",
+    "TENSOR_DATA",
+    "TENSOR_REQUIRES_GRAD",
+    "pytree",
+    "use_plain_codegen",
     "TorchDispatchMode",
     "BufferAOTInput",
     "GradAOTOutput",
@@ -63,6 +70,17 @@ __all__ = [
 aten = torch.ops.aten
 
 preserve_node_meta = fx_traceback.preserve_node_meta
+
+# The C descriptors behind `Tensor.data` and `Tensor.requires_grad` (their getters and setters).
+TENSOR_DATA = torch._C.TensorBase.__dict__["data"]
+TENSOR_REQUIRES_GRAD = torch._C.TensorBase.__dict__["requires_grad"]
+
+
+def use_plain_codegen(graph_module: torch.fx.GraphModule) -> None:
+    """Replace the graph's code generator (make_fx's pytree flattening of inputs) by the plain one:
+    flat positional placeholders."""
+    graph_module.graph._codegen = torch.fx.graph.CodeGen()
+    graph_module.recompile()
 
 
 def traced_like_export() -> contextlib.AbstractContextManager:

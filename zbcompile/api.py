@@ -11,13 +11,12 @@ from datetime import timedelta
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
-from torch import nn
-from torch.utils import _pytree as pytree
-
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from zbcompile import dump
+from zbcompile._torch_internals import pytree
 from zbcompile.compiler import CompiledPipeline, compile_pipeline
 from zbcompile.runtime import batch_agreement, placement, profile
 from zbcompile.runtime.batch_agreement import BatchDescription

@@ -12,9 +12,9 @@ from typing import Any, Callable, Sequence
 import sympy
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from zbcompile import _torch_internals as ti
+from zbcompile._torch_internals import pytree
 from zbcompile.passes import _fx
 from zbcompile.passes.cost import GraphCost, graph_cost
 from zbcompile.passes.joint import Program, StageJoint, export_stage_joints

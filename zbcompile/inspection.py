@@ -181,7 +181,7 @@ def format_measured(version: dict[str, Any], trace: dict[str, Any] | None) -> st
             f"  per rank: busy {', '.join(f'{b * 1e3:.2f}' for b in found['rank_busy'])} ms; waiting on RECV "
             f"{', '.join(f'{w * 1e3:.2f}' for w in found['recv_wait'])} ms; peak live activations "
             f"{', '.join(si(b, 'B') for b in found['peak_live_bytes'])}",
-            f"  W run elsewhere than the schedule put them, per step (all ranks): "
+            "  W run elsewhere than the schedule put them, per step (all ranks): "
             + ", ".join(f"{count:g} {how}" for how, count in found["moved"].items()),
             f"  predicted makespan {found['predicted_makespan'] * 1e3:.2f} ms ({how})",
             f"  measured / predicted makespan = {found['ratio']:.2f}",

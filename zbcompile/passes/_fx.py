@@ -7,6 +7,8 @@ from typing import Iterable
 import torch
 from torch import fx
 
+from zbcompile import _torch_internals as ti
+
 
 def tensor_bytes(value: object) -> int:
     """Bytes of a tensor (or the tensors in a tuple/list); 0 for anything else."""
@@ -50,7 +52,7 @@ def is_view_op(node: fx.Node) -> bool:
     target = node.target
     if node.op != "call_function":
         return False
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, ti.OpOverload):
         return any(r.alias_info is not None and not r.alias_info.is_write for r in target._schema.returns)
     return getattr(target, "__name__", "") == "getitem"
 

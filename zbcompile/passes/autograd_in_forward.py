@@ -24,14 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
 
 from zbcompile import _torch_internals as ti
+from zbcompile._torch_internals import pytree
 from zbcompile.passes import _fx
 
 NO_GRAD = "no_grad"
-_DATA = torch._C.TensorBase.__dict__["data"]
-_REQUIRES_GRAD = torch._C.TensorBase.__dict__["requires_grad"]
+_DATA = ti.TENSOR_DATA
+_REQUIRES_GRAD = ti.TENSOR_REQUIRES_GRAD
 _HOOKS = (torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook)
 
 

@@ -12,9 +12,9 @@ from typing import Mapping
 
 import torch
 from torch import fx
-from torch.utils import _pytree as pytree
 
 from zbcompile import _torch_internals as ti
+from zbcompile._torch_internals import pytree
 from zbcompile.passes._fx import is_view_op, node_bytes
 
 # Weight of one written byte against one FLOP when balancing stages: elementwise work is

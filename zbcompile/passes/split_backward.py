@@ -32,7 +32,6 @@ from torch import fx
 from zbcompile.passes import _fx, cost
 from zbcompile.passes.joint import Program, StageJoint, extract_program
 
-
 # Weight-gradient work is deferred to W only when it is worth the memory W must hold for it
 # until then: at least this many FLOP-equivalents (`cost.node_cost`) per byte kept alive.
 # Matmul and convolution weight gradients clear it by orders of magnitude; normalisation-layer

@@ -31,10 +31,9 @@ from typing import Any, Callable, Mapping
 
 import torch
 from torch import fx, nn
-from torch.utils import _pytree as pytree
 
 from zbcompile import _torch_internals as ti
-from zbcompile._torch_internals import FakeTensorMode
+from zbcompile._torch_internals import FakeTensorMode, pytree
 from zbcompile.passes import _fx
 from zbcompile.passes.autograd_in_forward import detach_no_grad_results, watching_autograd
 
@@ -159,7 +158,7 @@ def trace_model(
     detach_no_grad_results(graph_module.graph)
     _differentiable_copies(graph_module.graph, fake_mode)
     graph_module.graph.eliminate_dead_code()  # autograd's unused `detach`es of saved values
-    _drop_pytree_codegen(graph_module)
+    ti.use_plain_codegen(graph_module)  # make_fx flattens inputs with pytree
     return TracedModel(
         graph_module=graph_module,
         model=model,
@@ -429,7 +428,7 @@ def _buffer_updates_as_outputs(graph: fx.Graph, fake_mode: FakeTensorMode) -> tu
     _functional_batch_norms(graph, fake_mode)
     new_values: dict[str, fx.Node] = {}
     for node in list(graph.nodes):
-        for name, value in _fx.written_arguments(node):
+        for _, value in _fx.written_arguments(node):
             if not (isinstance(value, fx.Node) and value.op == "placeholder"):
                 continue
             if node.target is not torch.ops.aten.copy_.default or value.meta["zb_role"] != BUFFER:
@@ -499,9 +498,3 @@ def _mutation_message(placeholder: fx.Node, node: fx.Node) -> str:
     else:
         what, remedy = role, "The stages compute with copies of the inputs; return the new value instead of writing it in place."
     return f"the forward of module '{module}' mutates {what} '{name}' in place ({node.target}). {remedy}"
-
-
-def _drop_pytree_codegen(graph_module: fx.GraphModule) -> None:
-    """make_fx wraps inputs in pytree flattening; the passes want flat positional placeholders."""
-    graph_module.graph._codegen = fx.graph.CodeGen()
-    graph_module.recompile()

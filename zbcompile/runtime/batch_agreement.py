@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils import _pytree as pytree
 
+from zbcompile._torch_internals import pytree
 from zbcompile.runtime.p2p import gather_objects
 
 

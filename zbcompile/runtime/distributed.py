@@ -21,7 +21,6 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
-
 from torch.distributed.device_mesh import DeviceMesh
 
 from zbcompile.compiler import CompiledPipeline

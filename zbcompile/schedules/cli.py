@@ -18,7 +18,7 @@ def _floats(text: str) -> float | list[float]:
     try:
         values = [float(v) for v in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or a comma-separated list of numbers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a number or a comma-separated list of numbers, got {text!r}") from None
     return values[0] if len(values) == 1 else values
 
 

@@ -17,9 +17,9 @@ import math
 from typing import Sequence
 
 from .costs import ResolvedCosts, fits_memory
+from .fastsim import Evaluator
 from .greedy import POLICIES, QUICK_POLICIES, GreedyPolicy, MemoryTooSmall, list_schedule
 from .handcrafted import v_placement, zb_v
-from .fastsim import Evaluator
 from .ir import Action, Schedule
 from .reference import ALL_FLAGS, QUICK_FLAGS, reference_rows
 from .search import analytic_parameters, handcrafted_rows, make_room, pattern_rows
