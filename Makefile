@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.zbcompile-installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test lint bench clean
 
 setup: $(STAMP)
 
@@ -18,7 +18,11 @@ demo: setup
 	$(VENV)/bin/zbcompile demo
 
 test: setup
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -n 2 --dist loadgroup
+
+lint: setup
+	$(VENV)/bin/ruff check .
 
 clean:
 	rm -rf $(VENV) build *.egg-info
