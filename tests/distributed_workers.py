@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import zbcompile
 from models import BatchNormConvNet, build, image_batch
+from zbcompile.schedules import schedule_spec
 
 
 def one_step(runs: list[tuple[str, str, int, int]]) -> dict:
@@ -20,7 +21,7 @@ def one_step(runs: list[tuple[str, str, int, int]]) -> dict:
     results = {}
     pipe, previous = None, None
     for name, schedule, stages, microbatches in runs:
-        placement = (name, stages, microbatches, schedule if schedule in ("zbv", "interleaved-1f1b") else "")
+        placement = (name, stages, microbatches, schedule if schedule_spec(schedule).chunks_per_rank > 1 else "")
         if placement != previous:
             case = build(name)
             pipe = zbcompile.pipeline(

@@ -11,16 +11,17 @@ import torch
 import distributed_workers as workers
 from models import NAMES, build
 from multiprocess import Failed, run_ranks
+from zbcompile.schedules import schedule_spec
 
 pytestmark = pytest.mark.xdist_group("distributed")
 
 SINGLE_CHUNK = ("gpipe", "1f1b", "zb-h1", "zb-h2", "zb-auto")
-TWO_CHUNK = ("interleaved-1f1b", "zbv")
+TWO_CHUNK = ("interleaved-1f1b", "zbv")  # two stages per rank
 
 
 def _runs(ranks: int) -> list[tuple[str, str, int, int]]:
     """Every model under every schedule (two stages per rank for the two-chunk schedules)."""
-    return [(name, s, ranks * (2 if s in TWO_CHUNK else 1), 4) for name in NAMES for s in SINGLE_CHUNK + TWO_CHUNK]
+    return [(name, s, ranks * schedule_spec(s).chunks_per_rank, 4) for name in NAMES for s in SINGLE_CHUNK + TWO_CHUNK]
 
 
 @functools.cache

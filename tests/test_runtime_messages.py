@@ -12,7 +12,7 @@ import torch
 
 from zbcompile.runtime import distributed
 from zbcompile.runtime.program import rank_program
-from zbcompile.schedules import lower, make_schedule
+from zbcompile.schedules import lower, make_schedule, schedule_spec
 
 
 class _Recorder:
@@ -54,7 +54,7 @@ CASES = [("1f1b", 4, 8), ("zb-h1", 4, 8), ("zbv", 2, 6), ("interleaved-1f1b", 2,
 
 @pytest.mark.parametrize("name, ranks, microbatches", CASES)
 def test_every_receive_is_posted_once_by_the_time_the_list_reaches_it(name, ranks, microbatches):
-    schedule = make_schedule(name, ranks * (2 if name in ("zbv", "interleaved-1f1b") else 1), microbatches)
+    schedule = make_schedule(name, ranks * schedule_spec(name).chunks_per_rank, microbatches)
     for rank in range(ranks):
         for by_tag in (True, False):
             log = _replay(_runner(schedule, rank, _Recorder(by_tag)))
@@ -73,7 +73,7 @@ def test_every_receive_is_posted_once_by_the_time_the_list_reaches_it(name, rank
 @pytest.mark.parametrize("name, ranks, microbatches", CASES)
 def test_ordered_transport_keeps_each_peers_order_of_operations(name, ranks, microbatches):
     """With pairing by order, the operations with each peer are posted exactly in list order."""
-    schedule = make_schedule(name, ranks * (2 if name in ("zbv", "interleaved-1f1b") else 1), microbatches)
+    schedule = make_schedule(name, ranks * schedule_spec(name).chunks_per_rank, microbatches)
     for rank in range(ranks):
         runner = _runner(schedule, rank, _Recorder(matches_by_tag=False))
         log = _replay(runner)
