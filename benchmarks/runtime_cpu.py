@@ -468,13 +468,12 @@ def _durations(per_rank: list[dict], key, rounds: list[int]) -> tuple[dict, list
             step_gaps.append(gap)
             wait_of.update(rank_waits)
         gaps.append(max(step_gaps))
-        # latency of a message: from its producer's end to the end of a wait that blocked on it
+        # latency of a message: from its producer's end to the end of a wait that had begun
+        # before it (a message that arrived before it was needed does not show its latency)
         for text, (start, end) in wait_of.items():
-            if end - start < 2e-4:  # arrived before it was needed: latency not observable
-                continue
             action = Action.parse(text)
             producer = (action.stage - 1, "F", action.microbatch) if action.kind == "F" else (action.stage + 1, "I", action.microbatch)
-            if producer in end_of:
+            if producer in end_of and start <= end_of[producer]:
                 latencies.append(max(0.0, end - end_of[producer]))
     return durations, latencies, gaps, actions
 
@@ -705,7 +704,7 @@ def report(data: dict) -> str:
         "",
         "I or B: the input-gradient backward I where the schedule splits it, else the fused backward B with W = 0 "
         "(stage 0's I is empty: its whole backward is W). Per-action times exclude waiting for a message; comm: median "
-        "delay from a producer's end to the end of a receiver's wait that blocked on it. Busy: per rank, the sum of its "
+        "delay from a producer's end to the end of a receiver's wait that had begun before it. Busy: per rank, the sum of its "
         "actions' medians over a step (no schedule's period can be shorter than the larger one). Simulated span: the "
         "simulator's longest per-rank span under these costs, the period back-to-back steps approach. Predicted gain: "
         "1F1B's simulated span over this schedule's, both under this row's costs (the steady-state gain the simulator "

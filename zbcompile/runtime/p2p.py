@@ -40,9 +40,9 @@ class PeerError(RuntimeError):
 
 @dataclass
 class Pending:
-    """Posted receives or sends of one message. Where a helper thread posts it (gloo), `posted`
-    is set once it has (or failed: `error`); where one waits for a receive, `done` is set once it
-    completed (at `arrived_at`) or failed (`error`, `timed_out`)."""
+    """Posted receives or sends of one message. Where a helper thread posts a send (gloo),
+    `posted` is set once it has (or failed: `error`); where one waits for a receive, `done` is
+    set once it completed (at `arrived_at`) or failed (`error`, `timed_out`)."""
 
     works: list
     tensors: list[torch.Tensor]
@@ -56,11 +56,12 @@ class Pending:
 
 
 class _Poster:
-    """A thread that posts operations in the order they are given. gloo's `isend` and `irecv`
-    can block the calling thread for milliseconds while the process computes (they wait for
-    gloo's own network thread, which then competes for the cores), so the runner's thread hands
-    them over here and goes on computing. With gloo, messages are paired by tag, so posting on
-    another thread cannot change what a peer sees."""
+    """A thread that posts sends in the order they are given. gloo's `isend` can block the
+    calling thread for milliseconds while the process computes (it waits for gloo's own network
+    thread, which competes for the cores), so the runner's thread hands sends over here and goes
+    on computing. With gloo, messages are paired by tag, so posting on another thread cannot
+    change what a peer sees. (Receives stay on the runner's thread: posted there they cost
+    less, once arrived, than a handover would.)"""
 
     def __init__(self, name: str) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -81,11 +82,11 @@ class _Poster:
 
 
 class _Watch:
-    """Threads that wait for gloo receives, so that the runner can learn without blocking whether
-    a message has arrived: gloo's `Work` has no such test (`is_completed()` turns true only
-    inside `wait()`), and a wait with a short timeout aborts the process group. Each receive
-    gets a thread of its own (idle ones are reused), so a message never waits on another. The
-    threads are daemons and hold no Python lock while they wait."""
+    """Threads that wait for posted gloo receives, so that the runner can learn without blocking
+    whether a message has arrived: gloo's `Work` has no such test (`is_completed()` turns true
+    only inside `wait()`), and a wait with a short timeout aborts the process group. Each
+    receive gets a thread of its own (idle ones are reused), so a message never waits on
+    another. The threads are daemons and hold no Python lock while they wait."""
 
     def __init__(self, timeout: timedelta) -> None:
         self.timeout = timeout
@@ -93,7 +94,7 @@ class _Watch:
         self._lock = threading.Lock()
 
     def watch(self, pending: Pending) -> None:
-        """Wait for `pending` (once posted) on a thread of its own."""
+        """Wait for the posted receive `pending` on a thread of its own."""
         pending.done = threading.Event()
         with self._lock:
             jobs = self._idle.pop() if self._idle else None
@@ -106,9 +107,7 @@ class _Watch:
         while True:
             pending = jobs.get()
             try:
-                if pending.posted is not None and not pending.posted.wait(self.timeout.total_seconds()):
-                    pending.timed_out = True
-                for work in pending.works if pending.error is None and not pending.timed_out else ():
+                for work in pending.works:
                     if work.wait(self.timeout) is False:
                         pending.timed_out = True
             except RuntimeError as error:
@@ -122,9 +121,9 @@ class _Watch:
 class Transport:
     """Sends and receives the tensors of one message (several tensors to one peer are posted as
     one batch). Every wait gives up after `timeout` and raises a PeerError naming the peer rank
-    and the action that was waiting. With gloo, helper threads post (`_Poster`: one for sends,
-    one for receives, so neither waits behind the other), and `arrived()` tells without blocking
-    whether a receive posted with `watch=True` has completed (a thread waits for it, `_Watch`)."""
+    and the action that was waiting. With gloo, a helper thread posts the sends (`_Poster`), and
+    `arrived()` tells without blocking whether a receive posted with `watch=True` has completed
+    (a thread waits for it, `_Watch`)."""
 
     def __init__(self, rank: int, timeout: timedelta) -> None:
         self.rank = rank
@@ -137,24 +136,18 @@ class Transport:
         return dist.get_backend() == "gloo"
 
     @functools.cached_property
-    def _helpers(self) -> tuple[_Poster, _Poster, _Watch] | None:
-        """(send poster, receive poster, watch) where the backend pairs messages by tag (posting
-        on another thread cannot reorder what a peer sees) and its works cannot be tested
-        without blocking: gloo. None elsewhere (NCCL: the runner's thread posts, in order)."""
+    def _helpers(self) -> tuple[_Poster, _Watch] | None:
+        """(send poster, watch) where the backend pairs messages by tag (posting on another
+        thread cannot reorder what a peer sees) and its works cannot be tested without
+        blocking: gloo. None elsewhere (NCCL: the runner's thread posts, in order)."""
         if not self.matches_by_tag:
             return None
-        return _Poster("zbcompile-send"), _Poster("zbcompile-receive"), _Watch(self.timeout)
+        return _Poster("zbcompile-send"), _Watch(self.timeout)
 
     def post_recv(self, buffers: Sequence[torch.Tensor], peer: int, tag: int, action: str, watch: bool = False) -> Pending:
-        pending = Pending([], list(buffers), peer, action)
-        post = functools.partial(self._post, dist.irecv, pending.tensors, peer, tag, action)
-        if self._helpers is None:
-            pending.works = post()
-            return pending
-        _, receives, watcher = self._helpers
-        receives.post(pending, post)
-        if watch:
-            watcher.watch(pending)
+        pending = Pending(self._post(dist.irecv, buffers, peer, tag, action), list(buffers), peer, action)
+        if watch and self._helpers is not None:
+            self._helpers[1].watch(pending)
         return pending
 
     def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int, action: str) -> None:
