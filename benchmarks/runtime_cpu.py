@@ -283,7 +283,9 @@ def _calibrated_rows(settings: Settings) -> tuple[int, float]:
         samples.append(time.perf_counter() - started)
     m = min(settings.microbatches)
     # p=2: (m + 1) forward-backward slots of one stage (half the model) per 1F1B step
-    guess = max(1, round(2 * settings.step_target_s / ((m + 1) * statistics.median(samples[1:]) / 8)))
+    box = [max(1, round(2 * settings.step_target_s / ((m + 1) * statistics.median(samples[1:]) / 8)))]
+    dist.broadcast_object_list(box, src=0)
+    guess = box[0]
     tokens = torch.randint(0, settings.vocab, (m * guess, settings.seq_len), generator=torch.Generator().manual_seed(0))
     pipeline = ZbPipeline("1f1b", m, replace(settings, rows=guess), tokens, tokens.roll(-1, 1))
     steps = []
