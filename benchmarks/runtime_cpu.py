@@ -8,9 +8,10 @@ default brings: zb-auto(static costs) (`profile=False`) and zb-auto(plan order)
 (`follow_readiness=False`). torch: ScheduleGPipe, Schedule1F1B, ScheduleZBVZeroBubble and
 ScheduleDualPipeV (`--all` adds zbcompile's zb-h1 and torch's ScheduleInterleavedZeroBubble).
 
-The model is sized from a measured step: each rank times the GPT's eager forward and backward
-and the rows per microbatch are chosen so that a step at the smallest m takes about
-`step_target_s` (0.1-0.5 s per step over m = 4..16, as the machine's speed changes).
+The model is sized from a measured step: the rows per microbatch are chosen so that a zbcompile
+1f1b step at the smallest m takes about `step_target_s` on the machine as it is now (a guess
+from the GPT's eager forward and backward, then a few timed steps of that pipeline): 0.1-0.4 s
+per step over m = 4..16, whatever the machine's speed.
 
 Every (library, schedule, m) pipeline is built up front in both ranks and warmed up (zb-auto
 until it switched to its measured schedule); then rounds alternate between them (the order
@@ -68,7 +69,7 @@ class Settings:
     heads: int = 4
     layers: int = 4
     rows: int = 3  # rows (sequences) per microbatch, unless sized from a measured step
-    step_target_s: float | None = 0.12  # size `rows` so that a step at the smallest m takes about this
+    step_target_s: float | None = 0.1  # size `rows` so that a 1f1b step at the smallest m takes about this
     microbatches: tuple[int, ...] = (4, 8, 16)
     warmup: int = 2
     rounds: int = 6
@@ -264,26 +265,38 @@ class TorchPipeline:
 
 
 def _calibrated_rows(settings: Settings) -> tuple[int, float]:
-    """Rows per microbatch for which a 1F1B step at the smallest m takes about
-    `step_target_s`, from the GPT's eager forward + backward timed on this rank (rank 0's
-    choice, shared); also the measured seconds per row."""
+    """Rows per microbatch for which zbcompile's 1f1b step at the smallest m takes about
+    `step_target_s` on this machine now: a first guess from the GPT's eager forward + backward,
+    then a few steps of that pipeline, timed, scale it (rank 0's choice, shared). Also the
+    measured step time of the guess."""
     import torch
     import torch.distributed as dist
 
     from zbcompile.models.gpt import lm_loss
 
     model = _gpt(settings)
-    rows = 8
-    tokens = torch.randint(0, settings.vocab, (rows, settings.seq_len), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, settings.vocab, (8, settings.seq_len), generator=torch.Generator().manual_seed(0))
     samples = []
-    for _ in range(6):
+    for _ in range(4):
         started = time.perf_counter()
         lm_loss(model(tokens), tokens.roll(-1, 1)).backward()
         samples.append(time.perf_counter() - started)
-    per_row = statistics.median(samples[1:]) / rows
+    m = min(settings.microbatches)
     # p=2: (m + 1) forward-backward slots of one stage (half the model) per 1F1B step
-    chosen = max(1, round(2 * settings.step_target_s / ((min(settings.microbatches) + 1) * per_row)))
-    box = [(chosen, per_row)]
+    box = [max(1, round(2 * settings.step_target_s / ((m + 1) * statistics.median(samples[1:]) / 8)))]
+    dist.broadcast_object_list(box, src=0)
+    guess = box[0]
+    tokens = torch.randint(0, settings.vocab, (m * guess, settings.seq_len), generator=torch.Generator().manual_seed(0))
+    pipeline = ZbPipeline("1f1b", m, replace(settings, rows=guess), tokens, tokens.roll(-1, 1))
+    steps = []
+    for _ in range(5):
+        dist.barrier()
+        started = time.perf_counter()
+        pipeline.step()
+        pipeline.optimize()
+        steps.append(time.perf_counter() - started)
+    measured = statistics.median(steps[1:])
+    box = [(max(1, round(guess * settings.step_target_s / measured)), measured)]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
@@ -293,9 +306,9 @@ def rank_main(settings: Settings) -> dict:
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    seconds_per_row = None
+    calibration_step_s = None
     if settings.step_target_s is not None:
-        rows, seconds_per_row = _calibrated_rows(settings)
+        rows, calibration_step_s = _calibrated_rows(settings)
         settings = replace(settings, rows=rows)
     pipelines: dict[tuple[str, str, int], object] = {}
     build_s: dict[str, float] = {}
@@ -374,7 +387,7 @@ def rank_main(settings: Settings) -> dict:
             print(f"round {r + 1}/{settings.rounds} done, load {loads[-1]:.2f}", flush=True)
     result = {
         "times": dict(times), "barrier_times": dict(barrier_times), "usage": dict(usage), "loads": loads,
-        "build_s": build_s, "rows": settings.rows, "seconds_per_row": seconds_per_row, "zb": {},
+        "build_s": build_s, "rows": settings.rows, "calibration_step_s": calibration_step_s, "zb": {},
     }
     for key, pipeline in pipelines.items():
         if isinstance(pipeline, ZbPipeline):
@@ -457,13 +470,12 @@ def _durations(per_rank: list[dict], key, rounds: list[int]) -> tuple[dict, list
             step_gaps.append(gap)
             wait_of.update(rank_waits)
         gaps.append(max(step_gaps))
-        # latency of a message: from its producer's end to the end of a wait that blocked on it
+        # latency of a message: from its producer's end to the end of a wait that had begun
+        # before it (a message that arrived before it was needed does not show its latency)
         for text, (start, end) in wait_of.items():
-            if end - start < 2e-4:  # arrived before it was needed: latency not observable
-                continue
             action = Action.parse(text)
             producer = (action.stage - 1, "F", action.microbatch) if action.kind == "F" else (action.stage + 1, "I", action.microbatch)
-            if producer in end_of:
+            if producer in end_of and start <= end_of[producer]:
                 latencies.append(max(0.0, end - end_of[producer]))
     return durations, latencies, gaps, actions
 
@@ -609,7 +621,7 @@ def analyse(per_rank: list[dict], settings: Settings, machine_before: dict, mach
             targets.append({"m": m, "target": "zbcompile 1f1b steps/s >= 1.00x torch's 1F1B (paired)", "value": ours["vs_torch_1f1b"], "holds": ours["vs_torch_1f1b"] >= 1.0})
     return {
         "settings": asdict(settings),
-        "seconds_per_row": per_rank[0]["seconds_per_row"],
+        "calibration_step_s": per_rank[0]["calibration_step_s"],
         "selection": selection,
         "machine_before": machine_before,
         "machine_after": machine_after,
@@ -625,10 +637,10 @@ def report(data: dict) -> str:
     s = data["settings"]
     rows = data["rows"]
     sizing = (
-        f"{s['rows']} rows per microbatch, sized from the GPT's eager forward + backward timed at "
-        f"{data['seconds_per_row'] * 1e3:.1f} ms per row so that a 1F1B step at m={min(s['microbatches'])} takes about "
-        f"{s['step_target_s']:.2f} s"
-        if data.get("seconds_per_row") else f"{s['rows']} rows per microbatch"
+        f"{s['rows']} rows per microbatch, sized from a measured step (a first guess from the GPT's eager forward "
+        f"+ backward took {data['calibration_step_s']:.2f} s per zbcompile 1f1b step at m={min(s['microbatches'])}) "
+        f"so that such a step takes about {s['step_target_s']:.2f} s on this machine now"
+        if data.get("calibration_step_s") else f"{s['rows']} rows per microbatch"
     )
     lines = [
         "# Training-step throughput on CPU: zbcompile beside torch.distributed.pipelining",
@@ -694,7 +706,7 @@ def report(data: dict) -> str:
         "",
         "I or B: the input-gradient backward I where the schedule splits it, else the fused backward B with W = 0 "
         "(stage 0's I is empty: its whole backward is W). Per-action times exclude waiting for a message; comm: median "
-        "delay from a producer's end to the end of a receiver's wait that blocked on it. Busy: per rank, the sum of its "
+        "delay from a producer's end to the end of a receiver's wait that had begun before it. Busy: per rank, the sum of its "
         "actions' medians over a step (no schedule's period can be shorter than the larger one). Simulated span: the "
         "simulator's longest per-rank span under these costs, the period back-to-back steps approach. Predicted gain: "
         "1F1B's simulated span over this schedule's, both under this row's costs (the steady-state gain the simulator "

@@ -10,7 +10,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,17 +40,45 @@ class PeerError(RuntimeError):
 
 @dataclass
 class Pending:
-    """Posted receives or sends of one message. For a receive a helper thread waits for (gloo),
-    `done` is set once it completed (at `arrived_at`) or failed (`error`, `timed_out`)."""
+    """Posted receives or sends of one message. Where a helper thread posts a send (gloo),
+    `posted` is set once it has (or failed: `error`); where one waits for a receive, `done` is
+    set once it completed (at `arrived_at`) or failed (`error`, `timed_out`)."""
 
     works: list
     tensors: list[torch.Tensor]
     peer: int
     action: str
+    posted: threading.Event | None = None
     done: threading.Event | None = None
     arrived_at: float | None = None
     error: BaseException | None = None
     timed_out: bool = False
+
+
+class _Poster:
+    """A thread that posts sends in the order they are given. gloo's `isend` can block the
+    calling thread for milliseconds while the process computes (it waits for gloo's own network
+    thread, which competes for the cores), so the runner's thread hands sends over here and goes
+    on computing. With gloo, messages are paired by tag, so posting on another thread cannot
+    change what a peer sees. (Receives stay on the runner's thread: posted there they cost
+    less, once arrived, than a handover would.)"""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name=name, daemon=True).start()
+
+    def post(self, pending: Pending, post: Callable[[], list]) -> None:
+        pending.posted = threading.Event()
+        self._jobs.put((pending, post))
+
+    def _serve(self) -> None:
+        while True:
+            pending, post = self._jobs.get()
+            try:
+                pending.works = post()
+            except RuntimeError as error:
+                pending.error = error
+            pending.posted.set()
 
 
 class _Watch:
@@ -72,10 +100,10 @@ class _Watch:
             jobs = self._idle.pop() if self._idle else None
         if jobs is None:
             jobs = queue.SimpleQueue()
-            threading.Thread(target=self._serve_receives, args=(jobs,), name="zbcompile-receive", daemon=True).start()
+            threading.Thread(target=self._serve, args=(jobs,), name="zbcompile-arrival", daemon=True).start()
         jobs.put(pending)
 
-    def _serve_receives(self, jobs: queue.SimpleQueue) -> None:
+    def _serve(self, jobs: queue.SimpleQueue) -> None:
         while True:
             pending = jobs.get()
             try:
@@ -93,8 +121,9 @@ class _Watch:
 class Transport:
     """Sends and receives the tensors of one message (several tensors to one peer are posted as
     one batch). Every wait gives up after `timeout` and raises a PeerError naming the peer rank
-    and the action that was waiting. `arrived()` tells without blocking whether a receive posted
-    with `watch=True` has completed (gloo: a helper thread waits for it, `_Watch`)."""
+    and the action that was waiting. With gloo, a helper thread posts the sends (`_Poster`), and
+    `arrived()` tells without blocking whether a receive posted with `watch=True` has completed
+    (a thread waits for it, `_Watch`)."""
 
     def __init__(self, rank: int, timeout: timedelta) -> None:
         self.rank = rank
@@ -107,16 +136,28 @@ class Transport:
         return dist.get_backend() == "gloo"
 
     @functools.cached_property
-    def _watch(self) -> _Watch | None:
-        """Helper threads where the backend pairs messages by tag (so posting on another thread
-        cannot reorder what a peer sees) and its works cannot be tested without blocking: gloo."""
-        return _Watch(self.timeout) if self.matches_by_tag else None
+    def _helpers(self) -> tuple[_Poster, _Watch] | None:
+        """(send poster, watch) where the backend pairs messages by tag (posting on another
+        thread cannot reorder what a peer sees) and its works cannot be tested without
+        blocking: gloo. None elsewhere (NCCL: the runner's thread posts, in order)."""
+        if not self.matches_by_tag:
+            return None
+        return _Poster("zbcompile-send"), _Watch(self.timeout)
 
     def post_recv(self, buffers: Sequence[torch.Tensor], peer: int, tag: int, action: str, watch: bool = False) -> Pending:
         pending = Pending(self._post(dist.irecv, buffers, peer, tag, action), list(buffers), peer, action)
-        if watch and self._watch is not None:
-            self._watch.watch(pending)
+        if watch and self._helpers is not None:
+            self._helpers[1].watch(pending)
         return pending
+
+    def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int, action: str) -> None:
+        pending = Pending([], [t.contiguous() for t in tensors], peer, action)
+        post = functools.partial(self._post, dist.isend, pending.tensors, peer, tag, action)
+        if self._helpers is None:
+            pending.works = post()
+        else:
+            self._helpers[0].post(pending, post)
+        self._sends.append(pending)
 
     def can_tell(self, pending: Pending) -> bool:
         """Whether `arrived(pending)` can tell: NCCL's works can; a gloo receive only if watched."""
@@ -128,17 +169,9 @@ class Transport:
             return pending.done.is_set()
         return not self.matches_by_tag and all(work.is_completed() for work in pending.works)
 
-    def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int, action: str) -> None:
-        tensors = [t.contiguous() for t in tensors]
-        self._sends.append(Pending(self._post(dist.isend, tensors, peer, tag, action), tensors, peer, action))
-
     def wait(self, pending: Pending, waiting_action: str) -> list[torch.Tensor]:
         """The received tensors, once they are there."""
-        action = f"{waiting_action} (waiting for {pending.action})"
-        self._wait_helper(pending, action)
-        if pending.done is None:
-            for work in pending.works:
-                self._wait_one(work, pending.peer, action)
+        self._complete(pending, f"{waiting_action} (waiting for {pending.action})")
         return pending.tensors
 
     def arrival_time(self, pending: Pending) -> float | None:
@@ -149,20 +182,22 @@ class Transport:
         """Wait for every send posted so far (their tensors can then be freed)."""
         sends, self._sends = self._sends, []
         for pending in sends:
-            for work in pending.works:
-                self._wait_one(work, pending.peer, pending.action)
+            self._complete(pending, pending.action)
 
-    def _wait_helper(self, pending: Pending, action: str) -> None:
-        """Wait for a watched receive's helper thread and raise its error."""
-        if pending.done is None:
-            return
-        # the helper's own wait gives up after `timeout`; this one only backs it up
-        if not pending.done.wait(self.timeout.total_seconds() + 30):
+    def _complete(self, pending: Pending, action: str) -> None:
+        """Wait until `pending` completed: for its watching thread, else for its posting thread
+        and then its works; raise a PeerError where any of them failed or timed out."""
+        # a helper thread's own wait gives up after `timeout`; these only back it up
+        event = pending.done or pending.posted
+        if event is not None and not event.wait(self.timeout.total_seconds() + 30):
             pending.timed_out = True
         if pending.error is not None:
             raise self._peer_failed(pending.peer, action, pending.error) from pending.error
         if pending.timed_out:
             raise self._timed_out(pending.peer, action)
+        if pending.done is None:
+            for work in pending.works:
+                self._wait_one(work, pending.peer, action)
 
     def _post(self, op, tensors: Sequence[torch.Tensor], peer: int, tag: int, action: str) -> list:
         """Post `op` (dist.isend or dist.irecv) for every tensor; several go as one batch."""
