@@ -58,9 +58,9 @@ def test_first_solve_switch_calibration_and_drift():
     arguments = lambda costs: dict(name="zb-auto", stages=2, microbatches=4, costs=costs, time_budget=0)  # noqa: E731
     tuner = profile.CostTuner(2, arguments, static)
     assert _run(tuner, runner, 1.0, 3) == []  # a warm-up step, then two profiled ones
-    assert [e["event"] for e in tuner.history] == ["solving (first measurement)"]
+    assert [e["event"] for e in tuner.history] == ["solving (first measurement)"] and tuner.solving
     _wait_for_switch(tuner, runner, 1.0)
-    assert runner.schedule.info["cost_source"] == "measured"
+    assert runner.schedule.info["cost_source"] == "measured" and not tuner.solving
     measured = tuner.measured
     assert (measured.f, measured.b, measured.w) == (pytest.approx([1e-3] * 2), pytest.approx([2e-3] * 2), pytest.approx([1e-3] * 2))
     _run(tuner, runner, 1.0, profile.DRIFT_WINDOW)  # the first window after the switch calibrates

@@ -6,9 +6,10 @@
 2. Size a small GPT from one measured transformer block (`size_model`) so that a step takes
    0.1-0.5 s, and say in one line what was chosen and why.
 3. Train it on the text shipped with the package as two pipelines with default options, one
-   scheduled by 1F1B and one by zb-auto, on local processes (gloo on CPU, NCCL on GPUs). After
-   warm-up, rounds alternate between the two (the order reverses every round); each round times
-   a few steps run back to back, as a training loop runs them.
+   scheduled by 1F1B and one by zb-auto, on local processes (gloo on CPU, NCCL on GPUs). Warm-up
+   lasts until zb-auto runs the schedule re-solved from the costs measured over its first steps
+   (the default); then rounds alternate between the two (the order reverses every round), each
+   timing a few steps run back to back, as a training loop runs them.
 4. Print the median step times, the speed-up paired per round, the simulator's predicted gain
    for this layout and the share of it the run captured, and whether other processes took CPU
    meanwhile (`zbcompile.measure`). Leave dumps, `report.html` (both schedules' measured steps one
@@ -310,10 +311,22 @@ class _Training:
         self.optimizer = torch.optim.AdamW(self.pipe.parameters(), lr=3e-3)
         self.loss: torch.Tensor | None = None
 
-    @property
-    def warmup_steps(self) -> int:
-        """The first step, any profiling steps and the first step of a re-solved schedule."""
-        return self.pipe.options.profile_steps + 2
+    def warm_up(self) -> int:
+        """Run steps until the schedule the rounds will time is running and has run once: two
+        steps, and where costs are measured (zb-auto by default), until the schedule solved
+        with them is switched in (or the solve gave up) and one more. Every rank takes the
+        tuner's decisions at the same step, so all run as many. Returns the steps run."""
+        self.step()
+        self.step()
+        steps = 2
+        tuner = self.pipe.tuner
+        if tuner is not None:
+            while tuner.resolves == 0 or tuner.solving:
+                self.step()
+                steps += 1
+            self.step()
+            steps += 1
+        return steps
 
     def step(self) -> None:
         tokens, targets = next(self.batches)
@@ -347,8 +360,9 @@ def _rank_main(rank: int, layout: DemoLayout, size: ModelSize, port: int, out_di
         if reporter:
             print("compiling both pipelines", flush=True)
         runs = {name: _Training(name, layout, size, device, os.path.join(out_dir, "dump", name)) for name in SCHEDULES}
-        for run in runs.values():
-            for _ in range(run.warmup_steps):
+        warmed = {name: run.warm_up() for name, run in runs.items()}
+        for name, run in runs.items():  # as many steps everywhere: the same weights and batches
+            for _ in range(max(warmed.values()) - warmed[name]):
                 run.step()
         sync = _sync(device)
         sync()
@@ -372,6 +386,7 @@ def _rank_main(rank: int, layout: DemoLayout, size: ModelSize, port: int, out_di
             losses = {name: None if run.loss is None else run.loss.item() for name, run in runs.items()}
             print("\n" + "\n".join(summary.lines(layout, losses)), flush=True)
             _write_pictures(out_dir)
+        dist.barrier()  # every rank leaves together, none while the reporter still works
     finally:
         dist.destroy_process_group()
 

@@ -123,6 +123,11 @@ class CostTuner:
         self._window: list[Timeline] = []
         self._solving: tuple[BackgroundSolve | None, Costs] | None = None
 
+    @property
+    def solving(self) -> bool:
+        """A solve has started and its outcome is not taken yet (the same on every rank)."""
+        return self._solving is not None
+
     def after_step(self, runner: DistributedRunner) -> Schedule | None:
         """Record the step `runner` just ran; returns the schedule to run from the next step on,
         when this step is a switch (the same on every rank), else None."""
