@@ -1,0 +1,38 @@
+"""The options that choose where a schedule's costs come from and how closely the runtime
+follows it: `costs=` solves with the given costs (and says so), bad values are refused."""
+
+from __future__ import annotations
+
+import pytest
+
+import zbcompile
+from models import build
+from zbcompile.api import schedule_costs
+from zbcompile.schedules import Costs, make_schedule
+
+GIVEN = Costs(f=[1.0, 3.0], b=[1.0, 3.0], w=[1.0, 3.0], mem_f=1.0, mem_w=0.5)
+
+
+def test_given_costs_solve_the_schedule_and_are_reported():
+    case = build("mlp")
+    pipe = zbcompile.pipeline(case.model, stages=2, microbatches=4, loss_fn=case.loss_fn, costs=GIVEN, solver_time_budget=0)
+    case.step(pipe)
+    expected = make_schedule("zb-auto", 2, 4, costs=GIVEN, time_budget=0)
+    static = make_schedule("zb-auto", 2, 4, costs=schedule_costs(pipe.compiled), time_budget=0)
+    assert expected.actions != static.actions  # else this test could not tell which costs were used
+    assert pipe.schedule.actions == expected.actions
+    assert pipe.schedule.info["cost_source"] == "given"
+    assert "costs: given to pipeline(costs=...)" in pipe.explain()
+
+
+@pytest.mark.parametrize(
+    "options, error, words",
+    [
+        ({"profile": "yes"}, ValueError, "profile must be None (automatic), True or False"),
+        ({"costs": {"f": 1.0}}, TypeError, "costs must be a zbcompile.schedules.Costs"),
+    ],
+)
+def test_bad_option_values_are_refused(options, error, words):
+    case = build("mlp")
+    with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
+        zbcompile.pipeline(case.model, stages=2, microbatches=4, loss_fn=case.loss_fn, **options)
