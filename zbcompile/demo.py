@@ -37,9 +37,9 @@ import torch.multiprocessing as mp
 
 import zbcompile
 from zbcompile import measure
-from zbcompile.runtime import profile
 from zbcompile.models import GPT, GPTConfig
 from zbcompile.models.gpt import Block, lm_loss
+from zbcompile.runtime import profile
 
 SCHEDULES = ("1f1b", "zb-auto")  # the reference first
 MAX_RANKS = 8
