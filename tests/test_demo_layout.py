@@ -81,7 +81,7 @@ def test_model_size_on_a_slow_machine_takes_the_smallest_width():
 
 def test_summary_arithmetic_and_lines():
     periods = {"1f1b": [0.30, 0.28, 0.32], "zb-auto": [0.25, 0.24, 0.26]}
-    summary = demo.summarize(periods, predicted=1.25, cost_source="measured", others_cores=0.02, spare_cores=0)
+    summary = demo.summarize(periods, predicted=(1.25, 1.3, "measured"), others_cores=0.02, spare_cores=0)
     assert summary.step_s == {"1f1b": 0.30, "zb-auto": 0.25}
     assert math.isclose(summary.speedup, 1.2)  # the median of 1.2, 1.1667, 1.2308
     assert math.isclose(summary.captured, 0.8)
@@ -89,22 +89,23 @@ def test_summary_arithmetic_and_lines():
     layout = demo.choose_layout(cores=2, gpus=0)
     text = "\n".join(summary.lines(layout, {"1f1b": 2.5, "zb-auto": 2.5}))
     assert "zb-auto vs 1f1b: 1.200x the speed (faster; median over 3 rounds" in text
-    assert "predicted gain for 2 stages x 4 microbatches: 1.250x" in text and "captured: 80%" in text
+    assert "predicted gain for 2 stages x 4 microbatches: 1.250x (steady state, each schedule timed by its own measured actions; 1.300x under the measured costs" in text
+    assert "captured: 80%" in text
     assert "the same: every schedule computes the same gradients" in text
     assert "machine quiet: other processes used 2% of a core" in text
 
 
 def test_summary_calls_out_a_busy_machine_and_shared_cores():
     periods = {"1f1b": [0.30], "zb-auto": [0.33]}
-    busy = demo.summarize(periods, predicted=1.25, cost_source="static", others_cores=0.45, spare_cores=0)
+    busy = demo.summarize(periods, predicted=(1.25, 1.25, "static"), others_cores=0.45, spare_cores=0)
     assert busy.busy and busy.speedup < 1
     line = busy.machine_line(demo.choose_layout(cores=2, gpus=0))
     assert line.startswith("machine was BUSY: other processes used 45% of a core during the run")
     # other processes on cores the ranks leave free do not count
-    assert not demo.summarize(periods, 1.25, "static", others_cores=0.45, spare_cores=1).busy
+    assert not demo.summarize(periods, (1.25, 1.25, "static"), others_cores=0.45, spare_cores=1).busy
     shared = busy.machine_line(demo.choose_layout(cores=1, gpus=0))
     assert shared.startswith("UNRELIABLE: 2 ranks shared 1 core(s)")
-    assert math.isnan(demo.summarize(periods, 1.0, "static", 0.0, 0).captured)  # nothing was predicted
+    assert math.isnan(demo.summarize(periods, (1.0, 1.0, "static"), 0.0, 0).captured)  # nothing was predicted
 
 
 def test_paired_ratio_needs_the_same_rounds():
@@ -127,6 +128,6 @@ def test_idle_boxes_are_the_gaps_inside_each_rank_span():
 
 
 def test_summary_without_proc_stat_says_the_load_is_unknown():
-    summary = demo.summarize({"1f1b": [0.3], "zb-auto": [0.25]}, 1.25, "static", float("nan"), 0)
+    summary = demo.summarize({"1f1b": [0.3], "zb-auto": [0.25]}, (1.25, 1.25, "static"), float("nan"), 0)
     assert not summary.busy
     assert summary.machine_line(demo.choose_layout(cores=2, gpus=0)).startswith("other processes' CPU use during the run is unknown")
