@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass, replace
 sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
 
 import _launch  # noqa: E402
+from zbcompile import measure  # noqa: E402
 
 ZB_SCHEDULES = ("1f1b", "zb-h2", "zb-auto", "zb-auto(static costs)", "zb-auto(plan order)")
 TORCH_SCHEDULES = ("ScheduleGPipe", "Schedule1F1B", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
@@ -373,15 +374,15 @@ def rank_main(settings: Settings) -> dict:
     barrier_times: dict[tuple, list[float]] = defaultdict(list)
     # per measurement: wall seconds, this rank's CPU seconds (all its threads), and on rank 0 the
     # whole machine's busy CPU seconds, to tell how much of the cores other jobs took meanwhile
-    usage: dict[tuple, list[tuple[float, float, float]]] = defaultdict(list)
+    usage: dict[tuple, list[measure.Usage]] = defaultdict(list)
     loads = [_launch.machine()["loadavg_1_5_15"][0]]
     for r in range(settings.rounds):
         for key in keys if r % 2 == 0 else reversed(keys):
             dist.barrier()
-            wall, own, busy = time.perf_counter(), time.process_time(), _launch.cpu_busy_seconds()
+            before = measure.Usage.now()
             barrier_times[key].append(barrier_step(pipelines[key]))
             times[key].append(back_to_back(pipelines[key], settings.steps_per_round))
-            usage[key].append((time.perf_counter() - wall, time.process_time() - own, _launch.cpu_busy_seconds() - busy))
+            usage[key].append(measure.Usage.now().since(before))
         loads.append(_launch.machine()["loadavg_1_5_15"][0])
         if rank == 0:
             print(f"round {r + 1}/{settings.rounds} done, load {loads[-1]:.2f}", flush=True)
@@ -528,11 +529,8 @@ def predict(per_rank: list[dict], key, rounds: list[int]) -> dict:
 def others_cores(per_rank: list[dict], key) -> list[float]:
     """Per round: cores' worth of CPU that other jobs used while this pipeline was measured
     (machine busy time minus both ranks' own CPU time, over the wall time)."""
-    result = []
-    for i, (wall, own0, busy) in enumerate(per_rank[0]["usage"][key]):
-        own = own0 + sum(r["usage"][key][i][1] for r in per_rank[1:])
-        result.append(max(0.0, (busy - own) / wall) if wall > 0 else float("nan"))
-    return result
+    rounds = zip(*(r["usage"][key] for r in per_rank))  # rank 0 reads the machine's busy time
+    return [measure.others_cores(usages[0].wall_s, usages[0].machine_busy_s, [u.own_cpu_s for u in usages]) for usages in rounds]
 
 
 def _select(per_rank: list[dict], settings: Settings) -> tuple[dict, dict, dict, str]:
@@ -570,9 +568,7 @@ def analyse(per_rank: list[dict], settings: Settings, machine_before: dict, mach
         one_f_one_b = ("zbcompile", "1f1b", m)
 
         def paired(reference, key) -> float:
-            """Median over rounds of reference's step time over key's in the same round (the
-            machine's speed drifts; within one round both ran under the same conditions)."""
-            return _launch.median([a / b for a, b in zip(all_times[reference], all_times[key])])
+            return measure.paired_ratio(all_times[reference], all_times[key])
 
         for key in keys:
             lib, name, _ = key
