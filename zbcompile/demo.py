@@ -48,7 +48,7 @@ VOCAB, SEQ_LEN, HEADS, ROWS = 256, 64, 4, 4  # bytes as tokens; ROWS sequences p
 WIDTHS = (64, 128, 256, 512, 1024)  # candidate hidden sizes, smallest first
 TARGET_STEP_S, STEP_RANGE_S = 0.25, (0.1, 0.5)
 MAX_LAYERS_PER_STAGE = 6
-ROUNDS, STEPS_PER_ROUND, SETTLE_STEPS = 8, 4, 1
+ROUNDS, STEPS_PER_ROUND, SETTLE_STEPS = 10, 6, 1
 BUSY_CORES = 0.1  # other processes' CPU use (cores) above which the numbers are called noisy
 
 
