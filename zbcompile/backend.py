@@ -28,8 +28,8 @@ from torch import fx, nn
 
 from zbcompile import _torch_internals as ti
 from zbcompile.passes import _fx
-from zbcompile.passes.joint import Program, Signature
 from zbcompile.passes.split_backward import MIN_DEFERRAL_INTENSITY, BackwardSplit, split_backward_program
+from zbcompile.program import Program, Signature
 from zbcompile.weight_grads import WeightGradStore, active_store, defer_weight_grads, take_weight_grads
 
 __all__ = ["WeightGradStore", "active_store", "defer_weight_grads", "take_weight_grads", "zbcompile_backend"]

@@ -17,10 +17,11 @@ from zbcompile import _torch_internals as ti
 from zbcompile._torch_internals import pytree
 from zbcompile.passes import _fx
 from zbcompile.passes.cost import GraphCost, graph_cost
-from zbcompile.passes.joint import Program, StageJoint, export_stage_joints
+from zbcompile.passes.joint import StageJoint, export_stage_joints
 from zbcompile.passes.partition import Stage, StagePartition, partition_stages
 from zbcompile.passes.split_backward import MIN_DEFERRAL_INTENSITY, SplitBackward, split_backward
 from zbcompile.passes.trace import TracedModel, trace_model
+from zbcompile.program import Program
 
 
 @dataclass(frozen=True)

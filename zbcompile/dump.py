@@ -39,7 +39,7 @@ from zbcompile.schedules.costs import resolve_costs
 
 if TYPE_CHECKING:
     from zbcompile.compiler import CompiledPipeline
-    from zbcompile.passes.joint import Program
+    from zbcompile.program import Program
 
 DUMP_ENV = "ZBCOMPILE_DUMP"
 COMPILE_FILE = "compile.json"

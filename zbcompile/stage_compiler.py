@@ -18,7 +18,7 @@ import torch
 
 from zbcompile import _torch_internals as ti
 from zbcompile.compiler import CompiledPipeline, StageProgram
-from zbcompile.passes.joint import Program
+from zbcompile.program import Program
 
 STAGE_COMPILERS = ("eager", "inductor")
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Iterable
 
 import torch
 from torch import fx
@@ -38,29 +38,7 @@ from zbcompile import _torch_internals as ti
 from zbcompile.passes import _fx
 from zbcompile.passes.partition import Stage, StagePartition
 from zbcompile.passes.trace import first_line, same_kind, source_line
-
-
-@dataclass(frozen=True)
-class Signature:
-    """Environment names of a graph's placeholders and of the values it returns, in order."""
-
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Program:
-    """A graph and its calling convention: `graph(*env[inputs]) -> env[outputs]`."""
-
-    graph: fx.GraphModule
-    signature: Signature
-
-    def run(self, env: dict[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> None:
-        """Call the graph on the values named in its signature, looked up in `env` and then in
-        `state` (parameters and buffers), and store its results into `env`."""
-        with torch.no_grad():  # the graphs are the forward and backward: nothing to record
-            results = self.graph(*[env[n] if n in env else state[n] for n in self.signature.inputs])
-        env.update(zip(self.signature.outputs, results))
+from zbcompile.program import Program, Signature
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ import networkx as nx
 from torch import fx
 
 from zbcompile.passes import _fx, cost
-from zbcompile.passes.joint import Program, StageJoint, extract_program
+from zbcompile.passes.joint import StageJoint, extract_program
+from zbcompile.program import Program
 
 # Weight-gradient work is deferred to W only when it is worth the memory W must hold for it
 # until then: at least this many FLOP-equivalents (`cost.node_cost`) per byte kept alive.
