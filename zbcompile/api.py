@@ -26,6 +26,7 @@ from zbcompile.runtime.p2p import device_for
 from zbcompile.runtime.stage import StageExecutor
 from zbcompile.schedules import DEFAULT_SCHEDULE, SCHEDULE_NAMES, Costs, Schedule, make_schedule, schedule_spec
 from zbcompile.stage_compiler import check_compiler, compile_stage_programs
+from zbcompile.value_names import buffer_name, param_name
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)
 
@@ -522,8 +523,8 @@ class PipelinedModule:
         )
 
     def _state(self) -> dict[str, torch.Tensor]:
-        state = {f"param:{n}": p for n, p in self.module.named_parameters()}
-        state.update({f"buffer:{n}": b for n, b in self.module.named_buffers()})
+        state = {param_name(n): p for n, p in self.module.named_parameters()}
+        state.update({buffer_name(n): b for n, b in self.module.named_buffers()})
         return state
 
     @staticmethod

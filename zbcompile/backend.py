@@ -30,6 +30,15 @@ from zbcompile import _torch_internals as ti
 from zbcompile.passes import _fx
 from zbcompile.passes.split_backward import MIN_DEFERRAL_INTENSITY, BackwardSplit, split_backward_program
 from zbcompile.program import Program, Signature
+from zbcompile.value_names import (
+    fqn_of,
+    grad_name,
+    is_param_grad,
+    param_grad_name,
+    param_name,
+    saved_name,
+    tangent_name,
+)
 from zbcompile.weight_grads import WeightGradStore, active_store, defer_weight_grads, take_weight_grads
 
 __all__ = ["WeightGradStore", "active_store", "defer_weight_grads", "take_weight_grads", "zbcompile_backend"]
@@ -134,12 +143,12 @@ def _named_backward(gm: fx.GraphModule, params: frozenset[int]) -> tuple[Program
     for node in gm.graph.find_nodes(op="placeholder"):
         desc = node.meta.get("desc")
         if _input_index(desc) in params:
-            inputs.append(f"param:{desc.idx}")
+            inputs.append(param_name(desc.idx))
         elif isinstance(desc, ti.TangentAOTInput):
-            inputs.append(f"tangent:{tangents}")
+            inputs.append(tangent_name(tangents))
             tangents += 1
         else:
-            inputs.append(f"saved:{node.name}")
+            inputs.append(saved_name(node.name))
     output_node = gm.graph.output_node()
     descs = output_node.meta.get("desc")
     returned = list(output_node.args[0])
@@ -153,8 +162,8 @@ def _named_backward(gm: fx.GraphModule, params: frozenset[int]) -> tuple[Program
         elif index is None:
             return None
         else:
-            output_names.append(f"grad:param:{index}" if index in params else f"grad:{index}")
-    if any(f"param:{name.removeprefix('grad:param:')}" not in inputs for name in output_names if name and name.startswith("grad:param:")):
+            output_names.append(param_grad_name(index) if index in params else grad_name(index))
+    if any(param_name(fqn_of(name)) not in inputs for name in output_names if name and is_param_grad(name)):
         return None  # a parameter the partition did not hand to the backward
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -173,7 +182,7 @@ class _SplitBackwardRunner:
         self.input_names = tuple(input_names)
         self.output_names = tuple(output_names)
         self.split = split
-        self.weight_grads = tuple(n for n in output_names if n and n.startswith("grad:param:"))
+        self.weight_grads = tuple(n for n in output_names if n and is_param_grad(n))
         self._boxed_call = True  # an instance attribute: torch's wrappers copy `__dict__`
 
     def __call__(self, args: list) -> list:
@@ -183,7 +192,7 @@ class _SplitBackwardRunner:
         env = dict(zip(self.input_names, args))
         self.split.input_backward.run(env, {})
         store.put(_WeightWork(self.split, env, self.weight_grads))
-        return [None if name is None or name.startswith("grad:param:") else env[name] for name in self.output_names]
+        return [None if name is None or is_param_grad(name) else env[name] for name in self.output_names]
 
 
 class _WeightWork:
@@ -194,8 +203,8 @@ class _WeightWork:
         program = split.weight_backward
         self.program = program
         self.env = {n: env[n] for n in program.signature.inputs}
-        self.ready = {f"grad:param:{p}": env[f"grad:param:{p}"] for p in split.input_param_grads}
-        self.targets = {g: env[f"param:{g.removeprefix('grad:param:')}"] for g in weight_grads}
+        self.ready = {param_grad_name(p): env[param_grad_name(p)] for p in split.input_param_grads}
+        self.targets = {g: env[param_name(fqn_of(g))] for g in weight_grads}
         self.parameters = tuple(self.targets.values())
 
     def __call__(self) -> None:

@@ -22,6 +22,7 @@ from zbcompile.passes.partition import Stage, StagePartition, partition_stages
 from zbcompile.passes.split_backward import MIN_DEFERRAL_INTENSITY, SplitBackward, split_backward
 from zbcompile.passes.trace import TracedModel, trace_model
 from zbcompile.program import Program
+from zbcompile.value_names import INPUT, SAVED, UPDATE, is_stash
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,7 @@ def compile_pipeline(
 
 
 def _stage_cost(joint: StageJoint, split: SplitBackward) -> StageCost:
-    saved = [n for n in joint.backward.signature.inputs if n.startswith(("saved:", "in:", "update:"))]
+    saved = [n for n in joint.backward.signature.inputs if n.startswith((SAVED, INPUT, UPDATE))]
     held_from_forward, stash_bytes = _weight_memory(split)
     return StageCost(
         forward=graph_cost(joint.forward.graph),
@@ -134,8 +135,8 @@ def _weight_memory(split: SplitBackward) -> tuple[set[str], int]:
     roots = _fx.storage_roots(graph)
     placeholder_names = dict(zip(graph.find_nodes(op="placeholder"), split.input_backward.signature.inputs))
     returned = graph.output_node().args[0]
-    stash = [n for n, name in zip(returned, split.input_backward.signature.outputs) if name.startswith("stash:")]
-    held = {n for n in split.weight_reads if not n.startswith("stash:")}
+    stash = [n for n, name in zip(returned, split.input_backward.signature.outputs) if is_stash(name)]
+    held = {n for n in split.weight_reads if not is_stash(n)}
     held |= {placeholder_names[roots[n]] for n in stash if roots[n].op == "placeholder"}
     owned = {roots[n] for n in stash if roots[n].op != "placeholder"}
     return held, sum(_fx.node_bytes(n) for n in owned)

@@ -1,25 +1,9 @@
 """Pass 3: per stage, the AOTAutograd joint graph, separated into a forward graph F and one
 backward graph.
 
-Every graph the compiler produces is a pure function over named values (the runtime keeps them
-in a per-microbatch environment). The names:
-
-    param:<fqn>, buffer:<fqn>   the model's own parameters and buffers
-    in:<value>                  a stage input (boundary value, model input or target)
-    out:<value>                 a stage output (boundary value; `out:loss` on the last stage)
-    update:<fqn>                the new value of a buffer the forward updates (written into the
-                                buffer after F; no gradient; the backward reads it in the
-                                buffer's place)
-    tangent:<value>             the gradient of a stage output, from downstream (`tangent:loss`)
-    grad:<value>                the gradient of a stage input, sent upstream
-    grad:param:<fqn>            a parameter's gradient
-    saved:<node>                an activation F keeps for the backward
-    stash:<node>                a value the input-gradient graph B keeps for W
-
-Example (stage 1 of a two-layer MLP):
-
-    F:        (param:fc2.weight, param:fc2.bias, in:relu, in:target_0) -> (out:loss, saved:relu, ...)
-    backward: (param:fc2.weight, saved:..., tangent:loss) -> (grad:relu, grad:param:fc2.weight, ...)
+The graphs read and return values named as `value_names` describes (`param:<fqn>`, `in:<value>`,
+`saved:<node>`, `tangent:<value>`, `grad:<value>`, ...); `program.Program` is a graph with those
+names.
 
 Parameter views (`t(weight)`) are recomputed where needed rather than saved.
 """
@@ -39,6 +23,26 @@ from zbcompile.passes import _fx
 from zbcompile.passes.partition import Stage, StagePartition
 from zbcompile.passes.trace import first_line, same_kind, source_line
 from zbcompile.program import Program, Signature
+from zbcompile.value_names import (
+    GRAD,
+    INPUT,
+    OUTPUT,
+    STATE,
+    TANGENT,
+    UPDATE,
+    buffer_name,
+    fqn_of,
+    grad_name,
+    input_name,
+    is_param_grad,
+    is_state,
+    output_name,
+    param_grad_name,
+    param_name,
+    saved_name,
+    tangent_name,
+    update_name,
+)
 
 
 @dataclass(frozen=True)
@@ -173,27 +177,27 @@ def _refuse_mutated_state(joint: fx.GraphModule, stage: Stage) -> None:
 
 def _placeholder_name(desc: object, stage: Stage) -> str:
     if isinstance(desc, ti.ParamAOTInput):
-        return f"param:{stage.state_fqns.get(desc.target, desc.target)}"
+        return param_name(stage.state_fqns.get(desc.target, desc.target))
     if isinstance(desc, ti.BufferAOTInput):
-        return f"buffer:{stage.state_fqns.get(desc.target, desc.target)}"
+        return buffer_name(stage.state_fqns.get(desc.target, desc.target))
     if isinstance(desc, ti.PlainAOTInput):
-        return f"in:{stage.graph_inputs[desc.idx]}"
+        return input_name(stage.graph_inputs[desc.idx])
     if isinstance(desc, ti.TangentAOTInput) and isinstance(desc.output, ti.PlainAOTOutput):
-        return f"tangent:{stage.graph_outputs[desc.output.idx]}"
+        return tangent_name(stage.graph_outputs[desc.output.idx])
     raise NotImplementedError(f"stage {stage.index}: unsupported joint graph input {desc}")
 
 
 def _output_name(desc: object, stage: Stage, loss_name: str | None) -> str | None:
     if isinstance(desc, ti.PlainAOTOutput):
         if desc.idx >= len(stage.graph_outputs):
-            return f"update:{stage.buffer_updates[desc.idx - len(stage.graph_outputs)]}"
-        return f"out:{loss_name or stage.graph_outputs[desc.idx]}"
+            return update_name(stage.buffer_updates[desc.idx - len(stage.graph_outputs)])
+        return output_name(loss_name or stage.graph_outputs[desc.idx])
     if isinstance(desc, ti.GradAOTOutput):
         of = desc.grad_of
         if isinstance(of, ti.ParamAOTInput):
-            return f"grad:param:{stage.state_fqns.get(of.target, of.target)}"
+            return param_grad_name(stage.state_fqns.get(of.target, of.target))
         if isinstance(of, ti.PlainAOTInput):
-            return f"grad:{stage.graph_inputs[of.idx]}"
+            return grad_name(stage.graph_inputs[of.idx])
         return None  # a buffer's gradient: buffers are not trained
     raise NotImplementedError(f"stage {stage.index}: unsupported joint graph output {desc}")
 
@@ -220,18 +224,18 @@ def _separate_forward(joint: fx.GraphModule, stage: Stage, loss_name: str | None
     placeholders = list(graph.find_nodes(op="placeholder"))
     names = {n: _placeholder_name(n.meta["desc"], stage) for n in placeholders}
     if loss_name is not None:  # the loss's tangent is `tangent:loss`, whatever its output's name
-        names = {n: (f"tangent:{loss_name}" if v.startswith("tangent:") else v) for n, v in names.items()}
+        names = {n: (tangent_name(loss_name) if v.startswith(TANGENT) else v) for n, v in names.items()}
     output_node = graph.output_node()
     outputs = []
     for node, desc in zip(output_node.args[0], output_node.meta["desc"]):
         name = _output_name(desc, stage, loss_name) if desc is not None else None
         if node is not None and name is not None:
             outputs.append((node, name))
-    forward_outputs = [(n, v) for n, v in outputs if v.startswith(("out:", "update:"))]
-    grad_outputs = [(n, v) for n, v in outputs if v.startswith("grad:")]
+    forward_outputs = [(n, v) for n, v in outputs if v.startswith((OUTPUT, UPDATE))]
+    grad_outputs = [(n, v) for n, v in outputs if v.startswith(GRAD)]
 
-    state = {n for n in placeholders if names[n].startswith(("param:", "buffer:"))}
-    tangents = {n for n in placeholders if names[n].startswith("tangent:")}
+    state = {n for n in placeholders if is_state(names[n])}
+    tangents = {n for n in placeholders if names[n].startswith(TANGENT)}
     recompute = _fx.state_only_nodes(graph, state)
     forward_nodes = _fx.ancestors([n for n, _ in forward_outputs]) - set(placeholders)
     # every element of a forward op's tuple result is a forward value (a saved mean or rstd)
@@ -241,24 +245,24 @@ def _separate_forward(joint: fx.GraphModule, stage: Stage, loss_name: str | None
     returned = {n for n, _ in grad_outputs}
     backward_nodes = _fx.ancestors(returned, stop=forward_nodes) - set(placeholders) - forward_nodes
     backward_nodes = _fx.with_state_ancestors(backward_nodes | (returned & recompute), recompute)
-    forward_values = forward_nodes | {n for n in placeholders if names[n].startswith("in:")}
+    forward_values = forward_nodes | {n for n in placeholders if names[n].startswith(INPUT)}
     saved = [
         n
         for n in graph.nodes
         if n in forward_values - recompute and (n in returned or any(u in backward_nodes for u in n.users))
     ]
     for node in saved:
-        names.setdefault(node, f"saved:{node.name}")
+        names.setdefault(node, saved_name(node.name))
     roots = _fx.storage_roots(graph)
     storage = {
         names[n]: (roots[n].name, _fx.node_bytes(roots[n])) for n in [*saved, *tangents]
     }
-    storage.update((v, (roots[n].name, _fx.node_bytes(roots[n]))) for n, v in forward_outputs if v.startswith("update:"))
+    storage.update((v, (roots[n].name, _fx.node_bytes(roots[n]))) for n, v in forward_outputs if v.startswith(UPDATE))
 
     forward = extract_program(
         graph,
         body=forward_nodes,
-        inputs=[n for n in placeholders if not names[n].startswith("tangent:")],
+        inputs=[n for n in placeholders if not names[n].startswith(TANGENT)],
         outputs=[*forward_outputs, *[(n, names[n]) for n in saved if n.op != "placeholder"]],
         names=names,
         class_name=f"Stage{stage.index}Forward",
@@ -280,9 +284,9 @@ def _separate_forward(joint: fx.GraphModule, stage: Stage, loss_name: str | None
         stage=stage.index,
         forward=forward,
         backward=backward,
-        tangents=tuple(names[n].removeprefix("tangent:") for n in placeholders if n in tangents),
-        input_grads=tuple(v.removeprefix("grad:") for _, v in grad_outputs if not v.startswith("grad:param:")),
-        param_grads=tuple(v.removeprefix("grad:param:") for _, v in grad_outputs if v.startswith("grad:param:")),
+        tangents=tuple(fqn_of(names[n]) for n in placeholders if n in tangents),
+        input_grads=tuple(fqn_of(v) for _, v in grad_outputs if not is_param_grad(v)),
+        param_grads=tuple(fqn_of(v) for _, v in grad_outputs if is_param_grad(v)),
         storage=storage,
     )
 
@@ -292,14 +296,14 @@ def _updated_buffers(names: dict[fx.Node, str], stage: Stage) -> dict[fx.Node, s
     what eager autograd saved of such a buffer (BatchNorm's running statistics) is the buffer
     itself, which the backward of an eager run microbatch by microbatch reads with this
     microbatch's update applied; the runtime's buffer may hold later microbatches' updates by then."""
-    updated = {f"buffer:{fqn}": f"update:{fqn}" for fqn in stage.buffer_updates}
+    updated = {buffer_name(fqn): update_name(fqn) for fqn in stage.buffer_updates}
     return {n: updated[name] for n, name in names.items() if name in updated}
 
 
 def _safe(name: str) -> str:
     """A readable Python identifier for an environment name (`param:blocks.0.fc.weight` ->
     `blocks_0_fc_weight`)."""
-    body = name.split(":", 1)[1] if name.startswith(("param:", "buffer:", "in:")) else name
+    body = fqn_of(name) if name.startswith((*STATE, INPUT)) else name
     identifier = re.sub(r"\W", "_", body)
     return f"_{identifier}" if identifier[0].isdigit() else identifier
 

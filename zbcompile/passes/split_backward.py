@@ -32,6 +32,7 @@ from torch import fx
 from zbcompile.passes import _fx, cost
 from zbcompile.passes.joint import StageJoint, extract_program
 from zbcompile.program import Program
+from zbcompile.value_names import INPUT, SAVED, TANGENT, fqn_of, is_param_grad, is_state, stash_name
 
 # Weight-gradient work is deferred to W only when it is worth the memory W must hold for it
 # until then: at least this many FLOP-equivalents (`cost.node_cost`) per byte kept alive.
@@ -71,7 +72,7 @@ def split_backward(joint: StageJoint, min_deferral_intensity: float = MIN_DEFERR
     gradients only: on the first stage B stays empty)."""
     split = split_backward_program(joint.backward, min_deferral_intensity, class_prefix=f"Stage{joint.stage}")
     backward = joint.backward
-    saved = [v for v in backward.signature.inputs if v.startswith(("saved:", "in:", "tangent:"))]
+    saved = [v for v in backward.signature.inputs if v.startswith((SAVED, INPUT, TANGENT))]
     return SplitBackward(
         **{f.name: getattr(split, f.name) for f in dataclasses.fields(BackwardSplit)},
         stage=joint.stage,
@@ -118,13 +119,13 @@ def _partition(backward: Program, in_input: frozenset[str]) -> _Partition:
     graph = copy.deepcopy(backward.graph).graph  # the rewrite below must not touch the input
     placeholders = list(graph.find_nodes(op="placeholder"))
     names = dict(zip(placeholders, backward.signature.inputs))
-    for_input = [not v.startswith("grad:param:") or v in in_input for v in backward.signature.outputs]
+    for_input = [not is_param_grad(v) or v in in_input for v in backward.signature.outputs]
     returned = graph.output_node().args[0]
     _split_fused_ops(graph, needed_by_input=_fx.ancestors([n for n, i in zip(returned, for_input) if i]))
     outputs = list(zip(graph.output_node().args[0], backward.signature.outputs))
     input_grads = [(n, v) for (n, v), i in zip(outputs, for_input) if i]
     param_grads = [(n, v) for (n, v), i in zip(outputs, for_input) if not i]
-    state = {n for n in placeholders if names[n].startswith(("param:", "buffer:"))}
+    state = {n for n in placeholders if is_state(names[n])}
     recompute = _fx.state_only_nodes(graph, state)
     input_body = _fx.ancestors([n for n, _ in input_grads]) - set(placeholders)
     weight_body = _fx.ancestors([n for n, _ in param_grads], stop=input_body) - set(placeholders) - input_body
@@ -137,7 +138,7 @@ def _partition(backward: Program, in_input: frozenset[str]) -> _Partition:
         if n in input_body - recompute and (any(u in weight_body for u in n.users) or n in weight_outputs)
     ]
     for node in stash:
-        names[node] = f"stash:{node.name}"
+        names[node] = stash_name(node.name)
     return _Partition(
         graph, names, input_grads, param_grads, state, recompute, input_body, weight_body, stash,
         _reads(graph, weight_body, weight_outputs), in_input,
@@ -176,7 +177,7 @@ def _extract(partition: _Partition, class_prefix: str) -> BackwardSplit:
         weight_backward=weight_program,
         stash=tuple(p.names[n] for n in p.stash),
         weight_reads=tuple(p.names[n] for n in p.weight_inputs if n not in p.state),
-        input_param_grads=tuple(sorted(v.removeprefix("grad:param:") for v in p.in_input)),
+        input_param_grads=tuple(sorted(fqn_of(v) for v in p.in_input)),
     )
 
 

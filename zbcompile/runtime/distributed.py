@@ -31,6 +31,7 @@ from zbcompile.runtime.stage import StageExecutor, merge_stage_grads
 from zbcompile.runtime.tied_weights import share_owner_values, sum_gradients, tied_weights
 from zbcompile.schedules import Action, Costs, Schedule
 from zbcompile.schedules.costs import resolve_costs
+from zbcompile.value_names import buffer_name, param_name
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,7 @@ class DistributedRunner:
                 source = self.layout.replica_ranks[0]
                 for s in self.local_stages:
                     stage = self.compiled.partition.stages[s]
-                    for name in [*(f"param:{f}" for f in stage.param_fqns), *(f"buffer:{f}" for f in stage.buffer_fqns)]:
+                    for name in [*map(param_name, stage.param_fqns), *map(buffer_name, stage.buffer_fqns)]:
                         dist.broadcast(state[name], src=source, group=self.layout.dp_group)
 
     def rank_of(self, stage: int) -> int:

@@ -9,6 +9,18 @@ from typing import Mapping, Sequence
 import torch
 
 from zbcompile.compiler import StageProgram
+from zbcompile.value_names import (
+    OUTPUT,
+    buffer_name,
+    fqn_of,
+    grad_name,
+    input_name,
+    is_state,
+    output_name,
+    param_grad_name,
+    tangent_name,
+    update_name,
+)
 
 
 class StageExecutor:
@@ -32,7 +44,7 @@ class StageExecutor:
         self._held_after: dict[str, int] = {}  # bytes a microbatch holds after F / after I
         self._last_forward = -1  # the microbatch of the latest F
         joint, split = program.joint, program.split
-        self._backward_reads = {n for n in joint.backward.signature.inputs if not n.startswith(("param:", "buffer:"))}
+        self._backward_reads = {n for n in joint.backward.signature.inputs if not is_state(n)}
         self._weight_reads = set(split.weight_reads)
         self._weight_param_grads = [f for f in joint.param_grads if f not in split.input_param_grads]
         self._layouts = {**_placeholder_layouts(joint.forward), **_placeholder_layouts(joint.backward)}
@@ -44,13 +56,13 @@ class StageExecutor:
         by value name (`{"loss": ...}` on the last stage)."""
         stage = self.program.stage
         self._check_forward_order(microbatch)
-        env = {f"in:{name}": self._as_traced(f"in:{name}", value) for name, value in inputs.items()}
+        env = {input_name(name): self._as_traced(input_name(name), value) for name, value in inputs.items()}
         self.program.forward.run(env, self.state)
         self._update_buffers(env)
         if stage.outputs:
-            outputs = {v: env[f"out:{v}"] if f"out:{v}" in env else env[f"in:{v}"] for v in stage.outputs}
+            outputs = {v: env[output_name(v)] if output_name(v) in env else env[input_name(v)] for v in stage.outputs}
         else:
-            outputs = {name.removeprefix("out:"): env[name] for name in self.program.forward.signature.outputs if name.startswith("out:")}
+            outputs = {fqn_of(name): env[name] for name in self.program.forward.signature.outputs if name.startswith(OUTPUT)}
         self.envs[microbatch] = {k: v for k, v in env.items() if k in self._backward_reads}
         self._note_memory(microbatch, "F")
         return outputs
@@ -70,7 +82,7 @@ class StageExecutor:
         """Write the new values F computed for the stage's updated buffers into the buffers."""
         with torch.no_grad():
             for fqn in self.program.stage.buffer_updates:
-                self.state[f"buffer:{fqn}"].copy_(env[f"update:{fqn}"])
+                self.state[buffer_name(fqn)].copy_(env[update_name(fqn)])
 
     def input_backward(self, microbatch: int, output_grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """B. `output_grads`: gradients of the stage outputs (`{"loss": scale}` on the last
@@ -94,7 +106,7 @@ class StageExecutor:
         """Add one microbatch's parameter gradients (in microbatch order: the same sums, bit for
         bit, under every schedule)."""
         for fqn in fqns:
-            grad = env[f"grad:param:{fqn}"]
+            grad = env[param_grad_name(fqn)]
             if fqn in self.grads:
                 self.grads[fqn].add_(grad)
             else:
@@ -112,14 +124,14 @@ class StageExecutor:
 
     def _receive_tangents(self, env: dict[str, torch.Tensor], output_grads: Mapping[str, torch.Tensor]) -> None:
         for name in self.program.joint.tangents:
-            env[f"tangent:{name}"] = self._as_traced(f"tangent:{name}", output_grads[name])
+            env[tangent_name(name)] = self._as_traced(tangent_name(name), output_grads[name])
 
     def _input_grads(self, env: Mapping[str, torch.Tensor], output_grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Gradients of the stage inputs: the backward's own, plus the relayed ones from downstream
         for inputs the stage passes through."""
         grads = {}
         for name in self.program.stage.inputs:
-            own = env.get(f"grad:{name}")
+            own = env.get(grad_name(name))
             relayed = output_grads.get(name) if name in self.program.stage.relays else None
             if own is not None and relayed is not None:
                 grads[name] = own + relayed

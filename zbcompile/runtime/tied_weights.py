@@ -14,6 +14,7 @@ from typing import Mapping, Sequence
 import torch
 
 from zbcompile.runtime.p2p import Transport
+from zbcompile.value_names import param_name
 
 TIED_TAG = 1 << 25  # above every tag of a step's messages and of post-validation's
 
@@ -46,7 +47,7 @@ def tied_weights(shared_params: Mapping[str, Sequence[int]], stage_to_rank: Sequ
 def share_owner_values(weights: Sequence[TiedWeight], state: Mapping[str, torch.Tensor], transport: Transport) -> None:
     """Every holder's copy takes the owner's value (each rank may have initialised its own)."""
     for index, weight in enumerate(weights):
-        value = state[f"param:{weight.fqn}"]
+        value = state[param_name(weight.fqn)]
         action = f"sharing tied weight {weight.fqn}"
         if transport.rank == weight.owner:
             for holder in weight.holders[1:]:
@@ -64,7 +65,7 @@ def sum_gradients(weights: Sequence[TiedWeight], grads: dict[str, torch.Tensor],
     for index, weight in enumerate(weights):
         own = grads.get(weight.fqn)
         if own is None:
-            own = torch.zeros_like(state[f"param:{weight.fqn}"])
+            own = torch.zeros_like(state[param_name(weight.fqn)])
         action = f"summing the gradient of tied weight {weight.fqn}"
         if transport.rank == weight.owner:
             total = own.clone()
