@@ -74,7 +74,7 @@ class Ours:
 
     def __init__(self, model: nn.Sequential, rows: int, hidden: int) -> None:
         from zbcompile.compiler import compile_pipeline
-        from zbcompile.passes.cost import random_inputs
+        from zbcompile.passes.graph_cost import random_inputs
 
         x = torch.randn(rows, hidden)
         compiled = compile_pipeline(model, F.mse_loss, (x,), {}, torch.randn(rows, hidden), 2, ["1"])

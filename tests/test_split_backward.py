@@ -11,7 +11,7 @@ from torch import nn
 
 from zbcompile.compiler import compile_pipeline
 from zbcompile.models.gpt import GPT, Block, GPTConfig, lm_loss
-from zbcompile.passes.cost import measure_stage_times, random_inputs
+from zbcompile.passes.graph_cost import measure_stage_times, random_inputs
 from zbcompile.passes.split_backward import MIN_DEFERRAL_INTENSITY
 
 aten = torch.ops.aten

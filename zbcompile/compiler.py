@@ -16,7 +16,7 @@ from torch import nn
 from zbcompile import _torch_internals as ti
 from zbcompile._torch_internals import pytree
 from zbcompile.passes import _fx
-from zbcompile.passes.cost import GraphCost, graph_cost
+from zbcompile.passes.graph_cost import GraphCost, graph_cost
 from zbcompile.passes.joint import StageJoint, export_stage_joints
 from zbcompile.passes.partition import Stage, StagePartition, partition_stages
 from zbcompile.passes.split_backward import MIN_DEFERRAL_INTENSITY, SplitBackward, split_backward

@@ -5,7 +5,7 @@ depend on a model input or the target) as traced and cuts that sequence into `st
 Nodes that depend only on parameters, buffers and constants (weight transposes, `arange`,
 masks) are not placed: every stage that needs one recomputes it, so a stage only ever receives
 activations. Without split points the cut minimises the costliest stage (FLOPs plus bytes,
-`cost.node_cost`) and, among cuts within `balance_tolerance` of that optimum, the bytes that
+`graph_cost.node_cost`) and, among cuts within `balance_tolerance` of that optimum, the bytes that
 cross stage boundaries. A value needed by a stage further down is relayed through the stages
 in between, so all communication is between neighbours.
 
@@ -31,7 +31,7 @@ import torch
 from torch import fx, nn
 
 from zbcompile.passes import _fx
-from zbcompile.passes.cost import node_cost
+from zbcompile.passes.graph_cost import node_cost
 from zbcompile.passes.trace import BUFFER, INPUT, PARAM, TARGET, TracedModel
 
 

@@ -29,13 +29,13 @@ from dataclasses import dataclass
 import networkx as nx
 from torch import fx
 
-from zbcompile.passes import _fx, cost
+from zbcompile.passes import _fx, graph_cost
 from zbcompile.passes.joint import StageJoint, extract_program
 from zbcompile.program import Program
 from zbcompile.value_names import INPUT, SAVED, TANGENT, fqn_of, is_param_grad, is_state, stash_name
 
 # Weight-gradient work is deferred to W only when it is worth the memory W must hold for it
-# until then: at least this many FLOP-equivalents (`cost.node_cost`) per byte kept alive.
+# until then: at least this many FLOP-equivalents (`graph_cost.node_cost`) per byte kept alive.
 # Matmul and convolution weight gradients clear it by orders of magnitude; normalisation-layer
 # weight gradients, whose deferral keeps the layer's input and output-gradient alive for a few
 # elementwise operations, do not, so B computes them (as the paper's implementation does).
@@ -202,7 +202,7 @@ def _cheap_weight_grads(partition: _Partition, min_intensity: float) -> set[str]
         others = set().union(*(body[n] for n, name in outputs if name not in group)) if len(group) < len(outputs) else set()
         held = _read_storage(nodes, held_inputs) - _read_storage(others, held_inputs)
         held_bytes = sum(size for _, size in held)
-        work = sum(cost.node_cost(n) for n in nodes)
+        work = sum(graph_cost.node_cost(n) for n in nodes)
         if held_bytes and work < min_intensity * held_bytes:
             cheap |= set(group)
     return cheap
