@@ -19,7 +19,7 @@ from zbcompile.passes import _fx
 from zbcompile.passes.graph_cost import GraphCost, graph_cost
 from zbcompile.passes.joint import StageJoint, export_stage_joints
 from zbcompile.passes.partition import Stage, StagePartition, partition_stages
-from zbcompile.passes.split_backward import MIN_DEFERRAL_INTENSITY, SplitBackward, split_backward
+from zbcompile.passes.split_backward import MIN_DEFERRAL_INTENSITY, StageBackwardSplit, split_backward
 from zbcompile.passes.trace import TracedModel, trace_model
 from zbcompile.program import Program
 from zbcompile.value_names import INPUT, SAVED, UPDATE, is_stash
@@ -44,7 +44,7 @@ class StageProgram:
 
     stage: Stage
     joint: StageJoint
-    split: SplitBackward
+    split: StageBackwardSplit
     cost: StageCost
 
     @property
@@ -116,7 +116,7 @@ def compile_pipeline(
     return CompiledPipeline(traced, partition, programs, seconds)
 
 
-def _stage_cost(joint: StageJoint, split: SplitBackward) -> StageCost:
+def _stage_cost(joint: StageJoint, split: StageBackwardSplit) -> StageCost:
     saved = [n for n in joint.backward.signature.inputs if n.startswith((SAVED, INPUT, UPDATE))]
     held_from_forward, stash_bytes = _weight_memory(split)
     return StageCost(
@@ -128,7 +128,7 @@ def _stage_cost(joint: StageJoint, split: SplitBackward) -> StageCost:
     )
 
 
-def _weight_memory(split: SplitBackward) -> tuple[set[str], int]:
+def _weight_memory(split: StageBackwardSplit) -> tuple[set[str], int]:
     """What W keeps alive after B: the forward values it reads (directly, or through a stash
     entry that is a view of one), and the bytes of new tensors B computed for it."""
     graph = split.input_backward.graph.graph

@@ -58,7 +58,7 @@ class BackwardSplit:
 
 
 @dataclass(frozen=True)
-class SplitBackward(BackwardSplit):
+class StageBackwardSplit(BackwardSplit):
     """B and W of one stage, plus `freed_after_input`: the saved values only B needed, dropped
     once B has run."""
 
@@ -66,14 +66,14 @@ class SplitBackward(BackwardSplit):
     freed_after_input: tuple[str, ...] = ()
 
 
-def split_backward(joint: StageJoint, min_deferral_intensity: float = MIN_DEFERRAL_INTENSITY) -> SplitBackward:
+def split_backward(joint: StageJoint, min_deferral_intensity: float = MIN_DEFERRAL_INTENSITY) -> StageBackwardSplit:
     """Split `joint`'s backward. With `min_deferral_intensity=0` every parameter gradient goes
     to W; by default those too cheap to be worth their memory stay in B (stages with input
     gradients only: on the first stage B stays empty)."""
     split = split_backward_program(joint.backward, min_deferral_intensity, class_prefix=f"Stage{joint.stage}")
     backward = joint.backward
     saved = [v for v in backward.signature.inputs if v.startswith((SAVED, INPUT, TANGENT))]
-    return SplitBackward(
+    return StageBackwardSplit(
         **{f.name: getattr(split, f.name) for f in dataclasses.fields(BackwardSplit)},
         stage=joint.stage,
         freed_after_input=tuple(v for v in saved if v not in split.weight_reads),
