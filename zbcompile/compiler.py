@@ -26,7 +26,7 @@ from zbcompile.value_names import INPUT, SAVED, UPDATE, is_stash
 
 
 @dataclass(frozen=True)
-class StageCost:
+class StageGraphCost:
     """Static cost of one stage for one microbatch: FLOPs/bytes of F, B and W; `mem_b` bytes F
     keeps for the backward (M_B), `mem_w` bytes W still needs once B has run (M_W)."""
 
@@ -45,7 +45,7 @@ class StageProgram:
     stage: Stage
     joint: StageJoint
     split: StageBackwardSplit
-    cost: StageCost
+    cost: StageGraphCost
 
     @property
     def index(self) -> int:
@@ -116,10 +116,10 @@ def compile_pipeline(
     return CompiledPipeline(traced, partition, programs, seconds)
 
 
-def _stage_cost(joint: StageJoint, split: StageBackwardSplit) -> StageCost:
+def _stage_cost(joint: StageJoint, split: StageBackwardSplit) -> StageGraphCost:
     saved = [n for n in joint.backward.signature.inputs if n.startswith((SAVED, INPUT, UPDATE))]
     held_from_forward, stash_bytes = _weight_memory(split)
-    return StageCost(
+    return StageGraphCost(
         forward=graph_cost(joint.forward.graph),
         input_backward=graph_cost(split.input_backward.graph),
         weight_backward=graph_cost(split.weight_backward.graph),
@@ -143,7 +143,7 @@ def _weight_memory(split: StageBackwardSplit) -> tuple[set[str], int]:
 
 
 @dataclass(frozen=True)
-class SymbolicStageCost:
+class SymbolicStageGraphCost:
     """One stage's costs as polynomials in the microbatch size `b` (sympy): FLOPs of F, B and W,
     and the activation bytes M_B and M_W."""
 
@@ -164,7 +164,7 @@ def symbolic_stage_costs(
     kwargs: dict[str, Any],
     target: Any,
     compiled: CompiledPipeline,
-) -> tuple[SymbolicStageCost, ...]:
+) -> tuple[SymbolicStageGraphCost, ...]:
     """Costs of `compiled`'s stages as polynomials in the microbatch size, for the microbatch
     (`args`, `kwargs`, `target`) it was compiled for: the same cut is compiled at two and three
     times that size (inputs repeated along dim 0) and each cost interpolated exactly (degree
@@ -187,7 +187,7 @@ def symbolic_stage_costs(
         return sympy.expand(sympy.interpolate(points, MICROBATCH))
 
     return tuple(
-        SymbolicStageCost(
+        SymbolicStageGraphCost(
             forward_flops=fit(lambda p: p.cost.forward.flops, s),
             input_backward_flops=fit(lambda p: p.cost.input_backward.flops, s),
             weight_backward_flops=fit(lambda p: p.cost.weight_backward.flops, s),
