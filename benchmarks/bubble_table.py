@@ -54,8 +54,8 @@ EXPLAIN = {
 
 def run_row(model: str, m: int, budget: float) -> dict:
     p, _, f, b, w, comm = PROFILES[model]
-    costs = Costs(f=f, b=b, w=w, comm=comm, mem_f=1.0, mem_w=0.5)
-    chunk_costs = Costs(f=f / 2, b=b / 2, w=w / 2, comm=comm, mem_f=0.5, mem_w=0.25)
+    costs = Costs(f=f, b=b, w=w, comm=comm, mem_b=1.0, mem_w=0.5)
+    chunk_costs = Costs(f=f / 2, b=b / 2, w=w / 2, comm=comm, mem_b=0.5, mem_w=0.25)
     built = {
         "1F1B": (make_schedule("1f1b", p, m, costs, check=False), costs),
         "ZB-H1": (make_schedule("zb-h1", p, m, costs, check=False), costs),
@@ -155,7 +155,7 @@ NOTES = """## Notes
 
 - Costs are Table 9's, the same on every stage, M_W = M_B/2, memory in units of M_B per stage
   (1p = p M_B, 1F1B's peak). ZB-V uses two chunks per rank with half of each cost and
-  mem_f = M_B/2 per chunk, so its 1F1B-equal memory is p M_B per rank; it is not in the paper's
+  mem_b = M_B/2 per chunk, so its 1F1B-equal memory is p M_B per rank; it is not in the paper's
   Table 5 (the follow-up paper, arXiv 2405.15362, reports it) and has no paper column here.
 - ZB-1p: at p M_B the heuristic keeps ZB-H1 or the search's equal member of its family; the
   paper's ZB-1p column equals its ZB-H1 column too. Where ours is lower than the paper's, the cause is

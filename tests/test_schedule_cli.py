@@ -48,6 +48,6 @@ def test_cli_prints_table_grid_and_writes_pictures(tmp_path, capsys):
 def test_memory_limit_spec():
     from zbcompile.schedules.costs import Costs
 
-    assert cli.memory_limit_for("2p", "zb-auto", 4, Costs(mem_f=[1, 2, 1, 1])) == [8, 16, 8, 8]
+    assert cli.memory_limit_for("2p", "zb-auto", 4, Costs(mem_b=[1, 2, 1, 1])) == [8, 16, 8, 8]
     assert cli.memory_limit_for("1p", "zbv", 4, Costs()) == [4, 4]
     assert cli.memory_limit_for("7.5", "zb-auto", 4, Costs()) == 7.5

@@ -1,8 +1,8 @@
 """Memory model with M_W > M_B: an input-gradient pass I that *raises* memory.
 
-Model: F adds mem_f (M_B), I adds mem_w - mem_f (positive here), W frees mem_w (M_W), a fused B
-is I then W in one action (it peaks max(0, mem_w - mem_f) above the level before it, then ends
-mem_f lower). Notation below: e = max(0, M_W - M_B), p stages, m microbatches, stage s from 0.
+Model: F adds mem_b (M_B), I adds mem_w - mem_b (positive here), W frees mem_w (M_W), a fused B
+is I then W in one action (it peaks max(0, mem_w - mem_b) above the level before it, then ends
+mem_b lower). Notation below: e = max(0, M_W - M_B), p stages, m microbatches, stage s from 0.
 """
 
 import math
@@ -24,7 +24,7 @@ TOL = 1e-9
 
 def replay_peaks(sched, costs):
     """Brute force: per rank, the memory events at the simulated times, summed in time order.
-    F, I and W change memory when they end; a fused B adds mem_w - mem_f when its I part ends
+    F, I and W change memory when they end; a fused B adds mem_w - mem_b when its I part ends
     (start + b) and frees mem_w when it ends."""
     sc = costs.resolve(sched.stages)
     res = simulate(sched, costs)
@@ -35,7 +35,7 @@ def replay_peaks(sched, costs):
             if not a.is_compute:
                 continue
             s, t0, t1 = a.stage, res.start[a], res.end[a]
-            mf, mw = sc.mem_f[s], sc.mem_w[s]
+            mf, mw = sc.mem_b[s], sc.mem_w[s]
             if a.kind == "F":
                 events.append((t1, mf))
             elif a.kind == "I":
@@ -63,23 +63,23 @@ def instances(draw, max_p=8):
     b = draw(st.lists(cost, min_size=p, max_size=p))
     w = draw(st.lists(cost, min_size=p, max_size=p))
     comm = draw(st.floats(0.0, 1.0))
-    mem_f = draw(st.lists(st.sampled_from([1.0, 2.0, 3.0]), min_size=p, max_size=p))
-    mem_w = [mf * draw(st.floats(0.01, 2.0)) for mf in mem_f]
+    mem_b = draw(st.lists(st.sampled_from([1.0, 2.0, 3.0]), min_size=p, max_size=p))
+    mem_w = [mf * draw(st.floats(0.01, 2.0)) for mf in mem_b]
     factor = draw(st.sampled_from([0.0, 0.3, 1.0, 1.5, 2.0, None]))
     if factor is None:
         limit = None
     else:
-        limit = [max(mf, mw) + factor * (p - 1) * mf for mf, mw in zip(mem_f, mem_w)]
-    return p, m, Costs(f=f, b=b, w=w, comm=comm, mem_f=mem_f, mem_w=mem_w), limit
+        limit = [max(mf, mw) + factor * (p - 1) * mf for mf, mw in zip(mem_b, mem_w)]
+    return p, m, Costs(f=f, b=b, w=w, comm=comm, mem_b=mem_b, mem_w=mem_w), limit
 
 
-def test_costs_accept_mem_w_above_mem_f():
-    sc = Costs(mem_f=2.0, mem_w=2.5).resolve(3)
-    assert sc.memory_delta(0, "I") == pytest.approx(0.5)  # I adds mem_w - mem_f
+def test_costs_accept_mem_w_above_mem_b():
+    sc = Costs(mem_b=2.0, mem_w=2.5).resolve(3)
+    assert sc.memory_delta(0, "I") == pytest.approx(0.5)  # I adds mem_w - mem_b
     assert sc.memory_delta(0, "W") == -2.5
     assert sc.memory_delta(0, "B") == -2.0
     assert sc.memory_rise(0, "B") == pytest.approx(0.5)
-    assert Costs(mem_f=1.0, mem_w=0.5).resolve(1).memory_rise(0, "B") == 0.0
+    assert Costs(mem_b=1.0, mem_w=0.5).resolve(1).memory_rise(0, "B") == 0.0
     assert minimum_memory((0, 1, 2), sc) == (2.5, 2.5, 2.5)  # one microbatch: max(M_B, M_W)
 
 
@@ -89,7 +89,7 @@ def test_generated_schedules_validate_and_peak_matches_replay(instance, name):
     p, m, costs, _ = instance
     if name == "interleaved-1f1b":
         if p % 2:
-            p, costs = p + 1, Costs(f=1.0, b=2.0, w=0.5, comm=0.1, mem_f=1.0, mem_w=1.6)
+            p, costs = p + 1, Costs(f=1.0, b=2.0, w=0.5, comm=0.1, mem_b=1.0, mem_w=1.6)
         m = max(p // 2, m - m % (p // 2))
     sched = make_schedule(name, p, m, costs)  # validated, lowering included
     peaks = simulate(sched, costs).peak_memory
@@ -120,7 +120,7 @@ def test_list_scheduler_never_stuck_at_the_minimum(instance, policy):
     list scheduler finishes: an I that does not fit always finds a pending W (greedy.py)."""
     p, m, costs, limit = instance
     sc = costs.resolve(p)
-    limit = limit or [max(a, b) for a, b in zip(sc.mem_f, sc.mem_w)]
+    limit = limit or [max(a, b) for a, b in zip(sc.mem_b, sc.mem_w)]
     sched = list_schedule("zb-auto", p, m, tuple(range(p)), sc, limit, policy)
     validate(sched, sc, limit, check_lowering=False)
     ev = Evaluator(p, m, tuple(range(p)), sc)
@@ -130,14 +130,14 @@ def test_list_scheduler_never_stuck_at_the_minimum(instance, policy):
 
 
 def test_below_the_minimum_is_rejected_with_the_reason():
-    costs = Costs(mem_f=1.0, mem_w=1.5)
+    costs = Costs(mem_b=1.0, mem_w=1.5)
     with pytest.raises(ValueError, match=r"below one microbatch's peak \[1.5\].*mem_w"):
         make_schedule("zb-auto", 4, 8, costs, memory_limit=[4.0, 4.0, 4.0, 1.4], time_budget=0)
     make_schedule("zb-auto", 4, 8, costs, memory_limit=1.5, time_budget=0)  # exactly the minimum fits
 
 
 @pytest.mark.parametrize("p,m", [(4, 4), (4, 12), (6, 3), (8, 24)])
-def test_closed_form_peaks_at_mem_w_one_and_a_quarter_mem_f(p, m):
+def test_closed_form_peaks_at_mem_w_one_and_a_quarter_mem_b(p, m):
     """Uniform costs, M_B = 1, M_W = 1.25, e = 0.25; peaks on stage s:
 
     - 1F1B (fused B): min(p-s, m) M_B + e. k = min(p-s, m) microbatches are in flight when the
@@ -154,7 +154,7 @@ def test_closed_form_peaks_at_mem_w_one_and_a_quarter_mem_f(p, m):
     """
     mf, mw = 1.0, 1.25
     e = max(0.0, mw - mf)
-    costs = Costs(f=1.0, b=1.0, w=1.0, comm=0.0, mem_f=mf, mem_w=mw)
+    costs = Costs(f=1.0, b=1.0, w=1.0, comm=0.0, mem_b=mf, mem_w=mw)
     sc = costs.resolve(p)
 
     def peaks(name):
@@ -185,7 +185,7 @@ def test_zb_auto_under_1f1b_memory_when_i_raises_memory():
     """At 1F1B's memory ((p-1) M_B + M_W per stage) ZB-H1 no longer fits (its last stage needs
     p M_W); zb-auto still finds a schedule within the limit and at least as good as 1F1B."""
     p, m = 4, 12
-    costs = Costs(f=1.0, b=1.0, w=1.0, comm=0.05, mem_f=1.0, mem_w=1.25)
+    costs = Costs(f=1.0, b=1.0, w=1.0, comm=0.05, mem_b=1.0, mem_w=1.25)
     limit = one_f_one_b_peak(1.0, 1.25, p)
     h1 = make_schedule("zb-h1", p, m, costs)
     assert max(simulate(h1, costs).peak_memory) > limit
@@ -200,7 +200,7 @@ def test_cpsat_respects_the_increase_of_i():
     from zbcompile.schedules.solver import improve
 
     p, m = 3, 5
-    costs = Costs(f=1.0, b=1.0, w=1.0, comm=0.0, mem_f=1.0, mem_w=2.0)
+    costs = Costs(f=1.0, b=1.0, w=1.0, comm=0.0, mem_b=1.0, mem_w=2.0)
     sc = costs.resolve(p)
     limit = [2.0, 3.0, 3.0]
     start = list_schedule("zb-auto", p, m, tuple(range(p)), sc, limit, POLICIES[0])
@@ -212,7 +212,7 @@ def test_cpsat_respects_the_increase_of_i():
 
 def test_make_room_moves_w_earlier_only_where_needed():
     p, m = 4, 8
-    sc = Costs(mem_f=1.0, mem_w=1.5).resolve(p)
+    sc = Costs(mem_b=1.0, mem_w=1.5).resolve(p)
     ev = Evaluator(p, m, tuple(range(p)), sc)
     rows = handcrafted_rows(ev, "zb-h1")
     assert make_room(ev, rows, [math.inf] * p) == rows
@@ -230,7 +230,7 @@ def test_zbv_fits_1f1b_memory_when_i_raises_memory(ranks, m, ratio, f, w):
     """Default zbv limit: 1F1B's peak for a whole rank, p M_B + max(0, M_W - M_B) with M_B, M_W
     summed over the rank's two chunks. The handcrafted ZB-V's deferred W exceed it when M_W > M_B;
     they are moved earlier (or the list scheduler, or one microbatch at a time, is used)."""
-    costs = Costs(f=f, b=1.0, w=w, comm=0.05, mem_f=0.5, mem_w=0.5 * ratio)
+    costs = Costs(f=f, b=1.0, w=w, comm=0.05, mem_b=0.5, mem_w=0.5 * ratio)
     sched = make_schedule("zbv", 2 * ranks, m, costs)
     res = simulate(sched, costs)
     assert max(res.peak_memory) <= one_f_one_b_peak(1.0, ratio, ranks) + TOL
@@ -239,7 +239,7 @@ def test_zbv_fits_1f1b_memory_when_i_raises_memory(ranks, m, ratio, f, w):
 
 def test_zbv_at_the_minimum_falls_back_to_one_microbatch_at_a_time():
     S, m = 6, 5
-    costs = Costs(f=1.0, b=1.0, w=1.0, mem_f=[1.0, 0.5, 1.0, 1.0, 0.5, 1.0], mem_w=[2.0, 1.0, 0.5, 1.5, 1.0, 0.25])
+    costs = Costs(f=1.0, b=1.0, w=1.0, mem_b=[1.0, 0.5, 1.0, 1.0, 0.5, 1.0], mem_w=[2.0, 1.0, 0.5, 1.5, 1.0, 0.25])
     sc = costs.resolve(S)
     placement = v_placement(S)
     need = minimum_memory(placement, sc)
@@ -254,7 +254,7 @@ def test_zbv_at_the_minimum_falls_back_to_one_microbatch_at_a_time():
 
 
 def test_validator_reports_a_peak_right_after_an_i():
-    costs = Costs(mem_f=1.0, mem_w=2.0)
+    costs = Costs(mem_b=1.0, mem_w=2.0)
     sched = make_schedule("zb-h1", 2, 2, costs)  # stage 1: F0 I0 F1 I1 W0 W1 -> peaks 4 after I1
     assert simulate(sched, costs).peak_memory == (3.0, 4.0)
     with pytest.raises(ScheduleError, match="rank 1: peak activation memory 4 exceeds the limit 3.5"):

@@ -18,14 +18,14 @@ def instances(draw):
     b = draw(st.lists(cost, min_size=p, max_size=p))
     w = draw(st.lists(cost, min_size=p, max_size=p))
     comm = draw(st.floats(0.0, 1.0))
-    mem_f = draw(st.lists(st.sampled_from([1.0, 2.0, 3.0]), min_size=p, max_size=p))
-    mem_w = [mf * draw(st.sampled_from([0.0, 0.25, 0.5])) for mf in mem_f]
+    mem_b = draw(st.lists(st.sampled_from([1.0, 2.0, 3.0]), min_size=p, max_size=p))
+    mem_w = [mf * draw(st.sampled_from([0.0, 0.25, 0.5])) for mf in mem_b]
     factor = draw(st.sampled_from([1.0, 1.5, 2.0, 0.5, None]))
     if factor is None:
         limit = None
     else:  # per stage, never below one microbatch (the feasibility minimum)
-        limit = [max(mf, factor * p * mf) for mf in mem_f]
-    return p, m, Costs(f=f, b=b, w=w, comm=comm, mem_f=mem_f, mem_w=mem_w), limit
+        limit = [max(mf, factor * p * mf) for mf in mem_b]
+    return p, m, Costs(f=f, b=b, w=w, comm=comm, mem_b=mem_b, mem_w=mem_w), limit
 
 
 def _fits(sched, costs, limit):

@@ -61,16 +61,16 @@ def test_fast_evaluator_reports_a_deadlock():
 def test_zbv_has_no_bubble_at_1f1b_memory_with_equal_costs(p, extra):
     """T_F = T_B = T_W = 1 per chunk, no comm, m >= 2p: every rank's own span is exactly its 6m
     units of work (stage bubble rate 0); rank r starts r units after rank 0, so the bubble rate with
-    a barrier is (p-1)/(6m+p-1). A chunk holds half a stage (mem_f = M_B/2 = 0.5), so the peak of
-    2p chunk activations per rank is p M_B: 1F1B's peak for p stages with mem_f = M_B = 1."""
+    a barrier is (p-1)/(6m+p-1). A chunk holds half a stage (mem_b = M_B/2 = 0.5), so the peak of
+    2p chunk activations per rank is p M_B: 1F1B's peak for p stages with mem_b = M_B = 1."""
     m = 2 * p + extra
-    chunk = Costs(f=1.0, b=1.0, w=1.0, comm=0.0, mem_f=0.5, mem_w=0.25)
+    chunk = Costs(f=1.0, b=1.0, w=1.0, comm=0.0, mem_b=0.5, mem_w=0.25)
     sched = make_schedule("zbv", 2 * p, m, chunk)
     res = simulate(sched, chunk)
     assert sched.info["zbv_source"] == "handcrafted"
     assert res.stage_bubble_rate == pytest.approx(0.0, abs=1e-12)
     assert res.bubble_rate == pytest.approx((p - 1) / (6 * m + p - 1), abs=1e-12)
-    one_f_one_b = simulate(make_schedule("1f1b", p, m, Costs(f=2.0, b=4.0, w=0.0, mem_f=1.0, mem_w=0.5)))
+    one_f_one_b = simulate(make_schedule("1f1b", p, m, Costs(f=2.0, b=4.0, w=0.0, mem_b=1.0, mem_w=0.5)))
     assert res.peak_memory == pytest.approx((float(p),) * p)
     assert max(res.peak_memory) == pytest.approx(max(one_f_one_b.peak_memory))
 
@@ -78,7 +78,7 @@ def test_zbv_has_no_bubble_at_1f1b_memory_with_equal_costs(p, extra):
 def test_zbv_beats_zb_h1_on_the_1_5b_profile():
     p, f, b, w, comm = PROFILES["1.5B"]
     whole = Costs(f=f, b=b, w=w, comm=comm)
-    chunk = Costs(f=f / 2, b=b / 2, w=w / 2, comm=comm, mem_f=0.5, mem_w=0.25)
+    chunk = Costs(f=f / 2, b=b / 2, w=w / 2, comm=comm, mem_b=0.5, mem_w=0.25)
     zbv = simulate(make_schedule("zbv", 2 * p, 24, chunk), chunk)
     h1 = simulate(make_schedule("zb-h1", p, 24, whole), whole)
     assert zbv.stage_bubble_rate < h1.stage_bubble_rate
@@ -86,7 +86,7 @@ def test_zbv_beats_zb_h1_on_the_1_5b_profile():
 
 
 def test_zbv_list_scheduler_fallback_for_uneven_chunks():
-    chunk = Costs(f=[1.0, 3.0, 1.0, 1.0, 0.5, 1.0], b=1.0, w=1.0, comm=0.1, mem_f=0.5, mem_w=0.25)
+    chunk = Costs(f=[1.0, 3.0, 1.0, 1.0, 0.5, 1.0], b=1.0, w=1.0, comm=0.1, mem_b=0.5, mem_w=0.25)
     sched = make_schedule("zbv", 6, 8, chunk)
     validate(sched, chunk, sched.info["memory_limit"])
     assert sched.info["zbv_source"] in ("handcrafted", "list")
@@ -97,7 +97,7 @@ def test_zb_auto_matches_or_beats_table5(key):
     """Deterministic, small budget: the search alone has to reach the paper's numbers here."""
     model, m, mem = key
     p, f, b, w, comm = PROFILES[model]
-    costs = Costs(f=f, b=b, w=w, comm=comm, mem_f=1.0, mem_w=0.5)
+    costs = Costs(f=f, b=b, w=w, comm=comm, mem_b=1.0, mem_w=0.5)
     sched = make_schedule(
         "zb-auto", p, m, costs, memory_limit=mem * p, time_budget=1.0, deterministic=True, check=p <= 8
     )

@@ -667,7 +667,7 @@ def schedule_costs(compiled: CompiledPipeline) -> Costs:
         f=[c.forward.time_estimate for c in costs],
         b=[c.input_backward.time_estimate for c in costs],
         w=[c.weight_backward.time_estimate for c in costs],
-        mem_f=[c.mem_b / unit for c in costs],
+        mem_b=[c.mem_b / unit for c in costs],
         mem_w=[c.mem_w / unit for c in costs],
     )
 

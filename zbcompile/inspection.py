@@ -104,7 +104,7 @@ def format_schedule(version: dict[str, Any], count: int = 1, memory_unit: int | 
             _time(costs["f"][s], unit),
             _time(costs["b"][s], unit),
             _time(costs["w"][s], unit),
-            si(costs["mem_f"][s] * unit_bytes, "B") if memory_unit else f"{costs['mem_f'][s]:.2f}",
+            si(costs["mem_b"][s] * unit_bytes, "B") if memory_unit else f"{costs['mem_b'][s]:.2f}",
             si(costs["mem_w"][s] * unit_bytes, "B") if memory_unit else f"{costs['mem_w'][s]:.2f}",
         )
         for s in range(version["stages"])

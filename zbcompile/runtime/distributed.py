@@ -305,7 +305,7 @@ class DistributedRunner:
         memory = None
         if self.follow_readiness:  # the memory model the schedule was validated with (bytes)
             memory = resolve_costs(
-                Costs(mem_f=[p.cost.mem_b for p in compiled.programs], mem_w=[p.cost.mem_w for p in compiled.programs]),
+                Costs(mem_b=[p.cost.mem_b for p in compiled.programs], mem_w=[p.cost.mem_w for p in compiled.programs]),
                 schedule.stages,
             )
         self.program: RankProgram = rank_program(

@@ -96,7 +96,7 @@ def costs_of(parts: Sequence[Medians], comm: float, stages: int, static: Costs) 
         b=[time_of(s, "I") for s in range(stages)],
         w=[time_of(s, "W") for s in range(stages)],
         comm=comm,
-        mem_f=static.mem_f,
+        mem_b=static.mem_b,
         mem_w=static.mem_w,
     )
 

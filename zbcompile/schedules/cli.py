@@ -24,7 +24,7 @@ def _floats(text: str) -> float | list[float]:
 
 def memory_limit_for(spec: str | None, name: str, stages: int, costs: Costs) -> float | list[float] | None:
     """``Np`` is N times 1F1B's peak per rank of schedule ``name``'s placement (p microbatches of
-    each rank's activations, plus max(0, mem_w - mem_f) for the backward in progress,
+    each rank's activations, plus max(0, mem_w - mem_b) for the backward in progress,
     ``heuristic.one_f_one_b_peaks``); else a number."""
     if spec is None:
         return None
@@ -43,7 +43,7 @@ def register(subparsers) -> None:
     p.add_argument("--b", type=_floats, default=1.0, help="input-gradient backward time")
     p.add_argument("--w", type=_floats, default=1.0, help="weight-gradient backward time")
     p.add_argument("--comm", type=float, default=0.0, help="point-to-point delay between ranks")
-    p.add_argument("--mem-f", type=_floats, default=1.0, help="activation memory of one microbatch (M_B)")
+    p.add_argument("--mem-b", type=_floats, default=1.0, help="activation memory of one microbatch (M_B)")
     p.add_argument("--mem-w", type=_floats, default=0.5, help="memory W still needs after I (M_W)")
     p.add_argument("--memory-limit", default=None, help="1p, 2p (multiples of 1F1B's peak) or a number")
     p.add_argument("--schedule", default="1f1b,zb-h1,zb-h2,zb-auto", help=f"comma-separated: {','.join(SCHEDULE_NAMES)}")
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     unknown = [n for n in names if n not in SCHEDULE_NAMES]
     if unknown:
         raise SystemExit(f"unknown schedule(s) {unknown}; choose from {', '.join(SCHEDULE_NAMES)}")
-    costs = Costs(f=args.f, b=args.b, w=args.w, comm=args.comm, mem_f=args.mem_f, mem_w=args.mem_w)
+    costs = Costs(f=args.f, b=args.b, w=args.w, comm=args.comm, mem_b=args.mem_b, mem_w=args.mem_w)
     built: list[Schedule] = []
     for name in names:
         # only the solved schedules are shaped by a limit; the others are only measured

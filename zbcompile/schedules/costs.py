@@ -2,15 +2,15 @@
 
 Times (``f``, ``b``, ``w``, ``comm``) are in any one unit (ms in the paper). ``b`` is the
 input-gradient backward (the paper's T_B), ``w`` the weight-gradient backward; a fused backward
-costs ``b + w``. Memory follows the paper: F adds ``mem_f`` (M_B), I frees ``mem_f - mem_w``,
-W frees ``mem_w`` (M_W), a fused B frees ``mem_f``. Every field is a scalar or one value per stage;
+costs ``b + w``. Memory follows the paper: F adds ``mem_b`` (M_B), I frees ``mem_b - mem_w``,
+W frees ``mem_w`` (M_W), a fused B frees ``mem_b``. Every field is a scalar or one value per stage;
 for multi-chunk schedules a "stage" is a chunk.
 
-``mem_w`` may exceed ``mem_f``. On real stages it often does: I frees what only it needed
+``mem_w`` may exceed ``mem_b``. On real stages it often does: I frees what only it needed
 (attention scores, MLP pre-activations) but allocates the output gradients every weight gradient
-needs, so W's inputs can outweigh F's saved activations. Then I *adds* ``mem_w - mem_f`` and a
+needs, so W's inputs can outweigh F's saved activations. Then I *adds* ``mem_w - mem_b`` and a
 rank's peak can occur right after an I. A fused B is I then W in one action: it rises by
-``max(0, mem_w - mem_f)`` above the level before it (``memory_rise``) and ends ``mem_f`` lower.
+``max(0, mem_w - mem_b)`` above the level before it (``memory_rise``) and ends ``mem_b`` lower.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class ResolvedCosts:
     b: tuple[float, ...]
     w: tuple[float, ...]
     comm: float
-    mem_f: tuple[float, ...]
+    mem_b: tuple[float, ...]
     mem_w: tuple[float, ...]
 
     @property
@@ -84,25 +84,25 @@ class ResolvedCosts:
     def memory_delta(self, stage: int, kind: str) -> float:
         """Change of activation memory when the action runs."""
         if kind == "F":
-            return self.mem_f[stage]
+            return self.mem_b[stage]
         if kind == "I":
-            return -(self.mem_f[stage] - self.mem_w[stage])
+            return -(self.mem_b[stage] - self.mem_w[stage])
         if kind == "W":
             return -self.mem_w[stage]
         if kind == "B":
-            return -self.mem_f[stage]
+            return -self.mem_b[stage]
         return 0.0
 
     def memory_rise(self, stage: int, kind: str) -> float:
         """Highest memory during the action above the level before it (never below the change at
-        its end): a fused B runs its I part first, so it peaks ``max(0, mem_w - mem_f)`` above."""
+        its end): a fused B runs its I part first, so it peaks ``max(0, mem_w - mem_b)`` above."""
         if kind == "B":
-            return max(0.0, self.mem_w[stage] - self.mem_f[stage])
+            return max(0.0, self.mem_w[stage] - self.mem_b[stage])
         return self.memory_delta(stage, kind)
 
     def excess(self, stage: int) -> float:
-        """What an I adds: ``max(0, mem_w - mem_f)`` (0 when W's inputs are part of F's activations)."""
-        return max(0.0, self.mem_w[stage] - self.mem_f[stage])
+        """What an I adds: ``max(0, mem_w - mem_b)`` (0 when W's inputs are part of F's activations)."""
+        return max(0.0, self.mem_w[stage] - self.mem_b[stage])
 
     def work(self, stage: int) -> float:
         """Busy time of one microbatch on a stage: F + B + W."""
@@ -113,29 +113,29 @@ class ResolvedCosts:
 class Costs:
     """Costs of F/B/W per stage, communication delay and the memory of one microbatch.
 
-    Defaults are uniform unit costs with no communication, ``mem_f=1`` and ``mem_w=0.5``.
-    ``mem_w`` may exceed ``mem_f``: an I then adds ``mem_w - mem_f`` (see the module docstring).
+    Defaults are uniform unit costs with no communication, ``mem_b=1`` and ``mem_w=0.5``.
+    ``mem_w`` may exceed ``mem_b``: an I then adds ``mem_w - mem_b`` (see the module docstring).
     """
 
     f: PerStage = 1.0
     b: PerStage = 1.0
     w: PerStage = 1.0
     comm: Number = 0.0
-    mem_f: PerStage = 1.0
+    mem_b: PerStage = 1.0
     mem_w: PerStage = 0.5
 
     def resolve(self, stages: int) -> ResolvedCosts:
         """One value per stage; raises ValueError on a length mismatch or a negative value."""
         if not isinstance(self.comm, (int, float)) or not math.isfinite(self.comm) or self.comm < 0:
             raise ValueError(f"comm must be a finite non-negative number, got {self.comm!r}")
-        mem_f = _per_stage("mem_f", self.mem_f, stages)
+        mem_b = _per_stage("mem_b", self.mem_b, stages)
         mem_w = _per_stage("mem_w", self.mem_w, stages)
         return ResolvedCosts(
             f=_per_stage("f", self.f, stages),
             b=_per_stage("b", self.b, stages),
             w=_per_stage("w", self.w, stages),
             comm=float(self.comm),
-            mem_f=mem_f,
+            mem_b=mem_b,
             mem_w=mem_w,
         )
 

@@ -39,8 +39,8 @@ class Evaluator:
             for k in range(M):
                 f, i, w = self.id(s, 0, k), self.id(s, 1, k), self.id(s, 2, k)
                 self.dur[f], self.dur[i], self.dur[w] = costs.f[s], costs.b[s], costs.w[s]
-                self.mem[f] = costs.mem_f[s]
-                self.mem[i] = -(costs.mem_f[s] - costs.mem_w[s])
+                self.mem[f] = costs.mem_b[s]
+                self.mem[i] = -(costs.mem_b[s] - costs.mem_w[s])
                 self.mem[w] = -costs.mem_w[s]
                 if s > 0:
                     self.cross[f] = self.id(s - 1, 0, k)

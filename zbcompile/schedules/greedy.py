@@ -11,15 +11,15 @@ this order:
    (``w_gate="fit"``, keeping W in reserve for later gaps and the drain);
 otherwise it waits. Works for any stage-to-rank placement (single chunk, V shape).
 
-When ``mem_w > mem_f`` an I adds ``mem_w - mem_f``; an I that does not fit waits while W passes
+When ``mem_w > mem_b`` an I adds ``mem_w - mem_b``; an I that does not fit waits while W passes
 free memory (a W of an earlier microbatch is then always pending, see below), and an F is admitted
-only with room for that increase: level + mem_f + max(0, mem_w - mem_f) <= limit. On a
+only with room for that increase: level + mem_b + max(0, mem_w - mem_b) <= limit. On a
 single-chunk stage this never deadlocks: let L0 be the level before the last F, admitted with
-L0 + mem_f + e <= limit (e = max(0, mem_w - mem_f)), and q0 the W pending then. Since then a I and
+L0 + mem_b + e <= limit (e = max(0, mem_w - mem_b)), and q0 the W pending then. Since then a I and
 b W ran; if no W is pending now, b = a + q0 and the level is
-L0 + mem_f + a (mem_w - mem_f) - b mem_w = L0 + mem_f - a mem_f - q0 mem_w <= L0 + mem_f, so the I
+L0 + mem_b + a (mem_w - mem_b) - b mem_w = L0 + mem_b - a mem_b - q0 mem_w <= L0 + mem_b, so the I
 fits. So an I that does not fit always finds a pending W of an earlier microbatch, and the only
-infeasible limits are those below max(mem_f, mem_w) (``heuristic.minimum_memory``), rejected
+infeasible limits are those below max(mem_b, mem_w) (``heuristic.minimum_memory``), rejected
 before scheduling. Ranks holding several stages (V) keep a reserve for the deeper stages; if they
 still get stuck, ``MemoryTooSmall`` says so and the caller tries other candidates.
 """
@@ -102,9 +102,9 @@ class _ListScheduler:
             self.inflight_cap = [c + policy.inflight_extra for c in warmup_counts(S, stage_to_rank, costs)]
         # Memory kept free on a rank for one F (and its I's increase) of each deeper stage it holds (V
         # shapes), so that the oldest microbatch can always continue down the pipeline and back, and
-        # for the increase of this stage's own I (mem_w > mem_f).
+        # for the increase of this stage's own I (mem_w > mem_b).
         self.reserve = [
-            costs.excess(s) + sum(max(costs.mem_f[d], costs.mem_w[d]) for d in self.stages_of[stage_to_rank[s]] if d > s)
+            costs.excess(s) + sum(max(costs.mem_b[d], costs.mem_w[d]) for d in self.stages_of[stage_to_rank[s]] if d > s)
             for s in range(S)
         ]
         # the delay of stage s's F input (from s - 1) and of its I input (from s + 1)
@@ -159,7 +159,7 @@ class _ListScheduler:
 
     def forward_fits(self, r: int, s: int) -> bool:
         """Room on rank ``r`` for an F of stage ``s`` and its reserve."""
-        return self.mem[r] + self.costs.mem_f[s] + self.reserve[s] <= self.ceiling[r]
+        return self.mem[r] + self.costs.mem_b[s] + self.reserve[s] <= self.ceiling[r]
 
     def forward_allowed(self, s: int) -> bool:
         """Stage ``s`` has forwards left and fewer in flight than its cap."""
@@ -191,7 +191,7 @@ class _ListScheduler:
         return None if best is None else best[1]
 
     def backward(self, r: int, group: list[int], s: int) -> tuple[int, str] | None:
-        """Step 1: the I of stage ``s``; when its increase (mem_w > mem_f) does not fit, first the
+        """Step 1: the I of stage ``s``; when its increase (mem_w > mem_b) does not fit, first the
         pending W that frees the most."""
         if self.mem[r] + self.costs.memory_delta(s, "I") <= self.ceiling[r]:
             return s, "I"
@@ -249,7 +249,7 @@ def list_schedule(
         raise MemoryTooSmall(
             f"{name}: the memory limit {[ls.limit[r] for r in stuck]} on ranks {stuck} leaves no room to make "
             "progress; raise memory_limit (at least one microbatch's activations of every stage on a rank, "
-            "and max(mem_f, mem_w) per stage: an I adds mem_w - mem_f when mem_w > mem_f)"
+            "and max(mem_b, mem_w) per stage: an I adds mem_w - mem_b when mem_w > mem_b)"
         )
     # The list scheduler's own timing; re-timing the order as soon as possible can only end sooner.
     estimate = {

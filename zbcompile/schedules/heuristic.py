@@ -48,37 +48,37 @@ def fits(schedule: Schedule, costs: ResolvedCosts, limits: Sequence[float] | Non
 def minimum_memory(stage_to_rank: Sequence[int], costs: ResolvedCosts) -> tuple[float, ...]:
     """The smallest per-rank limit under which a schedule exists: the peak of one microbatch
     passing alone through the rank's stages (its F in stage order, then I and at once W in reverse).
-    One stage per rank: max(mem_f, mem_w) (an I adds mem_w - mem_f when that is positive)."""
+    One stage per rank: max(mem_b, mem_w) (an I adds mem_w - mem_b when that is positive)."""
     ranks = 1 + max(stage_to_rank)
     needed = []
     for rank in range(ranks):
         own = [s for s, r in enumerate(stage_to_rank) if r == rank]
         level = peak = 0.0
         for s in own:
-            level += costs.mem_f[s]
+            level += costs.mem_b[s]
             peak = max(peak, level)
         for s in reversed(own):
-            level += costs.mem_w[s] - costs.mem_f[s]
+            level += costs.mem_w[s] - costs.mem_b[s]
             peak = max(peak, level)
             level -= costs.mem_w[s]
         needed.append(peak)
     return tuple(needed)
 
 
-def one_f_one_b_peak(mem_f: float, mem_w: float, stages: int) -> float:
+def one_f_one_b_peak(mem_b: float, mem_w: float, stages: int) -> float:
     """1F1B's peak on its first stage for ``stages`` stages and enough microbatches: p in flight,
-    and the last one's backward adds max(0, mem_w - mem_f) (a fused B runs its I part first), i.e.
-    (p - 1) mem_f + max(mem_f, mem_w)."""
-    return stages * mem_f + max(0.0, mem_w - mem_f)
+    and the last one's backward adds max(0, mem_w - mem_b) (a fused B runs its I part first), i.e.
+    (p - 1) mem_b + max(mem_b, mem_w)."""
+    return stages * mem_b + max(0.0, mem_w - mem_b)
 
 
 def one_f_one_b_peaks(stage_to_rank: Sequence[int], costs: ResolvedCosts) -> tuple[float, ...]:
-    """1F1B's memory per rank: ``one_f_one_b_peak`` of the rank's summed ``mem_f`` and ``mem_w``
+    """1F1B's memory per rank: ``one_f_one_b_peak`` of the rank's summed ``mem_b`` and ``mem_w``
     (a whole rank's activations per microbatch), with as many in flight as there are ranks."""
     ranks = 1 + max(stage_to_rank)
     own = [[s for s, r in enumerate(stage_to_rank) if r == rank] for rank in range(ranks)]
     return tuple(
-        one_f_one_b_peak(sum(costs.mem_f[s] for s in stages), sum(costs.mem_w[s] for s in stages), ranks) for stages in own
+        one_f_one_b_peak(sum(costs.mem_b[s] for s in stages), sum(costs.mem_w[s] for s in stages), ranks) for stages in own
     )
 
 
@@ -159,7 +159,7 @@ def zb_auto_candidates(
             continue
     warm, defer = analytic_parameters(stages, costs)
     consider("pattern", pattern_rows(ev, lims, warm, defer))
-    raises = any(mw > mf for mf, mw in zip(costs.mem_f, costs.mem_w))
+    raises = any(mw > mf for mf, mw in zip(costs.mem_b, costs.mem_w))
     for name in ("1f1b", "zb-h1", "zb-h2"):
         rows = handcrafted_rows(ev, name)
         consider(name, rows)
@@ -198,7 +198,7 @@ def sequential(stages: int, microbatches: int, stage_to_rank: Sequence[int]) -> 
 
 
 def _uniform(costs: ResolvedCosts) -> bool:
-    return all(len(set(v)) <= 1 for v in (costs.f, costs.b, costs.w, costs.mem_f, costs.mem_w))
+    return all(len(set(v)) <= 1 for v in (costs.f, costs.b, costs.w, costs.mem_b, costs.mem_w))
 
 
 def zbv(stages: int, microbatches: int, costs: ResolvedCosts, limits: Sequence[float] | None = None, objective: str = "span") -> Schedule:
@@ -217,7 +217,7 @@ def zbv(stages: int, microbatches: int, costs: ResolvedCosts, limits: Sequence[f
     hand = zb_v(stages, microbatches)
     if fits(hand, costs, limits):
         candidates.append(hand.with_info(zbv_source="handcrafted"))
-    elif any(mw > mf for mf, mw in zip(costs.mem_f, costs.mem_w)):
+    elif any(mw > mf for mf, mw in zip(costs.mem_b, costs.mem_w)):
         # I raises memory, so the deferred W of the cool-down can exceed 1F1B's memory: run them
         # earlier where needed
         ev = Evaluator(stages, microbatches, placement, costs)

@@ -123,7 +123,7 @@ def make_schedule(
 
     ``stages`` counts chunks for multi-chunk schedules ("interleaved-1f1b": ``ranks`` ranks,
     default two chunks each; "zbv": two chunks per rank in a V) and costs are then per chunk.
-    ``memory_limit`` (units of ``mem_f``; scalar or one per rank) binds the solved schedules
+    ``memory_limit`` (units of ``mem_b``; scalar or one per rank) binds the solved schedules
     (zb-auto, zbv) and is checked for every schedule. zb-auto spends up to ``time_budget`` seconds
     (default 3) improving its heuristic with the exact solver; ``time_budget=0`` returns the
     heuristic. ``objective``: "span" (steps back to back; the paper's) or "makespan" (a barrier

@@ -96,7 +96,7 @@ def pattern_rows(
         lim = memory_ceiling(limits[s])
         F, I, W = ev.id(s, 0, 0), ev.id(s, 1, 0), ev.id(s, 2, 0)  # ids of microbatch k: base + k
         mf, mi, mw = mem[F], mem[I], mem[W]
-        # An F is admitted only with room for the increase of an I right after it (mem_w > mem_f:
+        # An F is admitted only with room for the increase of an I right after it (mem_w > mem_b:
         # mi > 0); then an I never lacks memory once the pending W have run (see greedy.py).
         mfe = mf + max(0.0, mi)
         row: list[int] = []
@@ -465,9 +465,9 @@ def _costs_of(ev: Evaluator) -> ResolvedCosts:
     b = tuple(ev.dur[ev.id(s, 1, 0)] for s in range(S))
     w = tuple(ev.dur[ev.id(s, 2, 0)] for s in range(S))
     comm = max((ev.delay[ev.id(s, 0, 0)] for s in range(1, S)), default=0.0)
-    mem_f = tuple(ev.mem[ev.id(s, 0, 0)] for s in range(S))
+    mem_b = tuple(ev.mem[ev.id(s, 0, 0)] for s in range(S))
     mem_w = tuple(-ev.mem[ev.id(s, 2, 0)] for s in range(S))
-    return ResolvedCosts(f, b, w, comm, mem_f, mem_w)
+    return ResolvedCosts(f, b, w, comm, mem_b, mem_w)
 
 
 def make_room(ev: Evaluator, rows: Sequence[Sequence[int]], limits: Sequence[float]) -> list[list[int]] | None:

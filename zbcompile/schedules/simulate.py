@@ -7,9 +7,9 @@ Definitions (see docs/schedules.md): every action starts as early as its rank an
 - span: the longest per-rank span, a rank's own first start to its own last end (steps back to
   back, what the paper reports);
 - bubble_rate = 1 - busy / (ranks * makespan); stage_bubble_rate = 1 - busy / (ranks * span);
-- peak_memory[r]: the largest activation memory rank r holds, in units of ``mem_f``: the running
+- peak_memory[r]: the largest activation memory rank r holds, in units of ``mem_b``: the running
   sum of the memory deltas in rank r's order (its actions never overlap, so that is time order).
-  With ``mem_w > mem_f`` an I raises the level, so the peak can follow an I; a fused B counts its
+  With ``mem_w > mem_b`` an I raises the level, so the peak can follow an I; a fused B counts its
   I part (``ResolvedCosts.memory_rise``).
 
 For single-chunk schedules a rank is a stage; multi-chunk schedules report per rank.

@@ -118,7 +118,7 @@ class _Model:
             if a.kind != "F":
                 continue
             s, k = a.stage, a.microbatch
-            mf, mw = costs.mem_f[s], costs.mem_w[s]
+            mf, mw = costs.mem_b[s], costs.mem_w[s]
             i_act, w_act = Action(s, "I", k), Action(s, "W", k)
             if mw <= mf:
                 spans = ((a, i_act, mf - mw), (a, w_act, mw))
@@ -200,7 +200,7 @@ def improve(
         if out_of_time():
             return skipped
         m.add_stage_precedences(s)
-    memory_values = list(costs.mem_f) + list(costs.mem_w) + (list(limits) if limits is not None else [])
+    memory_values = list(costs.mem_b) + list(costs.mem_w) + (list(limits) if limits is not None else [])
     mem_scale, memory_exact = _memory_scale(memory_values)
     for rank in range(len(m.rows)):
         if out_of_time():
