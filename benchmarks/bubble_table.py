@@ -54,8 +54,8 @@ EXPLAIN = {
 
 def run_row(model: str, m: int, budget: float) -> dict:
     p, _, f, b, w, comm = PROFILES[model]
-    costs = Costs(f=f, b=b, w=w, comm=comm, mem_b=1.0, mem_w=0.5)
-    chunk_costs = Costs(f=f / 2, b=b / 2, w=w / 2, comm=comm, mem_b=0.5, mem_w=0.25)
+    costs = Costs(f=f, i=b, w=w, comm=comm, mem_b=1.0, mem_w=0.5)
+    chunk_costs = Costs(f=f / 2, i=b / 2, w=w / 2, comm=comm, mem_b=0.5, mem_w=0.25)
     built = {
         "1F1B": (make_schedule("1f1b", p, m, costs, check=False), costs),
         "ZB-H1": (make_schedule("zb-h1", p, m, costs, check=False), costs),
@@ -181,7 +181,7 @@ def time_heuristic() -> float:
     from zbcompile.schedules.heuristic import zb_auto_heuristic
 
     p, _, f, b, w, comm = PROFILES["28.3B"]
-    sc = resolve_costs(Costs(f=f, b=b, w=w, comm=comm), p)
+    sc = resolve_costs(Costs(f=f, i=b, w=w, comm=comm), p)
     times = []
     for _ in range(3):
         started = time.perf_counter()

@@ -213,14 +213,14 @@ def simulate_all(stages: list[dict], static, config: Config) -> list[dict]:
     b = [s["B"] for s in stages]
     w = [s["W"] for s in stages]
     comm = PAPER_TABLE9["T_comm"]
-    costs = Costs(f=f, b=b, w=w, comm=comm, mem_b=static.mem_b, mem_w=static.mem_w)
+    costs = Costs(f=f, i=b, w=w, comm=comm, mem_b=static.mem_b, mem_w=static.mem_w)
     # two chunks per rank, each half of that rank's stage: interleaved (rank c % p), V (c, 2p-1-c)
     loop = [c % p for c in range(2 * p)]
     vee = [c if c < p else 2 * p - 1 - c for c in range(2 * p)]
 
     def chunk_costs(owner):
         return Costs(
-            f=[f[r] / 2 for r in owner], b=[b[r] / 2 for r in owner], w=[w[r] / 2 for r in owner], comm=comm,
+            f=[f[r] / 2 for r in owner], i=[b[r] / 2 for r in owner], w=[w[r] / 2 for r in owner], comm=comm,
             mem_b=[static.mem_b[r] / 2 for r in owner], mem_w=[static.mem_w[r] / 2 for r in owner],
         )
 
@@ -314,7 +314,7 @@ def run(config: Config, device_name: str) -> dict:
         "device": device_info,
         "machine": _launch.machine(),
         "compile_s": compile_s,
-        "static_costs": {"f": list(static.f), "b": list(static.b), "w": list(static.w), "mem_b": list(static.mem_b), "mem_w": list(static.mem_w)},
+        "static_costs": {"f": list(static.f), "i": list(static.i), "w": list(static.w), "mem_b": list(static.mem_b), "mem_w": list(static.mem_w)},
         "stages": stages,
         "errors": errors,
         "paper_table9_ms": PAPER_TABLE9,

@@ -181,7 +181,7 @@ def predict(per_rank: list[dict]) -> dict:
     stages = schedule.stages
     costs = Costs(
         f=[med.get((s, "F"), 0.0) for s in range(stages)],
-        b=[med.get((s, "I"), med.get((s, "B"), 0.0)) for s in range(stages)],
+        i=[med.get((s, "I"), med.get((s, "B"), 0.0)) for s in range(stages)],
         w=[med.get((s, "W"), 0.0) for s in range(stages)],
         comm=per_rank[0]["latency"]["message_s"],
     )
@@ -192,7 +192,7 @@ def predict(per_rank: list[dict]) -> dict:
         (_launch.RESULTS / f"post_validation_{mode}.svg").write_text(to_svg(boxes, title=f"{schedule.name}: {mode}, two steps"))
     return {
         "f_ms": [1e3 * x for x in costs.f],
-        "b_ms": [1e3 * x for x in costs.b],
+        "b_ms": [1e3 * x for x in costs.i],
         "w_ms": [1e3 * x for x in costs.w],
         "comm_ms": 1e3 * costs.comm,
         "optimizer_ms": 1e3 * optimizer,

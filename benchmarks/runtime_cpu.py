@@ -483,19 +483,19 @@ def _durations(per_rank: list[dict], key, rounds: list[int]) -> tuple[dict, list
 
 def _costs(stat: dict, stages: int, comm: float):
     """Costs per stage from one statistic of each action kind: I and W where the schedule split
-    the backward, else the fused B as b with w = 0 (a fused B costs b + w either way)."""
+    the backward, else the fused B as i with w = 0 (a fused B costs i + w either way)."""
     from zbcompile.schedules import Costs
 
-    f, b, w = [], [], []
+    f, i, w = [], [], []
     for s in range(stages):
         f.append(stat.get((s, "F"), 0.0))
         if (s, "I") in stat:
-            b.append(stat[(s, "I")])
+            i.append(stat[(s, "I")])
             w.append(stat.get((s, "W"), 0.0))
         else:
-            b.append(stat.get((s, "B"), 0.0))
+            i.append(stat.get((s, "B"), 0.0))
             w.append(0.0)
-    return Costs(f=f, b=b, w=w, comm=comm)
+    return Costs(f=f, i=i, w=w, comm=comm)
 
 
 def predict(per_rank: list[dict], key, rounds: list[int]) -> dict:
@@ -513,12 +513,12 @@ def predict(per_rank: list[dict], key, rounds: list[int]) -> dict:
     one_f_one_b = simulate(make_schedule("1f1b", schedule.stages, schedule.microbatches, check=False), costs)
     return {
         "f_ms": [1e3 * x for x in costs.f],
-        "b_ms": [1e3 * x for x in costs.b],
+        "b_ms": [1e3 * x for x in costs.i],
         "w_ms": [1e3 * x for x in costs.w],
         "comm_ms": 1e3 * comm,
         "makespan_ms": 1e3 * sim.makespan,
         "span_ms": 1e3 * sim.span,
-        "busy_ms": [1e3 * sum(costs.f[s] + costs.b[s] + costs.w[s] for s in range(schedule.stages) if schedule.stage_to_rank[s] == r) * schedule.microbatches for r in range(schedule.ranks)],
+        "busy_ms": [1e3 * sum(costs.f[s] + costs.i[s] + costs.w[s] for s in range(schedule.stages) if schedule.stage_to_rank[s] == r) * schedule.microbatches for r in range(schedule.ranks)],
         "simulated_gain_over_1f1b": one_f_one_b.makespan / sim.makespan,
         "simulated_steady_gain_over_1f1b": one_f_one_b.span / sim.span,
         "runtime_gaps_ms": 1e3 * _launch.median(gaps),

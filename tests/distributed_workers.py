@@ -156,7 +156,7 @@ def profiled(max_steps: int) -> dict:
     case.step(pipe)
     costs = pipe.measured_costs
     return {
-        "costs": None if costs is None else (list(costs.f), list(costs.b), list(costs.w), costs.comm),
+        "costs": None if costs is None else (list(costs.f), list(costs.i), list(costs.w), costs.comm),
         "steps": steps + 1,
         "grads": {n: p.grad.clone() for n, p in pipe.named_parameters()},
         "schedule": [list(map(str, row)) for row in pipe.schedule.actions],

@@ -52,7 +52,7 @@ def _wait_for_switch(tuner, runner, scale: float) -> None:
 
 
 def test_first_solve_switch_calibration_and_drift():
-    static = Costs(f=[1.0, 1.0], b=[1.0, 1.0], w=[1.0, 1.0])
+    static = Costs(f=[1.0, 1.0], i=[1.0, 1.0], w=[1.0, 1.0])
     schedule = make_schedule("zb-auto", 2, 4, costs=static, time_budget=0)
     runner = _runner(schedule)
     arguments = lambda costs: dict(name="zb-auto", stages=2, microbatches=4, costs=costs, time_budget=0)  # noqa: E731
@@ -62,7 +62,7 @@ def test_first_solve_switch_calibration_and_drift():
     _wait_for_switch(tuner, runner, 1.0)
     assert runner.schedule.info["cost_source"] == "measured" and not tuner.solving
     measured = tuner.measured
-    assert (measured.f, measured.b, measured.w) == (pytest.approx([1e-3] * 2), pytest.approx([2e-3] * 2), pytest.approx([1e-3] * 2))
+    assert (measured.f, measured.i, measured.w) == (pytest.approx([1e-3] * 2), pytest.approx([2e-3] * 2), pytest.approx([1e-3] * 2))
     _run(tuner, runner, 1.0, profile.DRIFT_WINDOW)  # the first window after the switch calibrates
     assert tuner.history[-1]["event"] == "calibrated"
     _run(tuner, runner, 1.05, profile.DRIFT_WINDOW)  # within the threshold: nothing

@@ -84,11 +84,11 @@ stage  params  param bytes  F flops  B flops  W flops  W share    M_B    M_W  se
     1     340      1.36 kB   1.28 k   1.28 k   1.28 k      50%  576 B  416 B    0 B
 boundaries (values sent to the next stage):
   0 -> 1: addmm_1 float32[2, 16] (128 B)
-balance: F+B+W per stage relative to the slowest (the schedule's costs): 0.95, 1.00; stage 1 sets the pace
+balance: F+I+W per stage relative to the slowest (the schedule's costs): 0.95, 1.00; stage 1 sets the pace
 
 schedule zb-h1 (version 0 of 1), 2 ranks (stage->rank 0->0, 1->1), 4 microbatches
 costs: static estimates in FLOP-equivalents (FLOPs + 4 x bytes written), comm 0
-stage       F       B       W    M_B    M_W
+stage       F       I       W    M_B    M_W
     0  2.94 k       0  9.60 k  176 B  304 B
     1  2.96 k  3.46 k  6.72 k  576 B  416 B
 predicted: makespan 55.49 k, span 53.65 k, bubble 7.4% (stage bubble 4.3%); peak activations per rank 480 B, 992 B

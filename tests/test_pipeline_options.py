@@ -10,7 +10,7 @@ from models import build
 from zbcompile.api import schedule_costs
 from zbcompile.schedules import Costs, make_schedule
 
-GIVEN = Costs(f=[1.0, 3.0], b=[1.0, 3.0], w=[1.0, 3.0], mem_b=1.0, mem_w=0.5)
+GIVEN = Costs(f=[1.0, 3.0], i=[1.0, 3.0], w=[1.0, 3.0], mem_b=1.0, mem_w=0.5)
 
 
 def test_given_costs_solve_the_schedule_and_are_reported():

@@ -19,7 +19,7 @@ CASES = [
     ("zb-h1", 2, 8, Costs(mem_b=1.0, mem_w=0.5)),
     ("zb-h2", 2, 8, Costs(mem_b=1.0, mem_w=0.5)),
     ("zb-h2", 4, 8, Costs(mem_b=[1, 1, 1, 1], mem_w=[1.0, 0.6, 0.4, 1.2])),
-    ("zb-auto", 2, 8, Costs(f=[3.5, 3.7], b=[0.1, 4.3], w=[6.8, 2.9], comm=0.2, mem_b=1.0, mem_w=[1.0, 0.5])),
+    ("zb-auto", 2, 8, Costs(f=[3.5, 3.7], i=[0.1, 4.3], w=[6.8, 2.9], comm=0.2, mem_b=1.0, mem_w=[1.0, 0.5])),
     ("zb-auto", 4, 6, Costs(mem_b=1.0, mem_w=0.5)),
     ("zbv", 4, 6, Costs(mem_b=1.0, mem_w=0.5)),
 ]
@@ -92,7 +92,7 @@ def test_program_resolves_messages():
 
 
 def test_overtaken_w_are_those_the_plan_ran_before_the_waiting_computation():
-    costs = Costs(f=[3.5, 3.7], b=[0.1, 4.3], w=[6.8, 2.9], comm=0.2, mem_b=1.0, mem_w=[1.0, 0.5])
+    costs = Costs(f=[3.5, 3.7], i=[0.1, 4.3], w=[6.8, 2.9], comm=0.2, mem_b=1.0, mem_w=[1.0, 0.5])
     schedule = make_schedule("zb-auto", 2, 8, costs=costs, time_budget=0)
     for rank in range(2):
         plan = lower(schedule).actions[rank]

@@ -31,7 +31,7 @@ def test_renderer_accepts_plain_boxes():
 def test_cli_prints_table_grid_and_writes_pictures(tmp_path, capsys):
     out = tmp_path / "timeline.svg"
     code = _run(
-        ["schedule", "--stages", "4", "--microbatches", "8", "--f", "1.2,1,1,1.5", "--b", "1", "--w", "0.5",
+        ["schedule", "--stages", "4", "--microbatches", "8", "--f", "1.2,1,1,1.5", "--i", "1", "--w", "0.5",
          "--comm", "0.1", "--memory-limit", "1p", "--schedule", "1f1b,zb-auto", "--time-budget", "0",
          "--out", str(out)]
     )

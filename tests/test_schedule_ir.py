@@ -61,7 +61,7 @@ UNIFORM = [(1, 1, 1), (3, 2, 1), (18.522, 18.086, 9.337), (29.718, 29.444, 19.92
 @pytest.mark.parametrize("f,b,w", UNIFORM)
 def test_table2_bubbles_and_memory(f, b, w):
     """Paper Table 2: bubble = span - m(F+B+W); memory p M_B (1F1B, ZB-H1), (2p-1) M_B (ZB-H2)."""
-    costs = Costs(f=f, b=b, w=w)
+    costs = Costs(f=f, i=b, w=w)
     for p in range(2, 17):
         for m in (2 * p, 3 * p + 1):
             expected = {
@@ -86,7 +86,7 @@ def test_fused_and_split_kinds():
 @pytest.mark.parametrize("name", SCHEDULE_NAMES)
 @pytest.mark.parametrize("p,m", [(4, 8), (4, 4), (2, 6), (6, 12)])
 def test_every_schedule_validates_and_keeps_microbatch_order(name, p, m):
-    sched = make_schedule(name, p, m, Costs(f=1, b=1.2, w=0.6, comm=0.1), time_budget=0)
+    sched = make_schedule(name, p, m, Costs(f=1, i=1.2, w=0.6, comm=0.1), time_budget=0)
     assert sched.stages == p and sched.microbatches == m and len(sched.stage_to_rank) == p
     for row in sched.actions:
         for stage in range(p):
@@ -125,7 +125,7 @@ def test_fewer_microbatches_than_stages():
 
 
 def test_zero_costs_and_empty_stage0_input_gradient():
-    costs = Costs(f=[1, 1, 1], b=[0, 1, 1], w=[1, 0, 1])
+    costs = Costs(f=[1, 1, 1], i=[0, 1, 1], w=[1, 0, 1])
     for name in ("1f1b", "zb-h1", "zb-auto"):
         sched = make_schedule(name, 3, 6, costs, time_budget=0)
         res = simulate(sched, costs)
@@ -133,7 +133,7 @@ def test_zero_costs_and_empty_stage0_input_gradient():
 
 
 def test_simulator_measures():
-    costs = Costs(f=1, b=2, w=1, comm=0.5)
+    costs = Costs(f=1, i=2, w=1, comm=0.5)
     res = simulate(make_schedule("gpipe", 2, 1), costs)
     # F0 on rank 0 [0,1], comm, F0 on rank 1 [1.5,2.5], B [2.5,5.5], comm, B on rank 0 [6,9]
     assert res.makespan == pytest.approx(9.0)
@@ -179,9 +179,9 @@ def test_rendezvous_check_catches_misordered_messages():
 def test_multi_chunk_placements():
     inter = make_schedule("interleaved-1f1b", 8, 8)
     assert inter.ranks == 4 and inter.stage_to_rank == (0, 1, 2, 3, 0, 1, 2, 3)
-    v = make_schedule("zbv", 8, 8, Costs(f=1, b=1, w=1))
+    v = make_schedule("zbv", 8, 8, Costs(f=1, i=1, w=1))
     assert v.ranks == 4 and v.stage_to_rank == (0, 1, 2, 3, 3, 2, 1, 0)
-    res = simulate(v, Costs(f=1, b=1, w=1))
+    res = simulate(v, Costs(f=1, i=1, w=1))
     assert max(res.peak_memory) <= 4 * 2  # 1F1B's memory: p microbatches of a rank's two chunks
     lowered = lower(v)
     assert not any(a.kind == "SEND_F" and a.stage == 3 for row in lowered.actions for a in row)  # V turn is local

@@ -43,7 +43,7 @@ def replay_peaks(sched, costs):
             elif a.kind == "W":
                 events.append((t1, -mw))
             else:
-                events += [(t0 + sc.b[s], mw - mf), (t1, -mw)]
+                events += [(t0 + sc.i[s], mw - mf), (t1, -mw)]
         level = peak = 0.0
         for _, delta in sorted(events, key=lambda e: e[0]):
             level += delta
@@ -70,7 +70,7 @@ def instances(draw, max_p=8):
         limit = None
     else:
         limit = [max(mf, mw) + factor * (p - 1) * mf for mf, mw in zip(mem_b, mem_w)]
-    return p, m, Costs(f=f, b=b, w=w, comm=comm, mem_b=mem_b, mem_w=mem_w), limit
+    return p, m, Costs(f=f, i=b, w=w, comm=comm, mem_b=mem_b, mem_w=mem_w), limit
 
 
 def test_costs_accept_mem_w_above_mem_b():
@@ -89,7 +89,7 @@ def test_generated_schedules_validate_and_peak_matches_replay(instance, name):
     p, m, costs, _ = instance
     if name == "interleaved-1f1b":
         if p % 2:
-            p, costs = p + 1, Costs(f=1.0, b=2.0, w=0.5, comm=0.1, mem_b=1.0, mem_w=1.6)
+            p, costs = p + 1, Costs(f=1.0, i=2.0, w=0.5, comm=0.1, mem_b=1.0, mem_w=1.6)
         m = max(p // 2, m - m % (p // 2))
     sched = make_schedule(name, p, m, costs)  # validated, lowering included
     peaks = simulate(sched, costs).peak_memory
@@ -154,7 +154,7 @@ def test_closed_form_peaks_at_mem_w_one_and_a_quarter_mem_b(p, m):
     """
     mf, mw = 1.0, 1.25
     e = max(0.0, mw - mf)
-    costs = Costs(f=1.0, b=1.0, w=1.0, comm=0.0, mem_b=mf, mem_w=mw)
+    costs = Costs(f=1.0, i=1.0, w=1.0, comm=0.0, mem_b=mf, mem_w=mw)
     sc = costs.resolve(p)
 
     def peaks(name):
@@ -185,7 +185,7 @@ def test_zb_auto_under_1f1b_memory_when_i_raises_memory():
     """At 1F1B's memory ((p-1) M_B + M_W per stage) ZB-H1 no longer fits (its last stage needs
     p M_W); zb-auto still finds a schedule within the limit and at least as good as 1F1B."""
     p, m = 4, 12
-    costs = Costs(f=1.0, b=1.0, w=1.0, comm=0.05, mem_b=1.0, mem_w=1.25)
+    costs = Costs(f=1.0, i=1.0, w=1.0, comm=0.05, mem_b=1.0, mem_w=1.25)
     limit = one_f_one_b_peak(1.0, 1.25, p)
     h1 = make_schedule("zb-h1", p, m, costs)
     assert max(simulate(h1, costs).peak_memory) > limit
@@ -200,7 +200,7 @@ def test_cpsat_respects_the_increase_of_i():
     from zbcompile.schedules.solver import improve
 
     p, m = 3, 5
-    costs = Costs(f=1.0, b=1.0, w=1.0, comm=0.0, mem_b=1.0, mem_w=2.0)
+    costs = Costs(f=1.0, i=1.0, w=1.0, comm=0.0, mem_b=1.0, mem_w=2.0)
     sc = costs.resolve(p)
     limit = [2.0, 3.0, 3.0]
     start = list_schedule("zb-auto", p, m, tuple(range(p)), sc, limit, POLICIES[0])
@@ -230,7 +230,7 @@ def test_zbv_fits_1f1b_memory_when_i_raises_memory(ranks, m, ratio, f, w):
     """Default zbv limit: 1F1B's peak for a whole rank, p M_B + max(0, M_W - M_B) with M_B, M_W
     summed over the rank's two chunks. The handcrafted ZB-V's deferred W exceed it when M_W > M_B;
     they are moved earlier (or the list scheduler, or one microbatch at a time, is used)."""
-    costs = Costs(f=f, b=1.0, w=w, comm=0.05, mem_b=0.5, mem_w=0.5 * ratio)
+    costs = Costs(f=f, i=1.0, w=w, comm=0.05, mem_b=0.5, mem_w=0.5 * ratio)
     sched = make_schedule("zbv", 2 * ranks, m, costs)
     res = simulate(sched, costs)
     assert max(res.peak_memory) <= one_f_one_b_peak(1.0, ratio, ranks) + TOL
@@ -239,7 +239,7 @@ def test_zbv_fits_1f1b_memory_when_i_raises_memory(ranks, m, ratio, f, w):
 
 def test_zbv_at_the_minimum_falls_back_to_one_microbatch_at_a_time():
     S, m = 6, 5
-    costs = Costs(f=1.0, b=1.0, w=1.0, mem_b=[1.0, 0.5, 1.0, 1.0, 0.5, 1.0], mem_w=[2.0, 1.0, 0.5, 1.5, 1.0, 0.25])
+    costs = Costs(f=1.0, i=1.0, w=1.0, mem_b=[1.0, 0.5, 1.0, 1.0, 0.5, 1.0], mem_w=[2.0, 1.0, 0.5, 1.5, 1.0, 0.25])
     sc = costs.resolve(S)
     placement = v_placement(S)
     need = minimum_memory(placement, sc)

@@ -25,7 +25,7 @@ def instances(draw):
         limit = None
     else:  # per stage, never below one microbatch (the feasibility minimum)
         limit = [max(mf, factor * p * mf) for mf in mem_b]
-    return p, m, Costs(f=f, b=b, w=w, comm=comm, mem_b=mem_b, mem_w=mem_w), limit
+    return p, m, Costs(f=f, i=b, w=w, comm=comm, mem_b=mem_b, mem_w=mem_w), limit
 
 
 def _fits(sched, costs, limit):
@@ -64,6 +64,6 @@ def test_generated_schedules_validate(instance, name):
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(1, 6), st.integers(1, 16), st.floats(0.1, 3), st.floats(0.1, 3), st.floats(0.1, 3))
 def test_zbv_validates_at_1f1b_memory(ranks, m, f, b, w):
-    costs = Costs(f=f, b=b, w=w, comm=0.05)
+    costs = Costs(f=f, i=b, w=w, comm=0.05)
     sched = make_schedule("zbv", 2 * ranks, m, costs)
     assert max(simulate(sched, costs).peak_memory) <= ranks * 2 + TOL

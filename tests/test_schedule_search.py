@@ -31,7 +31,7 @@ TABLE5 = {  # (model, m, memory in units of p M_B) -> the paper's rate
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(1, 6), st.integers(1, 12), st.sampled_from(["1f1b", "zb-h1", "zb-h2"]), st.floats(0.0, 1.0))
 def test_fast_evaluator_agrees_with_the_simulator(p, m, name, comm):
-    costs = Costs(f=[1.0 + 0.1 * s for s in range(p)], b=1.3, w=0.7, comm=comm)
+    costs = Costs(f=[1.0 + 0.1 * s for s in range(p)], i=1.3, w=0.7, comm=comm)
     sched = make_schedule(name, p, m, costs, check=False)
     if name == "1f1b":
         from zbcompile.schedules.heuristic import split_backward
@@ -64,21 +64,21 @@ def test_zbv_has_no_bubble_at_1f1b_memory_with_equal_costs(p, extra):
     a barrier is (p-1)/(6m+p-1). A chunk holds half a stage (mem_b = M_B/2 = 0.5), so the peak of
     2p chunk activations per rank is p M_B: 1F1B's peak for p stages with mem_b = M_B = 1."""
     m = 2 * p + extra
-    chunk = Costs(f=1.0, b=1.0, w=1.0, comm=0.0, mem_b=0.5, mem_w=0.25)
+    chunk = Costs(f=1.0, i=1.0, w=1.0, comm=0.0, mem_b=0.5, mem_w=0.25)
     sched = make_schedule("zbv", 2 * p, m, chunk)
     res = simulate(sched, chunk)
     assert sched.info["zbv_source"] == "handcrafted"
     assert res.stage_bubble_rate == pytest.approx(0.0, abs=1e-12)
     assert res.bubble_rate == pytest.approx((p - 1) / (6 * m + p - 1), abs=1e-12)
-    one_f_one_b = simulate(make_schedule("1f1b", p, m, Costs(f=2.0, b=4.0, w=0.0, mem_b=1.0, mem_w=0.5)))
+    one_f_one_b = simulate(make_schedule("1f1b", p, m, Costs(f=2.0, i=4.0, w=0.0, mem_b=1.0, mem_w=0.5)))
     assert res.peak_memory == pytest.approx((float(p),) * p)
     assert max(res.peak_memory) == pytest.approx(max(one_f_one_b.peak_memory))
 
 
 def test_zbv_beats_zb_h1_on_the_1_5b_profile():
     p, f, b, w, comm = PROFILES["1.5B"]
-    whole = Costs(f=f, b=b, w=w, comm=comm)
-    chunk = Costs(f=f / 2, b=b / 2, w=w / 2, comm=comm, mem_b=0.5, mem_w=0.25)
+    whole = Costs(f=f, i=b, w=w, comm=comm)
+    chunk = Costs(f=f / 2, i=b / 2, w=w / 2, comm=comm, mem_b=0.5, mem_w=0.25)
     zbv = simulate(make_schedule("zbv", 2 * p, 24, chunk), chunk)
     h1 = simulate(make_schedule("zb-h1", p, 24, whole), whole)
     assert zbv.stage_bubble_rate < h1.stage_bubble_rate
@@ -86,7 +86,7 @@ def test_zbv_beats_zb_h1_on_the_1_5b_profile():
 
 
 def test_zbv_list_scheduler_fallback_for_uneven_chunks():
-    chunk = Costs(f=[1.0, 3.0, 1.0, 1.0, 0.5, 1.0], b=1.0, w=1.0, comm=0.1, mem_b=0.5, mem_w=0.25)
+    chunk = Costs(f=[1.0, 3.0, 1.0, 1.0, 0.5, 1.0], i=1.0, w=1.0, comm=0.1, mem_b=0.5, mem_w=0.25)
     sched = make_schedule("zbv", 6, 8, chunk)
     validate(sched, chunk, sched.info["memory_limit"])
     assert sched.info["zbv_source"] in ("handcrafted", "list")
@@ -97,7 +97,7 @@ def test_zb_auto_matches_or_beats_table5(key):
     """Deterministic, small budget: the search alone has to reach the paper's numbers here."""
     model, m, mem = key
     p, f, b, w, comm = PROFILES[model]
-    costs = Costs(f=f, b=b, w=w, comm=comm, mem_b=1.0, mem_w=0.5)
+    costs = Costs(f=f, i=b, w=w, comm=comm, mem_b=1.0, mem_w=0.5)
     sched = make_schedule(
         "zb-auto", p, m, costs, memory_limit=mem * p, time_budget=1.0, deterministic=True, check=p <= 8
     )
@@ -110,14 +110,14 @@ def test_zb_auto_matches_or_beats_table5(key):
 
 def test_zb_auto_is_deterministic():
     p, f, b, w, comm = PROFILES["1.5B"]
-    costs = Costs(f=f, b=b, w=w, comm=comm)
+    costs = Costs(f=f, i=b, w=w, comm=comm)
     runs = [make_schedule("zb-auto", p, 24, costs, memory_limit=2 * p, time_budget=0.5, deterministic=True) for _ in range(2)]
     assert runs[0].actions == runs[1].actions
 
 
 def test_zb_auto_stays_within_its_budget():
     p, f, b, w, comm = PROFILES["28.3B"]
-    costs = Costs(f=f, b=b, w=w, comm=comm)
+    costs = Costs(f=f, i=b, w=w, comm=comm)
     started = time.perf_counter()
     sched = make_schedule("zb-auto", p, 96, costs, memory_limit=2 * p, time_budget=2.0, check=False)
     elapsed = time.perf_counter() - started
@@ -128,7 +128,7 @@ def test_zb_auto_stays_within_its_budget():
 def test_search_improves_on_the_heuristic_where_it_can():
     # (1.5B m=24: the heuristic's paper construction already sits at CP-SAT's proven bound)
     p, f, b, w, comm = PROFILES["6.2B"]
-    costs = Costs(f=f, b=b, w=w, comm=comm)
+    costs = Costs(f=f, i=b, w=w, comm=comm)
     sc = resolve_costs(costs, p)
     heuristic = simulate(zb_auto_heuristic(p, 32, sc, [2.0 * p] * p), sc).span
     sched = make_schedule("zb-auto", p, 32, costs, memory_limit=2 * p, time_budget=1.0, deterministic=True)
@@ -143,7 +143,7 @@ def test_paper_construction_reproduces_table5_at_2p(model, m):
     from zbcompile.schedules.reference import reference_rows
 
     p, f, b, w, comm = PROFILES[model]
-    sc = resolve_costs(Costs(f=f, b=b, w=w, comm=comm), p)
+    sc = resolve_costs(Costs(f=f, i=b, w=w, comm=comm), p)
     ev = Evaluator(p, m, tuple(range(p)), sc)
     _, rows = reference_rows(ev, [2.0 * p] * p)
     assert all(ev.peak(r) <= 2.0 * p + 1e-9 for r in rows)

@@ -4,7 +4,7 @@ import pytest
 
 from zbcompile.schedules import Costs, make_schedule, simulate, validate
 
-PROFILE = Costs(f=18.522, b=18.086, w=9.337, comm=0.601)
+PROFILE = Costs(f=18.522, i=18.086, w=9.337, comm=0.601)
 
 
 @pytest.mark.parametrize("objective", ["span", "makespan"])
@@ -22,7 +22,7 @@ def test_solver_proves_optimum_on_a_small_instance(objective):
 
 
 def test_solver_result_never_worse_and_valid():
-    costs = Costs(f=[1.0, 1.4, 0.8, 1.1], b=[0.0, 1.3, 1.0, 1.6], w=[0.9, 0.5, 0.7, 0.6], comm=0.2)
+    costs = Costs(f=[1.0, 1.4, 0.8, 1.1], i=[0.0, 1.3, 1.0, 1.6], w=[0.9, 0.5, 0.7, 0.6], comm=0.2)
     limit = [2.0, 3.0, 2.0, 2.0]
     sched = make_schedule("zb-auto", 4, 8, costs, memory_limit=limit, time_budget=4, deterministic=True)
     validate(sched, costs, limit)

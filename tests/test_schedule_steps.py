@@ -12,7 +12,7 @@ from zbcompile.schedules import SCHEDULE_NAMES, Costs, make_schedule, simulate
 from zbcompile.schedules.render import to_svg
 from zbcompile.schedules.steps import compare_step_times, simulate_steps
 
-COSTS = Costs(f=1.0, b=1.1, w=0.8, comm=0.2)
+COSTS = Costs(f=1.0, i=1.1, w=0.8, comm=0.2)
 
 
 def _schedule(name: str, ranks: int = 4, microbatches: int = 8):
@@ -29,7 +29,7 @@ def test_importing_the_step_simulator_does_not_import_torch():
 @pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-h2", "zb-auto"])
 def test_a_step_with_a_barrier_takes_makespan_plus_allreduce_plus_optimizer(name):
     schedule = _schedule(name)
-    costs = Costs(f=1.0, b=1.1, w=0.8, comm=0.2)
+    costs = Costs(f=1.0, i=1.1, w=0.8, comm=0.2)
     result = simulate_steps(schedule, costs, "barrier", steps=5, optimizer=0.5, allreduce=0.7)
     assert result.step_time == pytest.approx(simulate(schedule, costs).makespan + 0.7 + 0.5)
     default = simulate_steps(schedule, costs, "barrier", steps=5)  # 2 comm log2(4)
@@ -49,7 +49,7 @@ def test_post_validation_is_faster_than_the_barrier_on_four_ranks(name):
 def test_without_communication_cost_post_validation_adds_nothing():
     """The chains ride along data the next step waits for anyway: with comm=0 and no all-reduce
     both modes take the same time."""
-    costs = Costs(f=1.0, b=1.0, w=1.0, comm=0.0)
+    costs = Costs(f=1.0, i=1.0, w=1.0, comm=0.0)
     schedule = make_schedule("zb-h1", stages=4, microbatches=8, costs=costs)
     times = {mode: r.step_time for mode, r in compare_step_times(schedule, costs, optimizer=0.5).items()}
     assert times["post-validation"] == pytest.approx(times["barrier"])

@@ -665,7 +665,7 @@ def schedule_costs(compiled: CompiledPipeline) -> Costs:
     unit = max([c.mem_b for c in costs] + [1])
     return Costs(
         f=[c.forward.time_estimate for c in costs],
-        b=[c.input_backward.time_estimate for c in costs],
+        i=[c.input_backward.time_estimate for c in costs],
         w=[c.weight_backward.time_estimate for c in costs],
         mem_b=[c.mem_b / unit for c in costs],
         mem_w=[c.mem_w / unit for c in costs],

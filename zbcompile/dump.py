@@ -124,7 +124,7 @@ def schedule_record(schedule: Schedule, costs: Costs, cost_source: str, memory_u
             "lowered": lower(schedule).rows_as_text(),
             "cost_source": cost_source,
             "time_unit": {"measured": "s", "static": "FLOP-eq"}.get(cost_source, "given unit"),
-            "costs": {k: getattr(resolved, k) for k in ("f", "b", "w", "comm", "mem_b", "mem_w")},
+            "costs": {k: getattr(resolved, k) for k in ("f", "i", "w", "comm", "mem_b", "mem_w")},
             "prediction": {
                 "makespan": result.makespan,
                 "span": result.span,

@@ -102,14 +102,14 @@ def format_schedule(version: dict[str, Any], count: int = 1, memory_unit: int | 
         (
             str(s),
             _time(costs["f"][s], unit),
-            _time(costs["b"][s], unit),
+            _time(costs["i"][s], unit),
             _time(costs["w"][s], unit),
             si(costs["mem_b"][s] * unit_bytes, "B") if memory_unit else f"{costs['mem_b'][s]:.2f}",
             si(costs["mem_w"][s] * unit_bytes, "B") if memory_unit else f"{costs['mem_w'][s]:.2f}",
         )
         for s in range(version["stages"])
     ]
-    lines.append(summary.format_table(("stage", "F", "B", "W", "M_B", "M_W"), rows))
+    lines.append(summary.format_table(("stage", "F", "I", "W", "M_B", "M_W"), rows))
     peaks = ", ".join(si(b, "B") for b in predicted["peak_memory_bytes"])
     lines.append(
         f"predicted: makespan {_time(predicted['makespan'], unit)}, span {_time(predicted['span'], unit)}, "
@@ -120,11 +120,11 @@ def format_schedule(version: dict[str, Any], count: int = 1, memory_unit: int | 
 
 def _balance(version: dict[str, Any]) -> str:
     costs = version["costs"]
-    work = [f + b + w for f, b, w in zip(costs["f"], costs["b"], costs["w"])]
+    work = [f + i + w for f, i, w in zip(costs["f"], costs["i"], costs["w"])]
     top = max(work) or 1.0
     slowest = work.index(max(work))
     return (
-        f"balance: F+B+W per stage relative to the slowest (the schedule's costs): "
+        f"balance: F+I+W per stage relative to the slowest (the schedule's costs): "
         f"{', '.join(f'{x / top:.2f}' for x in work)}; stage {slowest} sets the pace"
     )
 

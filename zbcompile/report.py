@@ -163,11 +163,10 @@ def _bars(dump: inspection.Dump, version: dict[str, Any], found: dict[str, Any] 
     measured = _measured_action_times(dump.trace, found["steps"]) if found else {}
     time_groups = []
     for s in range(version["stages"]):
-        for kind, key in (("F", "f"), ("B", "b"), ("W", "w")):
+        for kind, key in (("F", "f"), ("I", "i"), ("W", "w")):
             bars = [("predicted", costs[key][s] * scale)]
-            measured_kind = {"B": "I"}.get(kind, kind)
-            if (s, measured_kind) in measured:
-                bars.append(("measured", measured[(s, measured_kind)]))
+            if (s, kind) in measured:
+                bars.append(("measured", measured[(s, kind)]))
             time_groups.append((f"stage {s} {kind}", bars))
     memory_groups = [(f"stage {row['stage']}", [("M_B", row["mem_b"]), ("M_W", row["mem_w"])]) for row in record["stage_rows"]]
     peak_groups = []

@@ -87,13 +87,13 @@ def costs_of(parts: Sequence[Medians], comm: float, stages: int, static: Costs) 
         if (stage, kind) in medians:
             return medians[(stage, kind)]
         if kind in ("I", "W") and (stage, "B") in medians:  # only fused backwards ran: split by FLOPs
-            share = static.w[stage] / max(static.b[stage] + static.w[stage], 1e-12) if isinstance(static.w, (list, tuple)) else 0.5
+            share = static.w[stage] / max(static.i[stage] + static.w[stage], 1e-12) if isinstance(static.w, (list, tuple)) else 0.5
             return medians[(stage, "B")] * (share if kind == "W" else 1 - share)
         return 0.0
 
     return Costs(
         f=[time_of(s, "F") for s in range(stages)],
-        b=[time_of(s, "I") for s in range(stages)],
+        i=[time_of(s, "I") for s in range(stages)],
         w=[time_of(s, "W") for s in range(stages)],
         comm=comm,
         mem_b=static.mem_b,

@@ -3,7 +3,7 @@
 Pure Python; importing this package never imports torch (ortools and matplotlib load lazily).
 
     from zbcompile.schedules import Costs, make_schedule, simulate
-    costs = Costs(f=18.5, b=18.1, w=9.3, comm=0.6, mem_b=1.0, mem_w=0.5)
+    costs = Costs(f=18.5, i=18.1, w=9.3, comm=0.6, mem_b=1.0, mem_w=0.5)
     sched = make_schedule("zb-auto", stages=8, microbatches=24, costs=costs, memory_limit=8.0)
     res = simulate(sched, costs)   # makespan, span, bubble_rate, stage_bubble_rate, peak_memory
 """

@@ -40,7 +40,7 @@ def register(subparsers) -> None:
     p.add_argument("--stages", type=int, required=True, help="pipeline stages (chunks for zbv/interleaved)")
     p.add_argument("--microbatches", type=int, required=True)
     p.add_argument("--f", type=_floats, default=1.0, help="forward time, scalar or one per stage (1.2,1,1,1.5)")
-    p.add_argument("--b", type=_floats, default=1.0, help="input-gradient backward time")
+    p.add_argument("--i", type=_floats, default=1.0, help="input-gradient backward time")
     p.add_argument("--w", type=_floats, default=1.0, help="weight-gradient backward time")
     p.add_argument("--comm", type=float, default=0.0, help="point-to-point delay between ranks")
     p.add_argument("--mem-b", type=_floats, default=1.0, help="activation memory of one microbatch (M_B)")
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     unknown = [n for n in names if n not in SCHEDULE_NAMES]
     if unknown:
         raise SystemExit(f"unknown schedule(s) {unknown}; choose from {', '.join(SCHEDULE_NAMES)}")
-    costs = Costs(f=args.f, b=args.b, w=args.w, comm=args.comm, mem_b=args.mem_b, mem_w=args.mem_w)
+    costs = Costs(f=args.f, i=args.i, w=args.w, comm=args.comm, mem_b=args.mem_b, mem_w=args.mem_w)
     built: list[Schedule] = []
     for name in names:
         # only the solved schedules are shaped by a limit; the others are only measured

@@ -1,8 +1,8 @@
 """Per-stage costs and the memory model.
 
-Times (``f``, ``b``, ``w``, ``comm``) are in any one unit (ms in the paper). ``b`` is the
-input-gradient backward (the paper's T_B), ``w`` the weight-gradient backward; a fused backward
-costs ``b + w``. Memory follows the paper: F adds ``mem_b`` (M_B), I frees ``mem_b - mem_w``,
+Times (``f``, ``i``, ``w``, ``comm``) are in any one unit (ms in the paper), named by the schedule's
+action letters: ``f`` the forward F, ``i`` the input-gradient backward I (the paper's T_B), ``w`` the
+weight-gradient backward W; a fused backward B costs ``i + w``. Memory follows the paper: F adds ``mem_b`` (M_B), I frees ``mem_b - mem_w``,
 W frees ``mem_w`` (M_W), a fused B frees ``mem_b``. Every field is a scalar or one value per stage;
 for multi-chunk schedules a "stage" is a chunk.
 
@@ -59,7 +59,7 @@ class ResolvedCosts:
     """Costs resolved to one value per stage (see ``Costs``)."""
 
     f: tuple[float, ...]
-    b: tuple[float, ...]
+    i: tuple[float, ...]
     w: tuple[float, ...]
     comm: float
     mem_b: tuple[float, ...]
@@ -74,11 +74,11 @@ class ResolvedCosts:
         if kind == "F":
             return self.f[stage]
         if kind == "I":
-            return self.b[stage]
+            return self.i[stage]
         if kind == "W":
             return self.w[stage]
         if kind == "B":
-            return self.b[stage] + self.w[stage]
+            return self.i[stage] + self.w[stage]
         return 0.0
 
     def memory_delta(self, stage: int, kind: str) -> float:
@@ -105,20 +105,20 @@ class ResolvedCosts:
         return max(0.0, self.mem_w[stage] - self.mem_b[stage])
 
     def work(self, stage: int) -> float:
-        """Busy time of one microbatch on a stage: F + B + W."""
-        return self.f[stage] + self.b[stage] + self.w[stage]
+        """Busy time of one microbatch on a stage: F + I + W."""
+        return self.f[stage] + self.i[stage] + self.w[stage]
 
 
 @dataclass(frozen=True)
 class Costs:
-    """Costs of F/B/W per stage, communication delay and the memory of one microbatch.
+    """Costs of F/I/W per stage, communication delay and the memory of one microbatch.
 
     Defaults are uniform unit costs with no communication, ``mem_b=1`` and ``mem_w=0.5``.
     ``mem_w`` may exceed ``mem_b``: an I then adds ``mem_w - mem_b`` (see the module docstring).
     """
 
     f: PerStage = 1.0
-    b: PerStage = 1.0
+    i: PerStage = 1.0
     w: PerStage = 1.0
     comm: Number = 0.0
     mem_b: PerStage = 1.0
@@ -132,7 +132,7 @@ class Costs:
         mem_w = _per_stage("mem_w", self.mem_w, stages)
         return ResolvedCosts(
             f=_per_stage("f", self.f, stages),
-            b=_per_stage("b", self.b, stages),
+            i=_per_stage("i", self.i, stages),
             w=_per_stage("w", self.w, stages),
             comm=float(self.comm),
             mem_b=mem_b,
@@ -155,7 +155,7 @@ def warmup_windows(stage_to_rank: Sequence[int], costs: ResolvedCosts) -> list[f
     grad_back = [0.0] * stages
     grad_back[-1] = first_f[-1] + costs.f[-1]
     for s in range(stages - 2, -1, -1):
-        grad_back[s] = grad_back[s + 1] + costs.b[s + 1] + delay(s + 1, s)
+        grad_back[s] = grad_back[s + 1] + costs.i[s + 1] + delay(s + 1, s)
     return [back - first for first, back in zip(first_f, grad_back)]
 
 

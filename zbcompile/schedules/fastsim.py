@@ -38,7 +38,7 @@ class Evaluator:
             here = stage_to_rank[s]
             for k in range(M):
                 f, i, w = self.id(s, 0, k), self.id(s, 1, k), self.id(s, 2, k)
-                self.dur[f], self.dur[i], self.dur[w] = costs.f[s], costs.b[s], costs.w[s]
+                self.dur[f], self.dur[i], self.dur[w] = costs.f[s], costs.i[s], costs.w[s]
                 self.mem[f] = costs.mem_b[s]
                 self.mem[i] = -(costs.mem_b[s] - costs.mem_w[s])
                 self.mem[w] = -costs.mem_w[s]

@@ -142,7 +142,7 @@ class _ListScheduler:
         elif kind == "I":
             k = self.ni[s]
             self.ni[s] += 1
-            end = now + costs.b[s]
+            end = now + costs.i[s]
             self.i_end[s][k] = end
             if s > 0:
                 heapq.heappush(events, (end + self.i_delay[s - 1], stage_to_rank[s - 1]))

@@ -198,7 +198,7 @@ def sequential(stages: int, microbatches: int, stage_to_rank: Sequence[int]) -> 
 
 
 def _uniform(costs: ResolvedCosts) -> bool:
-    return all(len(set(v)) <= 1 for v in (costs.f, costs.b, costs.w, costs.mem_b, costs.mem_w))
+    return all(len(set(v)) <= 1 for v in (costs.f, costs.i, costs.w, costs.mem_b, costs.mem_w))
 
 
 def zbv(stages: int, microbatches: int, costs: ResolvedCosts, limits: Sequence[float] | None = None, objective: str = "span") -> Schedule:

@@ -170,7 +170,7 @@ def analytic_parameters(
         warm.append(max(1, whole + (1 if q - whole > round_at + _EPS else 0) + shift))
     defer = []
     for s in range(S):
-        chain = sum(costs.f[t] + costs.b[t] + 2 * costs.comm for t in range(1, s + 1))
+        chain = sum(costs.f[t] + costs.i[t] + 2 * costs.comm for t in range(1, s + 1))
         w = max(costs.w[s], _EPS)
         defer.append(max(0, math.ceil(alpha * chain / w - _EPS) + beta))
     return warm, defer
@@ -462,12 +462,12 @@ def _critical_first(ev: Evaluator, rows) -> list[int]:
 def _costs_of(ev: Evaluator) -> ResolvedCosts:
     S = ev.S
     f = tuple(ev.dur[ev.id(s, 0, 0)] for s in range(S))
-    b = tuple(ev.dur[ev.id(s, 1, 0)] for s in range(S))
+    i = tuple(ev.dur[ev.id(s, 1, 0)] for s in range(S))
     w = tuple(ev.dur[ev.id(s, 2, 0)] for s in range(S))
     comm = max((ev.delay[ev.id(s, 0, 0)] for s in range(1, S)), default=0.0)
     mem_b = tuple(ev.mem[ev.id(s, 0, 0)] for s in range(S))
     mem_w = tuple(-ev.mem[ev.id(s, 2, 0)] for s in range(S))
-    return ResolvedCosts(f, b, w, comm, mem_b, mem_w)
+    return ResolvedCosts(f, i, w, comm, mem_b, mem_w)
 
 
 def make_room(ev: Evaluator, rows: Sequence[Sequence[int]], limits: Sequence[float]) -> list[list[int]] | None:
