@@ -44,7 +44,7 @@ COLUMNS = ("1F1B", "ZB-H1", "ZB-H2", "ZB-1p", "ZB-2p", "ZB-V")
 
 EXPLAIN = {
     "1F1B": "handcrafted; Table 9 averages the paper's per-stage profiles, which Table 5 used, so "
-            "our uniform-cost value differs (the bubble (p-1)(F+B+W) + 2(p-1)comm is exact here)",
+            "our uniform-cost value differs (the bubble (p-1)(F+I+W) + 2(p-1)comm is exact here)",
     "ZB-H1": "handcrafted; same cause as 1F1B (uniform Table 9 costs against per-stage profiles)",
     "ZB-H2": "handcrafted; same cause as 1F1B (uniform Table 9 costs against per-stage profiles)",
     "ZB-1p": "zb-auto at 1F1B's memory",

@@ -1,5 +1,5 @@
 """Compile time of a 24-layer GPT (hidden 256) cut into 4 stages: trace, partition, per-stage
-joint graphs and the B/W split, each phase timed. Prints a table and writes
+joint graphs and the I/W split, each phase timed. Prints a table and writes
 benchmarks/results/compile_time.json."""
 
 from __future__ import annotations

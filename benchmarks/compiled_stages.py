@@ -3,7 +3,7 @@ eager stage programs (the default: aten graphs run op by op), on the CPU benchma
 benchmarks/runtime_cpu.py: 2 gloo ranks with one thread each, 2 stages, in one run.
 
 Both pipelines are built in both ranks up front; warm-up steps (untimed; Inductor compiles each
-stage's F, B and W on its first run, timed separately) come first; then rounds alternate between
+stage's F, I and W on its first run, timed separately) come first; then rounds alternate between
 the two pipelines (order reversed every other round), each timing a few steps back to back with
 the optimizer step in between, as a training loop runs them. Reported: medians of steps/s and
 their ratio, per microbatch count.
@@ -124,7 +124,7 @@ def report(data: dict) -> str:
         f"GPT (untied embeddings) vocab {model['vocab']}, seq {model['seq_len']}, hidden {model['hidden']}, heads "
         f"{model['heads']}, {model['layers']} layers; {model['rows']} rows per microbatch; 2 stages split at "
         f"blocks.{model['layers'] // 2} on 2 gloo ranks, 1 thread each; schedule {s['schedule']}.",
-        f"Per pipeline: 1 first step (Inductor compiles F, B and W there), {s['warmup']} warm-up steps, then "
+        f"Per pipeline: 1 first step (Inductor compiles F, I and W there), {s['warmup']} warm-up steps, then "
         f"{s['rounds']} rounds alternating between eager and inductor (order reversed every other round), "
         f"{s['steps_per_round']} steps back to back per round with the optimizer step; medians over rounds of the "
         "slower rank's time per step.",

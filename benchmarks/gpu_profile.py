@@ -5,7 +5,7 @@ The model (GPT, hidden 2304, 24 heads, sequence 1024, 22 layers, vocabulary 5030
 to the token embedding as in Megatron-LM) is built on the `meta` device in bf16 and compiled into
 8 stages against fake CUDA tensors for one microbatch of 6 sequences; no weights exist yet. Then,
 one stage at a time: that stage's parameters are materialised on the GPU (random values), its
-F, B and W graphs run on random inputs (warm-up first), each timed with CUDA events, and
+F, I and W graphs run on random inputs (warm-up first), each timed with CUDA events, and
 everything is freed before the next stage. The measured costs (and the paper's T_comm, which one
 GPU cannot measure) go to the simulator for 1F1B, ZB-H1, ZB-H2, ZB-1p / ZB-2p (zb-auto limited to
 1x and 2x 1F1B's peak memory, the same limit on every stage as in the paper), GPipe, interleaved 1F1B and ZB-V at m = 24, 32, 64.
@@ -140,15 +140,15 @@ def _materialise(model, compiled, stage: int, device, dtype):
 
 
 def profile_stage(model, compiled, stage: int, device, dtype, config: Config) -> dict:
-    """Median ms of F, B (input gradients), W (weight gradients) and the unsplit backward of one
-    stage; F, B, W run back to back as in a pipeline step, the unsplit backward separately."""
+    """Median ms of F, I (input gradients), W (weight gradients) and the unsplit backward of one
+    stage; F, I, W run back to back as in a pipeline step, the unsplit backward separately."""
     import torch
 
     program = compiled.programs[stage]
     timer = Timer(device)
     state = _materialise(model, compiled, stage, device, dtype)
     inputs = _random_inputs(program.forward, state, device)
-    samples = {"F": [], "B": [], "W": [], "unsplit": []}
+    samples = {"F": [], "I": [], "W": [], "unsplit": []}
     try:
         with torch.no_grad():
             tangents = None
@@ -177,7 +177,7 @@ def profile_stage(model, compiled, stage: int, device, dtype, config: Config) ->
                 timer.synchronize()
                 if attempt >= config.warmup:
                     samples["F"].append(timer.elapsed_ms(t0, t1))
-                    samples["B"].append(timer.elapsed_ms(t1, t2))
+                    samples["I"].append(timer.elapsed_ms(t1, t2))
                     samples["W"].append(timer.elapsed_ms(t2, t3))
                     samples["unsplit"].append(timer.elapsed_ms(t4, t5))
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
@@ -210,7 +210,7 @@ def simulate_all(stages: list[dict], static, config: Config) -> list[dict]:
 
     p = config.stages
     f = [s["F"] for s in stages]
-    b = [s["B"] for s in stages]
+    b = [s["I"] for s in stages]
     w = [s["W"] for s in stages]
     comm = PAPER_TABLE9["T_comm"]
     costs = Costs(f=f, i=b, w=w, comm=comm, mem_b=static.mem_b, mem_w=static.mem_w)
@@ -294,7 +294,7 @@ def run(config: Config, device_name: str) -> dict:
             result = profile_stage(model, compiled, s, device, dtype, config)
             stages.append(result)
             print(
-                f"stage {s}: F {result['F']:.2f} ms, B {result['B']:.2f} ms, W {result['W']:.2f} ms, "
+                f"stage {s}: F {result['F']:.2f} ms, I {result['I']:.2f} ms, W {result['W']:.2f} ms, "
                 f"unsplit backward {result['unsplit']:.2f} ms, layers {result['layers']}",
                 flush=True,
             )
@@ -326,7 +326,7 @@ def report(data: dict) -> str:
     c = data["config"]
     dev = data["device"]
     lines = [
-        "# Per-stage F/B/W of the paper's 1.5B model on one GPU",
+        "# Per-stage F/I/W of the paper's 1.5B model on one GPU",
         "",
         f"GPT vocab {c['vocab']}, seq {c['seq_len']}, hidden {c['hidden']}, {c['heads']} heads, {c['layers']} layers, "
         f"microbatch {c['microbatch']}, {c['stages']} stages; {c['dtype']} weights and activations; "
@@ -339,16 +339,16 @@ def report(data: dict) -> str:
     rows = []
     for s in data["stages"]:
         where = ("emb + " if s["has_embedding"] else "") + (f"layers {s['layers'][0]}-{s['layers'][-1]}" if s["layers"] else "no layers") + (" + head" if s["has_head"] else "")
-        rows.append([s["stage"], where, f"{s['F']:.2f}", f"{s['B']:.2f}", f"{s['W']:.2f}", f"{s['unsplit']:.2f}",
-                     f"{(s['B'] + s['W']) / s['unsplit']:.3f}" if s["unsplit"] else "-",
+        rows.append([s["stage"], where, f"{s['F']:.2f}", f"{s['I']:.2f}", f"{s['W']:.2f}", f"{s['unsplit']:.2f}",
+                     f"{(s['I'] + s['W']) / s['unsplit']:.3f}" if s["unsplit"] else "-",
                      "-" if s["peak_memory_gib"] is None else f"{s['peak_memory_gib']:.1f}"])
     if data["stages"]:
         n = len(data["stages"])
-        mean = {k: sum(s[k] for s in data["stages"]) / n for k in ("F", "B", "W", "unsplit")}
-        rows.append(["mean", "", f"{mean['F']:.2f}", f"{mean['B']:.2f}", f"{mean['W']:.2f}", f"{mean['unsplit']:.2f}", "", ""])
+        mean = {k: sum(s[k] for s in data["stages"]) / n for k in ("F", "I", "W", "unsplit")}
+        rows.append(["mean", "", f"{mean['F']:.2f}", f"{mean['I']:.2f}", f"{mean['W']:.2f}", f"{mean['unsplit']:.2f}", "", ""])
     p9 = data["paper_table9_ms"]
     rows.append(["paper", "A100, Table 9", f"{p9['T_F']:.2f}", f"{p9['T_B']:.2f}", f"{p9['T_W']:.2f}", "", "", ""])
-    lines.append(_launch.table(["stage", "contents", "T_F", "T_B", "T_W", "unsplit backward", "(B+W)/unsplit", "peak GiB"], rows))
+    lines.append(_launch.table(["stage", "contents", "T_F", "T_B", "T_W", "unsplit backward", "(I+W)/unsplit", "peak GiB"], rows))
     for e in data["errors"]:
         lines += ["", f"stage {e['stage']} failed: {e['error']}"]
     if data["simulated"]:

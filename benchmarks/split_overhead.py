@@ -1,7 +1,7 @@
-"""Cost of splitting a stage's backward into B (input gradients) and W (weight gradients):
+"""Cost of splitting a stage's backward into I (input gradients) and W (weight gradients):
 (T_B + T_W) / T_(unsplit backward) for one stage at 32, 128 and 512 rows per microbatch.
 
-zbcompile: the stage's compiled backward graph against its B graph followed by its W graph, on
+zbcompile: the stage's compiled backward graph against its I graph followed by its W graph, on
 the same saved values (`zbcompile.compiler.compile_pipeline`, then the stage programs run
 directly). torch.distributed.pipelining: the same stage module in eager mode, its autograd-graph
 split (`_backward.stage_backward_input` then `stage_backward_weight`, what its zero-bubble
@@ -70,7 +70,7 @@ def build_model(settings: Settings) -> nn.Sequential:
 
 
 class Ours:
-    """The compiled stage 1: forward once, then the unsplit backward or B + W on the same values."""
+    """The compiled stage 1: forward once, then the unsplit backward or I + W on the same values."""
 
     def __init__(self, model: nn.Sequential, rows: int, hidden: int) -> None:
         from zbcompile.compiler import compile_pipeline
@@ -107,7 +107,7 @@ class Ours:
             return middle - started, time.perf_counter() - middle
 
     def check(self) -> None:
-        """B then W gives the unsplit backward's gradients (so the timing compares like with like)."""
+        """I then W gives the unsplit backward's gradients (so the timing compares like with like)."""
         a, b = dict(self.env), dict(self.env)
         with torch.no_grad():
             self.program.joint.backward.run(a, self.state)
@@ -115,7 +115,7 @@ class Ours:
             self.program.weight_backward.run(b, self.state)
         for name in self.program.joint.backward.signature.outputs:
             if not torch.allclose(a[name], b[name], rtol=1e-5, atol=1e-6):
-                raise RuntimeError(f"B + W differs from the unsplit backward in {name}")
+                raise RuntimeError(f"I + W differs from the unsplit backward in {name}")
 
 
 # --- torch.distributed.pipelining's autograd split ------------------------------------------------
@@ -199,7 +199,7 @@ def measure(settings: Settings, rows: int) -> dict:
 def report(data: dict) -> str:
     s = data["settings"]
     lines = [
-        "# B/W split overhead: (T_B + T_W) / T_unsplit for one stage",
+        "# I/W split overhead: (T_B + T_W) / T_unsplit for one stage",
         "",
         f"Stage: {s['layers']} residual MLP blocks (hidden {s['hidden']}, LayerNorm, Linear h->4h, GELU, Linear 4h->h) "
         f"and a Linear head with the MSE loss, the second stage of a 2-stage pipeline; fp32, {s['threads']} thread(s); "
@@ -217,7 +217,7 @@ def report(data: dict) -> str:
             f"{TORCH_REPORTED.get(r['rows'], float('nan')):.2f}",
         ])
     lines.append(_launch.table(
-        ["rows", "ours unsplit ms", "ours B + W ms", "ours ratio", "ours paired", "torch unsplit ms", "torch B + W ms",
+        ["rows", "ours unsplit ms", "ours I + W ms", "ours ratio", "ours paired", "torch unsplit ms", "torch I + W ms",
          "torch ratio", "torch paired", "torch earlier"],
         rows,
     ))

@@ -11,7 +11,7 @@ What makes it work:
      `nn.Linear` eagerly, so nothing would be split).
   2. Give every `PipelineStage` `dw_builder=zbcompile.take_weight_grads`.
   3. Run `schedule.step()` inside `with zbcompile.defer_weight_grads():`. On an I action the stage
-     runs autograd's backward, which runs each compiled region's B and queues its W; right after,
+     runs autograd's backward, which runs each compiled region's I and queues its W; right after,
      the stage calls `dw_builder()`, which takes that W; the W action runs it.
   4. Pass example shapes to `PipelineStage` (`input_args`, `output_args`) so the first step does not
      run an extra shape-inference backward.

@@ -59,7 +59,7 @@ class LocalDump(TestCase):
         expected = {"compile.json", "stages.txt", "forward.py", "schedule.txt", "schedule.csv", "schedule.json", "stage0", "stage1"}
         self.assertEqual(set(os.listdir(directory)), expected)
         for stage in ("stage0", "stage1"):
-            self.assertEqual(set(os.listdir(os.path.join(directory, stage))), {"F.py", "B.py", "W.py", "backward.py"})
+            self.assertEqual(set(os.listdir(os.path.join(directory, stage))), {"F.py", "I.py", "W.py", "backward.py"})
         with open(os.path.join(directory, "schedule.csv")) as f:
             self.assertEqual(f.read(), self.pipe.schedule.compute_only().to_csv())
         with open(os.path.join(directory, "schedule.json")) as f:
@@ -79,7 +79,7 @@ class LocalDump(TestCase):
 MLP: 2 stages, 4 microbatches, schedule zb-h1 on 2 ranks (one process)
 compile: <seconds per phase>
 
-stage  params  param bytes  F flops  B flops  W flops  W share    M_B    M_W  sends
+stage  params  param bytes  F flops  I flops  W flops  W share    M_B    M_W  sends
     0     384      1.54 kB   1.41 k        0   2.43 k     100%  176 B  304 B  128 B
     1     340      1.36 kB   1.28 k   1.28 k   1.28 k      50%  576 B  416 B    0 B
 boundaries (values sent to the next stage):
@@ -153,11 +153,11 @@ class Stage1WeightBackward(torch.nn.Module):
         def names(graph_module):
             return {n.name for n in graph_module.graph.nodes if n.op == "call_function"}
 
-        b, w = names(program.input_backward.graph), names(program.weight_backward.graph)
+        i, w = names(program.input_backward.graph), names(program.weight_backward.graph)
         for node in names(program.joint.backward.graph):
             mark = next(line[:5] for line in printed.splitlines() if line[7:].startswith(f"{node} = "))
-            self.assertEqual(mark, f"  {'B' if node in b else ' '} {'W' if node in w else ' '}", node)
-        self.assertIn("B returns: grad:addmm_1, stash:mse_loss_backward, stash:silu_backward", printed)
+            self.assertEqual(mark, f"  {'I' if node in i else ' '} {'W' if node in w else ' '}", node)
+        self.assertIn("I returns: grad:addmm_1, stash:mse_loss_backward, stash:silu_backward", printed)
 
     def test_errors_name_what_to_do(self):
         code, _, err = _inspect(self.root, "--stage", "7", "--graph", "W")
@@ -201,7 +201,7 @@ class WithoutDump(TestCase):
 
 class FusedOpDiff(TestCase):
     def test_diff_shows_a_fused_op_split_by_its_output_mask(self):
-        """With every weight gradient deferred, layer norm's fused backward is cloned: B asks for
+        """With every weight gradient deferred, layer norm's fused backward is cloned: I asks for
         the input gradient, W's copy for the weight and bias gradients."""
         import torch
 
@@ -215,14 +215,14 @@ class FusedOpDiff(TestCase):
         program = compiled.programs[1]
         with tempfile.TemporaryDirectory() as directory:
             os.makedirs(dump.stage_dir(directory, 1))
-            for graph, prog in {"B": program.input_backward, "W": program.weight_backward, "backward": program.joint.backward}.items():
+            for graph, prog in {"I": program.input_backward, "W": program.weight_backward, "backward": program.joint.backward}.items():
                 with open(os.path.join(dump.stage_dir(directory, 1), dump.GRAPH_FILES[graph]), "w") as f:
                     f.write(dump.program_code(prog, 1, graph))
             text = inspection.split_diff(inspection.Dump(directory, {"stages": 2}, [], None), 1)
         lines = text.splitlines()
-        fused = next(i for i, line in enumerate(lines) if line.startswith("  B    native_layer_norm_backward = "))
+        fused = next(i for i, line in enumerate(lines) if line.startswith("  I    native_layer_norm_backward = "))
         self.assertTrue(lines[fused].endswith("[True, True, True])"), lines[fused])
-        self.assertRegex(lines[fused + 1], r"^ +B computes: aten\.native_layer_norm_backward\.default\(.*\[True, False, False\]\)$")
+        self.assertRegex(lines[fused + 1], r"^ +I computes: aten\.native_layer_norm_backward\.default\(.*\[True, False, False\]\)$")
         self.assertRegex(text, r"\n  \+W   native_layer_norm_backward_default = .*\[False, True, True\]\)  \(not in the unsplit backward\)")
 
 
@@ -320,7 +320,7 @@ def test_report_draws_one_box_per_action(distributed_dump):
     assert boxes(predicted) == computed
     assert boxes(measured) == sorted(a for result in per_rank for a in result["actions"])
     assert re.search(r"measured / predicted makespan: \d+\.\d\d", html)
-    assert html.count('<rect class="bar"') >= 2 * 3 * 2  # F/B/W time per stage, predicted and measured
+    assert html.count('<rect class="bar"') >= 2 * 3 * 2  # F/I/W time per stage, predicted and measured
 
 
 def _chromium() -> str | None:

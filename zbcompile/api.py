@@ -119,7 +119,7 @@ def pipeline(
     or to a DeviceMesh with a "pp" and optionally a "dp" dimension (e.g. `mesh["dp", "pp"]` of a
     larger mesh).
 
-    `compiler="inductor"` compiles each stage's F, B and W graphs with Inductor on their first
+    `compiler="inductor"` compiles each stage's F, I and W graphs with Inductor on their first
     run; the default (None or "eager") runs them op by op (see `zbcompile.stage_compiler`).
     `dump_dir` (default: `$ZBCOMPILE_DUMP`) receives graphs, tables, the schedule and the measured
     trace of every compile (`zbcompile.dump`; read them with `zbcompile inspect DIR`).
@@ -658,7 +658,7 @@ def _constant_key(value: Any) -> Any:
 
 def schedule_costs(compiled: CompiledPipeline) -> Costs:
     """Per-stage schedule costs from the static estimates: times in FLOP-equivalents; memory
-    M_B (kept by F) and M_W (still needed by W after B; may exceed M_B, B then adds memory) in
+    M_B (kept by F) and M_W (still needed by W after I; may exceed M_B, I then adds memory) in
     units of the largest stage's M_B, so that `memory_limit=8` means eight microbatches'
     activations of the largest stage."""
     costs = [p.cost for p in compiled.programs]

@@ -1,16 +1,16 @@
-"""The `torch.compile` backend "zbcompile": compiled regions whose backward splits into B (input
+"""The `torch.compile` backend "zbcompile": compiled regions whose backward splits into I (input
 gradients) and W (weight gradients), so that any pipeline runtime can defer W.
 
     model = torch.compile(model, backend="zbcompile")
     loss = model(x).sum()
     with zbcompile.defer_weight_grads() as store:
-        loss.backward()      # B: input gradients; parameter .grad untouched
+        loss.backward()      # I: input gradients; parameter .grad untouched
         store.run()          # W, in order, into .grad
 
 Each region is compiled by AOTAutograd; its forward runs as is. Its backward graph is split once
 by the same graph-level pass as pipeline stages (`passes.split_backward.split_backward_program`).
 Outside a `defer_weight_grads` block the region runs its unsplit backward, exactly what
-AOTAutograd would. Inside one it runs B, returns the input gradients to autograd (None for each
+AOTAutograd would. Inside one it runs I, returns the input gradients to autograd (None for each
 parameter) and queues W with what W reads. The partition saves every trained parameter for the
 backward, so that W accumulates into the parameters of the forward call it belongs to (one
 compiled region may serve several module instances).
@@ -86,7 +86,7 @@ class _Region:
         if named is None:  # a graph this backend cannot name: run it complete, always
             return _boxed(gm)
         program, output_names = named
-        # cheap weight gradients stay in B by a cost estimate that needs concrete sizes; with
+        # cheap weight gradients stay in I by a cost estimate that needs concrete sizes; with
         # symbolic ones (Dynamo's automatic dynamic shapes) every weight gradient goes to W
         intensity = 0.0 if _has_symbolic_sizes(gm) else MIN_DEFERRAL_INTENSITY
         split = split_backward_program(program, intensity, class_prefix="Region")
@@ -174,7 +174,7 @@ def _named_backward(gm: fx.GraphModule, params: frozenset[int]) -> tuple[Program
 
 
 class _SplitBackwardRunner:
-    """The compiled backward of one region: unsplit outside `defer_weight_grads`, B plus a queued
+    """The compiled backward of one region: unsplit outside `defer_weight_grads`, I plus a queued
     W inside it."""
 
     def __init__(self, unsplit: fx.GraphModule, input_names: Sequence[str], output_names: Sequence[str | None], split: BackwardSplit) -> None:
@@ -196,7 +196,7 @@ class _SplitBackwardRunner:
 
 
 class _WeightWork:
-    """One backward's W: the values it reads, the gradients B computed already (cheap ones), and
+    """One backward's W: the values it reads, the gradients I computed already (cheap ones), and
     the parameters the gradients belong to."""
 
     def __init__(self, split: BackwardSplit, env: dict[str, Any], weight_grads: Sequence[str]) -> None:

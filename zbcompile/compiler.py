@@ -27,8 +27,8 @@ from zbcompile.value_names import INPUT, SAVED, UPDATE, is_stash
 
 @dataclass(frozen=True)
 class StageGraphCost:
-    """Static cost of one stage for one microbatch: FLOPs/bytes of F, B and W; `mem_b` bytes F
-    keeps for the backward (M_B), `mem_w` bytes W still needs once B has run (M_W)."""
+    """Static cost of one stage for one microbatch: FLOPs/bytes of F, I and W; `mem_b` bytes F
+    keeps for the backward (M_B), `mem_w` bytes W still needs once I has run (M_W)."""
 
     forward: GraphCost
     input_backward: GraphCost
@@ -40,7 +40,7 @@ class StageGraphCost:
 @dataclass(frozen=True)
 class StageProgram:
     """Everything the runtime needs to run one stage: its place in the pipeline (`stage`), the
-    forward F, the input-gradient graph B, the weight-gradient graph W and their costs."""
+    forward F, the input-gradient graph I, the weight-gradient graph W and their costs."""
 
     stage: Stage
     joint: StageJoint
@@ -129,8 +129,8 @@ def _stage_cost(joint: StageJoint, split: StageBackwardSplit) -> StageGraphCost:
 
 
 def _weight_memory(split: StageBackwardSplit) -> tuple[set[str], int]:
-    """What W keeps alive after B: the forward values it reads (directly, or through a stash
-    entry that is a view of one), and the bytes of new tensors B computed for it."""
+    """What W keeps alive after I: the forward values it reads (directly, or through a stash
+    entry that is a view of one), and the bytes of new tensors I computed for it."""
     graph = split.input_backward.graph.graph
     roots = _fx.storage_roots(graph)
     placeholder_names = dict(zip(graph.find_nodes(op="placeholder"), split.input_backward.signature.inputs))
@@ -144,7 +144,7 @@ def _weight_memory(split: StageBackwardSplit) -> tuple[set[str], int]:
 
 @dataclass(frozen=True)
 class SymbolicStageGraphCost:
-    """One stage's costs as polynomials in the microbatch size `b` (sympy): FLOPs of F, B and W,
+    """One stage's costs as polynomials in the microbatch size `b` (sympy): FLOPs of F, I and W,
     and the activation bytes M_B and M_W."""
 
     forward_flops: sympy.Expr

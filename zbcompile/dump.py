@@ -5,11 +5,11 @@ writes `dir/compile-<n>/` (n counts this process's compiles under `dir`; every r
 in the same order, so all ranks agree on it):
 
     compile.json          the model, options, compile times and per-stage facts (`summary.stage_rows`)
-    stages.txt            the per-stage table: parameters and bytes, FLOPs of F/B/W, M_B, M_W,
+    stages.txt            the per-stage table: parameters and bytes, FLOPs of F/I/W, M_B, M_W,
                           boundary values and bytes
     forward.py            the traced forward + loss graph, each node with the stage that runs it
-    stage<s>/F.py B.py W.py backward.py
-                          the stage's forward, input-gradient (B), weight-gradient (W) and unsplit
+    stage<s>/F.py I.py W.py backward.py
+                          the stage's forward, input-gradient (I), weight-gradient (W) and unsplit
                           backward graphs as code, headed by their calling convention
     schedule.txt .csv     the schedule (grid; torch's compute-only CSV) with the simulator's prediction
     schedule.json         every schedule version the pipeline ran (one measuring its costs
@@ -44,12 +44,12 @@ if TYPE_CHECKING:
 DUMP_ENV = "ZBCOMPILE_DUMP"
 COMPILE_FILE = "compile.json"
 SCHEDULE_FILE = "schedule.json"
-GRAPH_FILES = {"F": "F.py", "B": "B.py", "W": "W.py", "backward": "backward.py"}
+GRAPH_FILES = {"F": "F.py", "I": "I.py", "W": "W.py", "backward": "backward.py"}
 GRAPH_TITLES = {
     "F": "forward",
-    "B": "input-gradient backward: gradients of the stage inputs, and the stash W needs",
+    "I": "input-gradient backward: gradients of the stage inputs, and the stash W needs",
     "W": "weight-gradient backward: parameter gradients",
-    "backward": "the whole backward before the B/W split",
+    "backward": "the whole backward before the I/W split",
 }
 _counters: dict[str, itertools.count] = {}
 
@@ -225,7 +225,7 @@ class CompileDump:
         self._write("stages.txt", summary.format_stages(record["stage_rows"], record["tied"]) + "\n")
         self._write("forward.py", forward_code(self.compiled))
         for program in self.compiled.programs:
-            graphs = {"F": program.forward, "B": program.input_backward, "W": program.weight_backward, "backward": program.joint.backward}
+            graphs = {"F": program.forward, "I": program.input_backward, "W": program.weight_backward, "backward": program.joint.backward}
             for graph, prog in graphs.items():
                 self._write(os.path.join(f"stage{program.index}", GRAPH_FILES[graph]), program_code(prog, program.index, graph))
         self._write_schedules()

@@ -1,10 +1,10 @@
 """`zbcompile inspect DIR` and `pipe.explain()`: what the compiler did, read back from a dump
 (see `zbcompile.dump`): stages, balance, costs, the schedule's predicted makespan and bubble
-against the measured ones, single graphs, the backward before and after the B/W split, and an
+against the measured ones, single graphs, the backward before and after the I/W split, and an
 HTML report (`zbcompile.report`).
 
     zbcompile inspect DIR                      the summary (DIR: a dump root or one compile-<n> in it)
-    zbcompile inspect DIR --stage 2 --graph W  one graph (F, B, W, backward; `--graph forward` the traced forward)
+    zbcompile inspect DIR --stage 2 --graph W  one graph (F, I, W, backward; `--graph forward` the traced forward)
     zbcompile inspect DIR --diff [--stage 2]   the backward before and after the split
     zbcompile inspect DIR --html report.html   the report
 
@@ -25,7 +25,7 @@ from typing import Any
 from zbcompile import summary, trace_events
 from zbcompile.summary import si
 
-GRAPHS = ("F", "B", "W", "backward", "forward")
+GRAPHS = ("F", "I", "W", "backward", "forward")
 _NO_TRACE = "none (per-action times are recorded in distributed runs with pipeline(dump_dir=...) or ZBCOMPILE_DUMP)"
 
 
@@ -214,7 +214,7 @@ def summary_text(dump: Dump) -> str:
 
 
 def graph_text(dump: Dump, stage: int | None, graph: str) -> str:
-    """The code of one graph: `graph` in F, B, W, backward (of `stage`) or forward (the traced
+    """The code of one graph: `graph` in F, I, W, backward (of `stage`) or forward (the traced
     forward with every node's stage)."""
     from zbcompile.dump import GRAPH_FILES, stage_dir
 
@@ -253,30 +253,30 @@ def _returns(code: str) -> list[str]:
 
 
 def split_diff(dump: Dump, stage: int | None = None) -> str:
-    """Per stage, every operation of the unsplit backward marked with where it went (B, W or
-    both: recomputed), operations B or W compute differently (a fused op asked for part of its
+    """Per stage, every operation of the unsplit backward marked with where it went (I, W or
+    both: recomputed), operations I or W compute differently (a fused op asked for part of its
     outputs), the ones they add (W's copy of such an op, which takes over outputs of the
     original) and what each returns."""
     stages = range(dump.record["stages"]) if stage is None else [stage]
     blocks = []
     for s in stages:
-        code = {g: graph_text(dump, s, g) for g in ("backward", "B", "W")}
+        code = {g: graph_text(dump, s, g) for g in ("backward", "I", "W")}
         ops = {g: _operations(text) for g, text in code.items()}
-        whole, b, w = ops["backward"], ops["B"], ops["W"]
-        lines = [f"stage {s}: the backward ({len(whole)} ops) split into B ({len(b)} ops) and W ({len(w)} ops)", "  B W  op"]
-        added = [(g, name, rhs) for g, graph_ops in (("B", b), ("W", w)) for name, rhs in graph_ops.items() if name not in whole]
+        whole, i, w = ops["backward"], ops["I"], ops["W"]
+        lines = [f"stage {s}: the backward ({len(whole)} ops) split into I ({len(i)} ops) and W ({len(w)} ops)", "  I W  op"]
+        added = [(g, name, rhs) for g, graph_ops in (("I", i), ("W", w)) for name, rhs in graph_ops.items() if name not in whole]
         for name, rhs in whole.items():
-            mark = f"  {'B' if name in b else ' '} {'W' if name in w else ' '}"
-            if name not in b and name not in w:
+            mark = f"  {'I' if name in i else ' '} {'W' if name in w else ' '}"
+            if name not in i and name not in w:
                 mark = "  - -"
                 rhs += "  (in neither: computed by an added copy below)" if added else "  (in neither: unused)"
             lines.append(f"{mark}  {name} = {rhs}")
-            for g, graph_ops in (("B", b), ("W", w)):
+            for g, graph_ops in (("I", i), ("W", w)):
                 if name in graph_ops and graph_ops[name].replace("stash_", "") != rhs:
                     lines.append(f"         {g} computes: {graph_ops[name]}")
         for g, name, rhs in added:
             lines.append(f"  +{g}   {name} = {rhs}  (not in the unsplit backward)")
-        for g in ("B", "W"):
+        for g in ("I", "W"):
             lines.append(f"  {g} returns: {', '.join(_returns(code[g])) or '(nothing)'}")
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
@@ -314,7 +314,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("dir", help="a dump: ZBCOMPILE_DUMP's directory or one compile-<n> in it")
     parser.add_argument("--stage", type=int, default=None, help="the stage of --graph (or of --diff)")
     parser.add_argument("--graph", choices=GRAPHS, default=None, help="print one graph")
-    parser.add_argument("--diff", action="store_true", help="the backward before and after the B/W split")
+    parser.add_argument("--diff", action="store_true", help="the backward before and after the I/W split")
     parser.add_argument("--html", default=None, metavar="PATH", help="write the HTML report there")
     parser.set_defaults(func=run)
 

@@ -187,10 +187,10 @@ def _bars(dump: inspection.Dump, version: dict[str, Any], found: dict[str, Any] 
 def _listings(dump: inspection.Dump) -> str:
     parts = [f"<details><summary>traced forward with stages</summary><pre>{escape(inspection.graph_text(dump, None, 'forward'))}</pre></details>"]
     for s in range(dump.record["stages"]):
-        for graph in ("F", "B", "W", "backward"):
+        for graph in ("F", "I", "W", "backward"):
             code = inspection.graph_text(dump, s, graph)
             parts.append(f"<details><summary>stage {s} {graph}</summary><pre>{escape(code)}</pre></details>")
-    parts.append(f"<details><summary>the backward before and after the B/W split</summary><pre>{escape(inspection.split_diff(dump))}</pre></details>")
+    parts.append(f"<details><summary>the backward before and after the I/W split</summary><pre>{escape(inspection.split_diff(dump))}</pre></details>")
     return "\n".join(parts)
 
 

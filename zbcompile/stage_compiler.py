@@ -1,4 +1,4 @@
-"""Compile a pipeline's stage programs (F, B, W and the fused backward) for execution.
+"""Compile a pipeline's stage programs (F, I, W and the fused backward B) for execution.
 
 `compiler=None` or "eager" keeps the programs as they are: their aten graphs run op by op.
 "inductor" compiles each graph with Inductor (on CPU it generates C++ and needs the C++
@@ -49,7 +49,7 @@ def _compile_stage(program: StageProgram) -> StageProgram:
 
 def _inductor(program: Program) -> Program:
     if not any(n.op == "call_function" for n in program.graph.graph.nodes):
-        return program  # nothing to compute (the first stage's B)
+        return program  # nothing to compute (the first stage's I)
     return InductorProgram(program.graph, program.signature)
 
 

@@ -1,4 +1,4 @@
-"""Text summaries of what the compiler did: one row per stage with parameters, F/B/W FLOPs,
+"""Text summaries of what the compiler did: one row per stage with parameters, F/I/W FLOPs,
 activation memory (M_B, M_W) and boundary bytes.
 
 `stage_rows` turns a compiled pipeline into plain per-stage facts (JSON-able: the dump stores
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 if TYPE_CHECKING:
     from zbcompile.compiler import CompiledPipeline
 
-PASSES = ("F", "B", "W")  # the paper's names: forward, input-gradient (B), weight-gradient (W)
+PASSES = ("F", "I", "W")  # the schedule's letters: forward, input-gradient, weight-gradient
 
 
 def si(value: float, unit: str = "") -> str:
@@ -38,7 +38,7 @@ def _value(name: str, info: Any) -> dict[str, Any]:
 
 def stage_rows(compiled: "CompiledPipeline") -> list[dict[str, Any]]:
     """Per stage: the parameters it owns (a tied weight counts on its first stage) and their bytes,
-    FLOPs, written bytes and estimated time (FLOP-equivalents) of F, B and W, M_B and M_W in
+    FLOPs, written bytes and estimated time (FLOP-equivalents) of F, I and W, M_B and M_W in
     bytes, the boundary values it receives and sends (name, shape, dtype, bytes), and the bytes
     crossing the boundary to the next stage."""
     params = dict(compiled.traced.model.named_parameters())
@@ -69,18 +69,18 @@ def stage_rows(compiled: "CompiledPipeline") -> list[dict[str, Any]]:
 
 def format_stage_table(rows: Sequence[dict[str, Any]]) -> str:
     """The table of `stage_rows`: one line per stage."""
-    header = ("stage", "params", "param bytes", "F flops", "B flops", "W flops", "W share", "M_B", "M_W", "sends")
+    header = ("stage", "params", "param bytes", "F flops", "I flops", "W flops", "W share", "M_B", "M_W", "sends")
     lines = []
     for row in rows:
         flops = row["flops"]
-        backward = flops["B"] + flops["W"]
+        backward = flops["I"] + flops["W"]
         lines.append(
             (
                 str(row["stage"]),
                 si(row["params"]),
                 si(row["param_bytes"], "B"),
                 si(flops["F"]),
-                si(flops["B"]),
+                si(flops["I"]),
                 si(flops["W"]),
                 f"{flops['W'] / backward:.0%}" if backward else "-",
                 si(row["mem_b"], "B"),

@@ -1,7 +1,7 @@
 """Deferred weight gradients for code compiled with the `zbcompile` backend.
 
     with zbcompile.defer_weight_grads() as store:
-        loss.backward()          # B only: input gradients flow, parameter .grad untouched
+        loss.backward()          # I only: input gradients flow, parameter .grad untouched
         ...                      # send input gradients upstream, run other work
         store.run()              # W: every queued weight gradient, in order, into .grad
 
@@ -14,7 +14,7 @@ worker threads.
 
 Caveat: a compiled region's backward hands autograd `None` in place of each deferred parameter
 gradient, so gradient hooks on parameters (`register_post_accumulate_grad_hook`, DDP's
-all-reduce hooks) fire at B time, before W has written `.grad`. Run the work such hooks do after
+all-reduce hooks) fire at I time, before W has written `.grad`. Run the work such hooks do after
 `store.run()` (for data parallelism: all-reduce the gradients after W, or use `no_sync`).
 """
 

@@ -1,7 +1,7 @@
 """Pass: cost of graphs and nodes. Static: FLOPs from torch's FLOP formulas (matmuls,
 convolutions, attention) evaluated on the fake tensors in `node.meta["val"]`, and bytes, the
 sizes of the values a node writes (views write nothing). Measured, on request: the median time
-of a stage's F, B and W on this machine (`measure_stage_times`)."""
+of a stage's F, I and W on this machine (`measure_stage_times`)."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def graph_cost(graph_module: fx.GraphModule) -> GraphCost:
 
 @dataclass(frozen=True)
 class MeasuredTimes:
-    """Median wall-clock seconds of one microbatch's F, B and W on this machine."""
+    """Median wall-clock seconds of one microbatch's F, I and W on this machine."""
 
     forward: float
     input_backward: float
@@ -91,7 +91,7 @@ def random_inputs(program, state: Mapping[str, torch.Tensor], generator: torch.G
 
 
 def measure_stage_times(program, state: Mapping[str, torch.Tensor], repeats: int = 5, seed: int = 0) -> MeasuredTimes:
-    """Run a StageProgram's F, then B, then W on random inputs `repeats` times (after one warm-up
+    """Run a StageProgram's F, then I, then W on random inputs `repeats` times (after one warm-up
     run) and return the median time of each."""
     generator = torch.Generator().manual_seed(seed)
     samples: dict[str, list[float]] = {"forward": [], "input_backward": [], "weight_backward": []}
@@ -100,7 +100,7 @@ def measure_stage_times(program, state: Mapping[str, torch.Tensor], repeats: int
             env = random_inputs(program.forward, state, generator)
             for graph_name in samples:
                 graph = getattr(program, graph_name)
-                if graph_name == "input_backward":  # the tangents (W may read them when B is empty)
+                if graph_name == "input_backward":  # the tangents (W may read them when I is empty)
                     env.update(random_inputs(program.joint.backward, {**state, **env}, generator))
                 started = time.perf_counter()
                 graph.run(env, state)

@@ -1,20 +1,20 @@
-"""Pass 4: split a stage's backward into B (input gradients) and W (weight gradients).
+"""Pass 4: split a stage's backward into I (input gradients) and W (weight gradients).
 
-B computes the gradients of the stage inputs, which the previous stage waits for, and the
+I computes the gradients of the stage inputs, which the previous stage waits for, and the
 `stash:` values W will need; W computes the parameter gradients from the stash, the saved
-activations and the tangents. B is the backward restricted to the ancestors of the input
+activations and the tangents. I is the backward restricted to the ancestors of the input
 gradients; W is what the parameter gradients need on top of it. Fused backward ops that return
 input and weight gradients at once (`native_layer_norm_backward`, `convolution_backward`,
-`native_group_norm_backward`: any op with an `output_mask` argument) are cloned: B's copy asks
-only for what B needs, W's copy for the rest. Parameter views are recomputed in each graph.
-On the first stage no input needs a gradient, so B is empty and W holds the whole backward.
+`native_group_norm_backward`: any op with an `output_mask` argument) are cloned: I's copy asks
+only for what I needs, W's copy for the rest. Parameter views are recomputed in each graph.
+On the first stage no input needs a gradient, so I is empty and W holds the whole backward.
 `split_backward_program` is the graph-level core, for any backward Program named this way (the
 `torch.compile` backend splits AOTAutograd's backward graphs with it); `split_backward` applies
 it to a pipeline stage.
 
 Example (one linear layer y = x @ w.T + b, gradient g of y):
 
-    B: (param:w, tangent:y) -> (grad:x = g @ w,)          stash: none (W reads tangent:y directly)
+    I: (param:w, tangent:y) -> (grad:x = g @ w,)          stash: none (W reads tangent:y directly)
     W: (in:x, tangent:y)    -> (grad:param:w = g.T @ x, grad:param:b = g.sum(0))
 """
 
@@ -38,17 +38,17 @@ from zbcompile.value_names import INPUT, SAVED, TANGENT, fqn_of, is_param_grad, 
 # until then: at least this many FLOP-equivalents (`graph_cost.node_cost`) per byte kept alive.
 # Matmul and convolution weight gradients clear it by orders of magnitude; normalisation-layer
 # weight gradients, whose deferral keeps the layer's input and output-gradient alive for a few
-# elementwise operations, do not, so B computes them (as the paper's implementation does).
+# elementwise operations, do not, so I computes them (as the paper's implementation does).
 MIN_DEFERRAL_INTENSITY = 1.0
 
 
 @dataclass(frozen=True)
 class BackwardSplit:
-    """B and W of one backward Program (the graph-level result, for any caller: a pipeline stage
-    or a `torch.compile` region). `stash` names what B computes for W; `weight_reads` every
+    """I and W of one backward Program (the graph-level result, for any caller: a pipeline stage
+    or a `torch.compile` region). `stash` names what I computes for W; `weight_reads` every
     value W reads besides parameters and buffers (stash, saved activations, inputs, tangents);
     `input_param_grads` the parameters (`grad:param:<name>` without the prefix) whose gradients
-    B computes itself (cheap ones, see MIN_DEFERRAL_INTENSITY)."""
+    I computes itself (cheap ones, see MIN_DEFERRAL_INTENSITY)."""
 
     input_backward: Program
     weight_backward: Program
@@ -59,8 +59,8 @@ class BackwardSplit:
 
 @dataclass(frozen=True)
 class StageBackwardSplit(BackwardSplit):
-    """B and W of one stage, plus `freed_after_input`: the saved values only B needed, dropped
-    once B has run."""
+    """I and W of one stage, plus `freed_after_input`: the saved values only I needed, dropped
+    once I has run."""
 
     stage: int = 0
     freed_after_input: tuple[str, ...] = ()
@@ -68,8 +68,8 @@ class StageBackwardSplit(BackwardSplit):
 
 def split_backward(joint: StageJoint, min_deferral_intensity: float = MIN_DEFERRAL_INTENSITY) -> StageBackwardSplit:
     """Split `joint`'s backward. With `min_deferral_intensity=0` every parameter gradient goes
-    to W; by default those too cheap to be worth their memory stay in B (stages with input
-    gradients only: on the first stage B stays empty)."""
+    to W; by default those too cheap to be worth their memory stay in I (stages with input
+    gradients only: on the first stage I stays empty)."""
     split = split_backward_program(joint.backward, min_deferral_intensity, class_prefix=f"Stage{joint.stage}")
     backward = joint.backward
     saved = [v for v in backward.signature.inputs if v.startswith((SAVED, INPUT, TANGENT))]
@@ -85,8 +85,8 @@ def split_backward_program(
 ) -> BackwardSplit:
     """Split any backward Program whose inputs are named `param:`/`buffer:` (state, whose views
     each graph recomputes) or otherwise (values read from the environment), and whose outputs
-    are `grad:param:<name>` (weight gradients, to W) or other names (input gradients, to B).
-    Which cheap weight gradients stay in B is decided on the rewritten graph, before either
+    are `grad:param:<name>` (weight gradients, to W) or other names (input gradients, to I).
+    Which cheap weight gradients stay in I is decided on the rewritten graph, before either
     program is extracted, so each program is extracted and compiled once."""
     partition = _partition(backward, frozenset())
     if min_deferral_intensity > 0 and partition.input_grads:
@@ -98,7 +98,7 @@ def split_backward_program(
 
 @dataclass
 class _Partition:
-    """The backward graph (a rewritten copy) with its nodes assigned to B and W."""
+    """The backward graph (a rewritten copy) with its nodes assigned to I and W."""
 
     graph: fx.Graph
     names: dict[fx.Node, str]
@@ -114,8 +114,8 @@ class _Partition:
 
 
 def _partition(backward: Program, in_input: frozenset[str]) -> _Partition:
-    """Assign the nodes of a copy of `backward` to B and W, with the gradients named in
-    `in_input` (`grad:param:<fqn>`) computed by B; fused ops are split by output mask."""
+    """Assign the nodes of a copy of `backward` to I and W, with the gradients named in
+    `in_input` (`grad:param:<fqn>`) computed by I; fused ops are split by output mask."""
     graph = copy.deepcopy(backward.graph).graph  # the rewrite below must not touch the input
     placeholders = list(graph.find_nodes(op="placeholder"))
     names = dict(zip(placeholders, backward.signature.inputs))
@@ -214,8 +214,8 @@ def _read_storage(nodes: set[fx.Node], inputs: list[fx.Node]) -> set[tuple[fx.No
 
 
 def _split_fused_ops(graph: fx.Graph, needed_by_input: set[fx.Node]) -> None:
-    """Clone each op with an `output_mask` whose results feed both B and W into a B copy that
-    computes only what B needs and a W copy that computes the rest."""
+    """Clone each op with an `output_mask` whose results feed both I and W into an I copy that
+    computes only what I needs and a W copy that computes the rest."""
     for node in list(graph.nodes):
         mask_index = _output_mask_index(node)
         if mask_index is None or node not in needed_by_input:

@@ -1,5 +1,5 @@
-"""Runs one stage's F, B and W for any microbatch, keeping each microbatch's values in its own
-environment and freeing every value right after its last use. Transport-agnostic: the caller
+"""Runs one stage's F, I, W and fused B for any microbatch, keeping each microbatch's values in
+its own environment and freeing every value right after its last use. Transport-agnostic: the caller
 hands in what arrives from the neighbours and sends what comes back."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from zbcompile.value_names import (
 
 
 class StageExecutor:
-    """Executes F/B/W of one stage.
+    """Executes F/I/W/B of one stage.
 
     `state` maps `param:<fqn>` / `buffer:<fqn>` to tensors. Parameter gradients are accumulated
     per microbatch in the order W runs (schedules keep W in microbatch order, so every schedule
@@ -85,7 +85,7 @@ class StageExecutor:
                 self.state[buffer_name(fqn)].copy_(env[update_name(fqn)])
 
     def input_backward(self, microbatch: int, output_grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """B. `output_grads`: gradients of the stage outputs (`{"loss": scale}` on the last
+        """I. `output_grads`: gradients of the stage outputs (`{"loss": scale}` on the last
         stage). Returns the gradients of the stage inputs that carry one."""
         env = self.envs[microbatch]
         self._receive_tangents(env, output_grads)
@@ -113,8 +113,8 @@ class StageExecutor:
                 self.grads[fqn] = grad.detach().clone()
 
     def backward(self, microbatch: int, output_grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Fused backward (B then W at once) as the one unsplit backward graph, which computes
-        exactly what B and W compute, with no stash handed between them."""
+        """Fused backward B (I then W at once) as the one unsplit backward graph, which computes
+        exactly what I and W compute, with no stash handed between them."""
         env = self.envs.pop(microbatch)
         self._receive_tangents(env, output_grads)
         self.program.joint.backward.run(env, self.state)
