@@ -118,6 +118,8 @@ def _materialise(model, compiled, stage: int, device, dtype):
     scales: matrices N(0, 0.02), LayerNorm weights 1, biases 0)."""
     import torch
 
+    from zbcompile.value_names import buffer_name, param_name
+
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     part = compiled.partition.stages[stage]
@@ -132,10 +134,10 @@ def _materialise(model, compiled, stage: int, device, dtype):
                 value.fill_(1.0)
             else:
                 value.zero_()
-            state[f"param:{fqn}"] = value
+            state[param_name(fqn)] = value
         for fqn in part.buffer_fqns:
             meta = buffers[fqn]
-            state[f"buffer:{fqn}"] = torch.zeros(meta.shape, dtype=meta.dtype, device=device)
+            state[buffer_name(fqn)] = torch.zeros(meta.shape, dtype=meta.dtype, device=device)
     return state
 
 
@@ -143,6 +145,8 @@ def profile_stage(model, compiled, stage: int, device, dtype, config: Config) ->
     """Median ms of F, I (input gradients), W (weight gradients) and the unsplit backward of one
     stage; F, I, W run back to back as in a pipeline step, the unsplit backward separately."""
     import torch
+
+    from zbcompile.value_names import TANGENT
 
     program = compiled.programs[stage]
     timer = Timer(device)
@@ -161,7 +165,7 @@ def profile_stage(model, compiled, stage: int, device, dtype, config: Config) ->
                     tangents = {
                         name: value
                         for name, value in _random_inputs(program.joint.backward, {**state, **env}, device).items()
-                        if name.startswith("tangent:")
+                        if name.startswith(TANGENT)
                     }
                 env.update(tangents)
                 saved = dict(env)

@@ -75,18 +75,19 @@ class Ours:
     def __init__(self, model: nn.Sequential, rows: int, hidden: int) -> None:
         from zbcompile.compiler import compile_pipeline
         from zbcompile.passes.graph_cost import random_inputs
+        from zbcompile.value_names import buffer_name, output_name, param_name, tangent_name
 
         x = torch.randn(rows, hidden)
         compiled = compile_pipeline(model, F.mse_loss, (x,), {}, torch.randn(rows, hidden), 2, ["1"])
         self.program = program = compiled.programs[1]
-        self.state = {f"param:{n}": p.detach() for n, p in model.named_parameters()}
-        self.state.update({f"buffer:{n}": b for n, b in model.named_buffers()})
+        self.state = {param_name(n): p.detach() for n, p in model.named_parameters()}
+        self.state.update({buffer_name(n): b for n, b in model.named_buffers()})
         env = random_inputs(program.forward, self.state, torch.Generator().manual_seed(rows))
         with torch.no_grad():
             program.forward.run(env, self.state)
         for name in program.joint.tangents:
-            value = env.get(f"out:{name}", env.get(name))
-            env[f"tangent:{name}"] = torch.ones((), dtype=torch.float32) if name == "loss" else torch.randn_like(value)
+            value = env.get(output_name(name), env.get(name))
+            env[tangent_name(name)] = torch.ones((), dtype=torch.float32) if name == "loss" else torch.randn_like(value)
         self.env = env
         self.check()
 

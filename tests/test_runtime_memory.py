@@ -10,6 +10,7 @@ from zbcompile.api import memory_unit, schedule_costs
 from zbcompile.models import GPT, GPTConfig
 from zbcompile.models.gpt import Block, lm_loss
 from zbcompile.schedules import simulate
+from zbcompile.value_names import TANGENT
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,7 @@ def test_values_only_b_needs_are_gone_after_b(gpt_batch):
     env_inputs = {name: torch.randn(pipe.compiled.partition.values[name].shape) for name in program.stage.inputs}
     outputs = executor.forward(0, env_inputs)
     kept_after_f = set(executor.envs[0])
-    saved_for_b_only = {n for n in program.split.freed_after_input if not n.startswith("tangent:")}
+    saved_for_b_only = {n for n in program.split.freed_after_input if not n.startswith(TANGENT)}
     assert saved_for_b_only and saved_for_b_only <= kept_after_f
     executor.input_backward(0, {name: torch.randn_like(outputs[name]) for name in program.joint.output_grads})
     kept_after_b = set(executor.envs[0])

@@ -13,6 +13,15 @@ from zbcompile.compiler import compile_pipeline
 from zbcompile.models.gpt import GPT, Block, GPTConfig, lm_loss
 from zbcompile.passes.graph_cost import measure_stage_times, random_inputs
 from zbcompile.passes.split_backward import MIN_DEFERRAL_INTENSITY
+from zbcompile.value_names import (
+    grad_name,
+    is_param_grad,
+    is_stash,
+    output_name,
+    param_grad_name,
+    param_name,
+    tangent_name,
+)
 
 aten = torch.ops.aten
 
@@ -29,14 +38,14 @@ class SplitReproducesBackward(TestCase):
         """Run F on real inputs, then the unsplit backward and B followed by W on the same
         values: every gradient is bitwise equal."""
         model, compiled = _compile_gpt(stages=4)
-        state = {f"param:{n}": p.detach() for n, p in model.named_parameters()}
+        state = {param_name(n): p.detach() for n, p in model.named_parameters()}
         generator = torch.Generator().manual_seed(1)
         for program in compiled.programs:
             env = random_inputs(program.forward, state, generator)
             program.forward.run(env, state)
             for name in program.joint.tangents:
-                shape_source = env.get(f"out:{name}")
-                env[f"tangent:{name}"] = (
+                shape_source = env.get(output_name(name))
+                env[tangent_name(name)] = (
                     torch.randn(shape_source.shape, generator=generator) if name != "loss" else torch.tensor(0.25)
                 )
             unsplit = dict(env)
@@ -51,7 +60,7 @@ class SplitReproducesBackward(TestCase):
 
     def test_measured_times(self):
         model, compiled = _compile_gpt(stages=2, layers=2)
-        state = {f"param:{n}": p.detach() for n, p in model.named_parameters()}
+        state = {param_name(n): p.detach() for n, p in model.named_parameters()}
         times = measure_stage_times(compiled.programs[1], state, repeats=2)
         self.assertGreater(times.forward, 0)
         self.assertGreater(times.input_backward, 0)
@@ -97,8 +106,8 @@ class TransformerBlockSplit(TestCase):
         # four Linear layers: one input-gradient matmul each in B, one weight-gradient matmul each in W
         self.assertEqual(len(_calls(b, aten.mm.default)), 4)
         self.assertEqual(len(_calls(w, aten.mm.default)), 4)
-        self.assertEqual([o for o in b.signature.outputs if not o.startswith("stash:")], ["grad:view_1"])
-        self.assertFalse([o for o in b.signature.outputs if o.startswith("grad:param:")])
+        self.assertEqual([o for o in b.signature.outputs if not is_stash(o)], [grad_name("view_1")])
+        self.assertFalse([o for o in b.signature.outputs if is_param_grad(o)])
 
     def test_layer_norm_backward_is_split_by_output_mask(self):
         block = _block_pipeline(hidden=8, seq=4, heads=2)
@@ -108,7 +117,7 @@ class TransformerBlockSplit(TestCase):
             self.assertEqual({tuple(n.args[-1]) for n in nodes}, {tuple(mask)})
         returned = block.weight_backward.signature.outputs
         for fqn in ("1.ln1.weight", "1.ln1.bias", "1.ln2.weight", "1.ln2.bias"):
-            self.assertIn(f"grad:param:{fqn}", returned)
+            self.assertIn(param_grad_name(fqn), returned)
 
     def test_default_policy_keeps_norm_weight_gradients_in_b(self):
         """Deferring a LayerNorm's weight gradients would keep its input and output-gradient alive
