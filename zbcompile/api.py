@@ -657,21 +657,10 @@ def _constant_key(value: Any) -> Any:
 
 
 def schedule_costs(compiled: CompiledPipeline) -> Costs:
-    """Per-stage schedule costs from the static estimates: times in FLOP-equivalents; memory
-    M_B (kept by F) and M_W (still needed by W after I; may exceed M_B, I then adds memory) in
-    units of the largest stage's M_B, so that `memory_limit=8` means eight microbatches'
-    activations of the largest stage."""
-    costs = [p.cost for p in compiled.programs]
-    unit = max([c.mem_b for c in costs] + [1])
-    return Costs(
-        f=[c.forward.time_estimate for c in costs],
-        i=[c.input_backward.time_estimate for c in costs],
-        w=[c.weight_backward.time_estimate for c in costs],
-        mem_b=[c.mem_b / unit for c in costs],
-        mem_w=[c.mem_w / unit for c in costs],
-    )
+    """`compiled.schedule_costs()`."""
+    return compiled.schedule_costs()
 
 
 def memory_unit(compiled: CompiledPipeline) -> int:
-    """Bytes of one unit of `schedule_costs`' memory."""
-    return max([p.cost.mem_b for p in compiled.programs] + [1])
+    """`compiled.memory_unit()`."""
+    return compiled.memory_unit()

@@ -22,6 +22,7 @@ from zbcompile.passes.partition import Stage, StagePartition, partition_stages
 from zbcompile.passes.split_backward import MIN_DEFERRAL_INTENSITY, StageBackwardSplit, split_backward
 from zbcompile.passes.trace import TracedModel, trace_model
 from zbcompile.program import Program
+from zbcompile.schedules import Costs
 from zbcompile.value_names import INPUT, SAVED, UPDATE, is_stash
 
 
@@ -73,6 +74,25 @@ class CompiledPipeline:
     partition: StagePartition
     programs: tuple[StageProgram, ...]
     phase_seconds: dict[str, float] = field(default_factory=dict)
+
+    def schedule_costs(self) -> Costs:
+        """Per-stage schedule costs from the static estimates: times in FLOP-equivalents; memory
+        M_B (kept by F) and M_W (still needed by W after I; may exceed M_B, I then adds memory) in
+        units of the largest stage's M_B (`memory_unit()` bytes), so that `memory_limit=8` means
+        eight microbatches' activations of the largest stage."""
+        costs = [p.cost for p in self.programs]
+        unit = self.memory_unit()
+        return Costs(
+            f=[c.forward.time_estimate for c in costs],
+            i=[c.input_backward.time_estimate for c in costs],
+            w=[c.weight_backward.time_estimate for c in costs],
+            mem_b=[c.mem_b / unit for c in costs],
+            mem_w=[c.mem_w / unit for c in costs],
+        )
+
+    def memory_unit(self) -> int:
+        """Bytes of one unit of `schedule_costs()`' memory: the largest stage's M_B."""
+        return max([p.cost.mem_b for p in self.programs] + [1])
 
 
 def compile_pipeline(
