@@ -20,7 +20,12 @@ import inspect_workers
 import zbcompile
 from models import build
 from multiprocess import run_ranks
-from zbcompile import cli, dump, inspection, report, trace_events
+from zbcompile import cli
+from zbcompile.inspect.html import write_compared_png, write_report
+from zbcompile.inspect.read import GRAPH_FILES, SCHEDULE_FILE, Dump, load, stage_dir
+from zbcompile.inspect.text import split_diff, summary_text
+from zbcompile.inspect.trace import action_events, load_trace, validate_trace
+from zbcompile.inspect.write import DUMP_ENV, CompileDump, program_code
 from zbcompile.schedules import Action, make_schedule
 
 
@@ -69,7 +74,7 @@ class LocalDump(TestCase):
 
     def test_summary_text(self):
         text = self.pipe.explain()
-        self.assertEqual(text, inspection.summary_text(inspection.load(self.root)), "explain() and inspect differ")
+        self.assertEqual(text, summary_text(load(self.root)), "explain() and inspect differ")
         code, printed, _ = _inspect(self.root)
         self.assertEqual(code, 0)
         self.assertIn(text, printed)
@@ -182,13 +187,13 @@ class Stage1WeightBackward(torch.nn.Module):
 
 class WithoutDump(TestCase):
     def test_explain_without_a_dump(self):
-        with mock.patch.dict(os.environ, {dump.DUMP_ENV: ""}):
+        with mock.patch.dict(os.environ, {DUMP_ENV: ""}):
             pipe = _local_pipeline(None, schedule="1f1b")
         self.assertIn("schedule 1f1b (version 0 of 1)", pipe.explain())
         self.assertIn("measured: none", pipe.explain())
 
     def test_environment_variable_turns_dumps_on(self):
-        with tempfile.TemporaryDirectory() as root, mock.patch.dict(os.environ, {dump.DUMP_ENV: root}):
+        with tempfile.TemporaryDirectory() as root, mock.patch.dict(os.environ, {DUMP_ENV: root}):
             _local_pipeline(None)
             self.assertTrue(os.path.exists(os.path.join(root, "compile-0", "compile.json")))
 
@@ -214,11 +219,11 @@ class FusedOpDiff(TestCase):
         compiled = compile_pipeline(model, lm_loss, (tokens,), {}, tokens.roll(1, 1), 2, min_deferral_intensity=0)
         program = compiled.programs[1]
         with tempfile.TemporaryDirectory() as directory:
-            os.makedirs(dump.stage_dir(directory, 1))
+            os.makedirs(stage_dir(directory, 1))
             for graph, prog in {"I": program.input_backward, "W": program.weight_backward, "backward": program.joint.backward}.items():
-                with open(os.path.join(dump.stage_dir(directory, 1), dump.GRAPH_FILES[graph]), "w") as f:
-                    f.write(dump.program_code(prog, 1, graph))
-            text = inspection.split_diff(inspection.Dump(directory, {"stages": 2}, [], None), 1)
+                with open(os.path.join(stage_dir(directory, 1), GRAPH_FILES[graph]), "w") as f:
+                    f.write(program_code(prog, 1, graph))
+            text = split_diff(Dump(directory, {"stages": 2}, [], None), 1)
         lines = text.splitlines()
         fused = next(i for i, line in enumerate(lines) if line.startswith("  I    native_layer_norm_backward = "))
         self.assertTrue(lines[fused].endswith("[True, True, True])"), lines[fused])
@@ -237,19 +242,19 @@ class ScheduleVersions(TestCase):
     def test_a_new_schedule_becomes_a_version_and_steps_name_theirs(self):
         pipe = _local_pipeline(None, schedule="1f1b")
         with tempfile.TemporaryDirectory() as directory:
-            recorder = dump.CompileDump(directory, 0, pipe.compiled, pipe.schedule)
+            recorder = CompileDump(directory, 0, pipe.compiled, pipe.schedule)
             recorder.start_timeline({"rank": 0, "pp_rank": 0, "dp_rank": 0, "stages": [0], "host": "h", "clock": {"perf_counter": 0.0, "time": 0.0}})
             other = make_schedule("zb-h1", 2, 4)
             for step, schedule in enumerate([pipe.schedule, other, other]):
                 actions = [a for a in zbcompile.schedules.lower(schedule).actions[0]]
                 timeline = [(str(a), step + i * 0.01, step + i * 0.01 + 0.005) for i, a in enumerate(actions)]
                 recorder.record_step(_FakeRunner(schedule, [e for e in timeline if Action.parse(e[0]).is_compute], [e for e in timeline if not Action.parse(e[0]).is_compute]))
-            with open(os.path.join(directory, dump.SCHEDULE_FILE)) as f:
+            with open(os.path.join(directory, SCHEDULE_FILE)) as f:
                 versions = json.load(f)["versions"]
             self.assertEqual([v["name"] for v in versions], ["1f1b", "zb-h1"])
-            trace = trace_events.load_trace(directory)
-            self.assertEqual({e["args"]["step"]: e["args"]["schedule_version"] for e in trace_events.action_events(trace)}, {0: 0, 1: 1, 2: 1})
-            self.assertEqual(trace_events.validate_trace(trace, [[v["lowered"][0]] for v in versions]), [])
+            trace = load_trace(directory)
+            self.assertEqual({e["args"]["step"]: e["args"]["schedule_version"] for e in action_events(trace)}, {0: 0, 1: 1, 2: 1})
+            self.assertEqual(validate_trace(trace, [[v["lowered"][0]] for v in versions]), [])
 
 
 # --- a real two-rank run -----------------------------------------------------------------------
@@ -288,15 +293,15 @@ def test_trace_has_one_row_per_rank_and_every_action_once_per_step(distributed_d
             assert [a for a in ran if a not in early] == [a for a in compute_order if a not in early], (rank, step)
             weights = [a for a in compute_order if Action.parse(a).kind == "W"]
             assert [a for a in ran if a in weights] == weights, (rank, step)  # in the schedule's W order
-    with open(os.path.join(root, "compile-0", dump.SCHEDULE_FILE)) as f:
+    with open(os.path.join(root, "compile-0", SCHEDULE_FILE)) as f:
         versions = json.load(f)["versions"]
-    assert trace_events.validate_trace(trace, [v["lowered"] for v in versions]) == []
+    assert validate_trace(trace, [v["lowered"] for v in versions]) == []
 
 
 @pytest.mark.xdist_group("distributed")
 def test_explain_equals_inspect_with_measured_times(distributed_dump):
     root, per_rank = distributed_dump
-    text = inspection.summary_text(inspection.load(root))
+    text = summary_text(load(root))
     assert per_rank[0]["explain"] == text
     assert f"measured: {STEPS - 1} steps of version 0 (steps 1-{STEPS - 1};" in text
     ratio = float(re.search(r"measured / predicted makespan = (\d+\.\d+)", text).group(1))
@@ -310,7 +315,7 @@ def _svgs(html: str) -> list[str]:
 @pytest.mark.xdist_group("distributed")
 def test_report_draws_one_box_per_action(distributed_dump):
     root, per_rank = distributed_dump
-    path = report.write_report(root, os.path.join(root, "report.html"))
+    path = write_report(root, os.path.join(root, "report.html"))
     with open(path) as f:
         html = f.read()
     assert "<script" not in html and "http" not in html.replace('xmlns="http://www.w3.org/2000/svg"', "")
@@ -334,7 +339,7 @@ def test_report_screenshot_shows_the_timelines(distributed_dump):
     import numpy as np
 
     root, _ = distributed_dump
-    page = report.write_report(root, os.path.join(root, "report.html"))
+    page = write_report(root, os.path.join(root, "report.html"))
     shot = os.path.join(root, "report.png")
     subprocess.run(
         [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1300,700",
@@ -354,7 +359,7 @@ def test_report_screenshot_shows_the_timelines(distributed_dump):
 @pytest.mark.xdist_group("distributed")
 def test_report_compares_measured_steps_with_the_bubble_shaded(distributed_dump, tmp_path):
     root, per_rank = distributed_dump
-    html = open(report.write_report(root, str(tmp_path / "compared.html"), compared=[root])).read()
+    html = open(write_report(root, str(tmp_path / "compared.html"), compared=[root])).read()
     computed = sorted(a for result in per_rank for a in result["actions"] if Action.parse(a).is_compute)
     rect = re.compile(r'<rect class="action (\w+)" data-action="(\w*)" x="([\d.]+)" y="([\d.]+)" width="([\d.]+)"')
     for svg in _svgs(html)[:2]:  # the compared run above, this run below
@@ -366,5 +371,5 @@ def test_report_compares_measured_steps_with_the_bubble_shaded(distributed_dump,
             if kind == "idle":  # inside a rank's span, overlapping none of its actions
                 assert not any(by == y and bx < x + w - 0.6 and x + 0.6 < bend for by, bx, bend in busy)  # boxes are >= 0.5 px wide
                 assert min(bx for by, bx, _ in busy if by == y) <= x and x + w <= max(bend for by, _, bend in busy if by == y) + 0.01
-    png = report.write_compared_png([inspection.load(root)] * 2, str(tmp_path / "timelines.png"))
+    png = write_compared_png([load(root)] * 2, str(tmp_path / "timelines.png"))
     assert os.path.getsize(png) > 1000

@@ -15,9 +15,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from zbcompile import dump
 from zbcompile._torch_internals import pytree
 from zbcompile.compiler import CompiledPipeline, compile_pipeline
+from zbcompile.inspect.text import summary_text
+from zbcompile.inspect.write import CompileDump, live_dump, start_dump
 from zbcompile.runtime import batch_agreement, placement, profile
 from zbcompile.runtime.batch_agreement import BatchDescription
 from zbcompile.runtime.distributed import DistributedRunner, Layout, make_layout
@@ -122,7 +123,7 @@ def pipeline(
     `compiler="inductor"` compiles each stage's F, I and W graphs with Inductor on their first
     run; the default (None or "eager") runs them op by op (see `zbcompile.stage_compiler`).
     `dump_dir` (default: `$ZBCOMPILE_DUMP`) receives graphs, tables, the schedule and the measured
-    trace of every compile (`zbcompile.dump`; read them with `zbcompile inspect DIR`).
+    trace of every compile (`zbcompile.inspect.write`; read them with `zbcompile inspect DIR`).
 
     A model built on the `meta` device gets the parameters and buffers this process's stages
     use materialised when it compiles; `init_fn(module)` (e.g. a transformers model's
@@ -210,7 +211,7 @@ class PipelinedModule:
         self._last_key: Any = None
         self._local: set[str] | None = None  # FQNs this rank holds, once compiled (distributed)
         self._unfilled: set[str] = set()  # materialised from `meta`, filled by neither init nor load_state_dict
-        self._dumps: dict[Any, dump.CompileDump | None] = {}
+        self._dumps: dict[Any, CompileDump | None] = {}
         self.measured_costs: Costs | None = None  # the costs of the latest schedule solved with measured ones
         self._layout: Layout | None = None  # this rank's place (distributed), once known
         self._agreed: list[BatchDescription] = []  # batches the ranks agreed on (distributed), latest last
@@ -276,10 +277,8 @@ class PipelinedModule:
     def explain(self) -> str:
         """What `zbcompile inspect` prints for the latest compile: stages, balance, costs, the
         schedule's predicted makespan and bubble, and with a dump the measured ones."""
-        from zbcompile import inspection
-
         self._latest()
-        return inspection.explain(self, self._dumps.get(self._last_key))
+        return summary_text(live_dump(self, self._dumps.get(self._last_key)))
 
     @property
     def compiled(self) -> CompiledPipeline:
@@ -436,7 +435,7 @@ class PipelinedModule:
                 self._place(set(placement.canonical_names(self.module).values()), _device_of((example, example_target)), move_others=False)
                 runner = LocalRunner([StageExecutor(p, self._state()) for p in compiled.programs], schedule)
             self._compiled[key] = _Compiled(compiled, schedule, runner, self._tuner(runner, compiled))
-            self._dumps[key] = dump.start_dump(self.options.dump_dir, compiled, schedule, self.options, runner)
+            self._dumps[key] = start_dump(self.options.dump_dir, compiled, schedule, self.options, runner)
         self._last_key = key
         return self._compiled[key]
 

@@ -10,7 +10,7 @@ import sys
 SUBCOMMANDS = {
     "schedule": "zbcompile.schedules.cli",
     "demo": "zbcompile.demo",
-    "inspect": "zbcompile.inspection",
+    "inspect": "zbcompile.inspect.cli",
 }
 
 

@@ -294,7 +294,7 @@ def predicted_gains(runs: dict[str, "_Training"], action_medians: dict[str, list
     cheaper than I and W apart); and under the costs zb-auto was solved with (which charge
     1F1B's backward as I + W), with where those came from ("measured" or "static")."""
     from zbcompile.api import schedule_costs
-    from zbcompile.dump import schedule_costs_used
+    from zbcompile.inspect.write import schedule_costs_used
     from zbcompile.runtime.profile import costs_of
     from zbcompile.schedules import simulate
 
@@ -424,11 +424,12 @@ def _progress(rounds: int):
 
 
 def _write_pictures(out_dir: str) -> None:
-    from zbcompile import inspection, report
+    from zbcompile.inspect.html import write_compared_png, write_report
+    from zbcompile.inspect.read import load
 
-    dumps = [inspection.load(os.path.join(out_dir, "dump", name)) for name in SCHEDULES]
-    page = report.write_report(dumps[-1], os.path.join(out_dir, "report.html"), compared=dumps[:-1])
-    png = report.write_compared_png(dumps, os.path.join(out_dir, "timelines.png"))
+    dumps = [load(os.path.join(out_dir, "dump", name)) for name in SCHEDULES]
+    page = write_report(dumps[-1], os.path.join(out_dir, "report.html"), compared=dumps[:-1])
+    png = write_compared_png(dumps, os.path.join(out_dir, "timelines.png"))
     print(f"report: {page} (both schedules' measured steps, bubbles shaded); picture: {png}")
     print(f"dumps (graphs, schedules, trace.json for Perfetto): {os.path.join(out_dir, 'dump')}; summary: zbcompile inspect DIR")
 

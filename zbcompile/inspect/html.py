@@ -9,7 +9,7 @@ time between its first and last action (the bubble) shaded: `compared_panels`, a
 PNG by `write_compared_png` (`zbcompile demo` does both).
 
 The predicted timeline is the simulator's under the schedule's costs (static estimates put in
-seconds as `inspection.comparison` explains); the measured one is the step whose makespan is
+seconds as `inspect.text.comparison` explains); the measured one is the step whose makespan is
 the median of the steady steps, every rank of the first replica, compute and communication
 (SEND: posting, RECV: waiting for data) actions alike."""
 
@@ -19,10 +19,11 @@ import os
 from html import escape
 from typing import Any, Sequence
 
-from zbcompile import inspection, trace_events
+from zbcompile.inspect.read import Dump, graph_text, load
+from zbcompile.inspect.text import comparison, si, split_diff, summary_text
+from zbcompile.inspect.trace import action_events, median
 from zbcompile.schedules.ir import COMPUTE_KINDS, Action, format_grid
 from zbcompile.schedules.render import COLOURS, Box, idle_boxes, to_png_panels, to_svg
-from zbcompile.summary import si
 
 _TIMELINE_WIDTH = 1200.0
 _SERIES_COLOURS = {"predicted": "#9aa9c9", "measured": "#e0a060", "M_B": "#6c8ebf", "M_W": "#82b366"}
@@ -42,7 +43,7 @@ def measured_boxes(trace: dict[str, Any], step: int) -> list[Box]:
     """Every action of `step` on the first replica's ranks, in ms from the step's first start."""
     ranks = trace["otherData"]["ranks"]
     events = [
-        e for e in trace_events.action_events(trace)
+        e for e in action_events(trace)
         if e["args"]["step"] == step and ranks[str(e["pid"])]["dp_rank"] == 0
     ]
     origin = min(e["ts"] for e in events if e["cat"] in COMPUTE_KINDS)
@@ -59,13 +60,13 @@ def measured_boxes(trace: dict[str, Any], step: int) -> list[Box]:
     ]
 
 
-def compared_panels(dumps: Sequence[inspection.Dump]) -> list[tuple[str, list[Box]]]:
+def compared_panels(dumps: Sequence[Dump]) -> list[tuple[str, list[Box]]]:
     """Per dump with a trace: (title, boxes) of its median steady step's compute actions (ms from
     the step's first start) and of each rank's idle gaps between them (kind `render.IDLE`)."""
     panels = []
     for run in dumps:
         version = run.versions[-1]
-        found = inspection.comparison(version, run.trace)
+        found = comparison(version, run.trace)
         if found is None:
             continue
         step = found["representative"]
@@ -86,7 +87,7 @@ def _compared_svg(panels: Sequence[tuple[str, list[Box]]]) -> str:
     return "\n".join(to_svg(boxes, title, _TIMELINE_WIDTH, span) for title, boxes in panels)
 
 
-def write_compared_png(dumps: Sequence[inspection.Dump], path: str) -> str | None:
+def write_compared_png(dumps: Sequence[Dump], path: str) -> str | None:
     """`compared_panels(dumps)` as a PNG at `path` (None, nothing written, without a trace)."""
     panels = compared_panels(dumps)
     if not panels:
@@ -126,13 +127,13 @@ def _measured_action_times(trace: dict[str, Any], steps: Sequence[int]) -> dict[
     """(stage, kind) -> median seconds of that action over `steps`."""
     chosen = set(steps)
     samples: dict[tuple[int, str], list[float]] = {}
-    for e in trace_events.action_events(trace):
+    for e in action_events(trace):
         if e["args"]["step"] in chosen and e["cat"] in COMPUTE_KINDS:
             samples.setdefault((e["args"]["stage"], e["cat"]), []).append(e["dur"] / 1e6)
-    return {k: trace_events.median(v) for k, v in samples.items()}
+    return {k: median(v) for k, v in samples.items()}
 
 
-def _timelines(dump: inspection.Dump, version: dict[str, Any], found: dict[str, Any] | None) -> str:
+def _timelines(dump: Dump, version: dict[str, Any], found: dict[str, Any] | None) -> str:
     unit = version["time_unit"]
     if found is None:
         label, scale = ("ms", 1e3) if unit == "s" else ("FLOP-equivalents", 1.0)
@@ -155,7 +156,7 @@ def _timelines(dump: inspection.Dump, version: dict[str, Any], found: dict[str, 
     )
 
 
-def _bars(dump: inspection.Dump, version: dict[str, Any], found: dict[str, Any] | None) -> str:
+def _bars(dump: Dump, version: dict[str, Any], found: dict[str, Any] | None) -> str:
     record, costs = dump.record, version["costs"]
     scale = found["scale"] if found else 1.0
     in_seconds = found is not None or version["time_unit"] == "s"
@@ -184,13 +185,13 @@ def _bars(dump: inspection.Dump, version: dict[str, Any], found: dict[str, Any] 
     )
 
 
-def _listings(dump: inspection.Dump) -> str:
-    parts = [f"<details><summary>traced forward with stages</summary><pre>{escape(inspection.graph_text(dump, None, 'forward'))}</pre></details>"]
+def _listings(dump: Dump) -> str:
+    parts = [f"<details><summary>traced forward with stages</summary><pre>{escape(graph_text(dump, None, 'forward'))}</pre></details>"]
     for s in range(dump.record["stages"]):
         for graph in ("F", "I", "W", "backward"):
-            code = inspection.graph_text(dump, s, graph)
+            code = graph_text(dump, s, graph)
             parts.append(f"<details><summary>stage {s} {graph}</summary><pre>{escape(code)}</pre></details>")
-    parts.append(f"<details><summary>the backward before and after the I/W split</summary><pre>{escape(inspection.split_diff(dump))}</pre></details>")
+    parts.append(f"<details><summary>the backward before and after the I/W split</summary><pre>{escape(split_diff(dump))}</pre></details>")
     return "\n".join(parts)
 
 
@@ -203,11 +204,11 @@ summary { cursor: pointer; margin: 4px 0; }
 """
 
 
-def report_html(dump: inspection.Dump, compared: Sequence[inspection.Dump] = ()) -> str:
+def report_html(dump: Dump, compared: Sequence[Dump] = ()) -> str:
     """The page (see the module docstring); `compared`: dumps of other schedules' runs to draw
     above it, measured step against measured step."""
     version = dump.versions[-1]
-    found = inspection.comparison(version, dump.trace)
+    found = comparison(version, dump.trace)
     headline = (
         f'<p class="ratio">measured / predicted makespan: {found["ratio"]:.2f} '
         f'({found["makespan"] * 1e3:.2f} ms measured, {found["predicted_makespan"] * 1e3:.2f} ms predicted)</p>'
@@ -229,7 +230,7 @@ def report_html(dump: inspection.Dump, compared: Sequence[inspection.Dump] = ())
             "<h2>Per stage</h2>",
             f'<div class="bars">{_bars(dump, version, found)}</div>',
             "<h2>Summary</h2>",
-            f"<pre>{escape(inspection.summary_text(dump))}</pre>",
+            f"<pre>{escape(summary_text(dump))}</pre>",
             "<h2>Schedule (per rank, in order)</h2>",
             f"<pre>{escape(grid)}</pre>",
             "<h2>Graphs</h2>",
@@ -239,7 +240,7 @@ def report_html(dump: inspection.Dump, compared: Sequence[inspection.Dump] = ())
     )
 
 
-def _compared_section(dumps: Sequence[inspection.Dump]) -> str:
+def _compared_section(dumps: Sequence[Dump]) -> str:
     panels = compared_panels(dumps)
     if not panels:
         return "<p>schedules compared: no trace recorded</p>"
@@ -253,12 +254,12 @@ def _compared_section(dumps: Sequence[inspection.Dump]) -> str:
     )
 
 
-def write_report(dump: inspection.Dump | str, path: str, compared: Sequence[inspection.Dump | str] = ()) -> str:
+def write_report(dump: Dump | str, path: str, compared: Sequence[Dump | str] = ()) -> str:
     """Write the report of `dump` (a loaded dump or a dump directory) to `path`, with the
     measured steps of `compared` (the same) drawn above it; returns `path`."""
     if isinstance(dump, str):
-        dump = inspection.load(dump)
-    others = [inspection.load(d) if isinstance(d, str) else d for d in compared]
+        dump = load(dump)
+    others = [load(d) if isinstance(d, str) else d for d in compared]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         f.write(report_html(dump, others))

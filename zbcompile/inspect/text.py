@@ -1,18 +1,26 @@
-"""Text summaries of what the compiler did: one row per stage with parameters, F/I/W FLOPs,
-activation memory (M_B, M_W) and boundary bytes.
+"""What the compiler did, as text: the per-stage table (parameters, F/I/W FLOPs, activation
+memory M_B and M_W, boundary bytes), the schedule's costs and predicted makespan and bubble
+against the measured ones (`summary_text`, what `zbcompile inspect` and `pipe.explain()` print),
+and the backward before and after the I/W split (`split_diff`).
 
 `stage_rows` turns a compiled pipeline into plain per-stage facts (JSON-able: the dump stores
 them); `format_stage_table` prints them. Both `stage_table` and `zbcompile inspect` print
-through it, so the table reads the same live and from a dump."""
+through it, so the table reads the same live and from a dump. Pure Python; no torch."""
 
 from __future__ import annotations
 
+import itertools
+import re
 from typing import TYPE_CHECKING, Any, Sequence
+
+from zbcompile.inspect.read import Dump, graph_text
+from zbcompile.inspect.trace import MOVED, median, median_step, steady_steps, step_stats
 
 if TYPE_CHECKING:
     from zbcompile.compiler import CompiledPipeline
 
 PASSES = ("F", "I", "W")  # the schedule's letters: forward, input-gradient, weight-gradient
+_NO_TRACE = "none (per-action times are recorded in distributed runs with pipeline(dump_dir=...) or ZBCOMPILE_DUMP)"
 
 
 def si(value: float, unit: str = "") -> str:
@@ -123,3 +131,194 @@ def stage_table(compiled: "CompiledPipeline") -> str:
     """The stage table, boundary values, tied weights and compile times of `compiled`."""
     stages = format_stages(stage_rows(compiled), compiled.partition.shared_params)
     return stages + "\n" + format_phases(compiled.phase_seconds)
+
+
+# --- the schedule, predicted and measured ----------------------------------------------------
+
+
+def _time(value: float, unit: str) -> str:
+    return f"{value * 1e3:.2f} ms" if unit == "s" else si(value)
+
+
+def _rates(bubble: float, stage_bubble: float) -> str:
+    return f"bubble {bubble:.1%} (stage bubble {stage_bubble:.1%})"
+
+
+def format_schedule(version: dict[str, Any], count: int = 1, memory_unit: int | None = None) -> str:
+    """The schedule's costs and the simulator's prediction under them."""
+    unit, costs, predicted = version["time_unit"], version["costs"], version["prediction"]
+    ranks = len(version["actions"])
+    placement = ", ".join(f"{s}->{r}" for s, r in enumerate(version["stage_to_rank"]))
+    source = {
+        "measured": "measured on this machine (seconds)",
+        "given": "given to pipeline(costs=...)",
+    }.get(version["cost_source"], "static estimates in FLOP-equivalents (FLOPs + 4 x bytes written)")
+    lines = [
+        f"schedule {version['name']} (version {version['version']} of {count}), {ranks} ranks (stage->rank {placement}), "
+        f"{version['microbatches']} microbatches",
+        f"costs: {source}, comm {_time(costs['comm'], unit)}",
+    ]
+    unit_bytes = memory_unit or 1
+    rows = [
+        (
+            str(s),
+            _time(costs["f"][s], unit),
+            _time(costs["i"][s], unit),
+            _time(costs["w"][s], unit),
+            si(costs["mem_b"][s] * unit_bytes, "B") if memory_unit else f"{costs['mem_b'][s]:.2f}",
+            si(costs["mem_w"][s] * unit_bytes, "B") if memory_unit else f"{costs['mem_w'][s]:.2f}",
+        )
+        for s in range(version["stages"])
+    ]
+    lines.append(format_table(("stage", "F", "I", "W", "M_B", "M_W"), rows))
+    peaks = ", ".join(si(b, "B") for b in predicted["peak_memory_bytes"])
+    lines.append(
+        f"predicted: makespan {_time(predicted['makespan'], unit)}, span {_time(predicted['span'], unit)}, "
+        f"{_rates(predicted['bubble_rate'], predicted['stage_bubble_rate'])}; peak activations per rank {peaks}"
+    )
+    return "\n".join(lines)
+
+
+def _balance(version: dict[str, Any]) -> str:
+    costs = version["costs"]
+    work = [f + i + w for f, i, w in zip(costs["f"], costs["i"], costs["w"])]
+    top = max(work) or 1.0
+    slowest = work.index(max(work))
+    return (
+        f"balance: F+I+W per stage relative to the slowest (the schedule's costs): "
+        f"{', '.join(f'{x / top:.2f}' for x in work)}; stage {slowest} sets the pace"
+    )
+
+
+def comparison(version: dict[str, Any], trace: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Measured against predicted for the latest schedule version: the steady steps' medians,
+    the predicted makespan in seconds and measured / predicted. Static estimates are put in
+    seconds by one factor, measured busy time / predicted busy time, so the ratio reflects how
+    well the timing (order, overlap, bubbles) was predicted, not the FLOP rate."""
+    if trace is None:
+        return None
+    stats = [s for s in step_stats(trace) if s["schedule_version"] == version["version"]]
+    steps = steady_steps(stats)
+    if not steps:
+        return None
+    predicted = version["prediction"]
+    busy = median(s["busy"] for s in steps)
+    scale = 1.0 if version["time_unit"] == "s" else busy / max(sum(predicted["busy"]), 1e-30)
+    makespan = median(s["makespan"] for s in steps)
+    ranks = sorted(steps[0]["rank_busy"])
+    return {
+        "steps": [s["step"] for s in steps],
+        "makespan": makespan,
+        "span": median(s["span"] for s in steps),
+        "bubble_rate": median(s["bubble_rate"] for s in steps),
+        "stage_bubble_rate": median(s["stage_bubble_rate"] for s in steps),
+        "rank_busy": [median(s["rank_busy"][r] for s in steps) for r in ranks],
+        "recv_wait": [median(s["recv_wait"][r] for s in steps) for r in ranks],
+        "moved": {how: median(s.get("moved", {}).get(how, 0) for s in steps) for how in MOVED.values()},
+        "scale": scale,
+        "predicted_makespan": predicted["makespan"] * scale,
+        "ratio": makespan / (predicted["makespan"] * scale) if predicted["makespan"] > 0 else float("nan"),
+        "representative": median_step(steps)["step"],
+        "peak_live_bytes": [info["peak_live_bytes"] for _, info in sorted(trace["otherData"]["ranks"].items(), key=lambda kv: int(kv[0]))],
+    }
+
+
+def format_measured(version: dict[str, Any], trace: dict[str, Any] | None) -> str:
+    found = comparison(version, trace)
+    if found is None:
+        return f"measured: {_NO_TRACE}"
+    steps = found["steps"]
+    how = (
+        "the schedule's measured costs, in seconds"
+        if version["time_unit"] == "s"
+        else f"static estimates put in seconds so that predicted busy time equals measured: {found['scale'] * 1e9:.3g} ns per FLOP-eq"
+    )
+    return "\n".join(
+        [
+            f"measured: {len(steps)} steps of version {version['version']} (steps {steps[0]}-{steps[-1]}; a schedule's first step "
+            "warms up and is left out), medians:",
+            f"  makespan {found['makespan'] * 1e3:.2f} ms, span {found['span'] * 1e3:.2f} ms, "
+            f"{_rates(found['bubble_rate'], found['stage_bubble_rate'])}",
+            f"  per rank: busy {', '.join(f'{b * 1e3:.2f}' for b in found['rank_busy'])} ms; waiting on RECV "
+            f"{', '.join(f'{w * 1e3:.2f}' for w in found['recv_wait'])} ms; peak live activations "
+            f"{', '.join(si(b, 'B') for b in found['peak_live_bytes'])}",
+            "  W run elsewhere than the schedule put them, per step (all ranks): "
+            + ", ".join(f"{count:g} {how}" for how, count in found["moved"].items()),
+            f"  predicted makespan {found['predicted_makespan'] * 1e3:.2f} ms ({how})",
+            f"  measured / predicted makespan = {found['ratio']:.2f}",
+        ]
+    )
+
+
+def summary_text(dump: Dump) -> str:
+    """Stages, balance, costs, predicted against measured makespan and bubble."""
+    record = dump.record
+    world = record["world"]
+    version = dump.versions[-1]
+    where = f"{world['world_size']} processes" if world["distributed"] else "one process"
+    lines = [
+        f"{record['model']}: {record['stages']} stages, {record['microbatches']} microbatches, "
+        f"schedule {version['name']} on {len(version['actions'])} ranks ({where})",
+        format_phases(record["phase_seconds"]),
+        "",
+        format_stages(record["stage_rows"], record["tied"]),
+        _balance(version),
+        "",
+        format_schedule(version, len(dump.versions), record["memory_unit"]),
+        format_measured(version, dump.trace),
+        "bubble = 1 - busy / (ranks x makespan); stage bubble = 1 - busy / (ranks x span), the paper's",
+    ]
+    return "\n".join(lines)
+
+
+# --- the I/W split ----------------------------------------------------------------------------
+
+_ASSIGNMENT = re.compile(r'^\s+(\w+)(?:: "[^"]*")? = (.*?)(\s+#.*)?$')
+
+
+def _operations(code: str) -> dict[str, str]:
+    """Node name -> its right-hand side, in graph order, from `inspect.write.readable_code` output."""
+    ops = {}
+    for line in code.splitlines():
+        match = _ASSIGNMENT.match(line)
+        if match:
+            ops[match.group(1)] = match.group(2).replace("torch.ops.", "")
+    return ops
+
+
+def _returns(code: str) -> list[str]:
+    """The environment names a graph returns, from its code's header."""
+    lines = code.splitlines()
+    after = lines[lines.index("# returns, in order:") + 1 :]
+    names = [line.removeprefix("#").strip() for line in itertools.takewhile(lambda line: line.startswith("#   "), after)]
+    return [n for n in names if n != "(nothing)"]
+
+
+def split_diff(dump: Dump, stage: int | None = None) -> str:
+    """Per stage, every operation of the unsplit backward marked with where it went (I, W or
+    both: recomputed), operations I or W compute differently (a fused op asked for part of its
+    outputs), the ones they add (W's copy of such an op, which takes over outputs of the
+    original) and what each returns."""
+    stages = range(dump.record["stages"]) if stage is None else [stage]
+    blocks = []
+    for s in stages:
+        code = {g: graph_text(dump, s, g) for g in ("backward", "I", "W")}
+        ops = {g: _operations(text) for g, text in code.items()}
+        whole, i, w = ops["backward"], ops["I"], ops["W"]
+        lines = [f"stage {s}: the backward ({len(whole)} ops) split into I ({len(i)} ops) and W ({len(w)} ops)", "  I W  op"]
+        added = [(g, name, rhs) for g, graph_ops in (("I", i), ("W", w)) for name, rhs in graph_ops.items() if name not in whole]
+        for name, rhs in whole.items():
+            mark = f"  {'I' if name in i else ' '} {'W' if name in w else ' '}"
+            if name not in i and name not in w:
+                mark = "  - -"
+                rhs += "  (in neither: computed by an added copy below)" if added else "  (in neither: unused)"
+            lines.append(f"{mark}  {name} = {rhs}")
+            for g, graph_ops in (("I", i), ("W", w)):
+                if name in graph_ops and graph_ops[name].replace("stash_", "") != rhs:
+                    lines.append(f"         {g} computes: {graph_ops[name]}")
+        for g, name, rhs in added:
+            lines.append(f"  +{g}   {name} = {rhs}  (not in the unsplit backward)")
+        for g in ("I", "W"):
+            lines.append(f"  {g} returns: {', '.join(_returns(code[g])) or '(nothing)'}")
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)

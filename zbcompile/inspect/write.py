@@ -4,7 +4,7 @@ With `ZBCOMPILE_DUMP=dir` in the environment or `pipeline(..., dump_dir=dir)`, e
 writes `dir/compile-<n>/` (n counts this process's compiles under `dir`; every rank compiles
 in the same order, so all ranks agree on it):
 
-    compile.json          the model, options, compile times and per-stage facts (`summary.stage_rows`)
+    compile.json          the model, options, compile times and per-stage facts (`text.stage_rows`)
     stages.txt            the per-stage table: parameters and bytes, FLOPs of F/I/W, M_B, M_W,
                           boundary values and bytes
     forward.py            the traced forward + loss graph, each node with the stage that runs it
@@ -17,10 +17,12 @@ in the same order, so all ranks agree on it):
                           with, the prediction (makespan, span, bubble rates, peak memory,
                           per-action times)
     timeline-rank<r>.jsonl, trace.json
-                          measured per-action times of every step on every rank (`trace_events`)
+                          measured per-action times of every step on every rank (`inspect.trace`)
 
 Rank 0 writes the compile files; every rank writes its own timeline. Nothing here adds a
-collective operation: `zbcompile inspect` (or `trace_events.write_trace`) merges the timelines.
+collective operation: `zbcompile inspect` (or `inspect.trace.write_trace`) merges the timelines.
+The file names are `inspect.read`'s, which reads them back; `live_dump` gives the same records
+without writing them (`pipe.explain()`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from zbcompile import summary, trace_events
+from zbcompile.inspect.read import COMPILE_FILE, FORWARD_FILE, GRAPH_FILES, SCHEDULE_FILE, Dump
+from zbcompile.inspect.text import format_schedule, format_stages, stage_rows
+from zbcompile.inspect.trace import append_step, chrome_trace, read_timelines, start_timeline
 from zbcompile.schedules import Costs, Schedule, lower, simulate
 from zbcompile.schedules.costs import resolve_costs
 
@@ -42,9 +46,6 @@ if TYPE_CHECKING:
     from zbcompile.program import Program
 
 DUMP_ENV = "ZBCOMPILE_DUMP"
-COMPILE_FILE = "compile.json"
-SCHEDULE_FILE = "schedule.json"
-GRAPH_FILES = {"F": "F.py", "I": "I.py", "W": "W.py", "backward": "backward.py"}
 GRAPH_TITLES = {
     "F": "forward",
     "I": "input-gradient backward: gradients of the stage inputs, and the stash W needs",
@@ -60,18 +61,12 @@ def dump_root(dump_dir: str | os.PathLike | None) -> str | None:
     return os.fspath(root) if root is not None else None
 
 
-def stage_dir(directory: str, stage: int) -> str:
-    return os.path.join(directory, f"stage{stage}")
-
-
 # --- records (plain JSON-able dicts; `zbcompile inspect` reads them back) -----------------------
 
 
 def compile_record(compiled: "CompiledPipeline", options: Any, world: dict[str, Any]) -> dict[str, Any]:
     """What `compile.json` holds: the model, the pipeline's options, compile times, per-stage
     facts, tied weights, the bytes of one schedule memory unit and the process layout."""
-    from zbcompile.api import memory_unit
-
     return _plain(
         {
             "format": 1,
@@ -86,9 +81,9 @@ def compile_record(compiled: "CompiledPipeline", options: Any, world: dict[str, 
                 "split_points": options.split_points,
             },
             "phase_seconds": dict(compiled.phase_seconds),
-            "stage_rows": summary.stage_rows(compiled),
+            "stage_rows": stage_rows(compiled),
             "tied": {fqn: list(stages) for fqn, stages in compiled.partition.shared_params.items()},
-            "memory_unit": memory_unit(compiled),
+            "memory_unit": compiled.memory_unit(),
             "world": world,
         }
     )
@@ -98,14 +93,12 @@ def schedule_costs_used(schedule: Schedule, compiled: "CompiledPipeline", measur
     """The costs `schedule` was made with and where they came from ("measured": seconds the
     pipeline measured; "given": `pipeline(costs=...)`; "static": the compiler's FLOP-equivalent
     estimates)."""
-    from zbcompile.api import schedule_costs
-
     source = schedule.info.get("cost_source")
     if source == "measured" and measured is not None:
         return measured, "measured"
     if source == "given" and isinstance(schedule.info.get("costs"), Costs):
         return schedule.info["costs"], "given"
-    return schedule_costs(compiled), "static"
+    return compiled.schedule_costs(), "static"
 
 
 def schedule_record(schedule: Schedule, costs: Costs, cost_source: str, memory_unit: int, version: int) -> dict[str, Any]:
@@ -222,8 +215,8 @@ class CompileDump:
     def write_compile(self, options: Any, world: dict[str, Any]) -> None:
         record = compile_record(self.compiled, options, world)
         self._write(COMPILE_FILE, json.dumps(record, indent=1))
-        self._write("stages.txt", summary.format_stages(record["stage_rows"], record["tied"]) + "\n")
-        self._write("forward.py", forward_code(self.compiled))
+        self._write("stages.txt", format_stages(record["stage_rows"], record["tied"]) + "\n")
+        self._write(FORWARD_FILE, forward_code(self.compiled))
         for program in self.compiled.programs:
             graphs = {"F": program.forward, "I": program.input_backward, "W": program.weight_backward, "backward": program.joint.backward}
             for graph, prog in graphs.items():
@@ -231,7 +224,7 @@ class CompileDump:
         self._write_schedules()
 
     def start_timeline(self, header: dict[str, Any]) -> None:
-        self.timeline = trace_events.start_timeline(self.directory, header)
+        self.timeline = start_timeline(self.directory, header)
 
     def record_step(self, runner: Any, measured: Costs | None = None) -> None:
         """Append the step `runner` just ran (its compute and communication timelines) to this
@@ -250,22 +243,17 @@ class CompileDump:
             "peak_live_bytes": runner.peak_live_bytes,
             "moved_w": {how: list(ws) for how, ws in getattr(runner, "moved_w", {}).items()},
         }
-        trace_events.append_step(self.timeline, record)
+        append_step(self.timeline, record)
         self.steps += 1
 
     def _add_version(self, schedule: Schedule, measured: Costs | None) -> None:
-        from zbcompile.api import memory_unit
-
         costs, source = schedule_costs_used(schedule, self.compiled, measured)
         self.versions.append(schedule)
-        self.records.append(schedule_record(schedule, costs, source, memory_unit(self.compiled), len(self.versions) - 1))
+        self.records.append(schedule_record(schedule, costs, source, self.compiled.memory_unit(), len(self.versions) - 1))
 
     def _write_schedules(self) -> None:
-        from zbcompile import inspection
-        from zbcompile.api import memory_unit
-
         latest, schedule = self.records[-1], self.versions[-1]
-        prediction = inspection.format_schedule(latest, len(self.records), memory_unit(self.compiled))
+        prediction = format_schedule(latest, len(self.records), self.compiled.memory_unit())
         self._write(SCHEDULE_FILE, json.dumps({"versions": self.records}, indent=1))
         self._write("schedule.csv", schedule.compute_only().to_csv())
         self._write("schedule.txt", prediction + "\n\n" + schedule.compute_only().grid())
@@ -311,3 +299,17 @@ def world_of(runner: Any, schedule: Schedule) -> dict[str, Any]:
     if layout is None:
         return {"distributed": False, "world_size": 1, "ranks_per_pipeline": schedule.ranks}
     return {"distributed": True, "world_size": layout.pp_size * layout.dp_size, "ranks_per_pipeline": layout.pp_size}
+
+
+def live_dump(pipe: Any, compile_dump: CompileDump | None = None) -> Dump:
+    """What a dump of `pipe`'s latest compile holds, built in memory: the compile record, the
+    schedule versions (`compile_dump`'s, else the current schedule's) and the trace merged from
+    `compile_dump`'s rank timelines (every rank's that has written)."""
+    compiled, schedule = pipe.compiled, pipe.schedule
+    record = compile_record(compiled, pipe.options, world_of(pipe.runner, schedule))
+    if compile_dump is None:
+        costs, source = schedule_costs_used(schedule, compiled, pipe.measured_costs)
+        return Dump(None, record, [schedule_record(schedule, costs, source, compiled.memory_unit(), 0)], None)
+    timelines = read_timelines(compile_dump.directory)
+    trace = chrome_trace(timelines) if timelines else None
+    return Dump(compile_dump.directory, record, list(compile_dump.records), trace)
