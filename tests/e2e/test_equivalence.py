@@ -1,6 +1,6 @@
 """End to end: a pipelined step computes the same loss and gradients as the eager model.
 
-Every zoo model (tests/models.py) runs under several schedules, stage counts and microbatch
+Every zoo model (tests/helpers/models.py) runs under several schedules, stage counts and microbatch
 counts; the reference is an eager forward of the whole batch and `loss.backward()` on a deep copy.
 Pipelines are built once per (model, dtype, stages, microbatches, schedule) and worker.
 """
@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import zbcompile
-from models import BATCH, MLP, NAMES, build
+from helpers.grads import FP32, assert_grads_close, grads_of
+from helpers.models import BATCH, MLP, NAMES, build
 
-FP32 = dict(rtol=1e-5, atol=1e-6)
 FP64 = dict(rtol=1e-12, atol=1e-12)
 TOLERANCE = {torch.float32: FP32, torch.float64: FP64}
 DTYPE_ID = {torch.float32: "fp32", torch.float64: "fp64"}
@@ -36,10 +36,6 @@ def schedules_for(name: str, dtype: torch.dtype) -> tuple[str, ...]:
 
 
 # --- cached runs ---------------------------------------------------------------------------------
-
-
-def grads_of(module: nn.Module) -> dict[str, torch.Tensor | None]:
-    return {n: None if p.grad is None else p.grad.detach().clone() for n, p in module.named_parameters()}
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,14 +57,6 @@ def pipelined_run(name: str, dtype: torch.dtype, stages: int, microbatches: int,
     )
     loss = case.step(pipe)
     return loss, grads_of(pipe), pipe
-
-
-def assert_grads_close(actual: dict, expected: dict, what: str, **tolerance) -> None:
-    assert list(actual) == list(expected), f"{what}: parameter names differ"
-    for fqn, grad in expected.items():
-        assert grad is not None, f"eager model has no gradient for {fqn}"
-        assert actual[fqn] is not None, f"{what}: {fqn} got no gradient"
-        torch.testing.assert_close(actual[fqn], grad, **tolerance, msg=lambda m, fqn=fqn: f"{what}: {fqn}: {m}")
 
 
 # --- the equivalence matrix ----------------------------------------------------------------------

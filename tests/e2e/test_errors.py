@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zbcompile
-from models import BATCH, build
+from helpers.models import BATCH, build
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2", "zb-auto", "interleaved-1f1b", "zbv")
 

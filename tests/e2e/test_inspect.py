@@ -16,10 +16,10 @@ from unittest import mock
 import pytest
 from expecttest import TestCase
 
-import inspect_workers
 import zbcompile
-from models import build
-from multiprocess import run_ranks
+from helpers import inspect_workers
+from helpers.models import build
+from helpers.multiprocess import run_ranks
 from zbcompile import cli
 from zbcompile.inspect.html import write_compared_png, write_report
 from zbcompile.inspect.read import GRAPH_FILES, SCHEDULE_FILE, Dump, load, stage_dir

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zbcompile
-from test_equivalence import FP32, assert_grads_close, grads_of
+from helpers.grads import FP32, assert_grads_close, grads_of
 from zbcompile._torch_internals import pytree
 
 BATCH = 8

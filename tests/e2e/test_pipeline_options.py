@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import zbcompile
-from models import build
+from helpers.models import build
 from zbcompile.api import schedule_costs
 from zbcompile.schedules import Costs, make_schedule
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import pipelining_workers as workers
-from multiprocess import run_ranks
+from helpers import pipelining_workers as workers
+from helpers.multiprocess import run_ranks
 
 pytestmark = pytest.mark.xdist_group("distributed")
 

@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import real_model_workers as workers
 import zbcompile
-from multiprocess import run_ranks
-from real_models import MICROBATCHES, NAMES, build
-from test_equivalence import FP32, assert_grads_close, grads_of
+from helpers import real_model_workers as workers
+from helpers.grads import FP32, assert_grads_close, grads_of
+from helpers.multiprocess import run_ranks
+from helpers.real_models import MICROBATCHES, NAMES, build
 
 SCHEDULES = ("1f1b", "zb-h1", "zbv")
 

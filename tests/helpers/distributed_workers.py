@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import zbcompile
-from models import BatchNormConvNet, build, image_batch
+from helpers.models import BatchNormConvNet, build, image_batch
 from zbcompile.schedules import schedule_spec
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 import zbcompile
-from models import build
+from helpers.models import build
 
 
 def dumped_steps(dump_dir: str, schedule: str, steps: int) -> dict:

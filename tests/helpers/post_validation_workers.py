@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import zbcompile
-from models import BATCH, GPT_CONFIG, build
+from helpers.models import BATCH, GPT_CONFIG, build
 from zbcompile.runtime.optimizer import (
     PostValidatedOptimizer,
     StepRecord,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 import zbcompile
-from distributed_workers import make_optimizer
-from real_models import MICROBATCHES, build
+from helpers.distributed_workers import make_optimizer
+from helpers.real_models import MICROBATCHES, build
 
 # (model, stages, schedule) on 2 ranks: one stage per rank, or two (zbv)
 RUNS = [(name, stages, schedule) for name in ("gpt2", "llama") for stages, schedule in ((2, "1f1b"), (2, "zb-h1"), (4, "zbv"))]

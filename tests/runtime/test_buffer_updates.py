@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import distributed_workers as workers
 import zbcompile
-from models import BATCH, BatchNormConvNet, image_batch, microbatch_by_microbatch, sgd_steps
-from multiprocess import run_ranks
+from helpers import distributed_workers as workers
+from helpers.models import BATCH, BatchNormConvNet, image_batch, microbatch_by_microbatch, sgd_steps
+from helpers.multiprocess import run_ranks
 
 MICROBATCHES = 4
 STEPS = 2  # the second step's forwards read the statistics the first step left

@@ -8,9 +8,9 @@ import functools
 import pytest
 import torch
 
-import distributed_workers as workers
-from models import NAMES, build
-from multiprocess import Failed, run_ranks
+from helpers import distributed_workers as workers
+from helpers.models import NAMES, build
+from helpers.multiprocess import Failed, run_ranks
 from zbcompile.schedules import schedule_spec
 
 pytestmark = pytest.mark.xdist_group("distributed")
@@ -188,7 +188,7 @@ def test_world_size_that_does_not_fit_the_pipeline():
     any world size that is not a multiple of the pipeline's ranks)."""
     import torch.distributed as dist
 
-    from multiprocess import free_port
+    from helpers.multiprocess import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import post_validation_workers as workers
-from multiprocess import run_ranks
+from helpers import post_validation_workers as workers
+from helpers.multiprocess import run_ranks
 
 pytestmark = pytest.mark.xdist_group("distributed")
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import zbcompile
-from models import build
+from helpers.models import build
 from zbcompile.runtime.optimizer import (
     NormState,
     chain_sum,
