@@ -1,0 +1,93 @@
+"""`export_stage_joints` on its own: per stage, the forward F and the backward are pure functions
+over named values; F chained over the stages computes the loss, and the backwards chained in
+reverse (each stage's `tangent:` being the next stage's `grad:`) give the parameter gradients
+autograd gives for the whole model; a tied weight's gradient is the sum of its stages'."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.grads import FP32, assert_grads_close
+from helpers.passes import traced_mlp, traced_tied
+from zbcompile.passes.joint import StageJoint, export_stage_joints
+from zbcompile.passes.partition import StagePartition, partition_stages
+
+
+def _run_joints(case, partition: StagePartition, joints: tuple[StageJoint, ...]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One microbatch through the joints: every F in stage order, then every backward in reverse.
+    Returns the loss and the parameter gradients (summed over the stages sharing a weight)."""
+    state = {f"param:{fqn}": p.detach() for fqn, p in case.model.named_parameters()}
+    boundary = {"input_0": case.x, "target_0": case.target}
+    envs = []
+    for stage, joint in zip(partition.stages, joints):
+        env = {f"in:{v}": boundary[v] for v in (*stage.inputs, *stage.graph_inputs) if v in boundary}
+        joint.forward.run(env, state)
+        boundary.update({name.removeprefix("out:"): value for name, value in env.items() if name.startswith("out:")})
+        envs.append(env)
+    loss = envs[-1]["out:loss"]
+    grads_from_next = {"loss": torch.ones_like(loss)}
+    param_grads: dict[str, torch.Tensor] = {}
+    for joint, env in reversed(list(zip(joints, envs))):
+        env.update({f"tangent:{v}": grads_from_next[v] for v in joint.tangents})
+        joint.backward.run(env, state)
+        grads_from_next = {name.removeprefix("grad:"): value for name, value in env.items() if name.startswith("grad:") and not name.startswith("grad:param:")}
+        for fqn in joint.param_grads:
+            grad = env[f"grad:param:{fqn}"]
+            param_grads[fqn] = param_grads[fqn] + grad if fqn in param_grads else grad
+    return loss, param_grads
+
+
+def _eager(case) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    loss = case.eager_loss()
+    loss.backward()
+    grads = {fqn: p.grad.clone() for fqn, p in case.model.named_parameters()}
+    case.model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("stages", [1, 2, 4])
+def test_joints_chained_give_the_loss_and_autograds_gradients(stages):
+    case = traced_mlp()
+    partition = partition_stages(case.traced, stages)
+    joints = export_stage_joints(partition, case.traced.fake_mode)
+    assert [j.stage for j in joints] == list(range(stages))
+
+    loss, grads = _run_joints(case, partition, joints)
+
+    eager_loss, eager_grads = _eager(case)
+    torch.testing.assert_close(loss, eager_loss, **FP32)
+    assert_grads_close({f: grads[f] for f in eager_grads}, eager_grads, f"{stages} stages", **FP32)
+
+
+def test_signatures_follow_the_calling_convention():
+    case = traced_mlp()
+    partition = partition_stages(case.traced, 3)
+    joints = export_stage_joints(partition, case.traced.fake_mode)
+    for stage, joint in zip(partition.stages, joints):
+        forward, backward = joint.forward.signature, joint.backward.signature
+        last = stage.index == len(partition.stages) - 1
+        outputs = ("out:loss",) if last else tuple(f"out:{v}" for v in stage.outputs)
+        assert forward.outputs[: len(outputs)] == outputs, forward.outputs
+        assert all(n.startswith("saved:") for n in forward.outputs[len(outputs) :]), forward.outputs
+        assert {n for n in forward.inputs if n.startswith("param:")} == {f"param:{f}" for f in stage.param_fqns}
+        assert joint.tangents == (("loss",) if last else stage.outputs)
+        assert joint.output_grads == (() if last else stage.outputs)
+        assert {f"tangent:{v}" for v in joint.tangents} <= set(backward.inputs)
+        assert set(backward.outputs) == {f"grad:{v}" for v in joint.input_grads} | {f"grad:param:{f}" for f in joint.param_grads}
+        assert set(joint.param_grads) == set(stage.param_fqns)
+        # the model's input needs no gradient; every boundary value after it does
+        assert joint.input_grads == (() if stage.index == 0 else stage.inputs)
+
+
+def test_tied_weight_gradient_is_the_sum_over_its_stages():
+    case = traced_tied()
+    partition = partition_stages(case.traced, 3, ["middle", "head"])
+    joints = export_stage_joints(partition, case.traced.fake_mode)
+    assert "embed.weight" in joints[0].param_grads and "embed.weight" in joints[2].param_grads
+
+    loss, grads = _run_joints(case, partition, joints)
+
+    eager_loss, eager_grads = _eager(case)
+    torch.testing.assert_close(loss, eager_loss, **FP32)
+    assert_grads_close({f: grads[f] for f in eager_grads}, eager_grads, "tied weight over 3 stages", **FP32)
