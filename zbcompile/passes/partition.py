@@ -15,8 +15,8 @@ Example: a 2-layer MLP cut in two (`fc1 -> relu -> fc2 -> mse`):
     stage 1: inputs (relu, target_0) params fc2.*   outputs (loss)
 
 Each `Stage.module` is a GraphModule whose placeholders are `graph_inputs` (boundary values it
-reads, then targets) and whose parameters and buffers are `get_attr`s of the original model's
-own objects under their FQNs, so AOTAutograd sees them as parameters.
+reads, then targets) and whose parameters and buffers are `get_attr`s of the traced fake
+parameters and buffers under their FQNs (`_state_module`), so AOTAutograd sees them as parameters.
 """
 
 from __future__ import annotations
