@@ -245,7 +245,7 @@ def _batchnorm_model() -> nn.Module:
 
 def test_batchnorm_in_eval_mode_is_accepted():
     """In eval() no buffer changes, and the step matches the whole-batch eager step (train mode:
-    tests/test_buffer_updates.py)."""
+    tests/runtime/test_buffer_updates.py)."""
     model = _batchnorm_model().eval()
     reference = copy.deepcopy(model)
     x, y = torch.randn(BATCH, 4), torch.randn(BATCH, 2)

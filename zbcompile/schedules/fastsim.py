@@ -4,7 +4,7 @@ The search in ``search.py`` re-times thousands of candidate orders, so this modu
 lists of ints instead of ``Action`` objects. An action is ``(kind * S + stage) * M + microbatch``
 with kind 0 = F, 1 = I, 2 = W (split backward only), so every id from ``first_w`` on is a W. The timing rule is ``timing.asap_timing``'s:
 every action starts as soon as its rank is free and its inputs have arrived, in each rank's order,
-a cross-rank input delayed by ``comm``. ``tests/test_schedule_search.py`` checks that both agree.
+a cross-rank input delayed by ``comm``. ``tests/schedules/test_schedule_search.py`` checks that both agree.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ rank s. Shapes (p stages, m microbatches, stage s counted from 0):
   (p-1)(T_F + T_B - 2 T_W) when T_F + T_B >= 2 T_W.
 
 Peaks per stage with M_W possibly above M_B (e = max(0, M_W - M_B), what an I adds; a fused B
-counts its I part), derived and tested in ``tests/test_schedule_memory.py``:
+counts its I part), derived and tested in ``tests/schedules/test_schedule_memory.py``:
 1F1B min(p-s, m) M_B + e; GPipe m M_B + e; ZB-H1 (m >= p) (p-s) M_B + s M_W + e, at most
 p max(M_B, M_W); ZB-H2 w M_B + h M_W + e with w = min(2(p-1-s)+1, m), h = min(2s, m-w), at most
 (2p-1) max(M_B, M_W).
