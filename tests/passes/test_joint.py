@@ -12,28 +12,41 @@ from helpers.grads import FP32, assert_grads_close
 from helpers.passes import traced_mlp, traced_tied
 from zbcompile.passes.joint import StageJoint, export_stage_joints
 from zbcompile.passes.partition import StagePartition, partition_stages
+from zbcompile.value_names import (
+    OUTPUT,
+    PARAM,
+    SAVED,
+    fqn_of,
+    grad_name,
+    input_name,
+    is_input_grad,
+    output_name,
+    param_grad_name,
+    param_name,
+    tangent_name,
+)
 
 
 def _run_joints(case, partition: StagePartition, joints: tuple[StageJoint, ...]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One microbatch through the joints: every F in stage order, then every backward in reverse.
     Returns the loss and the parameter gradients (summed over the stages sharing a weight)."""
-    state = {f"param:{fqn}": p.detach() for fqn, p in case.model.named_parameters()}
+    state = {param_name(fqn): p.detach() for fqn, p in case.model.named_parameters()}
     boundary = {"input_0": case.x, "target_0": case.target}
     envs = []
     for stage, joint in zip(partition.stages, joints):
-        env = {f"in:{v}": boundary[v] for v in (*stage.inputs, *stage.graph_inputs) if v in boundary}
+        env = {input_name(v): boundary[v] for v in (*stage.inputs, *stage.graph_inputs) if v in boundary}
         joint.forward.run(env, state)
-        boundary.update({name.removeprefix("out:"): value for name, value in env.items() if name.startswith("out:")})
+        boundary.update({fqn_of(name): value for name, value in env.items() if name.startswith(OUTPUT)})
         envs.append(env)
-    loss = envs[-1]["out:loss"]
+    loss = envs[-1][output_name("loss")]
     grads_from_next = {"loss": torch.ones_like(loss)}
     param_grads: dict[str, torch.Tensor] = {}
     for joint, env in reversed(list(zip(joints, envs))):
-        env.update({f"tangent:{v}": grads_from_next[v] for v in joint.tangents})
+        env.update({tangent_name(v): grads_from_next[v] for v in joint.tangents})
         joint.backward.run(env, state)
-        grads_from_next = {name.removeprefix("grad:"): value for name, value in env.items() if name.startswith("grad:") and not name.startswith("grad:param:")}
+        grads_from_next = {fqn_of(name): value for name, value in env.items() if is_input_grad(name)}
         for fqn in joint.param_grads:
-            grad = env[f"grad:param:{fqn}"]
+            grad = env[param_grad_name(fqn)]
             param_grads[fqn] = param_grads[fqn] + grad if fqn in param_grads else grad
     return loss, param_grads
 
@@ -67,14 +80,14 @@ def test_signatures_follow_the_calling_convention():
     for stage, joint in zip(partition.stages, joints):
         forward, backward = joint.forward.signature, joint.backward.signature
         last = stage.index == len(partition.stages) - 1
-        outputs = ("out:loss",) if last else tuple(f"out:{v}" for v in stage.outputs)
+        outputs = tuple(output_name(v) for v in (("loss",) if last else stage.outputs))
         assert forward.outputs[: len(outputs)] == outputs, forward.outputs
-        assert all(n.startswith("saved:") for n in forward.outputs[len(outputs) :]), forward.outputs
-        assert {n for n in forward.inputs if n.startswith("param:")} == {f"param:{f}" for f in stage.param_fqns}
+        assert all(n.startswith(SAVED) for n in forward.outputs[len(outputs) :]), forward.outputs
+        assert {n for n in forward.inputs if n.startswith(PARAM)} == {param_name(f) for f in stage.param_fqns}
         assert joint.tangents == (("loss",) if last else stage.outputs)
         assert joint.output_grads == (() if last else stage.outputs)
-        assert {f"tangent:{v}" for v in joint.tangents} <= set(backward.inputs)
-        assert set(backward.outputs) == {f"grad:{v}" for v in joint.input_grads} | {f"grad:param:{f}" for f in joint.param_grads}
+        assert {tangent_name(v) for v in joint.tangents} <= set(backward.inputs)
+        assert set(backward.outputs) == {grad_name(v) for v in joint.input_grads} | {param_grad_name(f) for f in joint.param_grads}
         assert set(joint.param_grads) == set(stage.param_fqns)
         # the model's input needs no gradient; every boundary value after it does
         assert joint.input_grads == (() if stage.index == 0 else stage.inputs)
