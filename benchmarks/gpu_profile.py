@@ -271,7 +271,6 @@ def simulate_all(stages: list[dict], static, config: Config) -> list[dict]:
 def run(config: Config, device_name: str) -> dict:
     import torch
 
-    from zbcompile.api import schedule_costs
     from zbcompile.compiler import compile_pipeline
     from zbcompile.models import GPT, GPTConfig
     from zbcompile.models.gpt import lm_loss
@@ -290,7 +289,7 @@ def run(config: Config, device_name: str) -> dict:
     compiled = compile_pipeline(model, lm_loss, (tokens,), {}, tokens.roll(-1, 1), config.stages, device=device)
     compile_s = time.perf_counter() - started
     print(f"compiled {config.stages} stages in {compile_s:.1f} s", flush=True)
-    static = schedule_costs(compiled)
+    static = compiled.schedule_costs()
 
     stages, errors = [], []
     for s in range(config.stages):

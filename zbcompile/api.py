@@ -445,7 +445,7 @@ class PipelinedModule:
         layout = self._pipeline_layout() if self.distributed else None
         if layout is None or layout.pp_rank == 0:
             given = self.options.costs is not None
-            schedule = make_schedule(**self._solve_arguments(self.options.costs or schedule_costs(compiled)))
+            schedule = make_schedule(**self._solve_arguments(self.options.costs or compiled.schedule_costs()))
             schedule = schedule.with_info(**({"cost_source": "given", "costs": self.options.costs} if given else {"cost_source": "static"}))
         if layout is not None and layout.pp_group is not None:
             box = [schedule]
@@ -469,7 +469,7 @@ class PipelinedModule:
             wanted = self.options.schedule == "zb-auto" and self.options.costs is None
         if not wanted or not isinstance(runner, DistributedRunner):
             return None
-        static = schedule_costs(compiled)
+        static = compiled.schedule_costs()
         return profile.CostTuner(self.options.profile_steps, self._solve_arguments, static)
 
     def _distributed_runner(self, compiled: CompiledPipeline, schedule: Schedule, device: torch.device) -> DistributedRunner:
@@ -653,13 +653,3 @@ def _constant_key(value: Any) -> Any:
         return value
     except TypeError:
         return repr(value)
-
-
-def schedule_costs(compiled: CompiledPipeline) -> Costs:
-    """`compiled.schedule_costs()`."""
-    return compiled.schedule_costs()
-
-
-def memory_unit(compiled: CompiledPipeline) -> int:
-    """`compiled.memory_unit()`."""
-    return compiled.memory_unit()

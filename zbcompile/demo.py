@@ -293,14 +293,13 @@ def predicted_gains(runs: dict[str, "_Training"], action_medians: dict[str, list
     rank's `profile.action_medians` of the timed steps; 1F1B runs a fused backward, often
     cheaper than I and W apart); and under the costs zb-auto was solved with (which charge
     1F1B's backward as I + W), with where those came from ("measured" or "static")."""
-    from zbcompile.api import schedule_costs
     from zbcompile.inspect.write import schedule_costs_used
     from zbcompile.runtime.profile import costs_of
     from zbcompile.schedules import simulate
 
     reference, other = (runs[name].pipe for name in SCHEDULES)
     solved, source = schedule_costs_used(other.schedule, other.compiled, other.measured_costs)
-    static, stages = schedule_costs(other.compiled), other.schedule.stages
+    static, stages = other.compiled.schedule_costs(), other.schedule.stages
     comm = solved.comm if source == "measured" else 0.0  # the static estimates have none
     measured = [costs_of(action_medians[name], comm, stages, static) for name in SCHEDULES]
     return (

@@ -7,7 +7,6 @@ import pytest
 
 import zbcompile
 from helpers.models import build
-from zbcompile.api import schedule_costs
 from zbcompile.schedules import Costs, make_schedule
 
 GIVEN = Costs(f=[1.0, 3.0], i=[1.0, 3.0], w=[1.0, 3.0], mem_b=1.0, mem_w=0.5)
@@ -18,7 +17,7 @@ def test_given_costs_solve_the_schedule_and_are_reported():
     pipe = zbcompile.pipeline(case.model, stages=2, microbatches=4, loss_fn=case.loss_fn, costs=GIVEN, solver_time_budget=0)
     case.step(pipe)
     expected = make_schedule("zb-auto", 2, 4, costs=GIVEN, time_budget=0)
-    static = make_schedule("zb-auto", 2, 4, costs=schedule_costs(pipe.compiled), time_budget=0)
+    static = make_schedule("zb-auto", 2, 4, costs=pipe.compiled.schedule_costs(), time_budget=0)
     assert expected.actions != static.actions  # else this test could not tell which costs were used
     assert pipe.schedule.actions == expected.actions
     assert pipe.schedule.info["cost_source"] == "given"

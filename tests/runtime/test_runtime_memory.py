@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import zbcompile
-from zbcompile.api import memory_unit, schedule_costs
 from zbcompile.models import GPT, GPTConfig
 from zbcompile.models.gpt import Block, lm_loss
 from zbcompile.schedules import simulate
@@ -24,8 +23,8 @@ def gpt_batch():
 def _peaks(model, tokens, targets, schedule):
     pipe = zbcompile.pipeline(model, stages=4, microbatches=8, loss_fn=lm_loss, schedule=schedule, solver_time_budget=0.5)
     pipe.step(tokens, target=targets)
-    predicted = simulate(pipe.schedule, schedule_costs(pipe.compiled)).peak_memory
-    unit = memory_unit(pipe.compiled)
+    predicted = simulate(pipe.schedule, pipe.compiled.schedule_costs()).peak_memory
+    unit = pipe.compiled.memory_unit()
     return [e.peak_live_bytes for e in pipe.executors], [p * unit for p in predicted], pipe
 
 
