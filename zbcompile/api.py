@@ -466,7 +466,7 @@ class PipelinedModule:
         zb-auto without given costs)."""
         wanted = self.options.profile
         if wanted is None:
-            wanted = self.options.schedule == "zb-auto" and self.options.costs is None
+            wanted = schedule_spec(self.options.schedule).measures_costs and self.options.costs is None
         if not wanted or not isinstance(runner, DistributedRunner):
             return None
         static = compiled.schedule_costs()

@@ -40,8 +40,9 @@ from zbcompile import measure
 from zbcompile.models import GPT, GPTConfig
 from zbcompile.models.gpt import Block, lm_loss
 from zbcompile.runtime import profile
+from zbcompile.schedules import DEFAULT_SCHEDULE, REFERENCE_SCHEDULE
 
-SCHEDULES = ("1f1b", "zb-auto")  # the reference first
+SCHEDULES = (REFERENCE_SCHEDULE, DEFAULT_SCHEDULE)  # the reference first
 MAX_RANKS = 8
 MICROBATCHES_PER_STAGE = 2  # zb-auto's simulated steady-state gain over 1F1B peaks at m = 2p (p = 2..8)
 VOCAB, SEQ_LEN, HEADS, ROWS = 256, 64, 4, 4  # bytes as tokens; ROWS sequences per microbatch

@@ -11,7 +11,15 @@ Pure Python; importing this package never imports torch (ortools and matplotlib 
 from .costs import Costs, ResolvedCosts
 from .ir import Action, Schedule
 from .lower import lower
-from .registry import DEFAULT_SCHEDULE, SCHEDULE_NAMES, SCHEDULES, ScheduleSpec, make_schedule, schedule_spec
+from .registry import (
+    DEFAULT_SCHEDULE,
+    REFERENCE_SCHEDULE,
+    SCHEDULE_NAMES,
+    SCHEDULES,
+    ScheduleSpec,
+    make_schedule,
+    schedule_spec,
+)
 from .simulate import SimResult, simulate
 from .timing import ScheduleError
 from .validate import validate
@@ -20,6 +28,7 @@ __all__ = [
     "Action",
     "Costs",
     "DEFAULT_SCHEDULE",
+    "REFERENCE_SCHEDULE",
     "ResolvedCosts",
     "SCHEDULES",
     "SCHEDULE_NAMES",

@@ -45,7 +45,9 @@ class ScheduleSpec:
     holds, so a pipeline of ``stages`` occupies ``ranks(stages)`` ranks (interleaved-1f1b may be
     given another rank count). ``solved``: built from the costs under the memory limit; the other
     schedules are fixed orders that a limit only checks. ``placement(stages)`` is stage -> rank;
-    ``min_stages`` the fewest stages (chunks) it accepts.
+    ``min_stages`` the fewest stages (chunks) it accepts. ``measures_costs``: a distributed
+    pipeline left to decide (``pipeline(profile=None)``) measures its costs and re-solves the
+    schedule with them, unless it was given costs.
     """
 
     name: str
@@ -54,6 +56,7 @@ class ScheduleSpec:
     chunks_per_rank: int = 1
     min_stages: int = 1
     solved: bool = False
+    measures_costs: bool = False
 
     def ranks(self, stages: int) -> int:
         """Ranks one pipeline of ``stages`` stages (chunks) occupies."""
@@ -81,12 +84,13 @@ SCHEDULES: Mapping[str, ScheduleSpec] = MappingProxyType({
         ),
         ScheduleSpec("zb-h1", lambda r: zb_h1(r.stages, r.microbatches)),
         ScheduleSpec("zb-h2", lambda r: zb_h2(r.stages, r.microbatches)),
-        ScheduleSpec("zb-auto", _build_zb_auto, solved=True),
+        ScheduleSpec("zb-auto", _build_zb_auto, solved=True, measures_costs=True),
         ScheduleSpec("zbv", _build_zbv, placement=v_placement, chunks_per_rank=2, min_stages=2, solved=True),
     )
 })
 SCHEDULE_NAMES = tuple(SCHEDULES)
 DEFAULT_SCHEDULE = "zb-auto"
+REFERENCE_SCHEDULE = "1f1b"  # what the default is compared with (the demo, benchmarks)
 
 
 def schedule_spec(name: str) -> ScheduleSpec:
