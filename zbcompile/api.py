@@ -24,6 +24,7 @@ from zbcompile.runtime.batch_agreement import BatchDescription
 from zbcompile.runtime.distributed import DistributedRunner, Layout, make_layout
 from zbcompile.runtime.local import LocalRunner
 from zbcompile.runtime.p2p import device_for
+from zbcompile.runtime.runner import Runner
 from zbcompile.runtime.stage import StageExecutor
 from zbcompile.schedules import DEFAULT_SCHEDULE, SCHEDULE_NAMES, Costs, Schedule, make_schedule, schedule_spec
 from zbcompile.stage_compiler import check_compiler, compile_stage_programs
@@ -174,7 +175,7 @@ def _wrap(model: nn.Module | type, options: PipelineOptions):
 class _Compiled:
     compiled: CompiledPipeline
     schedule: Schedule
-    runner: LocalRunner | DistributedRunner
+    runner: Runner
     tuner: profile.CostTuner | None = None  # measured costs (distributed)
 
 
@@ -267,10 +268,7 @@ class PipelinedModule:
         self.options = dataclasses.replace(self.options, schedule=schedule, memory_limit=memory_limit)
         for key, bundle in list(self._compiled.items()):
             new = self._make_schedule(bundle.compiled)
-            if isinstance(bundle.runner, DistributedRunner):
-                bundle.runner.reschedule(new)
-            else:
-                bundle.runner.schedule = new
+            bundle.runner.reschedule(new)
             self._compiled[key] = _Compiled(bundle.compiled, new, bundle.runner, self._tuner(bundle.runner, bundle.compiled))
         return self
 
@@ -290,7 +288,7 @@ class PipelinedModule:
         return self._latest().schedule
 
     @property
-    def runner(self) -> LocalRunner | DistributedRunner:
+    def runner(self) -> Runner:
         return self._latest().runner
 
     @property
@@ -301,8 +299,7 @@ class PipelinedModule:
 
     @property
     def executors(self) -> list[StageExecutor]:
-        runner = self.runner
-        return list(runner.executors) if isinstance(runner, LocalRunner) else list(runner.executors.values())
+        return list(self.runner.executors.values())
 
     def _latest(self) -> _Compiled:
         if self._last_key is None:
@@ -433,7 +430,7 @@ class PipelinedModule:
                 runner = self._distributed_runner(compiled, schedule, device)
             else:
                 self._place(set(placement.canonical_names(self.module).values()), _device_of((example, example_target)), move_others=False)
-                runner = LocalRunner([StageExecutor(p, self._state()) for p in compiled.programs], schedule)
+                runner = LocalRunner(compiled, schedule, self._state())
             self._compiled[key] = _Compiled(compiled, schedule, runner, self._tuner(runner, compiled))
             self._dumps[key] = start_dump(self.options.dump_dir, compiled, schedule, self.options, runner)
         self._last_key = key
@@ -461,13 +458,13 @@ class PipelinedModule:
             time_budget=o.solver_time_budget, objective=o.objective,
         )
 
-    def _tuner(self, runner: LocalRunner | DistributedRunner, compiled: CompiledPipeline) -> profile.CostTuner | None:
+    def _tuner(self, runner: Runner, compiled: CompiledPipeline) -> profile.CostTuner | None:
         """Measured costs for a distributed runner, where `profile` asks for them (None: for
         zb-auto without given costs)."""
         wanted = self.options.profile
         if wanted is None:
             wanted = schedule_spec(self.options.schedule).measures_costs and self.options.costs is None
-        if not wanted or not isinstance(runner, DistributedRunner):
+        if not wanted or not self.distributed:
             return None
         static = compiled.schedule_costs()
         return profile.CostTuner(self.options.profile_steps, self._solve_arguments, static)

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from zbcompile.runtime import distributed
+from zbcompile.runtime import readiness
 from zbcompile.runtime.program import rank_program
 from zbcompile.schedules import lower, make_schedule, schedule_spec
 
@@ -37,7 +37,7 @@ def _runner(schedule, rank: int, transport: _Recorder):
 
 def _replay(runner) -> list[tuple[str, int, str]]:
     """The runner's loop, as far as posting goes: receives ahead, sends in list order."""
-    receives = distributed._ReceivesAhead(runner.program, runner.transport, torch.device("cpu"), lambda key: False)
+    receives = readiness.ReceivesAhead(runner.program, runner.transport, torch.device("cpu"), lambda key: False)
     for index, action in enumerate(runner.actions):
         receives.post_ahead(index)
         if action.kind.startswith("RECV"):

@@ -105,7 +105,7 @@ def test_overtaken_w_are_those_the_plan_ran_before_the_waiting_computation():
 
 
 def test_wait_forecast_runs_a_w_only_where_recent_waits_had_room_for_it():
-    from zbcompile.runtime.distributed import WaitForecast
+    from zbcompile.runtime.readiness import WaitForecast
 
     forecast = WaitForecast()
     key = ("F", 1, 3)

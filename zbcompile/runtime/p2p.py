@@ -10,7 +10,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,28 @@ def gather_objects(value: object, group: dist.ProcessGroup | None) -> list:
     gathered: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, value, group=group)
     return gathered
+
+
+class MessageTransport(Protocol):
+    """What the step interpreter (`runtime/dispatch.py`) uses of a transport: `Transport` between
+    ranks, `local.InProcessTransport` between the stages of one process. A receive is posted
+    with its buffers and returns a handle that `wait` turns into the received tensors."""
+
+    matches_by_tag: bool
+
+    def post_recv(self, buffers: Sequence[torch.Tensor], peer: int, tag: int, action: str, watch: bool = False) -> Any: ...
+
+    def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int, action: str) -> None: ...
+
+    def can_tell(self, pending: Any) -> bool: ...
+
+    def arrived(self, pending: Any) -> bool: ...
+
+    def wait(self, pending: Any, waiting_action: str) -> list[torch.Tensor]: ...
+
+    def arrival_time(self, pending: Any) -> float | None: ...
+
+    def flush_sends(self) -> None: ...
 
 
 class PeerError(RuntimeError):

@@ -1,6 +1,7 @@
 """A rank's part of a pipeline schedule, resolved once per schedule so that a step only follows
-it (`DistributedRunner`): the lowered action list, each message's peer, tag, value names and
-buffer layouts, the receives in posting order, and where weight-gradient (W) work runs.
+it (the interpreter, `runtime/dispatch.py`; one process running every rank follows all their
+parts merged): the lowered action list, each message's peer, tag, value names and buffer
+layouts, the receives in posting order, and where weight-gradient (W) work runs.
 
 No other rank waits for a W, so where a W runs changes no message, and as long as each stage's
 W keep the plan's order, no sum either (gradients stay bitwise equal). `defer_weights` moves W
@@ -18,6 +19,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from zbcompile.schedules import Action, Schedule, lower
+from zbcompile.schedules.timing import asap_timing
 
 Layout = tuple[torch.Size, torch.dtype]
 
@@ -99,6 +101,52 @@ def rank_program(
     deferred: tuple[str, ...] = ()
     if memory is not None:
         actions, deferred = defer_weights(planned, memory)
+    return _resolve(schedule, planned, actions, deferred, rank_of, names, layout)
+
+
+def single_process_program(
+    schedule: Schedule, names: Callable[[str, int], Sequence[str]], layout: Callable[[str], Layout]
+) -> RankProgram:
+    """The program of one process that runs every rank of `schedule`: every rank's lowered list
+    as it is, merged so that each compute action comes where `execution_order` puts it, with
+    the messages its list has after it (its SEND first) right behind it. Ranks are positions
+    (`rank_of(stage)` is `stage_to_rank[stage]`); `names`, `layout` as for `rank_program`."""
+    lowered = lower(schedule).actions
+    rank = {a: r for r, row in enumerate(lowered) for a in row if a.is_compute}
+    cursor = [0] * len(lowered)
+    actions: list[Action] = []
+    for action in execution_order(schedule):
+        row, i = lowered[rank[action]], cursor[rank[action]]
+        while row[i] != action:  # the receives its list posts before it
+            actions.append(row[i])
+            i += 1
+        actions.append(action)
+        i += 1
+        while i < len(row) and not row[i].is_compute:
+            actions.append(row[i])
+            i += 1
+        cursor[rank[action]] = i
+    return _resolve(schedule, actions, actions, (), schedule.stage_to_rank.__getitem__, names, layout)
+
+
+def execution_order(schedule: Schedule) -> list[Action]:
+    """All compute actions in an order that respects each rank's list and every dependency."""
+    timing = asap_timing(schedule.actions, schedule.stages, schedule.stage_to_rank, lambda a: 1.0, 0.0)
+    rank = {a: r for r, row in enumerate(schedule.actions) for a in row}
+    return sorted(timing.start, key=lambda a: (timing.start[a], rank[a]))
+
+
+def _resolve(
+    schedule: Schedule,
+    planned: Sequence[Action],
+    actions: Sequence[Action],
+    deferred: tuple[str, ...],
+    rank_of: Callable[[int], int],
+    names: Callable[[str, int], Sequence[str]],
+    layout: Callable[[str], Layout],
+) -> RankProgram:
+    """The program running `actions` (`planned`, with the W in `deferred` moved past sends):
+    each message's peer, tag, value names and buffer layouts resolved."""
     messages: list[Message | None] = []
     receives: list[Receive] = []
     last_send: dict[int, int] = {}

@@ -1,0 +1,120 @@
+"""`Runner`: what runs a compiled pipeline's steps on the stages this process holds. Both
+runners have its shape and drive the one interpreter (`runtime/dispatch.py`): `LocalRunner`
+(`runtime/local.py`) every stage in one process over an in-process transport,
+`DistributedRunner` (`runtime/distributed.py`) one rank's stages over point-to-point messages."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from zbcompile.compiler import CompiledPipeline
+from zbcompile.runtime.dispatch import Interpreter
+from zbcompile.runtime.p2p import MessageTransport
+from zbcompile.runtime.program import RankProgram
+from zbcompile.runtime.stage import StageExecutor, merge_stage_grads
+from zbcompile.schedules import Action, Schedule
+
+
+class Runner(ABC):
+    """Runs `compiled`'s stages held here (`executors`: stage -> StageExecutor, `local_stages`
+    in order) step after step, following `schedule` until `reschedule()`. `layout` is this
+    rank's place among the pipelines (`distributed.Layout`; None in one process)."""
+
+    layout: Any = None
+
+    def __init__(
+        self,
+        compiled: CompiledPipeline,
+        schedule: Schedule,
+        executors: dict[int, StageExecutor],
+        transport: MessageTransport,
+        receive_device: torch.device | None,
+        follow_readiness: bool,
+        synchronize: Callable[[], None] | None,
+    ) -> None:
+        self.compiled = compiled
+        self.executors = executors
+        self.local_stages = sorted(executors)
+        self.transport = transport
+        self.follow_readiness = follow_readiness
+        self.interpreter = Interpreter(executors, transport, receive_device, follow_readiness, synchronize)
+        self._load(schedule)
+
+    @property
+    def schedule(self) -> Schedule:
+        return self._schedule
+
+    def reschedule(self, schedule: Schedule) -> None:
+        """Run `schedule` from the next step on."""
+        self._load(schedule)
+
+    def _load(self, schedule: Schedule) -> None:
+        self._schedule = schedule
+        self.interpreter.load(self._program(schedule), schedule.stage_to_rank)
+
+    @abstractmethod
+    def _program(self, schedule: Schedule) -> RankProgram:
+        """What this process runs of `schedule` in a step."""
+
+    @abstractmethod
+    def reduce_grads(self) -> dict[str, torch.Tensor]:
+        """The step's parameter gradients this process holds, by FQN."""
+
+    def step(self, inputs: Sequence[Mapping[str, torch.Tensor]], targets: Sequence[Mapping[str, torch.Tensor]]) -> list[torch.Tensor] | None:
+        """One step; returns the microbatch losses where this process holds the last stage, else
+        None. Parameter gradients stay in the executors until `reduce_grads()`."""
+        return self.interpreter.step(inputs, targets)
+
+    def set_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Parameters and buffers (`param:<fqn>`, `buffer:<fqn>`) the next step computes with."""
+        for executor in self.executors.values():
+            executor.state = state
+
+    def _message_names(self, direction: str, stage: int) -> Sequence[str]:
+        """The values a message in `direction` ("F" or "B") into `stage` carries."""
+        if direction == "F":
+            return self.compiled.partition.stages[stage].inputs
+        return self.compiled.programs[stage].joint.output_grads
+
+    def _value_layout(self, name: str) -> tuple[torch.Size, torch.dtype]:
+        value = self.compiled.partition.values[name]
+        return value.shape, value.dtype
+
+    def _stage_grads(self) -> dict[str, torch.Tensor]:
+        """The step's gradients of the stages held here, summed in stage order."""
+        return merge_stage_grads([self.executors[s] for s in self.local_stages])
+
+    @property
+    def program(self) -> RankProgram:
+        return self.interpreter.program
+
+    @property
+    def actions(self) -> tuple[Action, ...]:
+        """The action list as it runs (the lowered schedule; W deferred past sends where readiness
+        is followed)."""
+        return self.interpreter.program.actions
+
+    @property
+    def timeline(self) -> list[tuple[str, float, float]]:
+        """(action, start, end) of every compute action of the last step (`Interpreter`)."""
+        return self.interpreter.timeline
+
+    @property
+    def comm_timeline(self) -> list[tuple[str, float, float]]:
+        """SEND posts and RECV waits of the last step, the same way."""
+        return self.interpreter.comm_timeline
+
+    @property
+    def moved_w(self) -> dict[str, tuple[str, ...]]:
+        """W that ran elsewhere than the plan put them in the last step: "past_send", after a
+        send the plan ran them before (the same every step of a schedule), and "into_wait", run
+        early while a computation waited for a message."""
+        return {"past_send": self.interpreter.program.deferred, "into_wait": self.interpreter.early_w}
+
+    @property
+    def peak_live_bytes(self) -> int:
+        """The highest bytes each held stage's microbatches kept alive, summed over those stages."""
+        return sum(e.peak_live_bytes for e in self.executors.values())
