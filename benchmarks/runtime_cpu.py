@@ -410,9 +410,9 @@ def _share_compilation() -> None:
     """Compile each microbatch shape once per rank and share the result between the schedules
     of that shape: the compiled stage graphs do not depend on the schedule (nor on the model
     instance: the runtime looks parameters up by name), so this changes only the set-up time."""
-    import zbcompile.api as api
+    from zbcompile.runtime import build
 
-    original = api.compile_pipeline
+    original = build.compile_pipeline
     cache: dict = {}
 
     def compile_once(model, loss_fn, args, kwargs, target, stages, split_points=None, device=None):
@@ -427,7 +427,7 @@ def _share_compilation() -> None:
             cache[key] = original(model, loss_fn, args, kwargs, target, stages, split_points, device)
         return cache[key]
 
-    api.compile_pipeline = compile_once
+    build.compile_pipeline = compile_once
 
 
 # --- analysis ---------------------------------------------------------------------------------

@@ -206,3 +206,16 @@ def held_bytes(values) -> int:
         entry = by_storage.setdefault(storage.data_ptr(), [storage.nbytes(), 0])
         entry[1] += value.numel() * value.element_size()
     return sum(min(total, spanned) for total, spanned in by_storage.values())
+
+
+def accumulate_grads(module: torch.nn.Module, grads: Mapping[str, torch.Tensor]) -> None:
+    """Add a step's gradients (by parameter FQN, `Runner.reduce_grads()`) to `module`'s `.grad`."""
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            grad = grads.get(name)
+            if grad is None:
+                continue
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad.add_(grad)

@@ -1,0 +1,271 @@
+"""What one compile of a pipelined module builds, kept together in one record (`Build`): the
+compiled stages, the runner following the schedule (solved on one rank and broadcast), the cost
+tuner and the dump. `Builder` builds them for a module under its options, and keeps where this
+process stands: its layout among the pipelines, the parameters and buffers it holds, and those
+materialised from `meta` that nothing filled yet."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from zbcompile.compiler import CompiledPipeline, compile_pipeline
+from zbcompile.inspect.write import CompileDump, start_dump
+from zbcompile.runtime import batch, placement, profile
+from zbcompile.runtime.distributed import DistributedRunner, Layout, make_layout
+from zbcompile.runtime.local import LocalRunner
+from zbcompile.runtime.p2p import device_for
+from zbcompile.runtime.runner import Runner
+from zbcompile.schedules import Costs, Schedule, make_schedule, schedule_spec
+from zbcompile.stage_compiler import compile_stage_programs
+from zbcompile.value_names import buffer_name, param_name
+
+
+@dataclass(frozen=True)
+class Build:
+    """One compile: `runner.schedule` is the schedule it runs; `tuner` measures costs and
+    re-solves (None where costs are not measured); `dump` its files (None when not dumping)."""
+
+    compiled: CompiledPipeline
+    runner: Runner
+    tuner: profile.CostTuner | None = None
+    dump: CompileDump | None = None
+
+    def after_step(self, measured: Costs | None) -> Costs | None:
+        """After a step (its gradients reduced): record it in the dump, and where the tuner
+        switches schedules, run the new one from the next step on. Returns the costs of the
+        latest schedule solved with measured ones (`measured`, unless it switched)."""
+        if self.dump is not None:
+            self.dump.record_step(self.runner, measured)
+        if self.tuner is not None:
+            schedule = self.tuner.after_step(self.runner)
+            if schedule is not None:
+                self.runner.reschedule(schedule)
+                return self.tuner.measured
+        return measured
+
+
+class Builder:
+    """Builds and keeps the compiles of `module` under `options` (`api.PipelineOptions`), one
+    per batch shape (`prepare`). `held`: the FQNs this rank holds once a distributed compile
+    placed them (None before, and in one process); `unfilled`: the tensors materialised from
+    `meta` that neither `init_fn` nor a state dict filled yet."""
+
+    def __init__(self, module: nn.Module, options: Any) -> None:
+        self.module = module
+        self.options = options
+        self.held: set[str] | None = None
+        self.unfilled: set[str] = set()
+        self.builds: dict[Any, Build] = {}  # by compile key (`batch.split`)
+        self._last_key: Any = None
+        self._batch = batch.LocalBatch()
+        self._layout: Layout | None = None
+
+    @property
+    def distributed(self) -> bool:
+        return self.options.process_group is not None or (dist.is_available() and dist.is_initialized())
+
+    def layout(self) -> Layout:
+        """This rank's place among the pipelines (made on the first call: a collective of the
+        ranks of `process_group`, the world by default)."""
+        if self._layout is None:
+            o = self.options
+            pp_size = schedule_spec(o.schedule).ranks(o.stages)
+            self._layout = make_layout(pp_size, self.device(), f"schedule {o.schedule!r} with stages={o.stages}", o.process_group)
+        return self._layout
+
+    def device(self) -> torch.device:
+        group = self.options.process_group
+        return device_for(group.get_group("pp") if isinstance(group, DeviceMesh) else group)
+
+    def replica(self) -> tuple[int, int]:
+        """(data-parallel replicas, this rank's replica)."""
+        if not self.distributed:
+            return 1, 0
+        layout = self.layout()
+        return layout.dp_size, layout.dp_rank
+
+    def prepare(self, inputs: tuple, kwargs: dict, target: Any) -> tuple[Build, list, list, tuple[str, ...]]:
+        """The compile for this batch (built if its shapes are new), its microbatches and
+        targets, and the parts of the batch this rank was not given (`batch.LocalBatch`)."""
+        absent: tuple[str, ...] = ()
+        if self.distributed:
+            inputs, kwargs, target, absent = self._batch.of(inputs, kwargs, target, self.layout().pp_group, self.device())
+        micro_inputs, micro_targets, key = batch.split(inputs, kwargs, target, self.options.microbatches, *self.replica())
+        if key not in self.builds:
+            self.builds[key] = self.build(micro_inputs[0], micro_targets[0])
+        self._last_key = key
+        return self.builds[key], micro_inputs, micro_targets, absent
+
+    def latest(self) -> Build:
+        """The compile of the latest step's batch."""
+        if self._last_key is None:
+            raise RuntimeError("the pipeline compiles on the first step() or compile(); call one of them first")
+        return self.builds[self._last_key]
+
+    def reschedule(self, options: Any) -> None:
+        """Take `options` (a new schedule) and run it from the next step on in every compile."""
+        self.options = options
+        for key, built in list(self.builds.items()):
+            built.runner.reschedule(self.schedule(built.compiled))
+            self.builds[key] = replace(built, tuner=self.tuner(built.compiled))
+
+    def build(self, example: tuple, example_target: Any) -> Build:
+        """Compile for microbatches like `example` ((args, kwargs)) and `example_target`."""
+        args, kwargs = example
+        o = self.options
+        device = self.device() if self.distributed else None
+        compiled = compile_pipeline(self.module, o.loss_fn, args, kwargs, example_target, o.stages, o.split_points, device)
+        compiled = compile_stage_programs(compiled, o.compiler)
+        schedule = self.schedule(compiled)
+        if self.distributed:
+            runner = self._distributed_runner(compiled, schedule, device)
+        else:
+            self._place(set(placement.canonical_names(self.module).values()), batch.device_of((example, example_target)), move_others=False)
+            runner = LocalRunner(compiled, schedule, self.state())
+        tuner = self.tuner(compiled)
+        return Build(compiled, runner, tuner, start_dump(o.dump_dir, compiled, schedule, o, runner))
+
+    def schedule(self, compiled: CompiledPipeline) -> Schedule:
+        """The schedule, solved on one rank and broadcast so that every rank runs the same one."""
+        schedule = None
+        layout = self.layout() if self.distributed else None
+        if layout is None or layout.pp_rank == 0:
+            given = self.options.costs
+            schedule = make_schedule(**self.solve_arguments(given or compiled.schedule_costs()))
+            schedule = schedule.with_info(**({"cost_source": "given", "costs": given} if given is not None else {"cost_source": "static"}))
+        if layout is not None and layout.pp_group is not None:
+            box = [schedule]
+            dist.broadcast_object_list(box, group=layout.pp_group, group_src=0)
+            schedule = box[0]
+        return schedule
+
+    def solve_arguments(self, costs: Costs) -> dict[str, Any]:
+        """`make_schedule`'s arguments for this pipeline's schedule under `costs`."""
+        o = self.options
+        return dict(
+            name=o.schedule, stages=o.stages, microbatches=o.microbatches, costs=costs, memory_limit=o.memory_limit,
+            time_budget=o.solver_time_budget, objective=o.objective,
+        )
+
+    def tuner(self, compiled: CompiledPipeline) -> profile.CostTuner | None:
+        """Measured costs for a distributed pipeline, where `profile` asks for them (None: where
+        the schedule table says the schedule measures them, without given costs)."""
+        wanted = self.options.profile
+        if wanted is None:
+            wanted = schedule_spec(self.options.schedule).measures_costs and self.options.costs is None
+        if not wanted or not self.distributed:
+            return None
+        return profile.CostTuner(self.options.profile_steps, self.solve_arguments, compiled.schedule_costs())
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The module's current parameters and buffers, as the runtime names them."""
+        state = {param_name(n): p for n, p in self.module.named_parameters()}
+        state.update({buffer_name(n): b for n, b in self.module.named_buffers()})
+        return state
+
+    def check_filled(self) -> None:
+        """Refuse to compute with parameters or buffers materialised from `meta` but never filled."""
+        if not self.unfilled:
+            return
+        names = sorted(self.unfilled)
+        owners = sorted({type(self.module.get_submodule(n.rpartition(".")[0])).__name__ for n in names})
+        in_state_dict = set(placement.canonical_names(self.module)) & set(self.module.state_dict(keep_vars=True))
+        unloadable = [n for n in names if n not in in_state_dict]
+        raise ValueError(
+            f"{len(names)} parameters or buffers this process uses were built on the meta device and neither "
+            f"initialised nor loaded, e.g. {names[:4]} (owned by {', '.join(owners[:4])}). Pass init_fn= to "
+            "pipeline(): a function that fills one module's own parameters and buffers, such as a transformers "
+            "model's _init_weights (without it, a module's reset_parameters() fills its parameters and the buffers "
+            "it writes)"
+            + ("; or load them with pipe.load_state_dict(state_dict) after compile()" if len(unloadable) < len(names) else "")
+            + (f". No state dict holds {unloadable[:4]} (non-persistent buffers): only init_fn can fill them" if unloadable else "")
+        )
+
+    def held_only(self, named: Iterator[tuple[str, Any]], prefix: str) -> Iterator[tuple[str, Any]]:
+        """The (name, tensor) of `named` (a module's `named_parameters(prefix)` or buffers) this
+        rank holds: all of them in one process."""
+        held = self._held_names()
+        for name, tensor in named:
+            if held is None or name.removeprefix(prefix + "." if prefix else "") in held:
+                yield name, tensor
+
+    def owned_only(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The entries of the module's `state_dict` this rank reports (every alias of a tied
+        weight included): all of them in one process; together over all ranks, the model's."""
+        if not self.distributed:
+            return state_dict
+        self._require_placed()
+        built = self.latest()
+        owned = placement.owned_names(built.compiled, built.runner.schedule, built.runner.layout.pp_rank)
+        aliases = placement.canonical_names(self.module)
+        return {k: v for k, v in state_dict.items() if aliases.get(k, k) in owned}
+
+    def _held_names(self) -> set[str] | None:
+        """FQNs this rank holds (None: all of them, in one process)."""
+        if not self.distributed:
+            return None
+        self._require_placed()
+        return self.held
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool) -> Any:
+        """Copy into the parameters and buffers this process holds their entries of `state_dict`
+        (a full state dict, or any holding them; other ranks' entries are skipped), materialising
+        those still on the `meta` device. With `strict`, a missing entry this process uses, or
+        one the model does not have, raises. In a distributed run with a model on `meta`, call
+        it after compiling (which decides what each rank holds)."""
+        if self.held is None and self.distributed:  # every rank holds the whole model until compiled
+            if any(t.is_meta for t in placement.state_tensors(self.module).values()):
+                self._require_placed()
+            return self.module.load_state_dict(state_dict, strict=strict)
+        held = self.held if self.held is not None else set(placement.canonical_names(self.module).values())
+        result, loaded = placement.load_held(self.module, state_dict, held, strict)
+        self.unfilled -= loaded
+        return result
+
+    def _require_placed(self) -> None:
+        if self.held is None:
+            raise RuntimeError(
+                "in a distributed run each rank holds only its stages' parameters, which are known after "
+                "compiling: call pipe.compile(batch, target=...) (or step()) before parameters(), state_dict(), "
+                "load_state_dict() of a model on the meta device, or building the optimizer"
+            )
+
+    def _distributed_runner(self, compiled: CompiledPipeline, schedule: Schedule, device: torch.device) -> DistributedRunner:
+        layout = self.layout()
+        if schedule.ranks != layout.pp_size:
+            raise ValueError(
+                f"schedule {schedule.name!r} runs on {schedule.ranks} ranks per pipeline, but this pipeline was laid "
+                f"out for {layout.pp_size}; build a new pipeline for it"
+            )
+        local_stages = [s for s, r in enumerate(schedule.stage_to_rank) if r == layout.pp_rank]
+        used = {f for s in local_stages for f in (*compiled.partition.stages[s].param_fqns, *compiled.partition.stages[s].buffer_fqns)}
+
+        def runner() -> DistributedRunner:
+            o = self.options
+            return DistributedRunner(compiled, schedule, layout, self.state(), device, o.timeout, o.follow_readiness)
+
+        if self.held is not None:
+            if used - self.held:
+                raise ValueError(
+                    f"these batch shapes cut the model differently from the first compile, and this rank does not "
+                    f"hold {sorted(used - self.held)[:4]}; pass split_points=[...] to pipeline() to fix the cut"
+                )
+            return runner()
+        # the runner shares tied weights' values between ranks: after placement, undone if it fails
+        return self._place(used, device, move_others=True, then=runner)
+
+    def _place(self, held: set[str], device: torch.device, move_others: bool, then: Callable[[], Any] = lambda: None) -> Any:
+        """Materialise and fill what this process holds (`placement.placed`), then run `then()`;
+        if either raises, the module keeps the tensors it had."""
+        with placement.placed(self.module, held, device, self.options.init_fn, move_others) as unfilled:
+            result = then()
+        self.unfilled |= unfilled
+        if move_others:
+            self.held = set(held)
+        return result
