@@ -204,3 +204,24 @@ def zb_v(stages: int, microbatches: int) -> Schedule:
             put(down, "W")
         rows.append(tuple(a for a in row if a.microbatch < microbatches))
     return Schedule("zbv", stages, microbatches, v_placement(stages), tuple(rows))
+
+
+def looped_bfs(stages: int, microbatches: int, ranks: int | None = None) -> Schedule:
+    """torch.distributed.pipelining's LoopedBFS: looped placement (stage c*P + r on rank r, like
+    interleaved 1F1B); each rank runs every microbatch's forward on its chunks in order, then
+    every backward (fused B) on its chunks in reverse order. torch runs a chunk's backwards from
+    the last microbatch down; here they run in increasing microbatch order, the order every other
+    schedule accumulates weight gradients in, so gradients are bitwise the same."""
+    ranks = ranks if ranks is not None else stages // 2
+    if ranks < 1 or stages % ranks:
+        raise ValueError(
+            f"looped-bfs: {stages} stages (chunks) cannot be spread evenly over {ranks} ranks; "
+            "use a multiple of the rank count (default: two chunks per rank, so an even stage count)"
+        )
+    rows = []
+    for r in range(ranks):
+        own = list(range(r, stages, ranks))
+        row = [Action(s, "F", k) for s in own for k in range(microbatches)]
+        row += [Action(s, "B", k) for s in reversed(own) for k in range(microbatches)]
+        rows.append(tuple(row))
+    return Schedule("looped-bfs", stages, microbatches, round_robin(stages, ranks), tuple(rows))

@@ -9,8 +9,20 @@ from types import MappingProxyType
 from typing import Callable, Mapping, Sequence, Union
 
 from .auto import zb_auto
+from .building_block import v_half, v_min, v_zb
 from .costs import Costs, ResolvedCosts, resolve_costs
-from .handcrafted import gpipe, in_line, interleaved_one_f_one_b, one_f_one_b, round_robin, v_placement, zb_h1, zb_h2
+from .dualpipe import dualpipev
+from .handcrafted import (
+    gpipe,
+    in_line,
+    interleaved_one_f_one_b,
+    looped_bfs,
+    one_f_one_b,
+    round_robin,
+    v_placement,
+    zb_h1,
+    zb_h2,
+)
 from .heuristic import zbv
 from .ir import Schedule
 from .validate import rank_limits, validate
@@ -86,6 +98,16 @@ SCHEDULES: Mapping[str, ScheduleSpec] = MappingProxyType({
         ScheduleSpec("zb-h2", lambda r: zb_h2(r.stages, r.microbatches)),
         ScheduleSpec("zb-auto", _build_zb_auto, solved=True, measures_costs=True),
         ScheduleSpec("zbv", _build_zbv, placement=v_placement, chunks_per_rank=2, min_stages=2, solved=True),
+        ScheduleSpec("v-min", lambda r: v_min(r.stages, r.microbatches), placement=v_placement, chunks_per_rank=2, min_stages=2),
+        ScheduleSpec("v-half", lambda r: v_half(r.stages, r.microbatches), placement=v_placement, chunks_per_rank=2, min_stages=2),
+        ScheduleSpec("v-zb", lambda r: v_zb(r.stages, r.microbatches), placement=v_placement, chunks_per_rank=2, min_stages=2),
+        ScheduleSpec(
+            "looped-bfs",
+            lambda r: looped_bfs(r.stages, r.microbatches, r.ranks),
+            placement=lambda stages: round_robin(stages, stages // 2),
+            chunks_per_rank=2,
+        ),
+        ScheduleSpec("dualpipev", lambda r: dualpipev(r.stages, r.microbatches), placement=v_placement, chunks_per_rank=2, min_stages=2),
     )
 })
 SCHEDULE_NAMES = tuple(SCHEDULES)
@@ -125,8 +147,9 @@ def make_schedule(
 ) -> Schedule:
     """Build, validate and return the schedule ``name`` (one of ``SCHEDULE_NAMES``).
 
-    ``stages`` counts chunks for multi-chunk schedules ("interleaved-1f1b": ``ranks`` ranks,
-    default two chunks each; "zbv": two chunks per rank in a V) and costs are then per chunk.
+    ``stages`` counts chunks for multi-chunk schedules ("interleaved-1f1b", "looped-bfs": ``ranks``
+    ranks, default two chunks each; "zbv", "v-min", "v-half", "v-zb", "dualpipev": two chunks per
+    rank in a V) and costs are then per chunk.
     ``memory_limit`` (units of ``mem_b``; scalar or one per rank) binds the solved schedules
     (zb-auto, zbv) and is checked for every schedule. zb-auto spends up to ``time_budget`` seconds
     (default 3) improving its heuristic with the exact solver; ``time_budget=0`` returns the

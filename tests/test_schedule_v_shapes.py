@@ -1,0 +1,81 @@
+"""V-shape and looped schedules (v-min, v-half, v-zb, looped-bfs, dualpipev): validator-clean for
+p = 2..8 ranks and m = p..4p microbatches; the building blocks' memory and bubble bounds."""
+
+import functools
+import math
+
+import pytest
+
+from zbcompile.schedules import Costs, make_schedule, simulate
+from zbcompile.schedules.building_block import INTERVAL, v_half_block, v_min_block, v_zb_block
+
+NEW = ("v-min", "v-half", "v-zb", "looped-bfs", "dualpipev")
+CASES = [(p, m) for p in range(2, 9) for m in range(p, 4 * p + 1)]
+CHUNK = Costs()  # uniform per-chunk costs: F = I = W, M_W = M_B / 2
+STAGE = Costs(mem_b=2.0, mem_w=1.0)  # the same model cut into p stages of two chunks each
+
+
+@functools.cache
+def built(name, p, m):
+    """``make_schedule`` validates (placement, completeness, order, deadlock, lowering); each
+    schedule is built once for all the tests here."""
+    return make_schedule(name, 2 * p, m, CHUNK)
+
+
+@functools.cache
+def scored(name, p, m):
+    if name in ("1f1b", "zb-h1"):
+        return simulate(make_schedule(name, p, m, STAGE), STAGE)
+    return simulate(built(name, p, m), CHUNK)
+
+
+@pytest.mark.parametrize("p", range(2, 9))
+@pytest.mark.parametrize("name", NEW)
+def test_new_schedules_validate(name, p):
+    for m in range(p, 4 * p + 1):
+        sched = built(name, p, m)
+        assert sched.ranks == p and sched.stages == 2 * p and sched.name == name
+
+
+def _ratio(name, p, m):
+    """Peak activation memory over 1F1B's on the same model (p stages of two chunks)."""
+    return max(scored(name, p, m).peak_memory) / max(scored("1f1b", p, m).peak_memory)
+
+
+@pytest.mark.parametrize(("name", "ratio"), [("v-min", 0.40), ("v-half", 0.55), ("v-zb", 1.0)])
+def test_building_block_memory(name, ratio):
+    """The paper's fractions of 1F1B's memory plus rounding: a rank's peak is at most its chunks'
+    lifespans (F to the end of W) over the interval, each rounded up (the building-block
+    theorem), which is at most ``ratio`` of 1F1B's plus one microbatch of the rank (M_B)."""
+    block = {"v-min": v_min_block, "v-half": v_half_block, "v-zb": v_zb_block}[name]
+    for p, m in CASES:
+        peaks = scored(name, p, m).peak_memory
+        for r, (f0, f1, i1, i0) in enumerate(block(p)):
+            # W runs at most two slots after its I in the steady state (two free slots per interval)
+            bound = math.ceil((i0 + 3 - f0) / INTERVAL) + math.ceil((i1 + 3 - f1) / INTERVAL)
+            assert peaks[r] <= bound, (name, p, m, r)
+        assert _ratio(name, p, m) <= ratio + 1 / p + 1e-9, (name, p, m)
+
+
+def test_v_schedules_order_memory_and_bubble():
+    """Less memory costs bubble: v-min < v-half < v-zb in memory, the reverse in bubble; v-zb
+    has no more bubble than ZB-H1 at 1F1B's memory."""
+    for p, m in CASES:
+        res = {n: scored(n, p, m) for n in ("v-min", "v-half", "v-zb")}
+        h1 = scored("zb-h1", p, m)
+        assert res["v-zb"].stage_bubble_rate <= h1.stage_bubble_rate + 1e-9, (p, m)
+        assert max(res["v-min"].peak_memory) <= max(res["v-half"].peak_memory) <= max(res["v-zb"].peak_memory)
+        if m >= 2 * p:
+            assert res["v-zb"].stage_bubble_rate <= res["v-half"].stage_bubble_rate <= res["v-min"].stage_bubble_rate + 1e-9
+
+
+def test_looped_bfs_runs_all_forwards_first():
+    sched = make_schedule("looped-bfs", 4, 3)
+    assert [str(a) for a in sched.actions[1]] == ["1F0", "1F1", "1F2", "3F0", "3F1", "3F2", "3B0", "3B1", "3B2", "1B0", "1B1", "1B2"]
+    assert sched.stage_to_rank == (0, 1, 0, 1)
+
+
+def test_v_schedules_need_an_even_chunk_count():
+    for name in ("v-min", "v-half", "v-zb", "dualpipev"):
+        with pytest.raises(ValueError, match="two chunks on each rank"):
+            make_schedule(name, 3, 4)

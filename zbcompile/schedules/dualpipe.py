@@ -1,0 +1,101 @@
+"""DeepSeek's DualPipeV (https://github.com/deepseek-ai/DualPipe, DeepSeek-V3 report), in the form
+torch.distributed.pipelining's ``ScheduleDualPipeV`` generates.
+
+Placement: the V of ZB-V (``handcrafted.v_placement``): rank r holds chunk 0 = stage r and chunk 1 =
+stage 2p-1-r. Each rank runs eight phases (p ranks, m microbatches, rank r):
+
+1. 2(p-r-1) forwards of chunk 0;
+2. r+1 pairs (F chunk 0, F chunk 1);
+3. p-r-1 triples (I chunk 1, the oldest pending W, F chunk 1);
+4. m-2p+r+1 steps of two overlapped pairs (F chunk 0 with B chunk 1, F chunk 1 with B chunk 0);
+5. p-r-1 pairs (B chunk 1, then F chunk 1 overlapped with B chunk 0);
+6. r+1 pairs (backward chunk 1, backward chunk 0), fused B for the first half and I from the
+   middle on (the W are deferred to fill the drain);
+7. p-r-1 pairs (the oldest pending W, backward chunk 0);
+8. the remaining W.
+
+An overlapped pair is one microbatch's forward computed while another's backward runs (DeepSeek
+overlaps their communication with the other's computation). The schedule IR has no such fused
+action, so a pair is written as its two actions back to back, forward first, in the order torch's
+runtime runs the sub-actions. DualPipeV needs m >= 2p; for fewer microbatches the order for 2p is
+built and the extra microbatches are dropped (removing whole microbatches keeps an order free of
+deadlock, as in ``handcrafted.zb_v``).
+"""
+
+from __future__ import annotations
+
+from .handcrafted import v_placement
+from .ir import Action, Schedule
+
+
+class _RankProgram:
+    """One rank's actions and the next microbatch of every (stage, kind)."""
+
+    def __init__(self) -> None:
+        self.actions: list[Action] = []
+        self.next: dict[tuple[int, str], int] = {}
+        self.pending_w: list[Action] = []
+
+    def put(self, stage: int, kind: str) -> None:
+        """The next ``kind`` on ``stage``; B and I share one count (a microbatch gets one of them)."""
+        key = (stage, "I" if kind == "B" else kind)
+        k = self.next.get(key, 0)
+        self.next[key] = k + 1
+        self.actions.append(Action(stage, kind, k))
+        if kind == "I":
+            self.pending_w.append(Action(stage, "W", k))
+
+    def put_w(self) -> None:
+        """The oldest pending W, if any."""
+        if self.pending_w:
+            self.actions.append(self.pending_w.pop(0))
+
+
+def _rank_actions(ranks: int, microbatches: int, rank: int) -> list[Action]:
+    p, r, m = ranks, rank, microbatches
+    down, up = r, 2 * p - 1 - r
+    prog = _RankProgram()
+    for _ in range(2 * (p - r - 1)):
+        prog.put(down, "F")
+    for _ in range(r + 1):
+        prog.put(down, "F")
+        prog.put(up, "F")
+    for _ in range(p - r - 1):
+        prog.put(up, "I")
+        prog.put_w()
+        prog.put(up, "F")
+    for _ in range(m - 2 * p + r + 1):
+        prog.put(down, "F")  # overlapped with the next: F chunk 0 | B chunk 1
+        prog.put(up, "B")
+        prog.put(up, "F")  # F chunk 1 | B chunk 0
+        prog.put(down, "B")
+    for _ in range(p - r - 1):
+        prog.put(up, "B")
+        prog.put(up, "F")  # F chunk 1 | B chunk 0
+        prog.put(down, "B")
+    split = False
+    for i in range(r + 1):
+        if i == (r + 1) // 2 and r % 2 == 1:
+            split = True
+        prog.put(up, "I" if split else "B")
+        if i == (r + 1) // 2 and r % 2 == 0:
+            split = True
+        prog.put(down, "I" if split else "B")
+    for _ in range(p - r - 1):
+        prog.put_w()
+        prog.put(down, "I" if split else "B")
+    for _ in range(r + 1):
+        prog.put_w()
+    return prog.actions + prog.pending_w
+
+
+def dualpipev(stages: int, microbatches: int) -> Schedule:
+    """DualPipeV on ``stages`` // 2 ranks (see the module docstring)."""
+    if stages < 2 or stages % 2:
+        raise ValueError(f"dualpipev puts two chunks on each rank: stages (chunks) must be even and >= 2, got {stages}")
+    ranks = stages // 2
+    built = max(microbatches, 2 * ranks)
+    rows = tuple(
+        tuple(a for a in _rank_actions(ranks, built, r) if a.microbatch < microbatches) for r in range(ranks)
+    )
+    return Schedule("dualpipev", stages, microbatches, v_placement(stages), rows)
