@@ -16,12 +16,12 @@ from zbcompile.schedules import schedule_spec
 def one_step(runs: list[tuple[str, str, int, int]]) -> dict:
     """For each (model, schedule, stages, microbatches): one step; returns per run the loss
     (None off the last stage), this rank's reported gradients and state-dict keys, and the
-    parameter bytes it holds. Consecutive runs of one model whose schedules keep the stages on
-    the same ranks share one compiled pipeline (`set_schedule`)."""
+    parameter bytes it holds. Consecutive runs of one model whose schedules place the stages alike
+    share one compiled pipeline (`set_schedule`)."""
     results = {}
     pipe, previous = None, None
     for name, schedule, stages, microbatches in runs:
-        placement = (name, stages, microbatches, schedule if schedule_spec(schedule).chunks_per_rank > 1 else "")
+        placement = (name, stages, microbatches, schedule_spec(schedule).placement(stages))
         if placement != previous:
             case = build(name)
             pipe = zbcompile.pipeline(
