@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from zbcompile.schedules import Costs, make_schedule, simulate
+from zbcompile.schedules import Costs, make_schedule, schedule_spec, simulate
+from zbcompile.schedules.auto import PLACEMENTS
 from zbcompile.schedules.building_block import INTERVAL, v_half_block, v_min_block, v_zb_block
 
 NEW = ("v-min", "v-half", "v-zb", "looped-bfs", "dualpipev")
@@ -79,3 +80,44 @@ def test_v_schedules_need_an_even_chunk_count():
     for name in ("v-min", "v-half", "v-zb", "dualpipev"):
         with pytest.raises(ValueError, match="two chunks on each rank"):
             make_schedule(name, 3, 4)
+
+
+FIXED = ("gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "looped-bfs", "v-min", "v-half", "v-zb", "dualpipev")
+
+
+@pytest.mark.parametrize(
+    ("p", "m", "costs"),
+    [
+        (4, 8, Costs()),
+        (4, 12, Costs(f=[1.0, 1.2, 0.9, 1.1], b=[1.1, 1.0, 1.2, 0.9], w=[0.6, 0.8, 0.7, 0.9], comm=0.05)),
+        (6, 12, Costs(f=1.0, b=1.1, w=0.8, comm=0.1, mem_f=1.0, mem_w=0.4)),
+    ],
+)
+@pytest.mark.parametrize("fraction", [0.6, 0.8])
+def test_zb_auto_picks_a_v_schedule_below_1f1b_memory(p, m, costs, fraction):
+    """With a limit below 1F1B's, zb-auto picks the V placement (the same model in 2p chunks) and
+    is never worse than a fixed schedule that fits, of either chunk count; its bound holds."""
+    stage_costs = costs.resolve(p)
+    limit = fraction * max(simulate(make_schedule("1f1b", p, m, costs), costs).peak_memory)
+    auto = make_schedule("zb-auto", p, m, costs, memory_limit=limit, time_budget=0, placements=PLACEMENTS)
+    assert auto.info["placement"] == "v" and auto.stages == 2 * p and auto.ranks == p
+    chunk_costs = stage_costs.chunked(2)
+    value = simulate(auto, chunk_costs).span
+    assert auto.info["lower_bound"] <= value + 1e-9
+    assert max(simulate(auto, chunk_costs).peak_memory) <= limit + 1e-9
+    fitting = 0
+    for name in FIXED:
+        chunks = p * schedule_spec(name).chunks_per_rank
+        sc = stage_costs if chunks == p else chunk_costs
+        res = simulate(make_schedule(name, chunks, m, sc, check=False), sc)
+        if max(res.peak_memory) <= limit + 1e-9:
+            fitting += 1
+            assert value <= res.span + 1e-9, name
+    assert fitting >= 1
+
+
+def test_zb_auto_keeps_one_stage_per_rank_unless_v_is_allowed():
+    auto = make_schedule("zb-auto", 4, 8, Costs(), memory_limit=2.5, time_budget=0)
+    assert auto.info["placement"] == "in-line" and auto.stages == 4
+    with pytest.raises(ValueError, match="placements"):
+        make_schedule("zb-auto", 4, 8, placements=("diagonal",))

@@ -108,6 +108,15 @@ class ResolvedCosts:
         """Busy time of one microbatch on a stage: F + I + W."""
         return self.f[stage] + self.i[stage] + self.w[stage]
 
+    def chunked(self, chunks: int) -> "ResolvedCosts":
+        """The same model cut into ``chunks`` times as many stages: each stage becomes ``chunks``
+        consecutive chunks of equal share (times and memory divided by ``chunks``); ``comm`` stays."""
+
+        def split(values: tuple[float, ...]) -> tuple[float, ...]:
+            return tuple(v / chunks for v in values for _ in range(chunks))
+
+        return ResolvedCosts(split(self.f), split(self.b), split(self.w), self.comm, split(self.mem_f), split(self.mem_w))
+
 
 @dataclass(frozen=True)
 class Costs:

@@ -47,6 +47,7 @@ class BuildRequest:
     deterministic: bool
     ranks: int | None
     started: float
+    placements: tuple[str, ...] = ("in-line",)
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,9 @@ def _build_zbv(r: BuildRequest) -> Schedule:
 
 
 def _build_zb_auto(r: BuildRequest) -> Schedule:
-    return zb_auto(r.stages, r.microbatches, r.costs, r.limits, r.objective, r.time_budget, r.deterministic, r.started)
+    return zb_auto(
+        r.stages, r.microbatches, r.costs, r.limits, r.objective, r.time_budget, r.deterministic, r.started, r.placements
+    )
 
 
 SCHEDULES: Mapping[str, ScheduleSpec] = MappingProxyType({
@@ -144,6 +147,7 @@ def make_schedule(
     ranks: int | None = None,
     deterministic: bool = False,
     check: bool = True,
+    placements: Sequence[str] = ("in-line",),
 ) -> Schedule:
     """Build, validate and return the schedule ``name`` (one of ``SCHEDULE_NAMES``).
 
@@ -154,7 +158,9 @@ def make_schedule(
     (zb-auto, zbv) and is checked for every schedule. zb-auto spends up to ``time_budget`` seconds
     (default 3) improving its heuristic with the exact solver; ``time_budget=0`` returns the
     heuristic. ``objective``: "span" (steps back to back; the paper's) or "makespan" (a barrier
-    per step).
+    per step). ``placements`` (zb-auto): with "v" among them (``auto.PLACEMENTS``) and a limit below
+    1F1B's, zb-auto may return a V schedule of 2 x ``stages`` chunks on ``stages`` ranks
+    (``auto.zb_auto``); the default keeps one stage per rank, the stages the caller compiled.
     """
     spec = schedule_spec(name)
     if objective not in OBJECTIVES:
@@ -163,9 +169,11 @@ def make_schedule(
     sc = resolve_costs(costs, stages)
     started = time.perf_counter()
     limits = rank_limits(memory_limit, spec.ranks(stages)) if spec.solved else None
-    request = BuildRequest(stages, microbatches, sc, limits, objective, time_budget, deterministic, ranks, started)
+    request = BuildRequest(stages, microbatches, sc, limits, objective, time_budget, deterministic, ranks, started, tuple(placements))
     sched = spec.build(request)
     sched = sched.with_info(solve_time_s=time.perf_counter() - started)
+    if sched.stages != stages:  # zb-auto chose two chunks per rank: per-chunk costs
+        sc = sc.chunked(sched.stages // stages)
     if check:
         # a schedule that chose its own limit (zbv without one: 1F1B's memory) records it in info
         validate(sched, sc, sched.info.get("memory_limit", memory_limit))
