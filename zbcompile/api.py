@@ -21,6 +21,7 @@ from zbcompile.runtime.build import Builder
 from zbcompile.runtime.runner import Runner
 from zbcompile.runtime.stage import StageExecutor, accumulate_grads
 from zbcompile.schedules import DEFAULT_SCHEDULE, SCHEDULE_NAMES, Costs, Schedule
+from zbcompile.schedules.memory_limit import check_memory_limit
 from zbcompile.stage_compiler import check_compiler
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)
@@ -35,7 +36,7 @@ class PipelineOptions:
     loss_fn: Callable[..., torch.Tensor] | None = None  # (output, target) -> a microbatch's mean loss; None: forward returns it
     schedule: str = DEFAULT_SCHEDULE  # one of SCHEDULE_NAMES (docs/schedules.md)
     split_points: tuple[str, ...] | None = None  # module FQNs where a stage begins; None: stages balanced by cost
-    memory_limit: float | Sequence[float] | None = None  # per stage, in microbatches' activations (solved schedules)
+    memory_limit: float | str | Sequence[float | str] | None = None  # per stage, in microbatches' activations, or bytes ("12GiB")
     process_group: Any = None  # one pipeline's ranks, or a DeviceMesh with "pp" (and "dp"); None: the world
     timeout: timedelta = DEFAULT_TIMEOUT  # bounds every wait on a peer
     solver_time_budget: float | None = None  # seconds zb-auto improves its heuristic
@@ -60,6 +61,7 @@ class PipelineOptions:
                 raise ValueError(f"pipeline(): {name} must be a positive int, got {value!r}")
         if self.schedule not in SCHEDULE_NAMES:
             raise ValueError(f"pipeline(): unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
+        check_memory_limit(self.memory_limit)
 
 
 def pipeline(
@@ -70,7 +72,7 @@ def pipeline(
     loss_fn: Callable[..., torch.Tensor] | None = None,
     schedule: str = DEFAULT_SCHEDULE,
     split_points: Sequence[str] | None = None,
-    memory_limit: float | Sequence[float] | None = None,
+    memory_limit: float | str | Sequence[float | str] | None = None,
     process_group: Any = None,
     timeout: float | timedelta = DEFAULT_TIMEOUT,
     solver_time_budget: float | None = None,
@@ -169,7 +171,7 @@ class PipelinedModule:
         self._builder.prepare(inputs, kwargs, target)
         return self
 
-    def set_schedule(self, schedule: str, memory_limit: float | Sequence[float] | None = None) -> "PipelinedModule":
+    def set_schedule(self, schedule: str, memory_limit: float | str | Sequence[float | str] | None = None) -> "PipelinedModule":
         """Run `schedule` from the next step on, without recompiling. In a distributed run the new
         schedule must keep every stage on its rank (e.g. any two single-chunk schedules)."""
         self._builder.reschedule(dataclasses.replace(self.options, schedule=schedule, memory_limit=memory_limit))

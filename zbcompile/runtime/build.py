@@ -6,6 +6,7 @@ materialised from `meta` that nothing filled yet."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator
 
@@ -22,6 +23,7 @@ from zbcompile.runtime.local import LocalRunner
 from zbcompile.runtime.p2p import device_for
 from zbcompile.runtime.runner import Runner
 from zbcompile.schedules import Costs, Schedule, make_schedule, schedule_spec
+from zbcompile.schedules.memory_limit import in_schedule_units, is_bytes, limit_in_words
 from zbcompile.stage_compiler import compile_stage_programs
 from zbcompile.value_names import buffer_name, param_name
 
@@ -137,7 +139,12 @@ class Builder:
         layout = self.layout() if self.distributed else None
         if layout is None or layout.pp_rank == 0:
             given = self.options.costs
-            schedule = make_schedule(**self.solve_arguments(given or compiled.schedule_costs()))
+            try:
+                schedule = make_schedule(**self.solve_arguments(given or compiled.schedule_costs(), compiled))
+            except ValueError as error:
+                if not is_bytes(self.options.memory_limit):
+                    raise
+                raise ValueError(f"{limit_in_words(self.options.memory_limit, compiled.memory_unit())}: {error}") from error
             schedule = schedule.with_info(**({"cost_source": "given", "costs": given} if given is not None else {"cost_source": "static"}))
         if layout is not None and layout.pp_group is not None:
             box = [schedule]
@@ -145,11 +152,13 @@ class Builder:
             schedule = box[0]
         return schedule
 
-    def solve_arguments(self, costs: Costs) -> dict[str, Any]:
-        """`make_schedule`'s arguments for this pipeline's schedule under `costs`."""
+    def solve_arguments(self, costs: Costs, compiled: CompiledPipeline) -> dict[str, Any]:
+        """`make_schedule`'s arguments for this pipeline's schedule under `costs` (a limit in bytes
+        in `compiled`'s memory unit)."""
         o = self.options
+        limit = in_schedule_units(o.memory_limit, compiled.memory_unit())
         return dict(
-            name=o.schedule, stages=o.stages, microbatches=o.microbatches, costs=costs, memory_limit=o.memory_limit,
+            name=o.schedule, stages=o.stages, microbatches=o.microbatches, costs=costs, memory_limit=limit,
             time_budget=o.solver_time_budget, objective=o.objective,
         )
 
@@ -161,7 +170,8 @@ class Builder:
             wanted = schedule_spec(self.options.schedule).measures_costs and self.options.costs is None
         if not wanted or not self.distributed:
             return None
-        return profile.CostTuner(self.options.profile_steps, self.solve_arguments, compiled.schedule_costs())
+        solve_arguments = functools.partial(self.solve_arguments, compiled=compiled)
+        return profile.CostTuner(self.options.profile_steps, solve_arguments, compiled.schedule_costs())
 
     def state(self) -> dict[str, torch.Tensor]:
         """The module's current parameters and buffers, as the runtime names them."""

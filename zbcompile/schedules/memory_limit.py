@@ -1,0 +1,75 @@
+"""Memory limits given in bytes ("12GiB", "800MB", or one such string per rank) turned into the
+schedule's unit (one microbatch's activations of the largest stage, ``unit_bytes`` bytes: the
+compiler's own M_B per stage). Numbers are already in that unit and pass through."""
+
+from __future__ import annotations
+
+import re
+from typing import Sequence, Union
+
+Limit = Union[None, float, str, Sequence[Union[float, str]]]
+
+_SUFFIXES = {
+    "": 1, "B": 1,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+}
+_BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
+
+
+def parse_bytes(text: str) -> float:
+    """``"12GiB"`` -> 12 * 2**30; decimal (KB, MB, GB, TB) and binary (KiB ... TiB) suffixes, or
+    none for plain bytes. ValueError naming the accepted forms otherwise."""
+    match = _BYTES_RE.match(text) if isinstance(text, str) else None
+    suffix = match.group(2).upper() if match else None
+    if match is None or suffix not in _SUFFIXES:
+        raise ValueError(
+            f"memory_limit {text!r} is not a byte size; write a number with an optional suffix "
+            "B, KB, MB, GB, TB, KiB, MiB, GiB or TiB (e.g. '12GiB'), or a number of microbatch activations"
+        )
+    value = float(match.group(1)) * _SUFFIXES[suffix]
+    if value <= 0:
+        raise ValueError(f"memory_limit {text!r} must be positive")
+    return value
+
+
+def is_bytes(limit: Limit) -> bool:
+    """Whether ``limit`` is given in bytes (a string, or strings per rank)."""
+    if isinstance(limit, str):
+        return True
+    return isinstance(limit, (list, tuple)) and any(isinstance(v, str) for v in limit)
+
+
+def check_memory_limit(limit: Limit) -> None:
+    """Raise ValueError for a malformed limit (byte strings are parsed)."""
+    values = limit if isinstance(limit, (list, tuple)) else [limit]
+    for value in values:
+        if isinstance(value, str):
+            parse_bytes(value)
+        elif value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ValueError(f"memory_limit entries must be numbers or byte sizes such as '12GiB', got {value!r}")
+
+
+def in_schedule_units(limit: Limit, unit_bytes: float) -> float | list[float] | None:
+    """``limit`` in units of ``unit_bytes`` (byte strings divided by it, numbers kept)."""
+    if unit_bytes <= 0:
+        raise ValueError(f"the memory unit must be a positive number of bytes, got {unit_bytes}")
+
+    def one(value: float | str) -> float:
+        return parse_bytes(value) / unit_bytes if isinstance(value, str) else float(value)
+
+    if limit is None:
+        return None
+    if isinstance(limit, (list, tuple)):
+        return [one(v) for v in limit]
+    return one(limit)
+
+
+def limit_in_words(limit: Limit, unit_bytes: float) -> str:
+    """``limit`` and what it is in the schedule's unit, for error messages."""
+    units = in_schedule_units(limit, unit_bytes)
+    shown = [round(u, 3) for u in units] if isinstance(units, list) else round(units, 3)
+    return (
+        f"memory_limit {limit!r} is {shown} microbatch activations of the largest stage "
+        f"({unit_bytes:g} bytes each, from the compiler's activation sizes)"
+    )
