@@ -37,13 +37,30 @@ def test_cli_prints_table_grid_and_writes_pictures(tmp_path, capsys):
     )
     assert code == 0
     text = capsys.readouterr().out
-    assert re.search(r"^1f1b\s+\d+\.\d{3}\s+\d+\.\d{3}\s+0\.\d{4}", text, re.M)
+    assert re.search(r"^1f1b\s+4\s+1\s+\d+\.\d{3}\s+\d+\.\d{3}\s+0\.\d{4}", text, re.M)
     assert re.search(r"^zb-auto\s", text, re.M)
     assert "Step 00: 0F0" in text
     for name in ("1f1b", "zb-auto"):
-        assert (tmp_path / f"timeline-{name}.svg").read_text().count("<rect") == 4 * 8 * (2 if name == "1f1b" else 3)
+        svg = (tmp_path / f"timeline-{name}.svg").read_text()
+        assert len(re.findall(r'<rect class="action [FIWB]"', svg)) == 4 * 8 * (2 if name == "1f1b" else 3)
         assert (tmp_path / f"timeline-{name}.png").stat().st_size > 1000
+    svg = (tmp_path / "timeline-zb-auto.svg").read_text()
+    assert re.findall(r'<rect class="legend (\w+)"', svg)[:3] == ["F", "I", "W"]
+    assert "I: input-gradient backward" in svg
 
+
+def test_cli_compares_chunk_counts_on_one_model(capsys):
+    """--ranks 4: 1F1B on 4 stages, V-Half on 8 chunks of half the costs, zb-auto under 0.6 of
+    1F1B's memory on a V: the same ranks, busy time and memory unit for all."""
+    code = _run(
+        ["schedule", "--ranks", "4", "--microbatches", "8", "--mem-w", "0.5", "--memory-limit", "0.6p",
+         "--schedule", "1f1b,v-half,zb-auto", "--time-budget", "0", "--no-grid"]
+    )
+    assert code == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[2:5]}
+    assert rows["1f1b"][1:3] == ["4", "1"] and rows["v-half"][1:3] == ["4", "2"] and rows["zb-auto"][1:3] == ["4", "2"]
+    assert float(rows["v-half"][7]) <= 0.75 * float(rows["1f1b"][7])  # peak memory, one unit for all
+    assert float(rows["zb-auto"][7]) <= 0.6 * float(rows["1f1b"][7]) + 1e-9
 
 def test_memory_limit_spec():
     from zbcompile.schedules.costs import Costs

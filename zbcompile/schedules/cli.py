@@ -1,4 +1,10 @@
-"""``zbcompile schedule``: build schedules, print their scores and grids, draw their timelines."""
+"""``zbcompile schedule``: build schedules, print their scores and grids, draw their timelines.
+
+``--stages`` gives every schedule that many stages (chunks, for the two-chunk schedules) with the
+costs as given. ``--ranks`` compares schedules of different chunk counts on the same model: the
+costs are per rank-sized stage, every schedule runs on that many ranks, and a schedule with c
+chunks per rank gets the model cut into c times as many chunks, each stage's costs divided by c
+(``ResolvedCosts.chunked``); zb-auto may then choose the V placement (``auto.PLACEMENTS``)."""
 
 from __future__ import annotations
 
@@ -6,11 +12,12 @@ import argparse
 import os
 from typing import Sequence
 
-from .costs import Costs
+from .auto import PLACEMENTS
+from .costs import Costs, ResolvedCosts
 from .heuristic import one_f_one_b_peaks
 from .ir import Schedule
 from .registry import OBJECTIVES, SCHEDULE_NAMES, make_schedule, schedule_spec
-from .render import layout, to_png, to_svg
+from .render import idle_boxes, layout, to_png, to_svg
 from .simulate import simulate
 
 
@@ -37,7 +44,11 @@ def memory_limit_for(spec: str | None, name: str, stages: int, costs: Costs) -> 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("schedule", help="build, score and draw pipeline schedules", description=__doc__)
-    p.add_argument("--stages", type=int, required=True, help="pipeline stages (chunks for zbv/interleaved)")
+    size = p.add_mutually_exclusive_group(required=True)
+    size.add_argument("--stages", type=int, help="pipeline stages (chunks for the two-chunk schedules), costs as given")
+    size.add_argument(
+        "--ranks", type=int, help="pipeline ranks: costs per rank's stage, split into chunks for the two-chunk schedules"
+    )
     p.add_argument("--microbatches", type=int, required=True)
     p.add_argument("--f", type=_floats, default=1.0, help="forward time, scalar or one per stage (1.2,1,1,1.5)")
     p.add_argument("--i", type=_floats, default=1.0, help="input-gradient backward time")
@@ -60,47 +71,69 @@ def _picture_paths(out: str, name: str, several: bool) -> tuple[str, str]:
     return stem + (ext or ".svg"), stem + ".png"
 
 
+def _built(name: str, args: argparse.Namespace, costs: Costs) -> tuple[Schedule, ResolvedCosts]:
+    """Schedule ``name`` and the costs it runs under (per chunk with ``--ranks``)."""
+    spec = schedule_spec(name)
+    if args.stages is not None:
+        stages, sc = args.stages, costs.resolve(args.stages)
+        # only the solved schedules are shaped by a limit; the others are only measured
+        limit = memory_limit_for(args.memory_limit, name, stages, costs) if spec.solved else None
+        sched = make_schedule(name, stages, args.microbatches, sc, limit, args.objective, time_budget=args.time_budget)
+        return sched, sc
+    per_rank = costs.resolve(args.ranks)
+    stages = args.ranks * spec.chunks_per_rank
+    sc = per_rank.chunked(spec.chunks_per_rank) if spec.chunks_per_rank > 1 else per_rank
+    limit = memory_limit_for(args.memory_limit, "1f1b", args.ranks, costs) if spec.solved else None
+    sched = make_schedule(
+        name, stages, args.microbatches, sc, limit, args.objective, time_budget=args.time_budget, placements=PLACEMENTS
+    )
+    if sched.stages != stages:  # zb-auto chose two chunks per rank
+        sc = per_rank.chunked(sched.stages // args.ranks)
+    return sched, sc
+
+
 def run(args: argparse.Namespace) -> int:
     names = [n.strip() for n in args.schedule.split(",") if n.strip()]
     unknown = [n for n in names if n not in SCHEDULE_NAMES]
     if unknown:
         raise SystemExit(f"unknown schedule(s) {unknown}; choose from {', '.join(SCHEDULE_NAMES)}")
     costs = Costs(f=args.f, i=args.i, w=args.w, comm=args.comm, mem_b=args.mem_b, mem_w=args.mem_w)
-    built: list[Schedule] = []
-    for name in names:
-        # only the solved schedules are shaped by a limit; the others are only measured
-        limit = memory_limit_for(args.memory_limit, name, args.stages, costs) if schedule_spec(name).solved else None
-        built.append(
-            make_schedule(name, args.stages, args.microbatches, costs, limit, args.objective, time_budget=args.time_budget)
-        )
-    print(format_table(built, costs))
-    for sched in built:
+    built = [_built(name, args, costs) for name in names]
+    print(format_table([s for s, _ in built], [sc for _, sc in built]))
+    for sched, sc in built:
         if not args.no_grid:
             print(f"\n{sched.name}:")
             print(sched.grid())
         if args.out:
             svg_path, png_path = _picture_paths(args.out, sched.name, len(built) > 1)
-            boxes = layout(sched, costs)
-            res = simulate(sched, costs)
+            boxes = layout(sched, sc)
+            boxes += idle_boxes(boxes)
+            res = simulate(sched, sc)
             title = f"{sched.name}: p={sched.stages} m={sched.microbatches} span={res.span:.3f} makespan={res.makespan:.3f}"
             with open(svg_path, "w") as fh:
-                fh.write(to_svg(boxes, title))
+                fh.write(to_svg(boxes, title, legend=True))
             to_png(boxes, png_path, title)
             print(f"wrote {svg_path} and {png_path}")
     return 0
 
 
-def format_table(schedules: Sequence[Schedule], costs: Costs) -> str:
-    """Makespan, span, both bubble rates, peak memory, solve time and lower bound per schedule."""
-    header = f"{'schedule':<17}{'makespan':>11}{'span':>11}{'bubble':>9}{'stage-bub':>10}{'peak mem':>10}{'time s':>9}{'lower bd':>11}"
+def format_table(schedules: Sequence[Schedule], costs: Costs | ResolvedCosts | Sequence[Costs | ResolvedCosts]) -> str:
+    """Ranks, chunks per rank, makespan, span, both bubble rates, peak memory, solve time and lower
+    bound per schedule; ``costs`` for all or one per schedule."""
+    each = list(costs) if isinstance(costs, (list, tuple)) else [costs] * len(schedules)
+    header = (
+        f"{'schedule':<17}{'ranks':>6}{'chunks':>7}{'makespan':>11}{'span':>11}{'bubble':>9}{'stage-bub':>10}"
+        f"{'peak mem':>10}{'time s':>9}{'lower bd':>11}"
+    )
     lines = [header, "-" * len(header)]
-    for s in schedules:
-        r = simulate(s, costs)
+    for s, sc in zip(schedules, each):
+        r = simulate(s, sc)
         bound = s.info.get("lower_bound")
         lines.append(
-            f"{s.name:<17}{r.makespan:>11.3f}{r.span:>11.3f}{r.bubble_rate:>9.4f}{r.stage_bubble_rate:>10.4f}"
-            f"{max(r.peak_memory):>10.2f}{s.info.get('solve_time_s', 0.0):>9.2f}"
+            f"{s.name:<17}{s.ranks:>6}{s.stages // s.ranks:>7}{r.makespan:>11.3f}{r.span:>11.3f}{r.bubble_rate:>9.4f}"
+            f"{r.stage_bubble_rate:>10.4f}{max(r.peak_memory):>10.2f}{s.info.get('solve_time_s', 0.0):>9.2f}"
             f"{(f'{bound:.3f}' if bound is not None else '-'):>11}"
         )
     lines.append("bubble = 1 - busy/(ranks*makespan); stage-bub = 1 - busy/(ranks*span) (the paper's)")
+    lines.append("peak mem: the largest rank's activations, in units of --mem-b (one stage's microbatch with --ranks)")
     return "\n".join(lines)

@@ -115,7 +115,7 @@ class ResolvedCosts:
         def split(values: tuple[float, ...]) -> tuple[float, ...]:
             return tuple(v / chunks for v in values for _ in range(chunks))
 
-        return ResolvedCosts(split(self.f), split(self.b), split(self.w), self.comm, split(self.mem_f), split(self.mem_w))
+        return ResolvedCosts(split(self.f), split(self.i), split(self.w), self.comm, split(self.mem_b), split(self.mem_w))
 
 
 @dataclass(frozen=True)

@@ -63,17 +63,22 @@ def idle_boxes(boxes: Sequence[Box], kinds: Sequence[str] = ("F", "I", "B", "W")
 
 
 def to_svg(
-    boxes: Sequence[Box], title: str = "", width: float = 1200.0, time_range: tuple[float, float] | None = None
+    boxes: Sequence[Box],
+    title: str = "",
+    width: float = 1200.0,
+    time_range: tuple[float, float] | None = None,
+    legend: bool = False,
 ) -> str:
     """An SVG document with one ``<rect class="action F" data-action="0F3">`` per box. The x axis
-    spans the boxes, or ``time_range`` (to draw several timelines on one scale)."""
+    spans the boxes, or ``time_range`` (to draw several timelines on one scale). ``legend`` adds a
+    row naming the colour of each kind drawn (``<rect class="legend F">``)."""
     ranks = 1 + max((b.rank for b in boxes), default=0)
     t0 = min((b.start for b in boxes), default=0.0)
     t1 = max((b.end for b in boxes), default=1.0)
     if time_range is not None:
         t0, t1 = time_range
     xscale = (width - _LABEL_WIDTH - 10) / max(t1 - t0, 1e-12)
-    height = _TITLE_HEIGHT + ranks * _ROW_HEIGHT + 10
+    height = _TITLE_HEIGHT + ranks * _ROW_HEIGHT + 10 + (_ROW_HEIGHT if legend else 0)
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height}" font-family="sans-serif">',
         f'<text x="4" y="16" font-size="13">{escape(title)}</text>',
@@ -96,8 +101,22 @@ def to_svg(
             f'<text x="{x + w / 2:.2f}" y="{y + _ROW_HEIGHT / 2 + 4}" font-size="{font:.1f}" '
             f'text-anchor="middle">{escape(b.label)}</text>'
         )
+    if legend:
+        out += _svg_legend({b.kind for b in boxes}, _TITLE_HEIGHT + ranks * _ROW_HEIGHT + 8)
     out.append("</svg>")
     return "\n".join(out) + "\n"
+
+
+def _svg_legend(kinds: set[str], y: float) -> list[str]:
+    """One swatch and its name per kind in ``kinds``, in ``_LEGEND``'s order, left to right."""
+    out, x = [], float(_LABEL_WIDTH)
+    for kind, text in _LEGEND.items():
+        if kind not in kinds:
+            continue
+        out.append(f'<rect class="legend {escape(kind)}" x="{x:.0f}" y="{y:.0f}" width="14" height="14" fill="{COLOURS[kind]}" stroke="#333" stroke-width="0.5"/>')
+        out.append(f'<text x="{x + 18:.0f}" y="{y + 11:.0f}" font-size="11">{escape(text)}</text>')
+        x += 26 + 6.5 * len(text)
+    return out
 
 
 def to_png(boxes: Sequence[Box], path: str, title: str = "") -> None:
