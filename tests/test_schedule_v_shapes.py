@@ -7,8 +7,8 @@ import math
 import pytest
 
 from zbcompile.schedules import Costs, make_schedule, schedule_spec, simulate
-from zbcompile.schedules.auto import PLACEMENTS
 from zbcompile.schedules.building_block import INTERVAL, v_half_block, v_min_block, v_zb_block
+from zbcompile.schedules.v_choice import PLACEMENTS
 
 NEW = ("v-min", "v-half", "v-zb", "looped-bfs", "dualpipev")
 CASES = [(p, m) for p in range(2, 9) for m in range(p, 4 * p + 1)]

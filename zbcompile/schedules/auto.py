@@ -1,7 +1,5 @@
 """zb-auto: the heuristic (``heuristic.py``), then the search (``search.py``), then CP-SAT
-(``solver.py``) on small problems, all within one time budget. When the memory limit is below
-1F1B's and ``placements`` allows "v", the V schedules of the same model (two chunks per rank,
-``v_choice.py``) compete too and the better placement wins.
+(``solver.py``) on small problems, all within one time budget.
 
 The budget counts from the ``make_schedule`` call and covers everything: heuristic, evaluator,
 search, model building and solving. ``deterministic=True`` replaces wall-clock stops by fixed
@@ -12,7 +10,7 @@ is skipped once the schedule reaches the lower bound.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Sequence
 
 from .costs import ResolvedCosts
@@ -21,11 +19,9 @@ from .handcrafted import in_line
 from .heuristic import analytic_lower_bound, zb_auto_candidates
 from .ir import Schedule
 from .search import search
-from .v_choice import below_one_f_one_b, best_v_schedule
 
 DEFAULT_TIME_BUDGET_S = 3.0
 CPSAT_MAX_ACTIONS = 1200  # above this, building the CP-SAT model costs more than it returns
-PLACEMENTS = ("in-line", "v")  # one stage per rank; two chunks per rank in a V
 
 
 @dataclass(frozen=True)
@@ -51,50 +47,9 @@ def zb_auto(
     time_budget: float | None,
     deterministic: bool,
     started: float,
-    placements: Sequence[str] = PLACEMENTS,
 ) -> Schedule:
     """The best zb-auto schedule found within ``time_budget`` seconds (default 3) counted from
-    ``started``; ``info`` records each phase's value, the lower bound and the status, and
-    ``placement``. With "v" in ``placements`` and a limit below 1F1B's, the result may be a V
-    schedule on the same ranks: 2 x ``stages`` chunks (costs ``costs.chunked(2)``); its
-    ``lower_bound`` is then the smaller of both placements' bounds."""
-    unknown = set(placements) - set(PLACEMENTS)
-    if unknown or not placements:
-        raise ValueError(f"zb-auto: placements must be among {PLACEMENTS}, got {tuple(placements)}")
-    v = best_v_schedule(stages, microbatches, costs, limits, objective) if "v" in placements and below_one_f_one_b(stages, costs, limits) else None
-    try:
-        if "in-line" not in placements:
-            raise ValueError("zb-auto: no V schedule fits the memory limit and the in-line placement is not allowed")
-        in_line_sched = _zb_auto_in_line(stages, microbatches, costs, limits, objective, time_budget, deterministic, started)
-    except ValueError:
-        if v is None:
-            raise
-        in_line_sched = None
-    if v is None:
-        return in_line_sched.with_info(placement="in-line")
-    v_sched, v_value, v_bound = v
-    if in_line_sched is not None and in_line_sched.info["value"] <= v_value:
-        bound = min(in_line_sched.info["lower_bound"], v_bound)
-        return in_line_sched.with_info(placement="in-line", lower_bound=bound, v_value=v_value, at_lower_bound=in_line_sched.info["value"] <= bound * (1 + 1e-9))
-    bound = v_bound if in_line_sched is None else min(in_line_sched.info["lower_bound"], v_bound)
-    return replace(v_sched, name="zb-auto").with_info(
-        placement="v", v_source=v_sched.name, objective=objective, value=v_value, lower_bound=bound,
-        in_line_value=None if in_line_sched is None else in_line_sched.info["value"],
-        status="v-placement", at_lower_bound=v_value <= bound * (1 + 1e-9),
-    )
-
-
-def _zb_auto_in_line(
-    stages: int,
-    microbatches: int,
-    costs: ResolvedCosts,
-    limits: Sequence[float] | None,
-    objective: str,
-    time_budget: float | None,
-    deterministic: bool,
-    started: float,
-) -> Schedule:
-    """zb-auto with one stage per rank (see the module docstring)."""
+    ``started``; ``info`` records each phase's value, the lower bound and the status."""
     budget = _Budget(DEFAULT_TIME_BUDGET_S if time_budget is None else float(time_budget), deterministic, started)
     placement = in_line(stages)
     ev = Evaluator(stages, microbatches, placement, costs)

@@ -4,7 +4,7 @@
 costs as given. ``--ranks`` compares schedules of different chunk counts on the same model: the
 costs are per rank-sized stage, every schedule runs on that many ranks, and a schedule with c
 chunks per rank gets the model cut into c times as many chunks, each stage's costs divided by c
-(``ResolvedCosts.chunked``); zb-auto may then choose the V placement (``auto.PLACEMENTS``)."""
+(``ResolvedCosts.chunked``); zb-auto may then choose the V placement (``v_choice.PLACEMENTS``)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import argparse
 import os
 from typing import Sequence
 
-from .auto import PLACEMENTS
 from .costs import Costs, ResolvedCosts
 from .heuristic import one_f_one_b_peaks
 from .ir import Schedule
 from .registry import OBJECTIVES, SCHEDULE_NAMES, make_schedule, schedule_spec
 from .render import idle_boxes, layout, to_png, to_svg
 from .simulate import simulate
+from .v_choice import PLACEMENTS
 
 
 def _floats(text: str) -> float | list[float]:

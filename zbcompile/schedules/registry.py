@@ -25,6 +25,7 @@ from .handcrafted import (
 )
 from .heuristic import zbv
 from .ir import Schedule
+from .v_choice import choose_placement
 from .validate import rank_limits, validate
 
 OBJECTIVES = ("span", "makespan")
@@ -81,9 +82,10 @@ def _build_zbv(r: BuildRequest) -> Schedule:
 
 
 def _build_zb_auto(r: BuildRequest) -> Schedule:
-    return zb_auto(
-        r.stages, r.microbatches, r.costs, r.limits, r.objective, r.time_budget, r.deterministic, r.started, r.placements
-    )
+    def in_line() -> Schedule:
+        return zb_auto(r.stages, r.microbatches, r.costs, r.limits, r.objective, r.time_budget, r.deterministic, r.started)
+
+    return choose_placement(in_line, r.stages, r.microbatches, r.costs, r.limits, r.objective, r.placements)
 
 
 SCHEDULES: Mapping[str, ScheduleSpec] = MappingProxyType({
@@ -158,9 +160,9 @@ def make_schedule(
     (zb-auto, zbv) and is checked for every schedule. zb-auto spends up to ``time_budget`` seconds
     (default 3) improving its heuristic with the exact solver; ``time_budget=0`` returns the
     heuristic. ``objective``: "span" (steps back to back; the paper's) or "makespan" (a barrier
-    per step). ``placements`` (zb-auto): with "v" among them (``auto.PLACEMENTS``) and a limit below
+    per step). ``placements`` (zb-auto): with "v" among them (``v_choice.PLACEMENTS``) and a limit below
     1F1B's, zb-auto may return a V schedule of 2 x ``stages`` chunks on ``stages`` ranks
-    (``auto.zb_auto``); the default keeps one stage per rank, the stages the caller compiled.
+    (``v_choice.choose_placement``); the default keeps one stage per rank, the stages the caller compiled.
     """
     spec = schedule_spec(name)
     if objective not in OBJECTIVES:

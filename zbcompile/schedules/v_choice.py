@@ -2,10 +2,12 @@
 chunks per rank in a V (``handcrafted.v_placement``, per-chunk costs ``ResolvedCosts.chunked``)
 needs less memory for the same bubble (Qi et al., "Pipeline Parallelism with Controllable
 Memory"). ``best_v_schedule`` builds the V schedules, keeps those within the limit and returns the
-best under the objective with the V placement's lower bound."""
+best under the objective with the V placement's lower bound; ``choose_placement`` compares it with
+zb-auto's one-stage-per-rank result."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Sequence
 
 from .building_block import v_half, v_min, v_zb
@@ -14,6 +16,7 @@ from .handcrafted import v_placement
 from .heuristic import analytic_lower_bound, best_of, fits, one_f_one_b_peaks, zbv
 from .ir import Schedule
 
+PLACEMENTS = ("in-line", "v")  # one stage per rank; two chunks per rank in a V
 # the fixed V orders, least memory first; zbv is solved under the limit itself
 V_BUILDERS: dict[str, Callable[[int, int], Schedule]] = {"v-min": v_min, "v-half": v_half, "v-zb": v_zb}
 
@@ -45,3 +48,45 @@ def best_v_schedule(
     best, value = best_of(candidates, chunk_costs, objective)
     bound = analytic_lower_bound(chunks, microbatches, v_placement(chunks), chunk_costs, objective)
     return best, value, bound
+
+
+def choose_placement(
+    solve_in_line: Callable[[], Schedule],
+    stages: int,
+    microbatches: int,
+    costs: ResolvedCosts,
+    limits: Sequence[float] | None,
+    objective: str,
+    placements: Sequence[str],
+) -> Schedule:
+    """zb-auto's result over ``placements`` (see ``PLACEMENTS``): ``solve_in_line()`` (zb-auto with
+    one stage per rank) and, with "v" allowed and a limit below 1F1B's, the best V schedule; the
+    better one under ``objective``, ``info["placement"]`` saying which. A V result has 2 x
+    ``stages`` chunks (costs ``costs.chunked(2)``); ``lower_bound`` is then the smaller of both
+    placements' bounds."""
+    unknown = set(placements) - set(PLACEMENTS)
+    if unknown or not placements:
+        raise ValueError(f"zb-auto: placements must be among {PLACEMENTS}, got {tuple(placements)}")
+    v_allowed = "v" in placements and below_one_f_one_b(stages, costs, limits)
+    v = best_v_schedule(stages, microbatches, costs, limits, objective) if v_allowed else None
+    in_line = None
+    try:
+        if "in-line" in placements:
+            in_line = solve_in_line()
+    except ValueError:  # no one-stage-per-rank schedule fits the limit
+        if v is None:
+            raise
+    if v is None:
+        if in_line is None:
+            raise ValueError(f"zb-auto: no V schedule fits memory_limit {list(limits or [])} and {placements} excludes one stage per rank")
+        return in_line.with_info(placement="in-line")
+    v_sched, v_value, v_bound = v
+    bound = v_bound if in_line is None else min(in_line.info["lower_bound"], v_bound)
+    if in_line is not None and in_line.info["value"] <= v_value:
+        at_bound = in_line.info["value"] <= bound * (1 + 1e-9)
+        return in_line.with_info(placement="in-line", lower_bound=bound, v_value=v_value, at_lower_bound=at_bound)
+    return replace(v_sched, name="zb-auto").with_info(
+        placement="v", v_source=v_sched.name, objective=objective, value=v_value, lower_bound=bound,
+        in_line_value=None if in_line is None else in_line.info["value"], status="v-placement",
+        at_lower_bound=v_value <= bound * (1 + 1e-9),
+    )
