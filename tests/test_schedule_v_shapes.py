@@ -10,6 +10,8 @@ from zbcompile.schedules import Costs, make_schedule, schedule_spec, simulate
 from zbcompile.schedules.building_block import INTERVAL, v_half_block, v_min_block, v_zb_block
 from zbcompile.schedules.v_choice import PLACEMENTS
 
+pytestmark = pytest.mark.xdist_group("v_shapes")  # one process builds every schedule once (``built``)
+
 NEW = ("v-min", "v-half", "v-zb", "looped-bfs", "dualpipev")
 CASES = [(p, m) for p in range(2, 9) for m in range(p, 4 * p + 1)]
 CHUNK = Costs()  # uniform per-chunk costs: F = I = W, M_W = M_B / 2

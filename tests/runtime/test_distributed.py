@@ -19,17 +19,19 @@ SINGLE_CHUNK = ("gpipe", "1f1b", "zb-h1", "zb-h2", "zb-auto")
 TWO_CHUNK = ("interleaved-1f1b", "zbv")  # two stages per rank
 # more two-chunk schedules: on every model with 2 ranks, on the smallest model with 4 (4 processes
 # on 2 cores are slow)
-MORE_TWO_CHUNK = ("v-min", "v-half", "v-zb", "looped-bfs", "dualpipev")
+MORE_TWO_CHUNK = ("looped-bfs", "v-min", "v-half", "v-zb", "dualpipev")
 SMALLEST = "mlp"
 
 
 def _runs(ranks: int) -> list[tuple[str, str, int, int]]:
     """Every model under every schedule (two stages per rank for the two-chunk schedules), in one
-    launch per rank count; runs that keep the stages on the same ranks share one compile."""
+    launch per rank count, ordered by placement: consecutive runs that keep the stages on the same
+    ranks share one compile."""
     runs = []
     for name in NAMES:
         more = MORE_TWO_CHUNK if ranks == 2 or name == SMALLEST else ()
-        runs += [(name, s, ranks * schedule_spec(s).chunks_per_rank, 4) for s in SINGLE_CHUNK + TWO_CHUNK + more]
+        schedules = sorted(SINGLE_CHUNK + TWO_CHUNK + more, key=lambda s: schedule_spec(s).placement(2 * ranks))
+        runs += [(name, s, ranks * schedule_spec(s).chunks_per_rank, 4) for s in schedules]
     return runs
 
 
