@@ -22,7 +22,7 @@ from helpers.multiprocess import run_ranks
 MICROBATCHES = 4
 STEPS = 2  # the second step's forwards read the statistics the first step left
 SCHEDULES = {
-    2: ("1f1b", "zb-h1", "zb-h2", "zb-auto", "zbv", "interleaved-1f1b"),
+    2: ("1f1b", "zb-h1", "zb-h2", "zb-auto", "zbv", "interleaved-1f1b", "v-min", "v-half", "v-zb", "looped-bfs", "dualpipev"),
     3: ("1f1b", "gpipe", "zb-h1", "zb-h2", "zb-auto"),
 }
 
