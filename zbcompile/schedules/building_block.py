@@ -13,15 +13,16 @@ The peak activation memory of a rank is about the sum of its two chunks' lifespa
 the interval 6, in chunk activations; a 1F1B stage holds p microbatches of two chunks:
 
 - V-Min: lifespans sum to about 4p (the tightest chain): about 1/3 of 1F1B's memory;
-- V-Half: about 6p: 1/2 of 1F1B's memory.
+- V-Half: about 6p (forwards two slots apart): 1/2 of 1F1B's memory;
+- V-ZB: about 12p (forwards four slots apart, ZB-V's steady state): 1F1B's memory.
 
-W runs in the first free slot after its I (the oldest pending W first). Only the first m
-microbatches are kept, which leaves free slots in the warm-up and cool-down; ``squeeze`` then
-moves every F and I to the earliest free slot its inputs allow, in slot order, where that keeps
-each rank's memory within a cap: the block's own steady-state peak for V-Min and V-Half (as the
-authors do), 1F1B's memory for V-ZB, which starts from the V-Half block and so fills the warm-up
-with forwards until its bubble is gone. Every action then sits in a slot after all of its inputs,
-so each rank's order (slot order) cannot deadlock.
+Each chunk's lifespan is rounded up to whole intervals, so at small p the fractions are higher
+(``benchmarks/results/memory_table.md``). W runs in the first free slot after its I (the oldest
+pending W first). Only the first m microbatches are kept, which leaves free slots in the warm-up
+and cool-down; ``squeeze`` then moves every F and I, in slot order, to the earliest free slot its
+inputs allow where that keeps the rank's peak within the repeated block's (the authors' rule: less
+bubble, no more memory). Every action then sits in a slot after all of its inputs, so each rank's
+order (slot order) cannot deadlock.
 """
 
 from __future__ import annotations
@@ -146,16 +147,14 @@ def squeeze(slots: _Slots, caps: Sequence[int]) -> None:
             slots.move(rank, action, here)
 
 
-def building_block_schedule(name: str, stages: int, microbatches: int, block: Block, caps: Sequence[int] | None = None) -> Schedule:
+def building_block_schedule(name: str, stages: int, microbatches: int, block: Block) -> Schedule:
     """The schedule of ``block`` repeated for ``microbatches`` microbatches on ``stages`` // 2 ranks,
-    squeezed within ``caps`` (per rank, chunk activations; default: the repeated block's peaks)."""
+    squeezed within each rank's peak in the repeated block (chunk activations held from F to W)."""
     if stages < 2 or stages % 2:
         raise ValueError(f"{name} puts two chunks on each rank: stages (chunks) must be even and >= 2, got {stages}")
     ranks = stages // 2
     slots = _Slots(ranks, microbatches, block)
-    if caps is None:
-        caps = [slots.peak(r) for r in range(ranks)]
-    squeeze(slots, caps)
+    squeeze(slots, [slots.peak(r) for r in range(ranks)])
     rows = tuple(tuple(slots.row(r)) for r in range(ranks))
     return Schedule(name, stages, microbatches, v_placement(stages), rows, {"building_block": [list(b) for b in block]})
 
