@@ -54,7 +54,7 @@ PAPER = {  # label -> (bubble as a multiple of B, memory as a fraction of 1F1B's
     "V-Half": (0.5, 0.5),
     "V-Min": (2 / 3, 1 / 3),
 }
-STAGE = Costs(f=1.0, b=1.0, w=1.0, comm=0.0, mem_f=1.0, mem_w=0.5)
+STAGE = Costs(f=1.0, i=1.0, w=1.0, comm=0.0, mem_b=1.0, mem_w=0.5)
 
 
 def run_row(p: int, m: int) -> dict:

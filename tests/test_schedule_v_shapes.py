@@ -91,8 +91,8 @@ FIXED = ("gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "looped-bfs", "v
     ("p", "m", "costs"),
     [
         (4, 8, Costs()),
-        (4, 12, Costs(f=[1.0, 1.2, 0.9, 1.1], b=[1.1, 1.0, 1.2, 0.9], w=[0.6, 0.8, 0.7, 0.9], comm=0.05)),
-        (6, 12, Costs(f=1.0, b=1.1, w=0.8, comm=0.1, mem_f=1.0, mem_w=0.4)),
+        (4, 12, Costs(f=[1.0, 1.2, 0.9, 1.1], i=[1.1, 1.0, 1.2, 0.9], w=[0.6, 0.8, 0.7, 0.9], comm=0.05)),
+        (6, 12, Costs(f=1.0, i=1.1, w=0.8, comm=0.1, mem_b=1.0, mem_w=0.4)),
     ],
 )
 @pytest.mark.parametrize("fraction", [0.6, 0.8])
