@@ -40,7 +40,7 @@ from zbcompile import measure
 from zbcompile.models import GPT, GPTConfig
 from zbcompile.models.gpt import Block, lm_loss
 from zbcompile.runtime import profile
-from zbcompile.schedules import DEFAULT_SCHEDULE, REFERENCE_SCHEDULE
+from zbcompile.schedules import DEFAULT_SCHEDULE, REFERENCE_SCHEDULE, Costs
 
 SCHEDULES = (REFERENCE_SCHEDULE, DEFAULT_SCHEDULE)  # the reference first
 MAX_RANKS = 8
@@ -245,7 +245,8 @@ class Summary:
         captured = f"{self.captured:.0%}" if self.predicted > 1 else "n/a"
         rows.append(
             f"simulator's predicted gain for {layout.stages} stages x {layout.microbatches} microbatches: "
-            f"{self.predicted:.3f}x (steady state, each schedule timed by its own measured actions; "
+            f"{self.predicted:.3f}x (steady state, each schedule timed by its own measured actions, the optimizer step "
+            "and batch as measured; "
             f"{self.predicted_solved:.3f}x under the {self.cost_source} costs zb-auto was solved with); captured: {captured}"
         )
         rows.append(self.machine_line(layout))
@@ -288,12 +289,17 @@ def summarize(
     )
 
 
-def predicted_gains(runs: dict[str, "_Training"], action_medians: dict[str, list[dict]]) -> tuple[float, float, str]:
-    """The simulator's steady-state gain of zb-auto over 1F1B (1F1B's span / zb-auto's): with
-    each schedule's costs from its own measured actions (`action_medians[schedule]`: every
-    rank's `profile.action_medians` of the timed steps; 1F1B runs a fused backward, often
-    cheaper than I and W apart); and under the costs zb-auto was solved with (which charge
-    1F1B's backward as I + W), with where those came from ("measured" or "static")."""
+def predicted_gains(
+    runs: dict[str, "_Training"], action_medians: dict[str, list[dict]], loop_s: dict[str, float]
+) -> tuple[float, float, str]:
+    """The simulator's steady-state gain of zb-auto over 1F1B for the step as the rounds time it
+    (1F1B's period / zb-auto's, a period being the simulated span plus `loop_s[schedule]`, the
+    training loop's own measured time per step around the pipeline: the batch, zero_grad and
+    the optimizer step, which no schedule shortens): with each schedule's costs from its own
+    measured actions (`action_medians[schedule]`: every rank's `profile.action_medians` of the
+    timed steps; 1F1B runs a fused backward, often cheaper than I and W apart); and under the
+    costs zb-auto was solved with (which charge 1F1B's backward as I + W), with where those came
+    from ("measured" or "static")."""
     from zbcompile.inspect.write import schedule_costs_used
     from zbcompile.runtime.profile import costs_of
     from zbcompile.schedules import simulate
@@ -303,11 +309,13 @@ def predicted_gains(runs: dict[str, "_Training"], action_medians: dict[str, list
     static, stages = other.compiled.schedule_costs(), other.schedule.stages
     comm = solved.comm if source == "measured" else 0.0  # the static estimates have none
     measured = [costs_of(action_medians[name], comm, stages, static) for name in SCHEDULES]
-    return (
-        simulate(reference.schedule, measured[0]).span / simulate(other.schedule, measured[1]).span,
-        simulate(reference.schedule, solved).span / simulate(other.schedule, solved).span,
-        source,
-    )
+    loops = [loop_s[name] for name in SCHEDULES]
+
+    def gain(reference_costs: Costs, other_costs: Costs) -> float:
+        reference_period = simulate(reference.schedule, reference_costs).span + loops[0]
+        return reference_period / (simulate(other.schedule, other_costs).span + loops[1])
+
+    return gain(measured[0], measured[1]), gain(solved, solved), source
 
 
 # --- the ranks ---------------------------------------------------------------------------------
@@ -331,6 +339,7 @@ class _Training:
         self.optimizer = torch.optim.AdamW(self.pipe.parameters(), lr=3e-3)
         self.loss: torch.Tensor | None = None
         self.timelines: list | None = None  # this rank's step timelines, once recording
+        self.loop_s: list[float] = []  # per recorded step: the loop's time outside `pipe.step`
 
     def warm_up(self) -> int:
         """Run steps until the schedule the rounds will time is running and has run once: two
@@ -350,14 +359,19 @@ class _Training:
         return steps
 
     def step(self) -> None:
+        started = time.perf_counter()
         tokens, targets = next(self.batches)
         self.optimizer.zero_grad()
-        loss = self.pipe.step(tokens.to(self.device), target=targets.to(self.device))
+        tokens, targets = tokens.to(self.device), targets.to(self.device)
+        pipeline_started = time.perf_counter()
+        loss = self.pipe.step(tokens, target=targets)
+        pipeline_s = time.perf_counter() - pipeline_started
         self.optimizer.step()
         if loss is not None:
             self.loss = loss
         if self.timelines is not None:
             self.timelines.append(list(self.pipe.runner.timeline))
+            self.loop_s.append(time.perf_counter() - started - pipeline_s)
 
 
 def _sync(device: torch.device) -> Callable[[], None]:
@@ -402,11 +416,16 @@ def _rank_main(rank: int, layout: DemoLayout, size: ModelSize, port: int, out_di
         usage = measure.Usage.now().since(before)
         gathered: list = [None] * layout.ranks
         medians = {name: profile.action_medians(run.timelines) for name, run in runs.items()}
-        dist.all_gather_object(gathered, (usage.own_cpu_s, medians))
+        loops = {name: measure.median(run.loop_s) for name, run in runs.items()}
+        dist.all_gather_object(gathered, (usage.own_cpu_s, medians, loops))
         if progress is not None:
             progress.close()
         if reporter:
-            predicted = predicted_gains(runs, {name: [part[1][name] for part in gathered] for name in SCHEDULES})
+            predicted = predicted_gains(
+                runs,
+                {name: [part[1][name] for part in gathered] for name in SCHEDULES},
+                {name: max(part[2][name] for part in gathered) for name in SCHEDULES},  # the slowest rank's
+            )
             others = measure.others_cores(usage.wall_s, usage.machine_busy_s, [part[0] for part in gathered])
             summary = summarize(periods, predicted, others, layout.spare_cores)
             losses = {name: None if run.loss is None else run.loss.item() for name, run in runs.items()}

@@ -89,7 +89,7 @@ def test_summary_arithmetic_and_lines():
     layout = demo.choose_layout(cores=2, gpus=0)
     text = "\n".join(summary.lines(layout, {"1f1b": 2.5, "zb-auto": 2.5}))
     assert "zb-auto vs 1f1b: 1.200x the speed (faster; median over 3 rounds" in text
-    assert "predicted gain for 2 stages x 4 microbatches: 1.250x (steady state, each schedule timed by its own measured actions; 1.300x under the measured costs" in text
+    assert "predicted gain for 2 stages x 4 microbatches: 1.250x (steady state, each schedule timed by its own measured actions, the optimizer step and batch as measured; 1.300x under the measured costs" in text
     assert "captured: 80%" in text
     assert "the same: every schedule computes the same gradients" in text
     assert "machine quiet: other processes used 2% of a core" in text
