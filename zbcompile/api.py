@@ -1,10 +1,8 @@
-"""`zbcompile.pipeline()`: wrap a model (or decorate its class) so that `step()` runs one
-pipelined forward + backward over all microbatches. Compilation happens on the first step and
-again whenever a step's microbatch shapes, dtypes or constant arguments differ."""
+"""`zbcompile.pipeline()`: wrap a model (or decorate its class) so that `step()` runs one pipelined
+forward + backward over all microbatches, compiled again when microbatch shapes, dtypes or constants change."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 from datetime import timedelta
@@ -48,9 +46,12 @@ class PipelineOptions:
     init_fn: Callable[[nn.Module], None] | None = None  # fills a module's own tensors materialised from `meta`
     costs: Costs | None = None  # solve with these instead of the static estimates (any one time unit)
     follow_readiness: bool = True  # W run in waits and past sends, in order (runtime/dispatch.py)
+    grad_dtype: torch.dtype | None = None  # dtype `.grad` accumulates in (torch's param.grad_dtype); None: as set
 
     def __post_init__(self) -> None:
         check_compiler(self.compiler)
+        if self.grad_dtype is not None and not (isinstance(self.grad_dtype, torch.dtype) and self.grad_dtype.is_floating_point):
+            raise TypeError(f"pipeline(): grad_dtype must be a floating-point torch.dtype or None, got {self.grad_dtype!r}")
         if self.profile not in (None, True, False):
             raise ValueError(f"pipeline(): profile must be None (automatic), True or False, got {self.profile!r}")
         if self.costs is not None and not isinstance(self.costs, Costs):
@@ -84,21 +85,17 @@ def pipeline(
     init_fn: Callable[[nn.Module], None] | None = None,
     costs: Costs | None = None,
     follow_readiness: bool = True,
+    grad_dtype: torch.dtype | None = None,
 ):
     """Make `model` a pipelined model: `pipeline(model, stages=4, microbatches=8, loss_fn=F.mse_loss)`;
     as a class decorator (`@pipeline(stages=4, ...)` on an `nn.Module` subclass) its constructor
-    returns a `PipelinedModule` around the new instance. The options: `PipelineOptions`.
-
-    Under torch.distributed each rank runs its stages; with `profile` it times every action over
-    its first steps and re-solves the schedule with the measured costs (`runtime/profile.py`). A
-    model on the `meta` device gets what this process's stages use materialised when it compiles
-    and filled by `init_fn(module)` (under no_grad) on each module owning some, else by
-    `reset_parameters()`, or by `load_state_dict()` before the first step.
-    """
+    returns a `PipelinedModule` around the new instance. The options: `PipelineOptions`; README.md
+    tells how distributed runs, measured costs (`profile`) and models on the `meta` device work."""
     options = PipelineOptions(
         stages, microbatches, loss_fn, schedule, tuple(split_points) if split_points is not None else None,
         memory_limit, process_group, timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout),
         solver_time_budget, profile, profile_steps, objective, compiler, dump_dir, init_fn, costs, follow_readiness,
+        grad_dtype,
     )
     if model is None:
         return functools.partial(_wrap, options=options)
@@ -120,14 +117,10 @@ def _wrap(model: nn.Module | type, options: PipelineOptions):
 
 class PipelinedModule:
     """A model trained with a pipeline schedule: `step()` runs one; calling it, the unpipelined
-    forward. In one process, parameters, buffers and `state_dict()` are the module's own.
-
-    Under torch.distributed (README.md, "Many processes"), `world_size = ranks per pipeline x k`
-    runs k data-parallel replicas; every rank calls `step()` with the full batch (ranks without
-    the first or last stage may pass None for the inputs or target) and the last stage's rank
-    gets the loss. Each rank keeps only its stages' parameters: build the optimizer after
-    `compile(batch)`; `state_dict()` is this rank's share, `load_state_dict()` takes its entries.
-    """
+    forward. In one process, parameters, buffers and `state_dict()` are the module's own. Under
+    torch.distributed (README.md, "Many processes") every rank calls `step()` with the full batch
+    (ranks without the first or last stage may pass None) and keeps only its stages' parameters:
+    build the optimizer after `compile(batch)`; `state_dict()` is this rank's share."""
 
     def __init__(self, module: nn.Module, options: PipelineOptions) -> None:
         self.module = module
@@ -166,20 +159,18 @@ class PipelinedModule:
         return torch.stack(losses).mean().detach() if losses is not None else None
 
     def compile(self, *inputs: Any, target: Any = None, **kwargs: Any) -> "PipelinedModule":
-        """Compile for batches shaped like this one without running a step (in a distributed run,
-        do this before building the optimizer)."""
+        """Compile for batches shaped like this one without a step (distributed: before building the optimizer)."""
         self._builder.prepare(inputs, kwargs, target)
         return self
 
     def set_schedule(self, schedule: str, memory_limit: float | str | Sequence[float | str] | None = None) -> "PipelinedModule":
-        """Run `schedule` from the next step on, without recompiling. In a distributed run the new
-        schedule must keep every stage on its rank (e.g. any two single-chunk schedules)."""
-        self._builder.reschedule(dataclasses.replace(self.options, schedule=schedule, memory_limit=memory_limit))
+        """Run `schedule` from the next step on, without recompiling (distributed: every stage must stay on its
+        rank, e.g. any two single-chunk schedules)."""
+        self._builder.reschedule(schedule, memory_limit)
         return self
 
     def explain(self) -> str:
-        """What `zbcompile inspect` prints for the latest compile: stages, balance, costs, the
-        schedule's predicted makespan and bubble, and with a dump the measured ones."""
+        """What `zbcompile inspect` prints for the latest compile: stages, balance, costs, predicted and measured times."""
         return summary_text(live_dump(self, self._builder.latest().dump))
 
     @property

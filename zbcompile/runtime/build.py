@@ -102,6 +102,7 @@ class Builder:
         if key not in self.builds:
             self.builds[key] = self.build(micro_inputs[0], micro_targets[0])
         self._last_key = key
+        self._set_grad_dtype()
         return self.builds[key], micro_inputs, micro_targets, absent
 
     def latest(self) -> Build:
@@ -110,9 +111,9 @@ class Builder:
             raise RuntimeError("the pipeline compiles on the first step() or compile(); call one of them first")
         return self.builds[self._last_key]
 
-    def reschedule(self, options: Any) -> None:
-        """Take `options` (a new schedule) and run it from the next step on in every compile."""
-        self.options = options
+    def reschedule(self, schedule: str, memory_limit: Any) -> None:
+        """Run `schedule` under `memory_limit` from the next step on in every compile."""
+        self.options = replace(self.options, schedule=schedule, memory_limit=memory_limit)
         for key, built in list(self.builds.items()):
             built.runner.reschedule(self.schedule(built.compiled))
             self.builds[key] = replace(built, tuner=self.tuner(built.compiled))
@@ -135,9 +136,8 @@ class Builder:
 
     def schedule(self, compiled: CompiledPipeline) -> Schedule:
         """The schedule, solved on one rank and broadcast so that every rank runs the same one."""
-        schedule = None
-        layout = self.layout() if self.distributed else None
-        if layout is None or layout.pp_rank == 0:
+
+        def solve() -> Schedule:
             given = self.options.costs
             try:
                 schedule = make_schedule(**self.solve_arguments(given or compiled.schedule_costs(), compiled))
@@ -145,12 +145,19 @@ class Builder:
                 if not is_bytes(self.options.memory_limit):
                     raise
                 raise ValueError(f"{limit_in_words(self.options.memory_limit, compiled.memory_unit())}: {error}") from error
-            schedule = schedule.with_info(**({"cost_source": "given", "costs": given} if given is not None else {"cost_source": "static"}))
+            return schedule.with_info(**({"cost_source": "given", "costs": given} if given is not None else {"cost_source": "static"}))
+
+        return self._on_first_rank(solve)
+
+    def _on_first_rank(self, make: Callable[[], Any]) -> Any:
+        """`make()` on the pipeline's first rank (in one process: here), broadcast to the others."""
+        layout = self.layout() if self.distributed else None
+        value = make() if layout is None or layout.pp_rank == 0 else None
         if layout is not None and layout.pp_group is not None:
-            box = [schedule]
+            box = [value]
             dist.broadcast_object_list(box, group=layout.pp_group, group_src=0)
-            schedule = box[0]
-        return schedule
+            value = box[0]
+        return value
 
     def solve_arguments(self, costs: Costs, compiled: CompiledPipeline) -> dict[str, Any]:
         """`make_schedule`'s arguments for this pipeline's schedule under `costs` (a limit in bytes
@@ -178,6 +185,18 @@ class Builder:
         state = {param_name(n): p for n, p in self.module.named_parameters()}
         state.update({buffer_name(n): b for n, b in self.module.named_buffers()})
         return state
+
+    def _set_grad_dtype(self) -> None:
+        """Give every floating-point parameter the `grad_dtype` option (torch's attribute), so
+        that `.grad` accumulates and is held in it."""
+        dtype = self.options.grad_dtype
+        if dtype is None:
+            return
+        for param in self.module.parameters():
+            if param.is_floating_point() and param.grad_dtype != dtype:
+                grad, param.grad = param.grad, None
+                param.grad_dtype = dtype
+                param.grad = None if grad is None else grad.to(dtype)
 
     def check_filled(self) -> None:
         """Refuse to compute with parameters or buffers materialised from `meta` but never filled."""

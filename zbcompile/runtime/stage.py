@@ -104,13 +104,16 @@ class StageExecutor:
 
     def _accumulate(self, fqns: Sequence[str], env: Mapping[str, torch.Tensor]) -> None:
         """Add one microbatch's parameter gradients (in microbatch order: the same sums, bit for
-        bit, under every schedule)."""
+        bit, under every schedule), in the parameter's `grad_dtype` (torch's attribute, by
+        default the parameter's dtype; float32 for fp32 gradient accumulation of a bf16 model):
+        each microbatch's gradient is converted, then added, as autograd does eagerly."""
         for fqn in fqns:
             grad = env[param_grad_name(fqn)]
             if fqn in self.grads:
                 self.grads[fqn].add_(grad)
             else:
-                self.grads[fqn] = grad.detach().clone()
+                dtype = accumulation_dtype(self.state[f"param:{fqn}"]) or grad.dtype
+                self.grads[fqn] = grad.detach().to(dtype, copy=True)
 
     def backward(self, microbatch: int, output_grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Fused backward B (I then W at once) as the one unsplit backward graph, which computes
@@ -173,6 +176,11 @@ class StageExecutor:
         else:
             self._env_bytes.pop(microbatch, None)
         self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes())
+
+
+def accumulation_dtype(param: torch.Tensor) -> torch.dtype | None:
+    """The dtype gradients of `param` accumulate in: torch's `param.grad_dtype` (None: any)."""
+    return param.grad_dtype if param.is_leaf else param.dtype
 
 
 def mean_grad(loss: torch.Tensor, microbatches: int) -> torch.Tensor:
