@@ -4,6 +4,7 @@ formulas). A torch upgrade that moves them touches this file only."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import warnings
@@ -118,6 +119,35 @@ def quiet_torch_logs(warnings_too: bool = False):
 def annotate_nodes(annotation: dict[str, Any]) -> contextlib.AbstractContextManager:
     """Nodes traced inside this context carry `annotation` in `node.meta["custom"]`."""
     return fx_traceback.annotate(annotation)
+
+
+@contextlib.contextmanager
+def annotated_checkpoints(annotate: Callable[[int], contextlib.AbstractContextManager], refuse_reentrant: Callable[[], None]):
+    """While active, every non-reentrant `torch.utils.checkpoint.checkpoint` call runs its
+    function directly inside `annotate(region)` (region: 0, 1, 2, ... in call order) instead of
+    installing checkpoint's saved-tensor hooks, so that a trace sees the region's ops, tagged;
+    a reentrant one calls `refuse_reentrant()` (which raises). However the user imported
+    `checkpoint`, it reaches these module-level names of torch.utils.checkpoint at call time."""
+    import torch.utils.checkpoint as checkpoint_module
+
+    originals = checkpoint_module._checkpoint_without_reentrant_generator, checkpoint_module.CheckpointFunction
+    regions = itertools.count()
+
+    def generator(*args, **kwargs):
+        with annotate(next(regions)):
+            yield
+
+    class Reentrant:
+        @staticmethod
+        def apply(*args, **kwargs):
+            refuse_reentrant()
+
+    checkpoint_module._checkpoint_without_reentrant_generator = generator
+    checkpoint_module.CheckpointFunction = Reentrant
+    try:
+        yield
+    finally:
+        checkpoint_module._checkpoint_without_reentrant_generator, checkpoint_module.CheckpointFunction = originals
 
 
 def export_joint(module: torch.nn.Module, args: tuple) -> torch.fx.GraphModule:

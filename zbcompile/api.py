@@ -47,9 +47,14 @@ class PipelineOptions:
     costs: Costs | None = None  # solve with these instead of the static estimates (any one time unit)
     follow_readiness: bool = True  # W run in waits and past sends, in order (runtime/dispatch.py)
     grad_dtype: torch.dtype | None = None  # dtype `.grad` accumulates in (torch's param.grad_dtype); None: as set
+    recompute: str | None = None  # "auto": recompute forward values per stage to fit memory_limit (auto_recompute.py)
 
     def __post_init__(self) -> None:
         check_compiler(self.compiler)
+        if self.recompute not in (None, "auto"):
+            raise ValueError(f"pipeline(): recompute must be None or 'auto', got {self.recompute!r}")
+        if self.recompute == "auto" and self.memory_limit is None:
+            raise ValueError("pipeline(): recompute='auto' chooses recomputation to fit memory_limit; give a memory_limit")
         if self.grad_dtype is not None and not (isinstance(self.grad_dtype, torch.dtype) and self.grad_dtype.is_floating_point):
             raise TypeError(f"pipeline(): grad_dtype must be a floating-point torch.dtype or None, got {self.grad_dtype!r}")
         if self.profile not in (None, True, False):
@@ -86,6 +91,7 @@ def pipeline(
     costs: Costs | None = None,
     follow_readiness: bool = True,
     grad_dtype: torch.dtype | None = None,
+    recompute: str | None = None,
 ):
     """Make `model` a pipelined model: `pipeline(model, stages=4, microbatches=8, loss_fn=F.mse_loss)`;
     as a class decorator (`@pipeline(stages=4, ...)` on an `nn.Module` subclass) its constructor
@@ -95,7 +101,7 @@ def pipeline(
         stages, microbatches, loss_fn, schedule, tuple(split_points) if split_points is not None else None,
         memory_limit, process_group, timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout),
         solver_time_budget, profile, profile_steps, objective, compiler, dump_dir, init_fn, costs, follow_readiness,
-        grad_dtype,
+        grad_dtype, recompute,
     )
     if model is None:
         return functools.partial(_wrap, options=options)
@@ -165,7 +171,7 @@ class PipelinedModule:
 
     def set_schedule(self, schedule: str, memory_limit: float | str | Sequence[float | str] | None = None) -> "PipelinedModule":
         """Run `schedule` from the next step on, without recompiling (distributed: every stage must stay on its
-        rank, e.g. any two single-chunk schedules)."""
+        rank). recompute="auto" keeps the recomputation chosen at compile, and its limit unless one is given."""
         self._builder.reschedule(schedule, memory_limit)
         return self
 

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -19,6 +20,7 @@ from zbcompile.passes import _fx
 from zbcompile.passes.graph_cost import GraphCost, graph_cost
 from zbcompile.passes.joint import StageJoint, export_stage_joints
 from zbcompile.passes.partition import Stage, StagePartition, partition_stages
+from zbcompile.passes.recompute import RECOMPUTE_LEVELS, RecomputeLevel
 from zbcompile.passes.split_backward import MIN_DEFERRAL_INTENSITY, StageBackwardSplit, split_backward
 from zbcompile.passes.trace import TracedModel, trace_model
 from zbcompile.program import Program
@@ -74,6 +76,12 @@ class CompiledPipeline:
     partition: StagePartition
     programs: tuple[StageProgram, ...]
     phase_seconds: dict[str, float] = field(default_factory=dict)
+    # recompute="auto": per stage, its program at level 0 and at each of `RECOMPUTE_LEVELS`;
+    # the level each stage runs (0: checkpoint regions only); the bytes of one memory unit
+    # (the largest stage's M_B without recomputation), so that limits keep their meaning
+    alternatives: tuple[tuple[StageProgram, ...], ...] = ()
+    recompute_levels: tuple[int, ...] = ()
+    memory_unit_bytes: int | None = None
 
     def schedule_costs(self) -> Costs:
         """Per-stage schedule costs from the static estimates: times in FLOP-equivalents; memory
@@ -91,8 +99,26 @@ class CompiledPipeline:
         )
 
     def memory_unit(self) -> int:
-        """Bytes of one unit of `schedule_costs()`' memory: the largest stage's M_B."""
-        return max([p.cost.mem_b for p in self.programs] + [1])
+        """Bytes of one unit of `schedule_costs()`' memory: the largest stage's M_B (without
+        compiler-chosen recomputation: `memory_unit_bytes` keeps it)."""
+        return self.memory_unit_bytes or max([p.cost.mem_b for p in self.programs] + [1])
+
+    def recompute_choice(self) -> list[str]:
+        """recompute="auto": one line per stage, its level, M_B and M_W against level 0 (checkpoint
+        regions only) and the backward's added cost; empty without it."""
+        lines = []
+        for stage, level in enumerate(self.recompute_levels):
+            base, chosen = self.alternatives[stage][0].cost, self.programs[stage].cost
+            added = sum(g.time_estimate for g in (chosen.input_backward, chosen.weight_backward)) - sum(
+                g.time_estimate for g in (base.input_backward, base.weight_backward)
+            )
+            name = RECOMPUTE_LEVELS[level - 1].name if level else "none"
+            lines.append(
+                f"stage {stage}: recompute {name} ({len(self.programs[stage].joint.recomputed)} nodes): "
+                f"M_B {base.mem_b:,} -> {chosen.mem_b:,} bytes, M_W {base.mem_w:,} -> {chosen.mem_w:,} bytes, "
+                f"backward +{added:,.0f} FLOP-eq"
+            )
+        return lines
 
 
 def compile_pipeline(
@@ -106,11 +132,14 @@ def compile_pipeline(
     device: torch.device | None = None,
     min_deferral_intensity: float = MIN_DEFERRAL_INTENSITY,
     cuts: Sequence[int] | None = None,
+    recompute_alternatives: bool = False,
 ) -> CompiledPipeline:
     """Compile one microbatch's forward + loss (`args`, `kwargs`, `target` are a microbatch).
     The model's parameters may be on the `meta` device; they compile as if on `device`.
     `min_deferral_intensity`: see `split_backward` (0 defers every weight gradient to W);
-    `cuts`: reuse an earlier partition's cut positions (`StagePartition.cuts`)."""
+    `cuts`: reuse an earlier partition's cut positions (`StagePartition.cuts`);
+    `recompute_alternatives`: also compile every stage at each level of `RECOMPUTE_LEVELS`
+    (`CompiledPipeline.alternatives`, for recompute="auto")."""
     seconds: dict[str, float] = {}
 
     def timed(phase: str, fn, *a, **k):
@@ -124,7 +153,9 @@ def compile_pipeline(
         traced = timed("trace", trace_model, model, loss_fn, args, kwargs, target, device)
     with ti.quiet_torch_logs(warnings_too=True):  # no user code runs in these passes
         partition = timed("partition", partition_stages, traced, stages, split_points, cuts=cuts)
-        joints = timed("joint", export_stage_joints, partition, traced.fake_mode)
+        levels = RECOMPUTE_LEVELS if recompute_alternatives else ()
+        predicates = list(dict.fromkeys(level.recompute for level in levels))  # one separation each
+        joints = timed("joint", export_stage_joints, partition, traced.fake_mode, recompute_levels=predicates)
         splits = timed("split_backward", lambda: [split_backward(j, min_deferral_intensity) for j in joints])
         programs = timed(
             "cost",
@@ -133,7 +164,21 @@ def compile_pipeline(
                 for stage, joint, split in zip(partition.stages, joints, splits)
             ),
         )
-    return CompiledPipeline(traced, partition, programs, seconds)
+        alternatives = timed("recompute", lambda: tuple(
+            (program, *(
+                _stage_program(stage, program.joint.alternatives[predicates.index(level.recompute)], level, min_deferral_intensity)
+                for level in levels
+            ))
+            for stage, program in zip(partition.stages, programs)
+        )) if levels else ()
+    return CompiledPipeline(traced, partition, programs, seconds, alternatives)
+
+
+def _stage_program(stage: Stage, joint: StageJoint, level: RecomputeLevel, min_deferral_intensity: float) -> StageProgram:
+    """The stage at one recompute level (`joint` separated with its predicate)."""
+    intensity = min_deferral_intensity if level.defer_weights else math.inf
+    split = split_backward(joint, intensity, level.weight_recomputes)
+    return StageProgram(stage, joint, split, _stage_cost(joint, split))
 
 
 def _stage_cost(joint: StageJoint, split: StageBackwardSplit) -> StageGraphCost:

@@ -262,6 +262,7 @@ def summary_text(dump: Dump) -> str:
         format_phases(record["phase_seconds"]),
         "",
         format_stages(record["stage_rows"], record["tied"]),
+        *record.get("recompute", []),
         _balance(version),
         "",
         format_schedule(version, len(dump.versions), record["memory_unit"]),

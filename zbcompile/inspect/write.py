@@ -84,6 +84,7 @@ def compile_record(compiled: "CompiledPipeline", options: Any, world: dict[str, 
             "stage_rows": stage_rows(compiled),
             "tied": {fqn: list(stages) for fqn, stages in compiled.partition.shared_params.items()},
             "memory_unit": compiled.memory_unit(),
+            "recompute": compiled.recompute_choice(),
             "world": world,
         }
     )

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,7 @@ class GPTConfig:
     layers: int = 4
     dropout: float = 0.0
     tie_embeddings: bool = True
+    checkpoint: bool = False  # each block under torch.utils.checkpoint (recomputed in the backward)
 
 
 class Embedding(nn.Embedding):
@@ -91,7 +93,7 @@ class GPT(nn.Module):
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if self.config.checkpoint else block(x)
         return self.head(self.ln_f(x))
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import fx
@@ -21,6 +21,7 @@ from torch import fx
 from zbcompile import _torch_internals as ti
 from zbcompile.passes import _fx
 from zbcompile.passes.partition import Stage, StagePartition
+from zbcompile.passes.recompute import checkpointed_nodes, recompute_closure
 from zbcompile.passes.trace import first_line, same_kind, source_line
 from zbcompile.program import Program, Signature
 from zbcompile.value_names import (
@@ -57,6 +58,9 @@ class StageJoint:
     tangents: the stage outputs its graphs take a gradient for (`tangent:` names in the backward).
     output_grads: every stage output whose gradient arrives from the next stage: the tangents
         and relayed values (in `Stage.outputs` order); the messages of the backward carry these.
+    recomputed: names of the forward nodes the backward computes again instead of reading them
+        saved (checkpoint regions, see `recompute.py`); the backward's copies keep these names.
+    alternatives: the same stage separated with more recomputation, one per level asked for.
     """
 
     stage: int
@@ -67,6 +71,8 @@ class StageJoint:
     param_grads: tuple[str, ...]
     storage: dict[str, tuple[str, int]]
     output_grads: tuple[str, ...] = ()
+    recomputed: tuple[str, ...] = ()
+    alternatives: tuple["StageJoint", ...] = ()
 
     def held_bytes(self, names: Iterable[str]) -> int:
         """Bytes of memory the values `names` keep alive (views of one tensor counted once)."""
@@ -74,15 +80,21 @@ class StageJoint:
         return sum(roots.values())
 
 
-def export_stage_joints(partition: StagePartition, fake_mode, loss_name: str = "loss") -> tuple[StageJoint, ...]:
+def export_stage_joints(
+    partition: StagePartition, fake_mode, loss_name: str = "loss", recompute_levels: Sequence[Callable[[fx.Node], bool]] = ()
+) -> tuple[StageJoint, ...]:
     """Trace every stage's joint graph, last stage first, so that a stage gives a tangent only to
-    outputs whose gradient the next stage can produce."""
+    outputs whose gradient the next stage can produce. With `recompute_levels`, each joint's
+    `alternatives` hold the same stage separated once per level, the backward recomputing the
+    forward nodes the level's predicate accepts (see `recompute.py`)."""
     joints: list[StageJoint] = []
     grads_from_next: set[str] = set()
     for stage in reversed(partition.stages):
         last = stage.index == len(partition.stages) - 1
-        joint = export_stage_joint(stage, partition, grads_from_next, loss_name if last else None, fake_mode)
-        joint = dataclasses.replace(joint, output_grads=tuple(v for v in stage.outputs if v in grads_from_next))
+        joint, alternatives = export_stage_joint(stage, partition, grads_from_next, loss_name if last else None, fake_mode, recompute_levels)
+        output_grads = tuple(v for v in stage.outputs if v in grads_from_next)
+        alternatives = tuple(dataclasses.replace(a, output_grads=output_grads) for a in alternatives)
+        joint = dataclasses.replace(joint, output_grads=output_grads, alternatives=alternatives)
         # gradients this stage provides to its predecessor: its own, and relayed ones
         grads_from_next = {v for v in joint.input_grads} | {v for v in stage.relays if v in grads_from_next}
         joints.append(joint)
@@ -90,15 +102,22 @@ def export_stage_joints(partition: StagePartition, fake_mode, loss_name: str = "
 
 
 def export_stage_joint(
-    stage: Stage, partition: StagePartition, grads_from_next: set[str], loss_name: str | None, fake_mode
-) -> StageJoint:
+    stage: Stage,
+    partition: StagePartition,
+    grads_from_next: set[str],
+    loss_name: str | None,
+    fake_mode,
+    recompute_levels: Sequence[Callable[[fx.Node], bool]] = (),
+) -> tuple[StageJoint, tuple[StageJoint, ...]]:
+    """The stage's joint, separated as it is and once per recompute level."""
     module = _prepare_outputs(stage, grads_from_next, loss_name)
     try:
         joint = ti.export_joint(module, _example_inputs(stage, partition, fake_mode))
     except Exception as error:  # noqa: BLE001 - re-raised, naming the stage and the op's module
         raise _backward_error(stage, error) from error
     _refuse_mutated_state(joint, stage)
-    return _separate_forward(joint, stage, loss_name)
+    separated = _separate_forward(joint, stage, loss_name)  # reads the joint only (its constants inlined once)
+    return separated, tuple(_separate_forward(joint, stage, loss_name, level) for level in recompute_levels)
 
 
 def _backward_error(stage: Stage, error: Exception) -> Exception:
@@ -218,7 +237,11 @@ def _inline_constants(joint: fx.GraphModule, stage: Stage) -> None:
             joint.graph.erase_node(node)
 
 
-def _separate_forward(joint: fx.GraphModule, stage: Stage, loss_name: str | None) -> StageJoint:
+def _separate_forward(
+    joint: fx.GraphModule, stage: Stage, loss_name: str | None, recompute_also: Callable[[fx.Node], bool] | None = None
+) -> StageJoint:
+    """F and the backward of `joint`; the backward recomputes the checkpointed forward nodes and
+    those `recompute_also` accepts, instead of reading them saved."""
     _inline_constants(joint, stage)
     graph = joint.graph
     placeholders = list(graph.find_nodes(op="placeholder"))
@@ -244,12 +267,14 @@ def _separate_forward(joint: fx.GraphModule, stage: Stage, loss_name: str | None
     # tangent on unchanged) or a recomputed state value: the backward reads or recomputes it
     returned = {n for n, _ in grad_outputs}
     backward_nodes = _fx.ancestors(returned, stop=forward_nodes) - set(placeholders) - forward_nodes
-    backward_nodes = _fx.with_state_ancestors(backward_nodes | (returned & recompute), recompute)
+    # forward values of checkpoint regions: computed again by the backward, not saved
+    recomputed = recompute_closure(backward_nodes, checkpointed_nodes(forward_nodes, recompute_also))
+    backward_nodes = _fx.with_state_ancestors(backward_nodes | recomputed | (returned & recompute), recompute)
     forward_values = forward_nodes | {n for n in placeholders if names[n].startswith(INPUT)}
     saved = [
         n
         for n in graph.nodes
-        if n in forward_values - recompute and (n in returned or any(u in backward_nodes for u in n.users))
+        if n in forward_values - recompute - recomputed and (n in returned or any(u in backward_nodes for u in n.users))
     ]
     for node in saved:
         names.setdefault(node, saved_name(node.name))
@@ -288,6 +313,7 @@ def _separate_forward(joint: fx.GraphModule, stage: Stage, loss_name: str | None
         input_grads=tuple(fqn_of(v) for _, v in grad_outputs if not is_param_grad(v)),
         param_grads=tuple(fqn_of(v) for _, v in grad_outputs if is_param_grad(v)),
         storage=storage,
+        recomputed=tuple(n.name for n in graph.nodes if n in recomputed),
     )
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import math
 import operator
 from dataclasses import dataclass
 
@@ -66,11 +67,17 @@ class StageBackwardSplit(BackwardSplit):
     freed_after_input: tuple[str, ...] = ()
 
 
-def split_backward(joint: StageJoint, min_deferral_intensity: float = MIN_DEFERRAL_INTENSITY) -> StageBackwardSplit:
+def split_backward(
+    joint: StageJoint, min_deferral_intensity: float = MIN_DEFERRAL_INTENSITY, weight_recomputes: bool = False
+) -> StageBackwardSplit:
     """Split `joint`'s backward. With `min_deferral_intensity=0` every parameter gradient goes
-    to W; by default those too cheap to be worth their memory stay in I (stages with input
-    gradients only: on the first stage I stays empty)."""
-    split = split_backward_program(joint.backward, min_deferral_intensity, class_prefix=f"Stage{joint.stage}")
+    to W, with `math.inf` none does; by default those too cheap to be worth their memory stay in
+    I (stages with input gradients only: on the first stage I stays empty). By default a
+    recomputed forward value (`joint.recomputed`) that I and W both need is computed once, in I,
+    and stashed for W; with `weight_recomputes` W computes it again from what F saved (less
+    memory held until W, more time; a level of recompute="auto")."""
+    again = frozenset(joint.recomputed) if weight_recomputes else frozenset()
+    split = split_backward_program(joint.backward, min_deferral_intensity, class_prefix=f"Stage{joint.stage}", weight_recomputes=again)
     backward = joint.backward
     saved = [v for v in backward.signature.inputs if v.startswith((SAVED, INPUT, TANGENT))]
     return StageBackwardSplit(
@@ -81,18 +88,25 @@ def split_backward(joint: StageJoint, min_deferral_intensity: float = MIN_DEFERR
 
 
 def split_backward_program(
-    backward: Program, min_deferral_intensity: float = MIN_DEFERRAL_INTENSITY, class_prefix: str = ""
+    backward: Program,
+    min_deferral_intensity: float = MIN_DEFERRAL_INTENSITY,
+    class_prefix: str = "",
+    weight_recomputes: frozenset[str] = frozenset(),
 ) -> BackwardSplit:
     """Split any backward Program whose inputs are named `param:`/`buffer:` (state, whose views
     each graph recomputes) or otherwise (values read from the environment), and whose outputs
     are `grad:param:<name>` (weight gradients, to W) or other names (input gradients, to I).
     Which cheap weight gradients stay in I is decided on the rewritten graph, before either
-    program is extracted, so each program is extracted and compiled once."""
-    partition = _partition(backward, frozenset())
+    program is extracted, so each program is extracted and compiled once. W computes the nodes
+    named in `weight_recomputes` itself rather than reading them from I."""
+    partition = _partition(backward, frozenset(), weight_recomputes)
     if min_deferral_intensity > 0 and partition.input_grads:
-        in_input = _cheap_weight_grads(partition, min_deferral_intensity)
+        if math.isinf(min_deferral_intensity):  # nothing deferred
+            in_input = {name for _, name in partition.param_grads}
+        else:
+            in_input = _cheap_weight_grads(partition, min_deferral_intensity)
         if in_input:
-            partition = _partition(backward, frozenset(in_input))
+            partition = _partition(backward, frozenset(in_input), weight_recomputes)
     return _extract(partition, class_prefix)
 
 
@@ -113,7 +127,7 @@ class _Partition:
     in_input: frozenset[str]
 
 
-def _partition(backward: Program, in_input: frozenset[str]) -> _Partition:
+def _partition(backward: Program, in_input: frozenset[str], weight_recomputes: frozenset[str] = frozenset()) -> _Partition:
     """Assign the nodes of a copy of `backward` to I and W, with the gradients named in
     `in_input` (`grad:param:<fqn>`) computed by I; fused ops are split by output mask."""
     graph = copy.deepcopy(backward.graph).graph  # the rewrite below must not touch the input
@@ -129,7 +143,13 @@ def _partition(backward: Program, in_input: frozenset[str]) -> _Partition:
     recompute = _fx.state_only_nodes(graph, state)
     input_body = _fx.ancestors([n for n, _ in input_grads]) - set(placeholders)
     weight_body = _fx.ancestors([n for n, _ in param_grads], stop=input_body) - set(placeholders) - input_body
+    recompute |= {n for n in graph.nodes if n.name in weight_recomputes}
     weight_body = _fx.with_state_ancestors(weight_body, recompute)
+    # W's elements of a tuple that I computes (a recomputed forward op's): taken in I, stashed
+    from_input = {
+        n for n in weight_body if n.target is operator.getitem and n.args[0] in input_body and n.args[0] not in weight_body
+    }
+    input_body, weight_body = input_body | from_input, weight_body - from_input
 
     weight_outputs = {n for n, _ in param_grads}
     stash = [

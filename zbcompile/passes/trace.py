@@ -136,7 +136,7 @@ def trace_model(
     )
     # Traced as torch.export traces: libraries that ask whether they are being compiled or
     # exported (transformers' masks) take their traceable path.
-    with ti.traced_like_export(), ti.preserve_node_meta(), _module_annotations(model) as module_stack:
+    with ti.traced_like_export(), ti.preserve_node_meta(), _module_annotations(model) as module_stack, _checkpoint_annotations(module_stack):
         try:
             with fake_mode, ti.onednn_disabled():
                 graph_module = ti.make_fx(torch.func.functionalize(forward_and_loss, remove="mutations"), record_stack_traces=True)(*example)
@@ -199,6 +199,25 @@ def _differentiable_copies(graph: fx.Graph, fake_mode: FakeTensorMode) -> None:
             value = apply(aten.clone.default, value)
         node.replace_all_uses_with(value)
         graph.erase_node(node)
+
+
+# node.meta["custom"][CHECKPOINT]: the index of the `torch.utils.checkpoint` region that
+# computed the node (its values are recomputed for the backward instead of saved; see joint.py)
+CHECKPOINT = "checkpoint"
+
+
+def _checkpoint_annotations(module_stack: "_NameStack") -> contextlib.AbstractContextManager:
+    """Tag the nodes traced inside each non-reentrant `torch.utils.checkpoint` region; refuse a
+    reentrant one (a custom autograd.Function), naming the module that called it."""
+
+    def refuse() -> None:
+        raise ValueError(
+            f"{module_stack.where()} calls torch.utils.checkpoint with use_reentrant=True, whose custom "
+            "autograd.Function zbcompile cannot trace; pass use_reentrant=False (zbcompile recomputes the region "
+            "in the backward)"
+        )
+
+    return ti.annotated_checkpoints(lambda region: ti.annotate_nodes({CHECKPOINT: region}), refuse)
 
 
 def _describe(value: Any) -> str:

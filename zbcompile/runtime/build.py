@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from zbcompile import auto_recompute
 from zbcompile.compiler import CompiledPipeline, compile_pipeline
 from zbcompile.inspect.write import CompileDump, start_dump
 from zbcompile.runtime import batch, placement, profile
@@ -112,7 +113,11 @@ class Builder:
         return self.builds[self._last_key]
 
     def reschedule(self, schedule: str, memory_limit: Any) -> None:
-        """Run `schedule` under `memory_limit` from the next step on in every compile."""
+        """Run `schedule` under `memory_limit` from the next step on in every compile. With
+        recompute="auto" the recomputation chosen at compile stays, and so does the limit where
+        `memory_limit` is None."""
+        if memory_limit is None and self.options.recompute == "auto":
+            memory_limit = self.options.memory_limit
         self.options = replace(self.options, schedule=schedule, memory_limit=memory_limit)
         for key, built in list(self.builds.items()):
             built.runner.reschedule(self.schedule(built.compiled))
@@ -123,7 +128,12 @@ class Builder:
         args, kwargs = example
         o = self.options
         device = self.device() if self.distributed else None
-        compiled = compile_pipeline(self.module, o.loss_fn, args, kwargs, example_target, o.stages, o.split_points, device)
+        compiled = compile_pipeline(
+            self.module, o.loss_fn, args, kwargs, example_target, o.stages, o.split_points, device,
+            recompute_alternatives=o.recompute == "auto",
+        )
+        if o.recompute == "auto":
+            compiled = self._fit_memory_by_recomputing(compiled)
         compiled = compile_stage_programs(compiled, o.compiler)
         schedule = self.schedule(compiled)
         if self.distributed:
@@ -148,6 +158,18 @@ class Builder:
             return schedule.with_info(**({"cost_source": "given", "costs": given} if given is not None else {"cost_source": "static"}))
 
         return self._on_first_rank(solve)
+
+    def _fit_memory_by_recomputing(self, compiled: CompiledPipeline) -> CompiledPipeline:
+        """recompute="auto": `compiled` at the recompute levels under which the schedule fits the
+        memory limit in the least time (`auto_recompute`), chosen on one rank and broadcast
+        (zb-auto's solver may differ per rank). A limit in bytes is read in `compiled`'s memory
+        unit, the largest stage's M_B before recomputation, which the chosen levels keep."""
+
+        def choose() -> tuple[int, ...]:
+            evaluate = functools.partial(auto_recompute.evaluate_memory, solve_arguments=self.solve_arguments)
+            return auto_recompute.choose_recomputation(compiled, evaluate).recompute_levels
+
+        return auto_recompute.with_levels(compiled, self._on_first_rank(choose))
 
     def _on_first_rank(self, make: Callable[[], Any]) -> Any:
         """`make()` on the pipeline's first rank (in one process: here), broadcast to the others."""

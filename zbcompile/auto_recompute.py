@@ -1,0 +1,94 @@
+"""recompute="auto": per stage, the recompute level (`passes/recompute.py`: elementwise ops,
+then normalisations and reductions, then everything; W keeping, recomputing or not deferring
+what it needs) under which the schedule fits the memory limit in the least simulated time.
+
+Starting with no recomputation: while some ranks exceed their limit, each stage on such a rank
+takes, among its levels, the one whose schedule fits its rank in the least simulated time (the
+other stages as they are), or, where none fits, the one that lowers its rank's peak most. Each
+candidate's schedule is solved and simulated (`evaluate_memory`) with the limit in the memory unit
+of the pipeline before recomputation, which the candidates keep.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+from zbcompile.compiler import CompiledPipeline
+from zbcompile.schedules import Costs, make_schedule
+from zbcompile.schedules.simulate import simulate
+from zbcompile.schedules.validate import rank_limits
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """A candidate's schedule: the stages whose rank exceeds its limit, each stage's rank peak
+    (bytes) and the simulated makespan."""
+
+    over: frozenset[int]
+    stage_peaks: tuple[float, ...]
+    makespan: float
+
+
+def evaluate_memory(
+    compiled: CompiledPipeline, solve_arguments: Callable[[Costs, CompiledPipeline], dict[str, Any]]
+) -> Evaluation:
+    """The schedule for `compiled`'s static costs (`solve_arguments(costs, compiled)`: the limit in
+    `compiled`'s memory unit; zb-auto: its heuristic, no solver time), evaluated: the stages
+    whose rank exceeds its limit, each stage's rank peak in bytes, the simulated makespan."""
+    costs = compiled.schedule_costs()
+    arguments = {**solve_arguments(costs, compiled), "time_budget": 0}
+    limits = None
+    try:
+        schedule = make_schedule(**arguments)
+    except ValueError:  # the limit cannot be met (validation or the solver said so)
+        schedule = make_schedule(**{**arguments, "memory_limit": None})
+        limits = rank_limits(arguments["memory_limit"], len(schedule.actions))
+    result = simulate(schedule, costs)
+    over = frozenset(s for s, r in enumerate(schedule.stage_to_rank) if limits is not None and result.peak_memory[r] > limits[r])
+    unit = compiled.memory_unit()
+    return Evaluation(over, tuple(result.peak_memory[r] * unit for r in schedule.stage_to_rank), result.makespan)
+
+
+def with_levels(compiled: CompiledPipeline, levels: Sequence[int]) -> CompiledPipeline:
+    """`compiled` running stage s at recompute level `levels[s]` (its memory unit kept)."""
+    unit = compiled.memory_unit()
+    programs = tuple(options[level] for options, level in zip(compiled.alternatives, levels))
+    return dataclasses.replace(compiled, programs=programs, recompute_levels=tuple(levels), memory_unit_bytes=unit)
+
+
+def choose_recomputation(compiled: CompiledPipeline, evaluate: Callable[[CompiledPipeline], Evaluation]) -> CompiledPipeline:
+    """The levels chosen as the module docstring says. Raises ValueError naming the stages that
+    exceed the limit at every level."""
+    if not compiled.alternatives:
+        raise ValueError("recompute='auto' needs a pipeline compiled with recompute alternatives")
+    levels = [0] * len(compiled.programs)
+    for _ in range(sum(len(options) for options in compiled.alternatives)):
+        current = evaluate(with_levels(compiled, levels))
+        if not current.over:
+            return with_levels(compiled, levels)
+        changed = False
+        for stage in sorted(current.over):
+            best = _best_level(compiled, levels, stage, current, evaluate)
+            changed |= best != levels[stage]
+            levels[stage] = best
+        if not changed:
+            break
+    over = sorted(evaluate(with_levels(compiled, levels)).over)
+    raise ValueError(
+        f"recompute='auto': stages {over} exceed the memory limit at every recompute level (their backward recomputing "
+        "every forward value, W holding nothing); raise memory_limit or use more stages"
+    )
+
+
+def _best_level(compiled: CompiledPipeline, levels: list[int], stage: int, current: Evaluation, evaluate) -> int:
+    """The level of `stage` that fits its rank in the least time, else the one with the lowest
+    peak below the current one (else the current level)."""
+    fitting, lowest = None, (current.stage_peaks[stage], levels[stage])
+    for level in range(len(compiled.alternatives[stage])):
+        trial = evaluate(with_levels(compiled, [level if s == stage else v for s, v in enumerate(levels)]))
+        if stage not in trial.over:
+            fitting = min(fitting or (trial.makespan, level), (trial.makespan, level))
+        elif trial.stage_peaks[stage] < lowest[0]:
+            lowest = (trial.stage_peaks[stage], level)
+    return fitting[1] if fitting is not None else lowest[1]
