@@ -1,0 +1,154 @@
+"""Activation memory against step time: a 12-layer GPT on p = 2 gloo ranks (one thread each)
+at m = 2p microbatches, under 1f1b, zb-h1, zb-h2 and zb-auto (static costs), three ways:
+
+- plain: every activation saved;
+- checkpoint: every block under `torch.utils.checkpoint` (`GPTConfig(checkpoint=True)`);
+- recompute="auto": the compiler's choice under a memory limit 30% below the plain zb-h1 run's
+  measured peak (one compile per schedule: the choice depends on the schedule).
+
+Per row: the measured peak activation bytes (the largest over ranks, from the runtime's live-
+bytes accounting) beside the simulator's prediction for the same schedule and compile, and the
+median step time (between barriers, pipelines alternating round by round) beside the
+simulator's makespan, both relative to plain 1f1b (the simulator's times are static
+FLOP-equivalents, so only ratios compare).
+
+    python benchmarks/memory_time.py            # a few minutes on 2 cores
+    python benchmarks/memory_time.py --quick    # a smoke run (smaller model, fewer steps)
+
+Writes benchmarks/results/memory_time.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+
+sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
+
+import _launch  # noqa: E402
+
+SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "zb-auto")
+RANKS = 2
+MICROBATCHES = 2 * RANKS
+LIMIT_FRACTION = 0.7
+
+
+def _prediction(pipe) -> dict:
+    """The simulator's peak activation bytes (largest rank) and makespan for `pipe`'s schedule."""
+    from zbcompile.schedules import simulate
+
+    compiled = pipe.compiled
+    predicted = simulate(pipe.schedule, compiled.schedule_costs())
+    return {
+        "predicted_peak_bytes": max(predicted.peak_memory) * compiled.memory_unit(),
+        "predicted_makespan": predicted.makespan,
+        "recompute_levels": list(compiled.recompute_levels),
+    }
+
+
+def _rank(config_fields: dict, rounds: int) -> dict:
+    """Every (variant, schedule) pipeline built and warmed up, then `rounds` rounds of one timed
+    step each (between barriers; the order reverses every other round, so that the machine's
+    changing load falls on all alike). The recompute="auto" limit comes from the plain zb-h1
+    pipeline's measured peak, the largest over ranks."""
+    import torch
+    import torch.distributed as dist
+
+    import zbcompile
+    from zbcompile.models import GPT, GPTConfig
+    from zbcompile.models.gpt import lm_loss
+
+    fields = dict(config_fields)
+    rows = fields.pop("rows")
+    config = GPTConfig(**fields)
+    generator = torch.Generator().manual_seed(0)
+    tokens, target = (torch.randint(0, config.vocab_size, (rows * MICROBATCHES, config.seq_len), generator=generator) for _ in range(2))
+
+    def pipeline(checkpoint: bool, schedule: str, **options):
+        torch.manual_seed(0)
+        model = GPT(dataclasses.replace(config, checkpoint=checkpoint))
+        pipe = zbcompile.pipeline(model, stages=RANKS, microbatches=MICROBATCHES, loss_fn=lm_loss, schedule=schedule, profile=False, timeout=300, **options)
+        pipe.step(tokens, target=target)  # compile and warm up
+        pipe.zero_grad()
+        for executor in pipe.runner.executors.values():
+            executor.peak_live_bytes = 0
+        return pipe
+
+    pipes = {(variant, s): pipeline(checkpoint, s) for variant, checkpoint in (("plain", False), ("checkpoint", True)) for s in SCHEDULES}
+    reference = pipes[("plain", "zb-h1")]
+    reference.step(tokens, target=target)
+    reference.zero_grad()
+    peak = torch.tensor(float(reference.runner.peak_live_bytes))
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    limit_bytes = LIMIT_FRACTION * peak.item()
+    limit = limit_bytes / reference.compiled.memory_unit()
+    pipes.update({("recompute=auto", s): pipeline(False, s, memory_limit=limit, recompute="auto") for s in SCHEDULES})
+    for pipe in pipes.values():
+        for executor in pipe.runner.executors.values():
+            executor.peak_live_bytes = 0
+    times: dict = {key: [] for key in pipes}
+    for round_ in range(rounds):
+        for key in list(pipes)[:: 1 if round_ % 2 == 0 else -1]:
+            dist.barrier()
+            started = time.perf_counter()
+            pipes[key].step(tokens, target=target)
+            dist.barrier()
+            times[key].append(time.perf_counter() - started)
+            pipes[key].zero_grad()
+    return {
+        key: {"peak_bytes": pipe.runner.peak_live_bytes, "step_s": statistics.median(times[key]), "limit_bytes": limit_bytes, **_prediction(pipe)}
+        for key, pipe in pipes.items()
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    config = dict(vocab_size=256, seq_len=64, hidden=128, heads=4, layers=12, rows=4)
+    rounds = 9
+    if args.quick:
+        config.update(hidden=32, seq_len=16, rows=2)
+        rounds = 2
+    info = _launch.machine()
+    per_rank = _launch.run_ranks(RANKS, _rank, dict(config), rounds, timeout_s=1800)
+    rows = []
+    for key in per_rank[0]:
+        ranks = [r[key] for r in per_rank]
+        rows.append({
+            "variant": key[0], "schedule": key[1],
+            "peak_bytes": max(r["peak_bytes"] for r in ranks),
+            "predicted_peak_bytes": ranks[0]["predicted_peak_bytes"],
+            "step_s": max(r["step_s"] for r in ranks),
+            "predicted_makespan": ranks[0]["predicted_makespan"],
+            "recompute_levels": ranks[0]["recompute_levels"],
+            "limit_bytes": ranks[0]["limit_bytes"],
+        })
+    base = next(r for r in rows if (r["variant"], r["schedule"]) == ("plain", "1f1b"))
+    lines = [
+        "# Activation memory and step time (12-layer GPT, 2 ranks, m = 4)",
+        "",
+        f"Measured on a shared, loaded machine ({_launch.load_line(info)}), torch {info['torch']}: step times are noisy.",
+        f"Model: {config}. recompute=auto runs under a limit of {LIMIT_FRACTION:.0%} of plain zb-h1's measured peak "
+        f"({rows[0]['limit_bytes']:,.0f} bytes). Predicted peaks count a fused B's transient rise above its I "
+        "(max(0, M_W - M_B)), which the runtime's accounting between actions does not see.",
+        "",
+        "| variant | schedule | peak bytes (measured) | peak bytes (predicted) | step s | step / plain 1f1b | predicted / plain 1f1b | recompute levels |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['variant']} | {r['schedule']} | {r['peak_bytes']:,} | {r['predicted_peak_bytes']:,.0f} | {r['step_s']:.4f} | "
+            f"{r['step_s'] / base['step_s']:.2f} | {r['predicted_makespan'] / base['predicted_makespan']:.2f} | "
+            f"{r['recompute_levels'] or '-'} |"
+        )
+    text = "\n".join(lines) + "\n"
+    print(text)
+    _launch.write_results("memory_time", {"machine": info, "config": config, "rows": rows}, text)
+
+
+if __name__ == "__main__":
+    main()
