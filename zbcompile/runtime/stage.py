@@ -18,6 +18,7 @@ from zbcompile.value_names import (
     is_state,
     output_name,
     param_grad_name,
+    param_name,
     tangent_name,
     update_name,
 )
@@ -112,7 +113,7 @@ class StageExecutor:
             if fqn in self.grads:
                 self.grads[fqn].add_(grad)
             else:
-                dtype = accumulation_dtype(self.state[f"param:{fqn}"]) or grad.dtype
+                dtype = accumulation_dtype(self.state[param_name(fqn)]) or grad.dtype
                 self.grads[fqn] = grad.detach().to(dtype, copy=True)
 
     def backward(self, microbatch: int, output_grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
