@@ -143,12 +143,14 @@ def dies_mid_step(victim: int) -> tuple[str, float]:
     return "no error", time.monotonic() - started
 
 
-def profiled(max_steps: int) -> dict:
-    """Default options (zb-auto measures its costs) until the schedule solved with measured costs
-    is in use (every rank switches after the same step), then one more step; returns the costs,
-    the steps run, this rank's gradients and the schedule."""
+def profiled(max_steps: int, memory_limit: float | None = None) -> dict:
+    """Default options (zb-auto measures its costs) but `memory_limit`, until the schedule solved
+    with measured costs is in use (every rank switches after the same step), then one more step;
+    returns the costs, the steps run, this rank's gradients and the schedule."""
     case = build("gpt")
-    pipe = zbcompile.pipeline(case.model, stages=2, microbatches=4, loss_fn=case.loss_fn, timeout=60, solver_time_budget=0)
+    pipe = zbcompile.pipeline(
+        case.model, stages=2, microbatches=4, loss_fn=case.loss_fn, timeout=60, solver_time_budget=0, memory_limit=memory_limit
+    )
     steps = 0
     while pipe.measured_costs is None and steps < max_steps:
         case.step(pipe)
@@ -160,6 +162,7 @@ def profiled(max_steps: int) -> dict:
         "steps": steps + 1,
         "grads": {n: p.grad.clone() for n, p in pipe.named_parameters()},
         "schedule": [list(map(str, row)) for row in pipe.schedule.actions],
+        "placement": pipe.schedule.info.get("placement"),
         "cost_source": pipe.schedule.info.get("cost_source"),
         "history": pipe.tuner.history,
     }

@@ -195,6 +195,23 @@ def test_zb_auto_measures_its_costs_by_default():
         torch.testing.assert_close(grads[fqn], p.grad, rtol=1e-5, atol=1e-6, msg=fqn)
 
 
+def test_zb_auto_under_a_limit_below_one_f_one_b_runs_a_v_on_the_same_ranks():
+    """memory_limit below 1F1B's: zb-auto compiles the model again in two chunks per rank, runs
+    a V schedule, re-solves it with measured chunk costs, and gives eager's gradients."""
+    per_rank = run_ranks(2, workers.profiled, 400, 1.5)
+    assert [r["placement"] for r in per_rank] == ["v", "v"]
+    assert per_rank[0]["cost_source"] == "measured", per_rank[0]["history"]
+    assert len(per_rank[0]["costs"][0]) == 4  # measured per chunk
+    assert per_rank[0]["schedule"] == per_rank[1]["schedule"]
+    assert {a[0] for a in per_rank[0]["schedule"][0] if a[1] == "F"} == {"0", "3"}  # rank 0: first and last chunk
+    reference = build("gpt")
+    for _ in range(per_rank[0]["steps"]):
+        reference.eager_loss().backward()
+    grads = {k: v for r in per_rank for k, v in r["grads"].items()}
+    for fqn, p in reference.model.named_parameters():
+        torch.testing.assert_close(grads[fqn], p.grad, rtol=1e-5, atol=1e-6, msg=fqn)
+
+
 def test_world_size_that_does_not_fit_the_pipeline():
     """A 2-stage pipeline in a world of one process (in this process: the check is the same for
     any world size that is not a multiple of the pipeline's ranks)."""

@@ -123,3 +123,18 @@ def test_zb_auto_keeps_one_stage_per_rank_unless_v_is_allowed():
     assert auto.info["placement"] == "in-line" and auto.stages == 4
     with pytest.raises(ValueError, match="placements"):
         make_schedule("zb-auto", 4, 8, placements=("diagonal",))
+
+
+def test_zb_auto_v_runs_on_the_chunks_costs_it_is_given():
+    """Compiled chunks rarely halve a stage: with ``chunk_costs`` the V is solved, bounded and
+    checked on those (here the first chunk holds most of the memory), and merging them back
+    gives the per-stage costs (``merged`` undoes ``chunked``)."""
+    p, m = 3, 6
+    stage_costs = Costs(f=[1.0, 2.0, 1.5], mem_b=[1.0, 0.5, 0.8], mem_w=0.4).resolve(p)
+    assert stage_costs.chunked(2).merged(2) == stage_costs
+    uneven = Costs(f=1.0, mem_b=[1.2, 0.2, 0.4, 0.4, 0.9, 0.1], mem_w=0.3).resolve(2 * p)
+    limit = 0.7 * max(simulate(make_schedule("1f1b", p, m, uneven.merged(2)), uneven.merged(2)).peak_memory)
+    auto = make_schedule("zb-auto", p, m, uneven.merged(2), memory_limit=limit, time_budget=0, placements=("v",), chunk_costs=uneven)
+    assert auto.info["placement"] == "v" and auto.stages == 2 * p
+    assert max(simulate(auto, uneven).peak_memory) <= limit + 1e-9
+    assert auto.info["value"] == pytest.approx(simulate(auto, uneven).span)

@@ -158,6 +158,12 @@ def format_schedule(version: dict[str, Any], count: int = 1, memory_unit: int | 
         f"{version['microbatches']} microbatches",
         f"costs: {source}, comm {_time(costs['comm'], unit)}",
     ]
+    info = version.get("info", {})
+    if info.get("placement") == "v":
+        lines.insert(1, (
+            f"placement: V, two chunks per rank ({info.get('v_source')} order), chosen by zb-auto under the memory limit, "
+            "below one stage per rank's 1F1B"
+        ))
     unit_bytes = memory_unit or 1
     rows = [
         (

@@ -24,7 +24,9 @@ from zbcompile.runtime.local import LocalRunner
 from zbcompile.runtime.p2p import device_for
 from zbcompile.runtime.runner import Runner
 from zbcompile.schedules import Costs, Schedule, make_schedule, schedule_spec
+from zbcompile.schedules.costs import resolve_costs
 from zbcompile.schedules.memory_limit import in_schedule_units, is_bytes, limit_in_words
+from zbcompile.schedules.v_choice import PLACEMENTS
 from zbcompile.stage_compiler import compile_stage_programs
 from zbcompile.value_names import buffer_name, param_name
 
@@ -120,22 +122,37 @@ class Builder:
             memory_limit = self.options.memory_limit
         self.options = replace(self.options, schedule=schedule, memory_limit=memory_limit)
         for key, built in list(self.builds.items()):
-            built.runner.reschedule(self.schedule(built.compiled))
+            new = self.schedule(built.compiled)
+            if new.stages != len(built.compiled.programs):
+                raise ValueError(
+                    f"schedule {schedule!r} runs {new.stages} stages, but this pipeline was compiled in "
+                    f"{len(built.compiled.programs)} (zb-auto chose a V of two chunks per rank under its memory_limit); "
+                    "build a new pipeline for it"
+                )
+            built.runner.reschedule(new)
             self.builds[key] = replace(built, tuner=self.tuner(built.compiled))
 
     def build(self, example: tuple, example_target: Any) -> Build:
-        """Compile for microbatches like `example` ((args, kwargs)) and `example_target`."""
-        args, kwargs = example
+        """Compile for microbatches like `example` ((args, kwargs)) and `example_target`. Where
+        zb-auto puts two chunks per rank in a V (a memory limit below 1F1B's), the model is
+        compiled again in twice the stages, its memory still counted in the first compile's unit,
+        and the V schedule re-solved on the chunks' own costs."""
         o = self.options
-        device = self.device() if self.distributed else None
-        compiled = compile_pipeline(
-            self.module, o.loss_fn, args, kwargs, example_target, o.stages, o.split_points, device,
-            recompute_alternatives=o.recompute == "auto",
-        )
-        if o.recompute == "auto":
-            compiled = self._fit_memory_by_recomputing(compiled)
+        compiled = self._compile(example, example_target, o.stages)
+        # a V answers a memory limit the user set; recompute="auto" and split points fix one stage per rank
+        offer_v = o.memory_limit is not None and o.recompute != "auto" and o.split_points is None
+        schedule = self.schedule(compiled, PLACEMENTS if offer_v else ("in-line",))
+        if schedule.stages != len(compiled.programs):
+            compiled = self._compile(example, example_target, schedule.stages, memory_unit_bytes=compiled.memory_unit())
+            try:
+                schedule = self.schedule(compiled)
+            except ValueError as error:
+                raise ValueError(
+                    f"zb-auto chose a V of {schedule.stages} chunks under memory_limit {o.memory_limit!r} with each chunk "
+                    f"estimated as half a stage, but the chunks as compiled do not fit it ({error}); raise the limit"
+                ) from error
         compiled = compile_stage_programs(compiled, o.compiler)
-        schedule = self.schedule(compiled)
+        device = self.device() if self.distributed else None
         if self.distributed:
             runner = self._distributed_runner(compiled, schedule, device)
         else:
@@ -144,13 +161,30 @@ class Builder:
         tuner = self.tuner(compiled)
         return Build(compiled, runner, tuner, start_dump(o.dump_dir, compiled, schedule, o, runner))
 
-    def schedule(self, compiled: CompiledPipeline) -> Schedule:
-        """The schedule, solved on one rank and broadcast so that every rank runs the same one."""
+    def _compile(self, example: tuple, example_target: Any, stages: int, memory_unit_bytes: int | None = None) -> CompiledPipeline:
+        """The model cut into `stages` stages (recompute="auto" applied), before the stage
+        programs are compiled; memory counted in units of `memory_unit_bytes` where given."""
+        args, kwargs = example
+        o = self.options
+        device = self.device() if self.distributed else None
+        compiled = compile_pipeline(
+            self.module, o.loss_fn, args, kwargs, example_target, stages, o.split_points, device,
+            recompute_alternatives=o.recompute == "auto",
+        )
+        if memory_unit_bytes is not None:
+            compiled = replace(compiled, memory_unit_bytes=memory_unit_bytes)
+        if o.recompute == "auto":
+            compiled = self._fit_memory_by_recomputing(compiled)
+        return compiled
+
+    def schedule(self, compiled: CompiledPipeline, placements: tuple[str, ...] = ("in-line",)) -> Schedule:
+        """The schedule, solved on one rank and broadcast so that every rank runs the same one;
+        zb-auto may choose among `placements` (`v_choice.PLACEMENTS`)."""
 
         def solve() -> Schedule:
             given = self.options.costs
             try:
-                schedule = make_schedule(**self.solve_arguments(given or compiled.schedule_costs(), compiled))
+                schedule = make_schedule(**self.solve_arguments(given or compiled.schedule_costs(), compiled, placements))
             except ValueError as error:
                 if not is_bytes(self.options.memory_limit):
                     raise
@@ -181,15 +215,21 @@ class Builder:
             value = box[0]
         return value
 
-    def solve_arguments(self, costs: Costs, compiled: CompiledPipeline) -> dict[str, Any]:
+    def solve_arguments(self, costs: Costs, compiled: CompiledPipeline, placements: tuple[str, ...] = ("in-line",)) -> dict[str, Any]:
         """`make_schedule`'s arguments for this pipeline's schedule under `costs` (a limit in bytes
-        in `compiled`'s memory unit)."""
+        in `compiled`'s memory unit). A compile in twice the schedule's stages is zb-auto's V:
+        `costs` are then its chunks' (the given costs, per stage, are cut in two), and the
+        schedule is solved in the V again."""
         o = self.options
         limit = in_schedule_units(o.memory_limit, compiled.memory_unit())
-        return dict(
+        arguments = dict(
             name=o.schedule, stages=o.stages, microbatches=o.microbatches, costs=costs, memory_limit=limit,
-            time_budget=o.solver_time_budget, objective=o.objective,
+            time_budget=o.solver_time_budget, objective=o.objective, placements=placements,
         )
+        if len(compiled.programs) != schedule_spec(o.schedule).chunks_per_rank * o.stages:  # zb-auto's V compile
+            chunks = resolve_costs(costs, o.stages).chunked(2) if costs is o.costs else resolve_costs(costs, len(compiled.programs))
+            arguments.update(costs=chunks.merged(2), chunk_costs=chunks, placements=("v",))
+        return arguments
 
     def tuner(self, compiled: CompiledPipeline) -> profile.CostTuner | None:
         """Measured costs for a distributed pipeline, where `profile` asks for them (None: where

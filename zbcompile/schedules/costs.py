@@ -117,6 +117,17 @@ class ResolvedCosts:
 
         return ResolvedCosts(split(self.f), split(self.i), split(self.w), self.comm, split(self.mem_b), split(self.mem_w))
 
+    def merged(self, chunks: int) -> "ResolvedCosts":
+        """The inverse cut: every ``chunks`` consecutive chunks summed into one stage (times and
+        memory add); ``comm`` stays."""
+        if self.stages % chunks:
+            raise ValueError(f"cannot merge {self.stages} chunks in groups of {chunks}")
+
+        def merge(values: tuple[float, ...]) -> tuple[float, ...]:
+            return tuple(sum(values[s : s + chunks]) for s in range(0, len(values), chunks))
+
+        return ResolvedCosts(merge(self.f), merge(self.i), merge(self.w), self.comm, merge(self.mem_b), merge(self.mem_w))
+
 
 @dataclass(frozen=True)
 class Costs:

@@ -49,6 +49,7 @@ class BuildRequest:
     ranks: int | None
     started: float
     placements: tuple[str, ...] = ("in-line",)
+    chunk_costs: ResolvedCosts | None = None  # a V result's chunks (None: ``costs.chunked(2)``)
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ def _build_zb_auto(r: BuildRequest) -> Schedule:
     def in_line() -> Schedule:
         return zb_auto(r.stages, r.microbatches, r.costs, r.limits, r.objective, r.time_budget, r.deterministic, r.started)
 
-    return choose_placement(in_line, r.stages, r.microbatches, r.costs, r.limits, r.objective, r.placements)
+    return choose_placement(in_line, r.stages, r.microbatches, r.costs, r.limits, r.objective, r.placements, r.chunk_costs)
 
 
 SCHEDULES: Mapping[str, ScheduleSpec] = MappingProxyType({
@@ -150,6 +151,7 @@ def make_schedule(
     deterministic: bool = False,
     check: bool = True,
     placements: Sequence[str] = ("in-line",),
+    chunk_costs: Costs | ResolvedCosts | None = None,
 ) -> Schedule:
     """Build, validate and return the schedule ``name`` (one of ``SCHEDULE_NAMES``).
 
@@ -163,6 +165,8 @@ def make_schedule(
     per step). ``placements`` (zb-auto): with "v" among them (``v_choice.PLACEMENTS``) and a limit below
     1F1B's, zb-auto may return a V schedule of 2 x ``stages`` chunks on ``stages`` ranks
     (``v_choice.choose_placement``); the default keeps one stage per rank, the stages the caller compiled.
+    ``chunk_costs``: the costs of those 2 x ``stages`` chunks where the caller compiled them
+    (default: ``costs`` cut in two, ``ResolvedCosts.chunked``).
     """
     spec = schedule_spec(name)
     if objective not in OBJECTIVES:
@@ -171,11 +175,12 @@ def make_schedule(
     sc = resolve_costs(costs, stages)
     started = time.perf_counter()
     limits = rank_limits(memory_limit, spec.ranks(stages)) if spec.solved else None
-    request = BuildRequest(stages, microbatches, sc, limits, objective, time_budget, deterministic, ranks, started, tuple(placements))
+    chunks = None if chunk_costs is None else resolve_costs(chunk_costs, 2 * stages)
+    request = BuildRequest(stages, microbatches, sc, limits, objective, time_budget, deterministic, ranks, started, tuple(placements), chunks)
     sched = spec.build(request)
     sched = sched.with_info(solve_time_s=time.perf_counter() - started)
     if sched.stages != stages:  # zb-auto chose two chunks per rank: per-chunk costs
-        sc = sc.chunked(sched.stages // stages)
+        sc = chunks or sc.chunked(sched.stages // stages)
     if check:
         # a schedule that chose its own limit (zbv without one: 1F1B's memory) records it in info
         validate(sched, sc, sched.info.get("memory_limit", memory_limit))

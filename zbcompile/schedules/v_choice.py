@@ -29,13 +29,18 @@ def below_one_f_one_b(stages: int, costs: ResolvedCosts, limits: Sequence[float]
 
 
 def best_v_schedule(
-    stages: int, microbatches: int, costs: ResolvedCosts, limits: Sequence[float], objective: str
+    stages: int,
+    microbatches: int,
+    costs: ResolvedCosts,
+    limits: Sequence[float] | None,
+    objective: str,
+    chunk_costs: ResolvedCosts | None = None,
 ) -> tuple[Schedule, float, float] | None:
     """The best V schedule on ``stages`` ranks within ``limits`` (per rank) under ``objective``, its
     value and the V placement's lower bound; None when none fits. Its stages are the 2 x ``stages``
-    chunks, with ``chunked(2)`` costs."""
+    chunks, with ``chunk_costs`` (default: ``costs.chunked(2)``)."""
     chunks = 2 * stages
-    chunk_costs = costs.chunked(2)
+    chunk_costs = chunk_costs or costs.chunked(2)
     candidates = [build(chunks, microbatches) for build in V_BUILDERS.values()]
     candidates = [c for c in candidates if fits(c, chunk_costs, limits)]
     try:
@@ -58,17 +63,18 @@ def choose_placement(
     limits: Sequence[float] | None,
     objective: str,
     placements: Sequence[str],
+    chunk_costs: ResolvedCosts | None = None,
 ) -> Schedule:
     """zb-auto's result over ``placements`` (see ``PLACEMENTS``): ``solve_in_line()`` (zb-auto with
     one stage per rank) and, with "v" allowed and a limit below 1F1B's, the best V schedule; the
     better one under ``objective``, ``info["placement"]`` saying which. A V result has 2 x
-    ``stages`` chunks (costs ``costs.chunked(2)``); ``lower_bound`` is then the smaller of both
-    placements' bounds."""
+    ``stages`` chunks (costs ``chunk_costs``, by default ``costs.chunked(2)``); ``lower_bound`` is
+    then the smaller of both placements' bounds. With "v" alone, the V is built under any limit."""
     unknown = set(placements) - set(PLACEMENTS)
     if unknown or not placements:
         raise ValueError(f"zb-auto: placements must be among {PLACEMENTS}, got {tuple(placements)}")
-    v_allowed = "v" in placements and below_one_f_one_b(stages, costs, limits)
-    v = best_v_schedule(stages, microbatches, costs, limits, objective) if v_allowed else None
+    v_allowed = "v" in placements and ("in-line" not in placements or below_one_f_one_b(stages, costs, limits))
+    v = best_v_schedule(stages, microbatches, costs, limits, objective, chunk_costs) if v_allowed else None
     in_line = None
     try:
         if "in-line" in placements:
