@@ -24,7 +24,7 @@ from zbcompile.runtime.local import LocalRunner
 from zbcompile.runtime.p2p import device_for
 from zbcompile.runtime.runner import Runner
 from zbcompile.schedules import Costs, Schedule, make_schedule, schedule_spec
-from zbcompile.schedules.costs import resolve_costs
+from zbcompile.schedules.costs import ResolvedCosts, resolve_costs
 from zbcompile.schedules.memory_limit import in_schedule_units, is_bytes, limit_in_words
 from zbcompile.schedules.v_choice import PLACEMENTS
 from zbcompile.stage_compiler import compile_stage_programs
@@ -184,7 +184,8 @@ class Builder:
         def solve() -> Schedule:
             given = self.options.costs
             try:
-                schedule = make_schedule(**self.solve_arguments(given or compiled.schedule_costs(), compiled, placements))
+                costs = compiled.schedule_costs() if given is None else self._per_compiled_stage(given, compiled)
+                schedule = make_schedule(**self.solve_arguments(costs, compiled, placements))
             except ValueError as error:
                 if not is_bytes(self.options.memory_limit):
                     raise
@@ -217,19 +218,27 @@ class Builder:
 
     def solve_arguments(self, costs: Costs, compiled: CompiledPipeline, placements: tuple[str, ...] = ("in-line",)) -> dict[str, Any]:
         """`make_schedule`'s arguments for this pipeline's schedule under `costs` (a limit in bytes
-        in `compiled`'s memory unit). A compile in twice the schedule's stages is zb-auto's V:
-        `costs` are then its chunks' (the given costs, per stage, are cut in two), and the
-        schedule is solved in the V again."""
+        in `compiled`'s memory unit; `costs` per compiled stage). A compile in twice the
+        schedule's stages is zb-auto's V: the schedule is solved in the V again, on its chunks'
+        costs."""
         o = self.options
         limit = in_schedule_units(o.memory_limit, compiled.memory_unit())
         arguments = dict(
             name=o.schedule, stages=o.stages, microbatches=o.microbatches, costs=costs, memory_limit=limit,
             time_budget=o.solver_time_budget, objective=o.objective, placements=placements,
         )
-        if len(compiled.programs) != schedule_spec(o.schedule).chunks_per_rank * o.stages:  # zb-auto's V compile
-            chunks = resolve_costs(costs, o.stages).chunked(2) if costs is o.costs else resolve_costs(costs, len(compiled.programs))
+        if self._is_v_compile(compiled):
+            chunks = resolve_costs(costs, len(compiled.programs))
             arguments.update(costs=chunks.merged(2), chunk_costs=chunks, placements=("v",))
         return arguments
+
+    def _is_v_compile(self, compiled: CompiledPipeline) -> bool:
+        """Whether `compiled` is zb-auto's V: twice the stages the schedule asks for."""
+        return len(compiled.programs) != schedule_spec(self.options.schedule).chunks_per_rank * self.options.stages
+
+    def _per_compiled_stage(self, given: Costs, compiled: CompiledPipeline) -> Costs | ResolvedCosts:
+        """`pipeline(costs=...)`, given per stage, for `compiled`'s stages: cut in two for a V."""
+        return resolve_costs(given, self.options.stages).chunked(2) if self._is_v_compile(compiled) else given
 
     def tuner(self, compiled: CompiledPipeline) -> profile.CostTuner | None:
         """Measured costs for a distributed pipeline, where `profile` asks for them (None: where
