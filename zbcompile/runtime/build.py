@@ -233,8 +233,8 @@ class Builder:
         return arguments
 
     def _is_v_compile(self, compiled: CompiledPipeline) -> bool:
-        """Whether `compiled` is zb-auto's V: twice the stages the schedule asks for."""
-        return len(compiled.programs) != schedule_spec(self.options.schedule).chunks_per_rank * self.options.stages
+        """Whether `compiled` is zb-auto's V: twice the stages the pipeline was given."""
+        return len(compiled.programs) != self.options.stages
 
     def _per_compiled_stage(self, given: Costs, compiled: CompiledPipeline) -> Costs | ResolvedCosts:
         """`pipeline(costs=...)`, given per stage, for `compiled`'s stages: cut in two for a V."""
