@@ -147,6 +147,10 @@ def test_reverse_rollback_refuses_what_it_cannot_undo():
         ReverseRollback(torch.optim.Adam(params, amsgrad=True))
     with pytest.raises(ValueError, match='"exact" or "reverse"'):
         make_rollback(torch.optim.Adam(params), "undo")
+    bf16 = [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3, 2, dtype=torch.bfloat16))]
+    with pytest.raises(ValueError, match=r'torch.bfloat16 parameters \(param group 0, e.g. one of shape \(3, 2\)\).*rollback="exact"'):
+        ReverseRollback(torch.optim.AdamW(bf16))
+    make_rollback(torch.optim.AdamW(bf16), "exact")  # a snapshot restores any dtype bit for bit
     case = build("mlp")
     pipe = zbcompile.pipeline(case.model, stages=2, microbatches=2, loss_fn=case.loss_fn)
     with pytest.raises(ValueError, match="max_norm"):
