@@ -60,8 +60,8 @@ def run_row(model: str, m: int, budget: float) -> dict:
         "1F1B": (make_schedule("1f1b", p, m, costs, check=False), costs),
         "ZB-H1": (make_schedule("zb-h1", p, m, costs, check=False), costs),
         "ZB-H2": (make_schedule("zb-h2", p, m, costs, check=False), costs),
-        "ZB-1p": (make_schedule("zb-auto", p, m, costs, memory_limit=float(p), time_budget=budget), costs),
-        "ZB-2p": (make_schedule("zb-auto", p, m, costs, memory_limit=2.0 * p, time_budget=budget), costs),
+        "ZB-1p": (make_schedule("zb-auto", p, m, costs, memory_limit=float(p), time_budget=budget, placements=("in-line",)), costs),
+        "ZB-2p": (make_schedule("zb-auto", p, m, costs, memory_limit=2.0 * p, time_budget=budget, placements=("in-line",)), costs),
         "ZB-V": (make_schedule("zbv", 2 * p, m, chunk_costs, check=False), chunk_costs),
     }
     row = {"model": model, "p": p, "m": m, "ours": {}, "paper": dict(zip(COLUMNS, PAPER[(model, m)]))}
@@ -81,7 +81,7 @@ def run_row(model: str, m: int, budget: float) -> dict:
         }
     for factor in (2, 1):
         started = time.perf_counter()
-        mk = make_schedule("zb-auto", p, m, costs, memory_limit=factor * p, objective="makespan", time_budget=budget)
+        mk = make_schedule("zb-auto", p, m, costs, memory_limit=factor * p, objective="makespan", time_budget=budget, placements=("in-line",))
         res = simulate(mk, costs)
         bound = mk.info["lower_bound"]
         row[f"makespan_{factor}p"] = {

@@ -238,8 +238,8 @@ def simulate_all(stages: list[dict], static, config: Config) -> list[dict]:
             ("1F1B", "1f1b", p, costs, {}),
             ("ZB-H1", "zb-h1", p, costs, {}),
             ("ZB-H2", "zb-h2", p, costs, {}),
-            ("ZB-1p", "zb-auto", p, costs, {"memory_limit": base, "time_budget": config.solver_time_budget}),
-            ("ZB-2p", "zb-auto", p, costs, {"memory_limit": 2 * base, "time_budget": config.solver_time_budget}),
+            ("ZB-1p", "zb-auto", p, costs, {"memory_limit": base, "time_budget": config.solver_time_budget, "placements": ("in-line",)}),
+            ("ZB-2p", "zb-auto", p, costs, {"memory_limit": 2 * base, "time_budget": config.solver_time_budget, "placements": ("in-line",)}),
             ("1F1B-I", "interleaved-1f1b", 2 * p, chunk_costs(loop), {"ranks": p}),
             ("ZB-V", "zbv", 2 * p, chunk_costs(vee), {}),
         ]

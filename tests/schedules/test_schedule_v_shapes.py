@@ -118,8 +118,10 @@ def test_zb_auto_picks_a_v_schedule_below_1f1b_memory(p, m, costs, fraction):
     assert fitting >= 1
 
 
-def test_zb_auto_keeps_one_stage_per_rank_unless_v_is_allowed():
-    auto = make_schedule("zb-auto", 4, 8, Costs(), memory_limit=2.5, time_budget=0)
+def test_zb_auto_keeps_one_stage_per_rank_when_asked():
+    """By default a limit below 1F1B's (4 here) brings in the V; ("in-line",) keeps the stages."""
+    assert make_schedule("zb-auto", 4, 8, Costs(), memory_limit=2.5, time_budget=0).stages == 8
+    auto = make_schedule("zb-auto", 4, 8, Costs(), memory_limit=2.5, time_budget=0, placements=("in-line",))
     assert auto.info["placement"] == "in-line" and auto.stages == 4
     with pytest.raises(ValueError, match="placements"):
         make_schedule("zb-auto", 4, 8, placements=("diagonal",))

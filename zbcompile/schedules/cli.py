@@ -18,7 +18,6 @@ from .ir import Schedule
 from .registry import OBJECTIVES, SCHEDULE_NAMES, make_schedule, schedule_spec
 from .render import idle_boxes, layout, to_png, to_svg
 from .simulate import simulate
-from .v_choice import PLACEMENTS
 
 
 def _floats(text: str) -> float | list[float]:
@@ -78,14 +77,14 @@ def _built(name: str, args: argparse.Namespace, costs: Costs) -> tuple[Schedule,
         stages, sc = args.stages, costs.resolve(args.stages)
         # only the solved schedules are shaped by a limit; the others are only measured
         limit = memory_limit_for(args.memory_limit, name, stages, costs) if spec.solved else None
-        sched = make_schedule(name, stages, args.microbatches, sc, limit, args.objective, time_budget=args.time_budget)
+        sched = make_schedule(name, stages, args.microbatches, sc, limit, args.objective, time_budget=args.time_budget, placements=("in-line",))
         return sched, sc
     per_rank = costs.resolve(args.ranks)
     stages = args.ranks * spec.chunks_per_rank
     sc = per_rank.chunked(spec.chunks_per_rank) if spec.chunks_per_rank > 1 else per_rank
     limit = memory_limit_for(args.memory_limit, "1f1b", args.ranks, costs) if spec.solved else None
     sched = make_schedule(
-        name, stages, args.microbatches, sc, limit, args.objective, time_budget=args.time_budget, placements=PLACEMENTS
+        name, stages, args.microbatches, sc, limit, args.objective, time_budget=args.time_budget
     )
     if sched.stages != stages:  # zb-auto chose two chunks per rank
         sc = per_rank.chunked(sched.stages // args.ranks)

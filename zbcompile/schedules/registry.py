@@ -25,7 +25,7 @@ from .handcrafted import (
 )
 from .heuristic import zbv
 from .ir import Schedule
-from .v_choice import choose_placement
+from .v_choice import PLACEMENTS, choose_placement
 from .validate import rank_limits, validate
 
 OBJECTIVES = ("span", "makespan")
@@ -150,7 +150,7 @@ def make_schedule(
     ranks: int | None = None,
     deterministic: bool = False,
     check: bool = True,
-    placements: Sequence[str] = ("in-line",),
+    placements: Sequence[str] = PLACEMENTS,
     chunk_costs: Costs | ResolvedCosts | None = None,
 ) -> Schedule:
     """Build, validate and return the schedule ``name`` (one of ``SCHEDULE_NAMES``).
@@ -162,9 +162,10 @@ def make_schedule(
     (zb-auto, zbv) and is checked for every schedule. zb-auto spends up to ``time_budget`` seconds
     (default 3) improving its heuristic with the exact solver; ``time_budget=0`` returns the
     heuristic. ``objective``: "span" (steps back to back; the paper's) or "makespan" (a barrier
-    per step). ``placements`` (zb-auto): with "v" among them (``v_choice.PLACEMENTS``) and a limit below
-    1F1B's, zb-auto may return a V schedule of 2 x ``stages`` chunks on ``stages`` ranks
-    (``v_choice.choose_placement``); the default keeps one stage per rank, the stages the caller compiled.
+    per step). ``placements`` (zb-auto; default both of ``v_choice.PLACEMENTS``): with "v" among
+    them and a limit below 1F1B's, zb-auto may return a V schedule of 2 x ``stages`` chunks on
+    ``stages`` ranks (``v_choice.choose_placement``; check ``sched.stages``); ``("in-line",)``
+    keeps one stage per rank, the stages the caller compiled.
     ``chunk_costs``: the costs of those 2 x ``stages`` chunks where the caller compiled them
     (default: ``costs`` cut in two, ``ResolvedCosts.chunked``).
     """
