@@ -98,6 +98,12 @@ class CompiledPipeline:
             mem_w=[c.mem_w / unit for c in costs],
         )
 
+    def checkpointed(self) -> bool:
+        """Whether the model has `torch.utils.checkpoint` regions: some stage recomputes forward
+        values of its own (recompute="auto"'s choices aside)."""
+        own = [options[0] for options in self.alternatives] or self.programs
+        return any(p.joint.recomputed for p in own)
+
     def memory_unit(self) -> int:
         """Bytes of one unit of `schedule_costs()`' memory: the largest stage's M_B (without
         compiler-chosen recomputation: `memory_unit_bytes` keeps it)."""
