@@ -206,8 +206,9 @@ def _stage_cost(joint: StageJoint, split: StageBackwardSplit) -> StageGraphCost:
     saved = [n for n in joint.backward.signature.inputs if n.startswith((SAVED, INPUT, UPDATE))]
     held_from_forward, stash_bytes = _weight_memory(split)
     # what each action keeps of what it took in: the runtime keeps F's inputs and the output
-    # gradients (their sender holds them), I what W reads
+    # gradients (their sender holds them), I what W reads (F's values only W reads pass I by)
     tangents = {n for n in joint.backward.signature.inputs if n.startswith(TANGENT)}
+    passing_i = joint.held_bytes([n for n in split.weight_reads if n not in split.input_backward.signature.inputs])
     return StageGraphCost(
         forward=graph_cost(joint.forward.graph),
         input_backward=graph_cost(split.input_backward.graph),
@@ -216,7 +217,7 @@ def _stage_cost(joint: StageJoint, split: StageBackwardSplit) -> StageGraphCost:
         mem_w=joint.held_bytes(held_from_forward) + stash_bytes,
         action_peaks={
             "F": peak_bytes(joint.forward, set(joint.forward.signature.inputs)),
-            "I": peak_bytes(split.input_backward, tangents | set(split.weight_reads)),
+            "I": peak_bytes(split.input_backward, tangents | set(split.weight_reads), passing_i),
             "W": peak_bytes(split.weight_backward, ()),
             "B": peak_bytes(joint.backward, tangents),
         },

@@ -113,12 +113,13 @@ def measure_stage_times(program, state: Mapping[str, torch.Tensor], repeats: int
     return MeasuredTimes(**{k: statistics.median(v) for k, v in samples.items()})
 
 
-def peak_bytes(program: Program, kept: Collection[str]) -> int:
+def peak_bytes(program: Program, kept: Collection[str], held: int = 0) -> int:
     """The most bytes alive at once while `program` runs as the runtime runs it (static, from
     the graph's order and the sizes in `meta["val"]`): its inputs other than parameters and
     buffers from the start, each freed after its last use unless named in `kept` (what the
     caller still holds); every value a node creates (views create none) from that node until
-    its last use; the outputs until the end. Counted right after each node, when its inputs are
+    its last use; the outputs until the end; plus `held` bytes the action holds throughout
+    without reading them. Counted right after each node, when its inputs are
     still alive, as `runtime.live_memory.TransientTracker` counts. Placeholders count apart even
     where they share one storage at run time."""
     graph = program.graph.graph
@@ -132,7 +133,7 @@ def peak_bytes(program: Program, kept: Collection[str]) -> int:
         for source in node.all_input_nodes:
             last_use[roots[source]] = position
     sizes = {n: _fx.node_bytes(n) for n, name in names.items() if not is_state(name)}
-    current = peak = sum(sizes.values())
+    current = peak = held + sum(sizes.values())
     freed_after: dict[int, list[fx.Node]] = {}
     for root in sizes:
         if root not in held_to_end:
