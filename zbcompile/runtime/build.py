@@ -25,7 +25,13 @@ from zbcompile.runtime.p2p import device_for
 from zbcompile.runtime.runner import Runner
 from zbcompile.schedules import Costs, Schedule, make_schedule, schedule_spec
 from zbcompile.schedules.costs import ResolvedCosts, resolve_costs
-from zbcompile.schedules.memory_limit import DEFAULT_LIMIT_RULE, default_limit, in_schedule_units, is_bytes, limit_in_words
+from zbcompile.schedules.memory_limit import (
+    DEFAULT_LIMIT_RULE,
+    default_limit,
+    in_schedule_units,
+    is_bytes,
+    limit_in_words,
+)
 from zbcompile.schedules.v_choice import PLACEMENTS
 from zbcompile.stage_compiler import compile_stage_programs
 from zbcompile.value_names import buffer_name, param_name
