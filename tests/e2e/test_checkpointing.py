@@ -144,8 +144,9 @@ def test_the_default_schedule_gives_checkpointing_its_memory_back():
 
 
 def test_zb_auto_always_fits_the_default_limit_and_is_no_slower_than_1f1b():
-    """The rule on random costs, M_W up to 12 x M_B (a checkpointed stage's): zb-auto finds a
-    schedule within 1F1B's per-rank peaks (validated), as fast as 1F1B at least."""
+    """The rule on random costs, M_W up to 12 x M_B (a checkpointed stage's): zb-auto, one stage
+    per rank as the pipeline asks without a limit of the user's, finds a schedule within 1F1B's
+    per-rank peaks (validated), as fast as 1F1B at least."""
     rng = random.Random(0)
     for _ in range(40):
         p = rng.choice([2, 3, 4, 6])
@@ -153,7 +154,7 @@ def test_zb_auto_always_fits_the_default_limit_and_is_no_slower_than_1f1b():
         draw = lambda low, high: [rng.uniform(low, high) for _ in range(p)]  # noqa: E731
         costs = Costs(f=draw(0.5, 2), i=draw(0.5, 2), w=draw(0.2, 2), comm=0.1, mem_b=draw(0.05, 1), mem_w=draw(0.05, 12))
         limit = default_limit(DEFAULT_SCHEDULE, p, m, costs, checkpointed=True)
-        schedule = make_schedule(DEFAULT_SCHEDULE, p, m, costs, limit, time_budget=0)
+        schedule = make_schedule(DEFAULT_SCHEDULE, p, m, costs, limit, time_budget=0, placements=("in-line",))
         assert simulate(schedule, costs).span <= simulate(make_schedule("1f1b", p, m), costs).span * (1 + 1e-9)
     assert default_limit(DEFAULT_SCHEDULE, 4, 8, Costs(), checkpointed=False) is None
     assert default_limit("zb-h1", 4, 8, Costs(), checkpointed=True) is None
