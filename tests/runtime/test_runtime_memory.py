@@ -82,3 +82,26 @@ def test_values_only_b_needs_are_gone_after_b(gpt_batch):
     assert kept_after_b <= set(program.split.weight_reads)
     executor.weight_backward(0)
     assert 0 not in executor.envs and executor.live_bytes() == 0
+
+
+def test_an_input_relayed_to_the_next_stage_outlives_the_forward_that_frees_its_inputs():
+    """F frees the inputs its microbatch does not keep; one the backward never reads but the
+    stage hands on unchanged (added to every layer's output) must still be there to hand on."""
+
+    class AddedEverywhere(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+        def forward(self, x, offset):
+            for layer in self.layers:
+                x = torch.tanh(layer(x)) + offset
+            return x
+
+    torch.manual_seed(0)
+    model, x, offset = AddedEverywhere(), torch.randn(8, 8), torch.rand(8, 8)
+    pipe = zbcompile.pipeline(model, stages=3, microbatches=4, loss_fn=torch.nn.functional.mse_loss, schedule="zb-h1")
+    loss = pipe.step(x, offset, target=torch.zeros(8, 8))
+    assert pipe.compiled.partition.stages[0].relays
+    expected = torch.stack([torch.nn.functional.mse_loss(model(a, b), torch.zeros(2, 8)) for a, b in zip(x.chunk(4), offset.chunk(4))]).mean()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)

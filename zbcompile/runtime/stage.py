@@ -66,6 +66,8 @@ class StageExecutor:
         self._last_forward = -1  # the microbatch of the latest F
         joint, split = program.joint, program.split
         self._backward_reads = {n for n in joint.backward.signature.inputs if not is_state(n)}
+        # what F keeps of its inputs: what the backward reads, and those it relays as outputs
+        self._forward_keeps = self._backward_reads | {input_name(v) for v in program.stage.outputs}
         self._weight_reads = set(split.weight_reads)
         self._weight_param_grads = [f for f in joint.param_grads if f not in split.input_param_grads]
         self._layouts = {**_placeholder_layouts(joint.forward), **_placeholder_layouts(joint.backward)}
@@ -78,7 +80,7 @@ class StageExecutor:
         stage = self.program.stage
         self._check_forward_order(microbatch)
         env = {input_name(name): self._as_traced(input_name(name), value) for name, value in inputs.items()}
-        self._run(self.program.forward, env, microbatch, keep=self._backward_reads)
+        self._run(self.program.forward, env, microbatch, keep=self._forward_keeps)
         self._update_buffers(env)
         if stage.outputs:
             outputs = {v: env[output_name(v)] if output_name(v) in env else env[input_name(v)] for v in stage.outputs}
