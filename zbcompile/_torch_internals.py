@@ -41,6 +41,7 @@ __all__ = [
     "TENSOR_REQUIRES_GRAD",
     "pytree",
     "use_plain_codegen",
+    "boxed_copy",
     "TorchDispatchMode",
     "BufferAOTInput",
     "GradAOTOutput",
@@ -82,6 +83,21 @@ def use_plain_codegen(graph_module: torch.fx.GraphModule) -> None:
     flat positional placeholders."""
     graph_module.graph._codegen = torch.fx.graph.CodeGen()
     graph_module.recompile()
+
+
+def boxed_copy(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A GraphModule computing what `graph_module` computes, called with one list of its inputs
+    that it empties first (torch.fx's boxed calling convention, as AOTAutograd's compiled
+    graphs): the list is then the only holder of the inputs the caller handed over, and the
+    generated code drops each input after its last use."""
+    from torch.fx.graph import _BoxedCodeGen
+
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(graph_module.graph, {}))
+    graph.set_codegen(_BoxedCodeGen())
+    boxed = torch.fx.GraphModule(graph_module, graph, class_name=type(graph_module).__name__)
+    boxed.recompile()
+    return boxed
 
 
 def traced_like_export() -> contextlib.AbstractContextManager:

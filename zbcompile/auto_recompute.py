@@ -6,7 +6,9 @@ Starting with no recomputation: while some ranks exceed their limit, each stage 
 takes, among its levels, the one whose schedule fits its rank in the least simulated time (the
 other stages as they are), or, where none fits, the one that lowers its rank's peak most. Each
 candidate's schedule is solved and simulated (`evaluate_memory`) with the limit in the memory unit
-of the pipeline before recomputation, which the candidates keep.
+of the pipeline before recomputation, which the candidates keep. A rank fits when its peak with
+each action's own transients (`CompiledPipeline.peak_memory_with_transients`: the values a
+backward recomputes live inside it) is within the limit: the memory the runtime measures.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any, Callable, Sequence
 
 from zbcompile.compiler import CompiledPipeline
 from zbcompile.schedules import Costs, make_schedule
+from zbcompile.schedules.costs import fits_memory
 from zbcompile.schedules.simulate import simulate
 from zbcompile.schedules.validate import rank_limits
 
@@ -38,16 +41,15 @@ def evaluate_memory(
     whose rank exceeds its limit, each stage's rank peak in bytes, the simulated makespan."""
     costs = compiled.schedule_costs()
     arguments = {**solve_arguments(costs, compiled), "time_budget": 0}
-    limits = None
     try:
         schedule = make_schedule(**arguments)
     except ValueError:  # the limit cannot be met (validation or the solver said so)
         schedule = make_schedule(**{**arguments, "memory_limit": None})
-        limits = rank_limits(arguments["memory_limit"], len(schedule.actions))
-    result = simulate(schedule, costs)
-    over = frozenset(s for s, r in enumerate(schedule.stage_to_rank) if limits is not None and result.peak_memory[r] > limits[r])
+    limits = rank_limits(arguments["memory_limit"], len(schedule.actions))
+    peaks = compiled.peak_memory_with_transients(schedule, costs)
+    over = frozenset(s for s, r in enumerate(schedule.stage_to_rank) if limits is not None and not fits_memory(peaks[r], limits[r]))
     unit = compiled.memory_unit()
-    return Evaluation(over, tuple(result.peak_memory[r] * unit for r in schedule.stage_to_rank), result.makespan)
+    return Evaluation(over, tuple(peaks[r] * unit for r in schedule.stage_to_rank), simulate(schedule, costs).makespan)
 
 
 def with_levels(compiled: CompiledPipeline, levels: Sequence[int]) -> CompiledPipeline:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import sympy
 import torch
@@ -17,27 +17,33 @@ from torch import nn
 from zbcompile import _torch_internals as ti
 from zbcompile._torch_internals import pytree
 from zbcompile.passes import _fx
-from zbcompile.passes.graph_cost import GraphCost, graph_cost
+from zbcompile.passes.graph_cost import GraphCost, graph_cost, peak_bytes
 from zbcompile.passes.joint import StageJoint, export_stage_joints
 from zbcompile.passes.partition import Stage, StagePartition, partition_stages
 from zbcompile.passes.recompute import RECOMPUTE_LEVELS, RecomputeLevel
 from zbcompile.passes.split_backward import MIN_DEFERRAL_INTENSITY, StageBackwardSplit, split_backward
 from zbcompile.passes.trace import TracedModel, trace_model
 from zbcompile.program import Program
-from zbcompile.schedules import Costs
-from zbcompile.value_names import INPUT, SAVED, UPDATE, is_stash
+from zbcompile.schedules import Costs, Schedule
+from zbcompile.schedules.costs import ResolvedCosts, resolve_costs
+from zbcompile.schedules.simulate import peak_memory
+from zbcompile.value_names import INPUT, SAVED, TANGENT, UPDATE, is_stash
 
 
 @dataclass(frozen=True)
 class StageGraphCost:
     """Static cost of one stage for one microbatch: FLOPs/bytes of F, I and W; `mem_b` bytes F
-    keeps for the backward (M_B), `mem_w` bytes W still needs once I has run (M_W)."""
+    keeps for the backward (M_B), `mem_w` bytes W still needs once I has run (M_W);
+    `action_peaks`: by action ("F", "I", "W", "B"), the most bytes alive while it runs
+    (`graph_cost.peak_bytes`: what it took in, what it creates), the transients the schedule's
+    memory model (M_B, M_W) leaves out."""
 
     forward: GraphCost
     input_backward: GraphCost
     weight_backward: GraphCost
     mem_b: int
     mem_w: int
+    action_peaks: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -98,10 +104,25 @@ class CompiledPipeline:
             mem_w=[c.mem_w / unit for c in costs],
         )
 
+    def checkpointed(self) -> bool:
+        """Whether the model has `torch.utils.checkpoint` regions: some stage recomputes forward
+        values of its own (recompute="auto"'s choices aside)."""
+        own = [options[0] for options in self.alternatives] or self.programs
+        return any(p.joint.recomputed for p in own)
+
     def memory_unit(self) -> int:
         """Bytes of one unit of `schedule_costs()`' memory: the largest stage's M_B (without
         compiler-chosen recomputation: `memory_unit_bytes` keeps it)."""
         return self.memory_unit_bytes or max([p.cost.mem_b for p in self.programs] + [1])
+
+    def peak_memory_with_transients(self, schedule: Schedule, costs: Costs | None = None) -> tuple[float, ...]:
+        """Per rank, the simulator's peak activation memory of `schedule` (in `costs`' memory unit,
+        by default the static costs') with each action's own peak (`action_peaks`) in place of
+        its memory model's: what the runtime measures with `measure_transients`."""
+        resolved = resolve_costs(costs if costs is not None else self.schedule_costs(), schedule.stages)
+        unit = self.memory_unit()
+        peaks = tuple({kind: bytes_ / unit for kind, bytes_ in p.cost.action_peaks.items()} for p in self.programs)
+        return peak_memory(schedule, _WithActionPeaks(**vars(resolved), action_peaks=peaks))
 
     def recompute_choice(self) -> list[str]:
         """recompute="auto": one line per stage, its level, M_B and M_W against level 0 (checkpoint
@@ -184,12 +205,22 @@ def _stage_program(stage: Stage, joint: StageJoint, level: RecomputeLevel, min_d
 def _stage_cost(joint: StageJoint, split: StageBackwardSplit) -> StageGraphCost:
     saved = [n for n in joint.backward.signature.inputs if n.startswith((SAVED, INPUT, UPDATE))]
     held_from_forward, stash_bytes = _weight_memory(split)
+    # what each action keeps of what it took in: the runtime keeps F's inputs and the output
+    # gradients (their sender holds them), I what W reads (F's values only W reads pass I by)
+    tangents = {n for n in joint.backward.signature.inputs if n.startswith(TANGENT)}
+    passing_i = joint.held_bytes([n for n in split.weight_reads if n not in split.input_backward.signature.inputs])
     return StageGraphCost(
         forward=graph_cost(joint.forward.graph),
         input_backward=graph_cost(split.input_backward.graph),
         weight_backward=graph_cost(split.weight_backward.graph),
         mem_b=joint.held_bytes(saved),
         mem_w=joint.held_bytes(held_from_forward) + stash_bytes,
+        action_peaks={
+            "F": peak_bytes(joint.forward, set(joint.forward.signature.inputs)),
+            "I": peak_bytes(split.input_backward, tangents | set(split.weight_reads), passing_i),
+            "W": peak_bytes(split.weight_backward, ()),
+            "B": peak_bytes(joint.backward, tangents),
+        },
     )
 
 
@@ -205,6 +236,21 @@ def _weight_memory(split: StageBackwardSplit) -> tuple[set[str], int]:
     held |= {placeholder_names[roots[n]] for n in stash if roots[n].op == "placeholder"}
     owned = {roots[n] for n in stash if roots[n].op != "placeholder"}
     return held, sum(_fx.node_bytes(n) for n in owned)
+
+
+@dataclass(frozen=True)
+class _WithActionPeaks(ResolvedCosts):
+    """Costs whose actions rise to their own peaks (per stage: by kind, in memory units), the
+    microbatch's own saved values before them included."""
+
+    action_peaks: tuple[Mapping[str, float], ...] = ()
+
+    def memory_rise(self, stage: int, kind: str) -> float:
+        peak = self.action_peaks[stage].get(kind)
+        if peak is None:  # communication
+            return super().memory_rise(stage, kind)
+        own_before = {"I": self.mem_b, "B": self.mem_b, "W": self.mem_w}.get(kind)
+        return max(self.memory_delta(stage, kind), peak - (own_before[stage] if own_before else 0.0))
 
 
 @dataclass(frozen=True)

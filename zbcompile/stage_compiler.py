@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 import torch
 
@@ -59,8 +59,8 @@ class InductorProgram(Program):
 
     _compiled: dict[str, Callable] = field(default_factory=dict, compare=False, repr=False)
 
-    def run(self, env: dict[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> None:
-        inputs = [env[n] if n in env else state[n] for n in self.signature.inputs]
+    def run(self, env: dict[str, torch.Tensor], state: Mapping[str, torch.Tensor], consumed: Collection[str] = ()) -> None:
+        inputs = self._inputs(env, state, consumed)
         with torch.no_grad():
             results = self._compiled_for(inputs)(inputs)
         env.update(zip(self.signature.outputs, results))

@@ -1,13 +1,15 @@
 """Activation checkpointing: `torch.utils.checkpoint(block, x, use_reentrant=False)` regions are
 recomputed in the backward instead of saved. A GPT with every block checkpointed gives the
 gradients of the same GPT without (bit for bit, every schedule, dropout included); F saves
-only the blocks' inputs (M_B drops, measured peaks drop); each region's forward runs once per
-I + W, counted; the cost model charges the recomputation to the backward."""
+only the blocks' inputs (M_B drops, measured peaks drop, the recomputation inside the backward
+included); each region's forward runs once per I + W, counted; the cost model charges the
+recomputation to the backward; the default schedule keeps within 1F1B's memory."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import random
 
 import pytest
 import torch
@@ -16,7 +18,9 @@ import zbcompile
 from zbcompile._torch_internals import TorchDispatchMode
 from zbcompile.models import GPT, GPTConfig
 from zbcompile.models.gpt import lm_loss
-from zbcompile.schedules.registry import SCHEDULE_NAMES
+from zbcompile.schedules import Costs, make_schedule, simulate
+from zbcompile.schedules.memory_limit import DEFAULT_LIMIT_RULE, default_limit
+from zbcompile.schedules.registry import DEFAULT_SCHEDULE, SCHEDULE_NAMES
 
 CONFIG = GPTConfig(vocab_size=64, seq_len=16, hidden=32, heads=2, layers=4, dropout=0.1)
 BATCH, MICROBATCHES, STAGES = 8, 4, 4
@@ -29,7 +33,8 @@ def _batch(config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 @functools.lru_cache(maxsize=None)
 def _pipelines(config: GPTConfig = CONFIG) -> dict[bool, tuple]:
-    """(model, pipe) without and with checkpointing, the same initial weights; one compile each."""
+    """(model, pipe) without and with checkpointing, the same initial weights; one compile each,
+    measuring the memory alive inside actions too."""
     result = {}
     for checkpointed in (False, True):
         torch.manual_seed(0)
@@ -37,15 +42,18 @@ def _pipelines(config: GPTConfig = CONFIG) -> dict[bool, tuple]:
         pipe = zbcompile.pipeline(model, stages=STAGES, microbatches=MICROBATCHES, loss_fn=lm_loss, schedule="1f1b", solver_time_budget=0.5)
         tokens, target = _batch(config)
         pipe.compile(tokens, target=target)
+        pipe.runner.measure_transients()
         result[checkpointed] = (model, pipe)
     return result
 
 
-def _step(model, pipe, schedule: str, config: GPTConfig = CONFIG):
+def _step(model, pipe, schedule: str, config: GPTConfig = CONFIG, order=None):
+    """One step under `schedule` (run in the order of the Schedule `order` where given)."""
     pipe.set_schedule(schedule)
+    if order is not None:
+        pipe.runner.reschedule(order)
     pipe.zero_grad()
-    for executor in pipe.executors:
-        executor.peak_live_bytes = 0
+    pipe.runner.reset_peaks()
     torch.manual_seed(7)  # the dropout masks
     tokens, target = _batch(config)
     loss = pipe.step(tokens, target=target)
@@ -53,10 +61,12 @@ def _step(model, pipe, schedule: str, config: GPTConfig = CONFIG):
 
 
 def test_checkpointed_blocks_give_the_same_gradients_bitwise_under_every_schedule():
+    """In the order the checkpointed pipeline runs (zb-auto solves a different one for it: its
+    default limit); in one process the dropout masks are drawn in that order."""
     pipelines = _pipelines()
     for schedule in SCHEDULE_NAMES:
-        plain_loss, plain = _step(*pipelines[False], schedule)
         loss, grads = _step(*pipelines[True], schedule)
+        plain_loss, plain = _step(*pipelines[False], schedule, order=pipelines[True][1].schedule)
         assert torch.equal(loss, plain_loss), schedule
         for fqn, grad in plain.items():
             assert torch.equal(grads[fqn], grad), f"{schedule}: {fqn}"
@@ -73,8 +83,13 @@ def test_forward_saves_only_block_inputs_and_the_backward_pays_the_recomputation
 
 
 def _rank_peak(pipe) -> int:
-    """The highest rank's measured peak (one stage per rank in these schedules)."""
-    return max(e.peak_live_bytes for e in pipe.executors)
+    """The highest rank's measured peak, what lives inside actions included (one stage per rank
+    in these schedules)."""
+    return max(e.peak_activation_bytes for e in pipe.executors)
+
+
+def _predicted_peaks(pipe) -> tuple[float, ...]:
+    return simulate(pipe.schedule, pipe.compiled.schedule_costs()).peak_memory
 
 
 def _backward_flops(program) -> int:
@@ -96,13 +111,53 @@ def test_each_region_runs_its_forward_once_per_input_and_weight_backward():
         assert all(names.count(r) <= 1 for r in program.joint.recomputed), program.index
 
 
+GPT12 = dataclasses.replace(CONFIG, layers=12, dropout=0.0)
+
+
 def test_measured_peak_activation_bytes_drop_by_40_percent_on_a_12_layer_gpt():
-    config = dataclasses.replace(CONFIG, layers=12, dropout=0.0)
+    """1F1B; measured with the recomputed activations that live inside the backward."""
     peaks = {}
-    for checkpointed, (model, pipe) in _pipelines(config).items():
-        _step(model, pipe, "1f1b", config)
+    for checkpointed, (model, pipe) in _pipelines(GPT12).items():
+        _step(model, pipe, "1f1b", GPT12)
         peaks[checkpointed] = _rank_peak(pipe)
+        assert pipe.runner.peak_activation_bytes > pipe.runner.peak_live_bytes  # the backward's transients seen
     assert peaks[True] <= 0.6 * peaks[False], peaks
+
+
+def test_the_default_schedule_gives_checkpointing_its_memory_back():
+    """zb-auto with no memory_limit on a model that checkpoints runs under 1F1B's peak per rank
+    (`memory_limit.default_limit`): the measured peak is at most 60% of the same GPT's without
+    checkpointing under the default schedule, and the predicted peak per rank is 1F1B's at
+    most. explain() says which limit it ran under."""
+    peaks, predicted = {}, {}
+    for checkpointed, (model, pipe) in _pipelines(GPT12).items():
+        _step(model, pipe, "1f1b", GPT12)
+        one_f_one_b = _predicted_peaks(pipe)
+        _step(model, pipe, DEFAULT_SCHEDULE, GPT12)
+        peaks[checkpointed], predicted[checkpointed] = _rank_peak(pipe), (_predicted_peaks(pipe), one_f_one_b)
+    assert peaks[True] <= 0.6 * peaks[False], peaks
+    default, one_f_one_b = predicted[True]
+    assert all(d <= b * (1 + 1e-9) for d, b in zip(default, one_f_one_b)), predicted[True]
+    plain_default, plain_one_f_one_b = predicted[False]
+    assert max(plain_default) > max(plain_one_f_one_b)  # without checkpointing: no limit, W deferred
+    assert DEFAULT_LIMIT_RULE in _pipelines(GPT12)[True][1].explain()
+
+
+def test_zb_auto_always_fits_the_default_limit_and_is_no_slower_than_1f1b():
+    """The rule on random costs, M_W up to 12 x M_B (a checkpointed stage's): zb-auto, one stage
+    per rank as the pipeline asks without a limit of the user's, finds a schedule within 1F1B's
+    per-rank peaks (validated), as fast as 1F1B at least."""
+    rng = random.Random(0)
+    for _ in range(40):
+        p = rng.choice([2, 3, 4, 6])
+        m = rng.choice([p, 2 * p, 3 * p + 1])
+        draw = lambda low, high: [rng.uniform(low, high) for _ in range(p)]  # noqa: E731
+        costs = Costs(f=draw(0.5, 2), i=draw(0.5, 2), w=draw(0.2, 2), comm=0.1, mem_b=draw(0.05, 1), mem_w=draw(0.05, 12))
+        limit = default_limit(DEFAULT_SCHEDULE, p, m, costs, checkpointed=True)
+        schedule = make_schedule(DEFAULT_SCHEDULE, p, m, costs, limit, time_budget=0, placements=("in-line",))
+        assert simulate(schedule, costs).span <= simulate(make_schedule("1f1b", p, m), costs).span * (1 + 1e-9)
+    assert default_limit(DEFAULT_SCHEDULE, 4, 8, Costs(), checkpointed=False) is None
+    assert default_limit("zb-h1", 4, 8, Costs(), checkpointed=True) is None
 
 
 class _Counting(TorchDispatchMode):
@@ -139,7 +194,7 @@ def test_auto_recompute_fits_a_limit_30_percent_below_zb_h1s_measured_peak():
     """12-layer GPT, zb-h1, the limit in bytes: the measured peak with recompute="auto" stays
     within it, the memory unit stays M_B before recomputation, the gradients are the same bits,
     and explain() says what each stage recomputes."""
-    config = dataclasses.replace(CONFIG, layers=12, dropout=0.0)
+    config = GPT12
     model, pipe = _pipelines(config)[False]
     plain_loss, plain = _step(model, pipe, "zb-h1", config)
     peak = _rank_peak(pipe)
@@ -150,8 +205,9 @@ def test_auto_recompute_fits_a_limit_30_percent_below_zb_h1s_measured_peak():
         auto_model, stages=STAGES, microbatches=MICROBATCHES, loss_fn=lm_loss, schedule="zb-h1", memory_limit=f"{int(0.7 * peak)}B", recompute="auto"
     )
     auto.compile(*_batch(config)[:1], target=_batch(config)[1])
+    auto.runner.measure_transients()
     loss, grads = _step(auto_model, auto, "zb-h1", config)
-    assert _rank_peak(auto) <= 0.7 * peak, ([e.peak_live_bytes for e in auto.executors], peak)
+    assert _rank_peak(auto) <= 0.7 * peak, ([e.peak_activation_bytes for e in auto.executors], peak)
     assert any(auto.compiled.recompute_levels), auto.compiled.recompute_levels
     assert auto.compiled.memory_unit() == unit
     assert torch.equal(loss, plain_loss) and all(torch.equal(grads[n], g) for n, g in plain.items())

@@ -1,4 +1,6 @@
-"""The runtime's own count of live activation bytes against the simulator's prediction."""
+"""The runtime's own count of live activation bytes against the simulator's prediction: between
+actions (the stashed values, M_B and M_W) and inside them (`measure_transients`, against the
+prediction with each action's own peak)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ def gpt_batch():
 
 def _peaks(model, tokens, targets, schedule):
     pipe = zbcompile.pipeline(model, stages=4, microbatches=8, loss_fn=lm_loss, schedule=schedule, solver_time_budget=0.5)
+    pipe.compile(tokens, target=targets)
+    pipe.runner.measure_transients()
     pipe.step(tokens, target=targets)
     predicted = simulate(pipe.schedule, pipe.compiled.schedule_costs()).peak_memory
     unit = pipe.compiled.memory_unit()
@@ -30,9 +34,14 @@ def _peaks(model, tokens, targets, schedule):
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "zb-h2", "zb-auto"])
 def test_measured_peak_matches_the_simulator(gpt_batch, schedule):
-    measured, predicted, _ = _peaks(*gpt_batch, schedule)
+    measured, predicted, pipe = _peaks(*gpt_batch, schedule)
     for rank, (m, p) in enumerate(zip(measured, predicted)):
         assert abs(m - p) <= 0.10 * p, f"{schedule} rank {rank}: measured {m} B, predicted {p:.0f} B"
+    unit = pipe.compiled.memory_unit()
+    with_transients = [p * unit for p in pipe.compiled.peak_memory_with_transients(pipe.schedule)]
+    for rank, (e, p) in enumerate(zip(pipe.executors, with_transients)):
+        m = e.peak_activation_bytes
+        assert e.peak_live_bytes < m and abs(m - p) <= 0.05 * p, f"{schedule} rank {rank}: measured {m} B inside actions, predicted {p:.0f} B"
 
 
 def test_zb_h1_peak_is_no_higher_than_1f1b():
@@ -73,3 +82,26 @@ def test_values_only_b_needs_are_gone_after_b(gpt_batch):
     assert kept_after_b <= set(program.split.weight_reads)
     executor.weight_backward(0)
     assert 0 not in executor.envs and executor.live_bytes() == 0
+
+
+def test_an_input_relayed_to_the_next_stage_outlives_the_forward_that_frees_its_inputs():
+    """F frees the inputs its microbatch does not keep; one the backward never reads but the
+    stage hands on unchanged (added to every layer's output) must still be there to hand on."""
+
+    class AddedEverywhere(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+        def forward(self, x, offset):
+            for layer in self.layers:
+                x = torch.tanh(layer(x)) + offset
+            return x
+
+    torch.manual_seed(0)
+    model, x, offset = AddedEverywhere(), torch.randn(8, 8), torch.rand(8, 8)
+    pipe = zbcompile.pipeline(model, stages=3, microbatches=4, loss_fn=torch.nn.functional.mse_loss, schedule="zb-h1")
+    loss = pipe.step(x, offset, target=torch.zeros(8, 8))
+    assert pipe.compiled.partition.stages[0].relays
+    expected = torch.stack([torch.nn.functional.mse_loss(model(a, b), torch.zeros(2, 8)) for a, b in zip(x.chunk(4), offset.chunk(4))]).mean()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)

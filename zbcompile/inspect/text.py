@@ -177,6 +177,10 @@ def format_schedule(version: dict[str, Any], count: int = 1, memory_unit: int | 
         for s in range(version["stages"])
     ]
     lines.append(format_table(("stage", "F", "I", "W", "M_B", "M_W"), rows))
+    if version.get("memory_limit"):
+        shown = ", ".join(si(v * unit_bytes, "B") if memory_unit else f"{v:.2f}" for v in version["memory_limit"])
+        rule = version.get("info", {}).get("memory_limit_rule", "the schedule's own")
+        lines.append(f"memory limit per rank: {shown} ({rule})")
     peaks = ", ".join(si(b, "B") for b in predicted["peak_memory_bytes"])
     lines.append(
         f"predicted: makespan {_time(predicted['makespan'], unit)}, span {_time(predicted['span'], unit)}, "

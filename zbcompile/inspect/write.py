@@ -40,6 +40,7 @@ from zbcompile.inspect.text import format_schedule, format_stages, stage_rows
 from zbcompile.inspect.trace import append_step, chrome_trace, read_timelines, start_timeline
 from zbcompile.schedules import Costs, Schedule, lower, simulate
 from zbcompile.schedules.costs import resolve_costs
+from zbcompile.schedules.validate import rank_limits
 
 if TYPE_CHECKING:
     from zbcompile.compiler import CompiledPipeline
@@ -103,10 +104,12 @@ def schedule_costs_used(schedule: Schedule, compiled: "CompiledPipeline", measur
 
 
 def schedule_record(schedule: Schedule, costs: Costs, cost_source: str, memory_unit: int, version: int) -> dict[str, Any]:
-    """One entry of `schedule.json`: the schedule, its lowering, its costs and the simulator's
-    prediction under them (times in the costs' unit, memory in units and bytes)."""
+    """One entry of `schedule.json`: the schedule, its lowering, its costs, the memory limit it
+    was made under (per rank, in units; None: none) and the simulator's prediction under them
+    (times in the costs' unit, memory in units and bytes)."""
     resolved = resolve_costs(costs, schedule.stages)
     result = simulate(schedule, resolved)
+    limits = rank_limits(schedule.info.get("memory_limit"), len(schedule.actions))
     return _plain(
         {
             "version": version,
@@ -119,6 +122,7 @@ def schedule_record(schedule: Schedule, costs: Costs, cost_source: str, memory_u
             "cost_source": cost_source,
             "time_unit": {"measured": "s", "static": "FLOP-eq"}.get(cost_source, "given unit"),
             "costs": {k: getattr(resolved, k) for k in ("f", "i", "w", "comm", "mem_b", "mem_w")},
+            "memory_limit": limits,
             "prediction": {
                 "makespan": result.makespan,
                 "span": result.span,

@@ -5,17 +5,21 @@ of a stage's F, I and W on this machine (`measure_stage_times`)."""
 
 from __future__ import annotations
 
+import operator
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Collection, Mapping
 
 import torch
 from torch import fx
 
 from zbcompile import _torch_internals as ti
 from zbcompile._torch_internals import pytree
+from zbcompile.passes import _fx
 from zbcompile.passes._fx import is_view_op, node_bytes
+from zbcompile.program import Program
+from zbcompile.value_names import is_state
 
 # Weight of one written byte against one FLOP when balancing stages: elementwise work is
 # bandwidth-bound, so a byte costs about as much time as a few FLOPs on CPUs and GPUs alike.
@@ -107,3 +111,50 @@ def measure_stage_times(program, state: Mapping[str, torch.Tensor], repeats: int
                 if attempt:
                     samples[graph_name].append(time.perf_counter() - started)
     return MeasuredTimes(**{k: statistics.median(v) for k, v in samples.items()})
+
+
+def peak_bytes(program: Program, kept: Collection[str], held: int = 0) -> int:
+    """The most bytes alive at once while `program` runs as the runtime runs it (static, from
+    the graph's order and the sizes in `meta["val"]`): its inputs other than parameters and
+    buffers from the start, each freed after its last use unless named in `kept` (what the
+    caller still holds); every value a node creates (views create none) from that node until
+    its last use; the outputs until the end; plus `held` bytes the action holds throughout
+    without reading them. Counted right after each node, when its inputs are
+    still alive, as `runtime.live_memory.TransientTracker` counts. Placeholders count apart even
+    where they share one storage at run time."""
+    graph = program.graph.graph
+    nodes = list(graph.nodes)
+    roots = _fx.storage_roots(graph)
+    names = dict(zip(graph.find_nodes(op="placeholder"), program.signature.inputs))
+    held_to_end = {roots[n] for n in pytree.tree_leaves(graph.output_node().args) if isinstance(n, fx.Node)}
+    held_to_end |= {n for n, name in names.items() if name in kept}
+    last_use: dict[fx.Node, int] = {}
+    for position, node in enumerate(nodes):
+        for source in node.all_input_nodes:
+            last_use[roots[source]] = position
+    sizes = {n: _fx.node_bytes(n) for n, name in names.items() if not is_state(name)}
+    current = peak = held + sum(sizes.values())
+    freed_after: dict[int, list[fx.Node]] = {}
+    for root in sizes:
+        if root not in held_to_end:
+            freed_after.setdefault(last_use.get(root, -1), []).append(root)
+    current -= sum(sizes[r] for r in freed_after.pop(-1, []))
+    for position, node in enumerate(nodes):
+        if node.op == "call_function" and roots[node] is node and not _of_multi_output(node):
+            # a tuple-valued op allocates every element: those read on belong to their getitems
+            owners = [u for u in node.users if roots[u] is u] if _fx.is_multi_output(node) else [node]
+            sizes.update((owner, _fx.node_bytes(owner)) for owner in owners)
+            created = _fx.node_bytes(node)
+            current += created
+            peak = max(peak, current)
+            current -= created - sum(sizes[owner] for owner in owners)  # elements nothing reads
+            for owner in owners:
+                if owner not in held_to_end:
+                    freed_after.setdefault(max(position, last_use.get(owner, position)), []).append(owner)
+        current -= sum(sizes[r] for r in freed_after.pop(position, []))
+    return peak
+
+
+def _of_multi_output(node: fx.Node) -> bool:
+    """A getitem of a tuple-valued op: allocated by that op, counted there."""
+    return node.target is operator.getitem and _fx.is_multi_output(node.args[0])

@@ -21,7 +21,7 @@ from torch import fx
 from zbcompile import _torch_internals as ti
 from zbcompile.passes import _fx
 from zbcompile.passes.partition import Stage, StagePartition
-from zbcompile.passes.recompute import checkpointed_nodes, recompute_closure
+from zbcompile.passes.recompute import checkpointed_nodes, recompute_closure, recompute_when_needed
 from zbcompile.passes.trace import first_line, same_kind, source_line
 from zbcompile.program import Program, Signature
 from zbcompile.value_names import (
@@ -305,6 +305,7 @@ def _separate_forward(
         names={**names, **_updated_buffers(names, stage)},
         class_name=f"Stage{stage.index}Backward",
     )
+    recompute_when_needed(backward.graph, (n.name for n in recomputed))
     return StageJoint(
         stage=stage.index,
         forward=forward,

@@ -114,3 +114,39 @@ def recompute_closure(backward_nodes: set[fx.Node], candidates: set[fx.Node]) ->
                 recomputed.add(source)
                 frontier.append(source)
     return recomputed
+
+
+def recompute_when_needed(graph_module: fx.GraphModule, recomputed: Iterable[str]) -> None:
+    """Reorder the backward `graph_module` so that each recomputed node (named in `recomputed`)
+    runs right before the first node that reads it, after the recomputed nodes it reads, rather
+    than where the forward had it (all recomputation first). The backward then recomputes a
+    checkpoint region when its own backward begins and frees its values when that ends, as eager
+    checkpointing does: it holds one region's recomputed values at a time, not every region's.
+    Only the order changes (each node computes what it did), so every result is the same."""
+    graph, names = graph_module.graph, set(recomputed)
+    pending = {n for n in graph.nodes if n.name in names}
+    for node in list(graph.nodes):
+        if node in pending:
+            continue
+        for needed in _recomputed_inputs_first(node, pending):
+            node.prepend(needed)
+    graph.lint()
+    graph_module.recompile()
+
+
+def _recomputed_inputs_first(node: fx.Node, pending: set[fx.Node]) -> list[fx.Node]:
+    """The nodes of `pending` that `node` needs, directly or through each other, each after
+    those it reads (taken out of `pending`)."""
+    order: list[fx.Node] = []
+    stack = [(source, False) for source in reversed(node.all_input_nodes) if source in pending]
+    while stack:
+        current, inputs_done = stack.pop()
+        if current not in pending:
+            continue
+        if inputs_done:
+            pending.discard(current)
+            order.append(current)
+            continue
+        stack.append((current, True))
+        stack.extend((source, False) for source in reversed(current.all_input_nodes) if source in pending)
+    return order

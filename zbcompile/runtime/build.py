@@ -25,7 +25,13 @@ from zbcompile.runtime.p2p import device_for
 from zbcompile.runtime.runner import Runner
 from zbcompile.schedules import Costs, Schedule, make_schedule, schedule_spec
 from zbcompile.schedules.costs import ResolvedCosts, resolve_costs
-from zbcompile.schedules.memory_limit import in_schedule_units, is_bytes, limit_in_words
+from zbcompile.schedules.memory_limit import (
+    DEFAULT_LIMIT_RULE,
+    default_limit,
+    in_schedule_units,
+    is_bytes,
+    limit_in_words,
+)
 from zbcompile.schedules.v_choice import PLACEMENTS
 from zbcompile.stage_compiler import compile_stage_programs
 from zbcompile.value_names import buffer_name, param_name
@@ -185,12 +191,17 @@ class Builder:
             given = self.options.costs
             try:
                 costs = compiled.schedule_costs() if given is None else self._per_compiled_stage(given, compiled)
-                schedule = make_schedule(**self.solve_arguments(costs, compiled, placements))
+                arguments = self.solve_arguments(costs, compiled, placements)
+                schedule = make_schedule(**arguments)
             except ValueError as error:
                 if not is_bytes(self.options.memory_limit):
                     raise
                 raise ValueError(f"{limit_in_words(self.options.memory_limit, compiled.memory_unit())}: {error}") from error
-            return schedule.with_info(**({"cost_source": "given", "costs": given} if given is not None else {"cost_source": "static"}))
+            limit = arguments["memory_limit"]
+            return schedule.with_info(
+                **({"cost_source": "given", "costs": given} if given is not None else {"cost_source": "static"}),
+                **({"memory_limit": limit, "memory_limit_rule": self._limit_rule()} if limit is not None else {}),
+            )
 
         return self._on_first_rank(solve)
 
@@ -220,7 +231,7 @@ class Builder:
         """`make_schedule`'s arguments for this pipeline's schedule under `costs` (a limit in bytes
         in `compiled`'s memory unit; `costs` per compiled stage). A compile in twice the
         schedule's stages is zb-auto's V: the schedule is solved in the V again, on its chunks'
-        costs."""
+        costs. Without a limit, `memory_limit.default_limit`'s rule on the costs solved with."""
         o = self.options
         limit = in_schedule_units(o.memory_limit, compiled.memory_unit())
         arguments = dict(
@@ -230,6 +241,8 @@ class Builder:
         if self._is_v_compile(compiled):
             chunks = resolve_costs(costs, len(compiled.programs))
             arguments.update(costs=chunks.merged(2), chunk_costs=chunks, placements=("v",))
+        if limit is None:
+            arguments["memory_limit"] = default_limit(o.schedule, o.stages, o.microbatches, arguments["costs"], compiled.checkpointed())
         return arguments
 
     def _is_v_compile(self, compiled: CompiledPipeline) -> bool:
@@ -239,6 +252,9 @@ class Builder:
     def _per_compiled_stage(self, given: Costs, compiled: CompiledPipeline) -> Costs | ResolvedCosts:
         """`pipeline(costs=...)`, given per stage, for `compiled`'s stages: cut in two for a V."""
         return resolve_costs(given, self.options.stages).chunked(2) if self._is_v_compile(compiled) else given
+
+    def _limit_rule(self) -> str:
+        return "given" if self.options.memory_limit is not None else DEFAULT_LIMIT_RULE
 
     def tuner(self, compiled: CompiledPipeline) -> profile.CostTuner | None:
         """Measured costs for a distributed pipeline, where `profile` asks for them (None: where

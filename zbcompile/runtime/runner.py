@@ -118,3 +118,20 @@ class Runner(ABC):
     def peak_live_bytes(self) -> int:
         """The highest bytes each held stage's microbatches kept alive, summed over those stages."""
         return sum(e.peak_live_bytes for e in self.executors.values())
+
+    @property
+    def peak_activation_bytes(self) -> int:
+        """The same with what lives inside each action (`StageExecutor.peak_activation_bytes`),
+        counted while `measure_transients(True)`; 0 otherwise."""
+        return sum(e.peak_activation_bytes for e in self.executors.values())
+
+    def measure_transients(self, on: bool = True) -> None:
+        """Count, from the next action on, the memory alive inside each action of every held stage
+        (off by default: it traces every op; see `StageExecutor`)."""
+        for executor in self.executors.values():
+            executor.measure_transients = on
+
+    def reset_peaks(self) -> None:
+        """Start the peak counts of every held stage afresh (e.g. after a warm-up step)."""
+        for executor in self.executors.values():
+            executor.reset_peaks()

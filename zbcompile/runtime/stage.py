@@ -4,11 +4,13 @@ hands in what arrives from the neighbours and sends what comes back."""
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 import torch
 
 from zbcompile.compiler import StageProgram
+from zbcompile.program import Program
+from zbcompile.runtime.live_memory import TransientTracker, held_bytes
 from zbcompile.value_names import (
     OUTPUT,
     buffer_name,
@@ -33,6 +35,22 @@ class StageExecutor:
     the stage updates (BatchNorm's running statistics in training) take their new values right
     after each F, in place; schedules run F in microbatch order on every stage, so microbatch k
     reads what microbatch k-1 left, as in an eager run microbatch by microbatch.
+
+    Activation memory, two counts (each storage once):
+    - `peak_live_bytes`, always: the most bytes the microbatches' saved values held between
+      actions (after F what the backward reads, after I what W reads), what the simulator's
+      M_B and M_W stand for;
+    - `peak_activation_bytes`, while `measure_transients` is True (off by default: then it costs
+      nothing and stays 0): the most bytes alive at any point inside an action as well, i.e. the
+      saved values of the other microbatches in flight, plus what the running action took in
+      (its microbatch's saved values, the values received from the neighbours or the batch,
+      the output gradients), plus every storage its graph created and still alive
+      (`live_memory.TransientTracker`): the forward values a checkpointed region recomputes,
+      intermediate gradients, the outputs it hands on, and the per-microbatch parameter
+      gradients before they are added. Not counted: parameters, buffers and the accumulated
+      parameter gradients (not activations: one copy per stage whatever the schedule), values
+      handed to the neighbours once the action has returned (the transport's), received
+      values before the action that takes them starts.
     """
 
     def __init__(self, program: StageProgram, state: Mapping[str, torch.Tensor]) -> None:
@@ -41,11 +59,15 @@ class StageExecutor:
         self.envs: dict[int, dict[str, torch.Tensor]] = {}
         self.grads: dict[str, torch.Tensor] = {}
         self.peak_live_bytes = 0
+        self.measure_transients = False
+        self.peak_activation_bytes = 0
         self._env_bytes: dict[int, int] = {}
         self._held_after: dict[str, int] = {}  # bytes a microbatch holds after F / after I
         self._last_forward = -1  # the microbatch of the latest F
         joint, split = program.joint, program.split
         self._backward_reads = {n for n in joint.backward.signature.inputs if not is_state(n)}
+        # what F keeps of its inputs: what the backward reads, and those it relays as outputs
+        self._forward_keeps = self._backward_reads | {input_name(v) for v in program.stage.outputs}
         self._weight_reads = set(split.weight_reads)
         self._weight_param_grads = [f for f in joint.param_grads if f not in split.input_param_grads]
         self._layouts = {**_placeholder_layouts(joint.forward), **_placeholder_layouts(joint.backward)}
@@ -58,7 +80,7 @@ class StageExecutor:
         stage = self.program.stage
         self._check_forward_order(microbatch)
         env = {input_name(name): self._as_traced(input_name(name), value) for name, value in inputs.items()}
-        self.program.forward.run(env, self.state)
+        self._run(self.program.forward, env, microbatch, keep=self._forward_keeps)
         self._update_buffers(env)
         if stage.outputs:
             outputs = {v: env[output_name(v)] if output_name(v) in env else env[input_name(v)] for v in stage.outputs}
@@ -90,7 +112,7 @@ class StageExecutor:
         stage). Returns the gradients of the stage inputs that carry one."""
         env = self.envs[microbatch]
         self._receive_tangents(env, output_grads)
-        self.program.input_backward.run(env, self.state)
+        self._run(self.program.input_backward, env, microbatch, keep=self._weight_reads)
         self._accumulate(self.program.split.input_param_grads, env)
         self.envs[microbatch] = {k: v for k, v in env.items() if k in self._weight_reads}
         self._note_memory(microbatch, "I")
@@ -99,7 +121,7 @@ class StageExecutor:
     def weight_backward(self, microbatch: int) -> None:
         """W: parameter gradients of `microbatch`, accumulated; the microbatch's values freed."""
         env = self.envs.pop(microbatch)
-        self.program.weight_backward.run(env, self.state)
+        self._run(self.program.weight_backward, env, microbatch, keep=frozenset())
         self._accumulate(self._weight_param_grads, env)
         self._note_memory(microbatch)
 
@@ -121,10 +143,25 @@ class StageExecutor:
         exactly what I and W compute, with no stash handed between them."""
         env = self.envs.pop(microbatch)
         self._receive_tangents(env, output_grads)
-        self.program.joint.backward.run(env, self.state)
+        self._run(self.program.joint.backward, env, microbatch, keep=frozenset())
         self._accumulate(self.program.joint.param_grads, env)
         self._note_memory(microbatch)
         return self._input_grads(env, output_grads)
+
+    def _run(self, program: Program, env: dict[str, torch.Tensor], microbatch: int, keep: Collection[str]) -> None:
+        """Run `program` on `microbatch`'s `env` (what the action took in). The values the
+        microbatch does not `keep` after this action leave `env` and the graph frees each at its
+        last use. While `measure_transients`, note the most bytes alive meanwhile (see the class
+        docstring)."""
+        consumed = [name for name in env if name not in keep]
+        if not self.measure_transients:
+            program.run(env, self.state, consumed)
+            return
+        others = sum(b for k, b in self._env_bytes.items() if k != microbatch)
+        with TransientTracker() as tracker:
+            tracker.take(env.values())
+            program.run(env, self.state, consumed)
+        self.peak_activation_bytes = max(self.peak_activation_bytes, others + tracker.peak)
 
     def _receive_tangents(self, env: dict[str, torch.Tensor], output_grads: Mapping[str, torch.Tensor]) -> None:
         for name in self.program.joint.tangents:
@@ -177,6 +214,12 @@ class StageExecutor:
         else:
             self._env_bytes.pop(microbatch, None)
         self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes())
+        if self.measure_transients:
+            self.peak_activation_bytes = max(self.peak_activation_bytes, self.live_bytes())
+
+    def reset_peaks(self) -> None:
+        """Start both peak counts afresh (e.g. after a warm-up step)."""
+        self.peak_live_bytes = self.peak_activation_bytes = 0
 
 
 def accumulation_dtype(param: torch.Tensor) -> torch.dtype | None:
@@ -202,19 +245,6 @@ def merge_stage_grads(executors: Sequence[StageExecutor]) -> dict[str, torch.Ten
         for fqn, grad in executor.take_grads().items():
             grads[fqn] = grads[fqn] + grad if fqn in grads else grad
     return grads
-
-
-def held_bytes(values) -> int:
-    """Memory a set of tensors keeps alive: each storage once, but no more than the bytes its
-    tensors here span (a microbatch that is a slice of the batch holds its slice's bytes)."""
-    by_storage: dict[int, list[int]] = {}
-    for value in values:
-        if not isinstance(value, torch.Tensor):  # an op's absent optional output (None)
-            continue
-        storage = value.untyped_storage()
-        entry = by_storage.setdefault(storage.data_ptr(), [storage.nbytes(), 0])
-        entry[1] += value.numel() * value.element_size()
-    return sum(min(total, spanned) for total, spanned in by_storage.values())
 
 
 def accumulate_grads(module: torch.nn.Module, grads: Mapping[str, torch.Tensor]) -> None:

@@ -1,11 +1,19 @@
 """Memory limits given in bytes ("12GiB", "800MB", or one such string per rank) turned into the
 schedule's unit (one microbatch's activations of the largest stage, ``unit_bytes`` bytes: the
-compiler's own M_B per stage). Numbers are already in that unit and pass through."""
+compiler's own M_B per stage). Numbers are already in that unit and pass through.
+
+Where none is given, ``default_limit`` is the rule: no limit, except for a model with
+checkpointed regions under a solved schedule of one stage per rank (zb-auto), which gets 1F1B's
+peak on each rank (see there)."""
 
 from __future__ import annotations
 
 import re
 from typing import Sequence, Union
+
+from .costs import Costs
+from .registry import make_schedule, schedule_spec
+from .simulate import simulate
 
 Limit = Union[None, float, str, Sequence[Union[float, str]]]
 
@@ -73,3 +81,22 @@ def limit_in_words(limit: Limit, unit_bytes: float) -> str:
         f"memory_limit {limit!r} is {shown} microbatch activations of the largest stage "
         f"({unit_bytes:g} bytes each, from the compiler's activation sizes)"
     )
+
+
+DEFAULT_LIMIT_RULE = "none given, the model checkpoints: 1F1B's peak on each rank"
+
+
+def default_limit(schedule: str, stages: int, microbatches: int, costs: Costs, checkpointed: bool) -> list[float] | None:
+    """The limit (per rank, in the schedule's unit) a pipeline runs `schedule` under when it was
+    given none. None (a solved schedule then uses all the memory it gains time with), except for a
+    model with checkpointed regions (`checkpointed`) under a solved schedule of one stage per rank
+    (zb-auto): the peak 1F1B holds on each rank on the same compile (simulated with the same
+    `costs`). Checkpointing says memory matters: zb-auto then defers a W only where that memory
+    allows (a rank whose W stash is small next to 1F1B's peak), instead of spending the memory
+    checkpointing saved on pending W. 1F1B's own order fits by construction, so a schedule
+    exists. Fixed schedules (1f1b, zb-h1, zb-h2, ...) and zbv (1F1B's memory already) are left
+    as they are."""
+    spec = schedule_spec(schedule)
+    if not checkpointed or not spec.solved or spec.chunks_per_rank != 1:
+        return None
+    return list(simulate(make_schedule("1f1b", stages, microbatches), costs).peak_memory)
