@@ -21,7 +21,8 @@ def one_step(runs: list[tuple[str, str, int, int]]) -> dict:
     results = {}
     pipe, previous = None, None
     for name, schedule, stages, microbatches in runs:
-        placement = (name, stages, microbatches, schedule_spec(schedule).placement(stages))
+        spec = schedule_spec(schedule)
+        placement = (name, stages, microbatches, spec.placement(stages), spec.mirrored)
         if placement != previous:
             case = build(name)
             pipe = zbcompile.pipeline(

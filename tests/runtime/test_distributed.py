@@ -11,7 +11,7 @@ import torch
 from helpers import distributed_workers as workers
 from helpers.models import NAMES, build
 from helpers.multiprocess import Failed, run_ranks
-from zbcompile.schedules import schedule_spec
+from zbcompile.schedules import Action, make_schedule, schedule_spec
 
 pytestmark = pytest.mark.xdist_group("distributed")
 
@@ -20,6 +20,8 @@ TWO_CHUNK = ("interleaved-1f1b", "zbv")  # two stages per rank
 # more two-chunk schedules: on every model with 2 ranks, on the smallest model with 4 (4 processes
 # on 2 cores are slow)
 MORE_TWO_CHUNK = ("looped-bfs", "v-min", "v-half", "v-zb", "dualpipev")
+# two copies of the pipeline, each rank holds a stage of each: like MORE_TWO_CHUNK
+MIRRORED = ("dualpipe",)
 SMALLEST = "mlp"
 
 
@@ -29,8 +31,8 @@ def _runs(ranks: int) -> list[tuple[str, str, int, int]]:
     ranks share one compile."""
     runs = []
     for name in NAMES:
-        more = MORE_TWO_CHUNK if ranks == 2 or name == SMALLEST else ()
-        schedules = sorted(SINGLE_CHUNK + TWO_CHUNK + more, key=lambda s: schedule_spec(s).placement(2 * ranks))
+        more = MORE_TWO_CHUNK + MIRRORED if ranks == 2 or name == SMALLEST else ()
+        schedules = sorted(SINGLE_CHUNK + TWO_CHUNK + more, key=lambda s: (schedule_spec(s).placement(2 * ranks), schedule_spec(s).mirrored))
         runs += [(name, s, ranks * schedule_spec(s).chunks_per_rank, 4) for s in schedules]
     return runs
 
@@ -80,10 +82,14 @@ def test_gradients_equal_eager_for_every_model_and_schedule(battery):
 
 
 def test_gradients_bitwise_equal_across_schedules(battery):
+    """Every single-copy schedule sums microbatch gradients in microbatch order. A mirrored one
+    (dualpipe) adds its two copies' sums, which differs by rounding only (the test above); its
+    two copies of a parameter hold the same bits (`_merged`)."""
     ranks, per_rank = battery
     for name in NAMES:
         for stages, first_schedule in ((ranks, "1f1b"), (2 * ranks, "interleaved-1f1b")):
-            grads = {k[1]: _merged(per_rank, k, "grads") for k in per_rank[0] if k[0] == name and k[2] == stages}
+            keys = [k for k in per_rank[0] if k[0] == name and k[2] == stages and not schedule_spec(k[1]).mirrored]
+            grads = {k[1]: _merged(per_rank, k, "grads") for k in keys}
             first = grads[first_schedule]
             for schedule, other in grads.items():
                 for fqn in first:
@@ -111,6 +117,20 @@ def test_each_rank_holds_only_its_parameters(battery):
     # the tied embedding is held by the first and the last rank, nothing else is held twice
     embedding = build("gpt").model.tok_emb.weight
     assert sum(held) == total + embedding.numel() * embedding.element_size()
+
+
+def test_dualpipe_ranks_hold_both_their_stages(battery):
+    """Rank r runs stage r of one copy and stage p-1-r of the other: it holds the parameters
+    that 1F1B puts on ranks r and p-1-r, and every compute action runs once on its rank."""
+    ranks, per_rank = battery
+    single, mirrored = ((SMALLEST, s, ranks, 4) for s in ("1f1b", "dualpipe"))
+    held = [r[single]["param_bytes"] for r in per_rank]
+    assert [r[mirrored]["param_bytes"] for r in per_rank] == [held[r] + held[ranks - 1 - r] for r in range(ranks)]
+    schedule = make_schedule("dualpipe", ranks, 4)
+    for rank, result in enumerate(per_rank):
+        ran = sorted(Action.parse(a) for a, _, _ in result[mirrored]["timeline"])
+        assert ran == sorted(schedule.actions[rank])
+        assert {(a.stage, a.microbatch) for a in ran if a.kind == "F"} == {(rank, 0), (rank, 1), (ranks - 1 - rank, 2), (ranks - 1 - rank, 3)}
 
 
 def test_timeline_has_every_compute_action_once(battery):

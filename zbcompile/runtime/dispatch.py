@@ -82,8 +82,9 @@ class Interpreter:
         self.forecast = WaitForecast()
 
     def step(self, inputs: Sequence[Mapping[str, torch.Tensor]], targets: Sequence[Mapping[str, torch.Tensor]]) -> list[torch.Tensor] | None:
-        """One step over `len(inputs)` microbatches; returns the microbatch losses where this
-        process holds the last stage, else None. Parameter gradients stay in the executors."""
+        """One step over `len(inputs)` microbatches; returns the losses of the microbatches this
+        process ran the last stage for, in microbatch order, where it holds the last stage (else
+        None). Parameter gradients stay in the executors."""
         program = self.program
         self.inputs, self.targets = inputs, targets
         self.losses: dict[int, torch.Tensor] = {}
@@ -101,7 +102,7 @@ class Interpreter:
         self.transport.flush_sends()
         self.forecast.end_step()
         self.timeline, self.comm_timeline, self.early_w = self._timeline, self._comm_timeline, tuple(self._early)
-        losses = [self.losses[k] for k in range(len(inputs))] if self.last in self.executors else None
+        losses = [self.losses[k] for k in sorted(self.losses)] if self.last in self.executors else None
         self.inputs = self.targets = ()
         self.losses, self.held, self.outgoing = {}, {}, {}
         return losses

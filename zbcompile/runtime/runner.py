@@ -52,6 +52,7 @@ class Runner(ABC):
         self._load(schedule)
 
     def _load(self, schedule: Schedule) -> None:
+        _check_copies(schedule, self.compiled)
         self._schedule = schedule
         self.interpreter.load(self._program(schedule), schedule.stage_to_rank)
 
@@ -118,3 +119,18 @@ class Runner(ABC):
     def peak_live_bytes(self) -> int:
         """The highest bytes each held stage's microbatches kept alive, summed over those stages."""
         return sum(e.peak_live_bytes for e in self.executors.values())
+
+
+def _check_copies(schedule: Schedule, compiled: CompiledPipeline) -> None:
+    """A mirrored schedule (dualpipe) runs each stage's F in two copies, each for its share of
+    the microbatches; buffers that F updates (BatchNorm's running statistics) would then not see
+    the microbatches in order, nor stay equal in both copies: refused."""
+    if schedule.mirrored_from is None:
+        return
+    for stage in compiled.partition.stages:
+        if stage.buffer_updates:
+            raise ValueError(
+                f"schedule {schedule.name!r} runs every stage in two copies of the pipeline, each for part of the "
+                f"microbatches, but stage {stage.index} updates buffers in its forward ({', '.join(stage.buffer_updates[:3])}), "
+                "which need every microbatch in order; use a schedule with one copy, such as dualpipev or zbv"
+            )
