@@ -8,6 +8,7 @@ import functools
 import pytest
 import torch
 
+import zbcompile
 from helpers import distributed_workers as workers
 from helpers.models import NAMES, build
 from helpers.multiprocess import Failed, run_ranks
@@ -133,6 +134,26 @@ def test_dualpipe_ranks_hold_both_their_stages(battery):
         assert {(a.stage, a.microbatch) for a in ran if a.kind == "F"} == {(rank, 0), (rank, 1), (ranks - 1 - rank, 2), (ranks - 1 - rank, 3)}
 
 
+def test_dualpipe_in_one_process_gives_the_bits_of_its_ranks(battery):
+    """One process runs both copies of every stage and sums their gradients as the ranks holding
+    them do: the same bits (single-threaded, as the ranks run), the tied embedding included."""
+    ranks, per_rank = battery
+    name = "gpt" if ranks == 2 else SMALLEST
+    key = (name, "dualpipe", ranks, 4)
+    case = build(name)
+    pipe = zbcompile.pipeline(case.model, stages=ranks, microbatches=4, loss_fn=case.loss_fn, schedule="dualpipe")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        loss = case.step(pipe)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(loss, next(r[key]["loss"] for r in per_rank if r[key]["loss"] is not None))
+    grads = _merged(per_rank, key, "grads")
+    for fqn, param in case.model.named_parameters():
+        assert torch.equal(param.grad, grads[fqn]), fqn
+
+
 def test_timeline_has_every_compute_action_once(battery):
     ranks, per_rank = battery
     key = ("gpt", "zb-h1", ranks, 4)
@@ -144,9 +165,10 @@ def test_timeline_has_every_compute_action_once(battery):
 
 
 def test_three_optimizer_steps_match_eager():
-    """SGD with momentum and AdamW: three steps each, every parameter equal to eager's."""
-    name, steps = "gpt", 3
-    per_rank = run_ranks(2, workers.train, name, "zb-h1", 2, ("sgd", "adamw"), steps)
+    """SGD with momentum and AdamW: three steps each, every parameter equal to eager's; under
+    dualpipe both ranks' copies of every parameter stay the same bits."""
+    name, steps, schedules = "gpt", 3, ("zb-h1", "dualpipe")
+    per_rank = run_ranks(2, workers.train, name, schedules, 2, ("sgd", "adamw"), steps)
     for optimizer in ("sgd", "adamw"):
         reference = build(name)
         opt = workers.make_optimizer(optimizer, reference.model.parameters())
@@ -154,9 +176,15 @@ def test_three_optimizer_steps_match_eager():
             opt.zero_grad()
             reference.eager_loss().backward()
             opt.step()
-        gathered = {k: v for r in per_rank for k, v in r[optimizer].items()}
-        for k, v in reference.model.state_dict().items():
-            torch.testing.assert_close(gathered[k], v, rtol=1e-5, atol=1e-6, msg=f"{optimizer}: {k}")
+        for schedule in schedules:
+            run = (schedule, optimizer)
+            gathered = {k: v for r in per_rank for k, v in r[run]["state"].items()}
+            for k, v in reference.model.state_dict().items():
+                torch.testing.assert_close(gathered[k], v, rtol=1e-5, atol=1e-6, msg=f"{run}: {k}")
+        copies = [r[("dualpipe", optimizer)]["params"] for r in per_rank]
+        assert copies[0].keys() == copies[1].keys() == dict(reference.model.named_parameters()).keys()
+        for fqn, value in copies[0].items():
+            assert torch.equal(value, copies[1][fqn]), f"dualpipe {optimizer}: {fqn}"
 
 
 def test_two_data_parallel_replicas_of_a_two_stage_pipeline():

@@ -20,8 +20,10 @@ from zbcompile.schedules import Action, Schedule
 
 class Runner(ABC):
     """Runs `compiled`'s stages held here (`executors`: stage -> StageExecutor, `local_stages`
-    in order) step after step, following `schedule` until `reschedule()`. `layout` is this
-    rank's place among the pipelines (`distributed.Layout`; None in one process)."""
+    in order; `copies`: a mirrored schedule's second copy of stages held here too, where one
+    process runs both copies) step after step, following `schedule` until `reschedule()`.
+    `layout` is this rank's place among the pipelines (`distributed.Layout`; None in one
+    process)."""
 
     layout: Any = None
 
@@ -34,13 +36,15 @@ class Runner(ABC):
         receive_device: torch.device | None,
         follow_readiness: bool,
         synchronize: Callable[[], None] | None,
+        copies: dict[int, StageExecutor] | None = None,
     ) -> None:
         self.compiled = compiled
         self.executors = executors
+        self.copies = copies if copies is not None else {}
         self.local_stages = sorted(executors)
         self.transport = transport
         self.follow_readiness = follow_readiness
-        self.interpreter = Interpreter(executors, transport, receive_device, follow_readiness, synchronize)
+        self.interpreter = Interpreter(executors, transport, receive_device, follow_readiness, synchronize, self.copies)
         self._load(schedule)
 
     @property
@@ -54,7 +58,7 @@ class Runner(ABC):
     def _load(self, schedule: Schedule) -> None:
         _check_copies(schedule, self.compiled)
         self._schedule = schedule
-        self.interpreter.load(self._program(schedule), schedule.stage_to_rank)
+        self.interpreter.load(self._program(schedule), schedule)
 
     @abstractmethod
     def _program(self, schedule: Schedule) -> RankProgram:
@@ -71,7 +75,7 @@ class Runner(ABC):
 
     def set_state(self, state: Mapping[str, torch.Tensor]) -> None:
         """Parameters and buffers (`param:<fqn>`, `buffer:<fqn>`) the next step computes with."""
-        for executor in self.executors.values():
+        for executor in [*self.executors.values(), *self.copies.values()]:
             executor.state = state
 
     def _message_names(self, direction: str, stage: int) -> Sequence[str]:
@@ -118,7 +122,7 @@ class Runner(ABC):
     @property
     def peak_live_bytes(self) -> int:
         """The highest bytes each held stage's microbatches kept alive, summed over those stages."""
-        return sum(e.peak_live_bytes for e in self.executors.values())
+        return sum(e.peak_live_bytes for e in [*self.executors.values(), *self.copies.values()])
 
 
 def _check_copies(schedule: Schedule, compiled: CompiledPipeline) -> None:

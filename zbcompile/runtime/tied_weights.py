@@ -51,11 +51,16 @@ def tied_weights(users: Mapping[str, Sequence[int]], ranks_of: Callable[[int], S
     running a stage (`Schedule.ranks_of`)."""
     weights = []
     for fqn, stages in sorted(users.items()):
-        positions = list(dict.fromkeys(p for s in sorted(stages) for p in ranks_of(s)))
-        holders = tuple(pipeline_ranks[p] for p in positions)
+        holders = tuple(pipeline_ranks[p] for p in holder_positions(stages, ranks_of))
         if len(holders) > 1 and rank in holders:
             weights.append(TiedWeight(fqn, holders))
     return weights
+
+
+def holder_positions(stages: Sequence[int], ranks_of: Callable[[int], Sequence[int]]) -> list[int]:
+    """The pipeline positions holding a parameter that `stages` use, in pipeline order: by
+    stage, and of a stage's ranks (`ranks_of`), copy 0's first. The first is the owner."""
+    return list(dict.fromkeys(p for s in sorted(stages) for p in ranks_of(s)))
 
 
 def share_owner_values(weights: Sequence[TiedWeight], state: Mapping[str, torch.Tensor], transport: Transport) -> None:
