@@ -1,6 +1,7 @@
 """bf16 mixed precision: a Llama under `torch.autocast(bf16)` and one cast to bf16 give, under
 every schedule, the loss and gradients of an eager loop over the microbatches bit for bit in
-one process and within bf16 tolerance on 2 ranks; autocast's casts are in the traced graph;
+one process (within bf16 tolerance for dualpipe, which adds its two copies' sums) and within
+bf16 tolerance on 2 ranks; autocast's casts are in the traced graph;
 `grad_dtype=torch.float32` accumulates as eager autograd does with `param.grad_dtype`; boundary
 messages carry the traced dtypes; post-validated clipping works on bf16 gradients."""
 
@@ -13,7 +14,7 @@ import zbcompile
 from helpers import precision_workers as workers
 from helpers.multiprocess import run_ranks
 from helpers.real_models import MICROBATCHES
-from zbcompile.schedules.registry import SCHEDULE_NAMES
+from zbcompile.schedules.registry import SCHEDULE_NAMES, schedule_spec
 
 BF16 = dict(rtol=2e-2, atol=2e-3)
 
@@ -36,7 +37,11 @@ def test_every_schedule_equals_eager_microbatches_bitwise_in_one_process(mode):
         pipe.zero_grad()
         loss = case.step(pipe)
         assert torch.equal(loss, eager_loss), f"{mode} {name}: loss {loss} != {eager_loss}"
-        _assert_equal({n: p.grad for n, p in case.model.named_parameters()}, eager_grads, f"{mode} {name}")
+        grads = {n: p.grad for n, p in case.model.named_parameters()}
+        if schedule_spec(name).mirrored:
+            _check_close(grads, eager_grads, f"{mode} {name}")
+        else:
+            _assert_equal(grads, eager_grads, f"{mode} {name}")
 
 
 def test_autocast_casts_are_in_the_traced_graph_and_boundaries_carry_their_dtypes():
@@ -104,7 +109,10 @@ def _check_against(per_rank: list, key, eager_loss: torch.Tensor, eager_grads: d
     losses = [r[key]["loss"] for r in per_rank if r[key]["loss"] is not None]
     assert len(losses) == 1, what
     torch.testing.assert_close(losses[0], eager_loss, **BF16, msg=lambda m: f"{what}: {m}")
-    grads = {n: g for r in per_rank for n, g in r[key]["grads"].items()}
+    _check_close({n: g for r in per_rank for n, g in r[key]["grads"].items()}, eager_grads, what)
+
+
+def _check_close(grads: dict, eager_grads: dict, what: str) -> None:
     assert grads.keys() == eager_grads.keys(), what
     for fqn, grad in eager_grads.items():
         assert grads[fqn].dtype == grad.dtype, f"{what}: {fqn}"

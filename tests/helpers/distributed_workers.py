@@ -21,7 +21,8 @@ def one_step(runs: list[tuple[str, str, int, int]]) -> dict:
     results = {}
     pipe, previous = None, None
     for name, schedule, stages, microbatches in runs:
-        placement = (name, stages, microbatches, schedule_spec(schedule).placement(stages))
+        spec = schedule_spec(schedule)
+        placement = (name, stages, microbatches, spec.placement(stages), spec.mirrored)
         if placement != previous:
             case = build(name)
             pipe = zbcompile.pipeline(
@@ -44,23 +45,27 @@ def one_step(runs: list[tuple[str, str, int, int]]) -> dict:
     return results
 
 
-def train(name: str, schedule: str, stages: int, optimizers: tuple[str, ...], steps: int) -> dict:
-    """For each optimizer, `steps` steps from the same start; returns this rank's parameters
-    after each run."""
+def train(name: str, schedules: tuple[str, ...], stages: int, optimizers: tuple[str, ...], steps: int) -> dict:
+    """For each schedule and optimizer, `steps` steps from the same start; returns this rank's
+    state dict and the parameters it holds after each run."""
     results = {}
-    for optimizer in optimizers:
-        case = build(name)
-        pipe = zbcompile.pipeline(
-            case.model, stages=stages, microbatches=4, loss_fn=case.loss_fn, schedule=schedule, timeout=60,
-            solver_time_budget=0.5,
-        )
-        pipe.compile(*case.args, target=case.target, **case.kwargs)
-        opt = make_optimizer(optimizer, pipe.parameters())
-        for _ in range(steps):
-            opt.zero_grad()
-            case.step(pipe)
-            opt.step()
-        results[optimizer] = {k: v.clone() for k, v in pipe.state_dict().items()}
+    for schedule in schedules:
+        for optimizer in optimizers:
+            case = build(name)
+            pipe = zbcompile.pipeline(
+                case.model, stages=stages, microbatches=4, loss_fn=case.loss_fn, schedule=schedule, timeout=60,
+                solver_time_budget=0.5,
+            )
+            pipe.compile(*case.args, target=case.target, **case.kwargs)
+            opt = make_optimizer(optimizer, pipe.parameters())
+            for _ in range(steps):
+                opt.zero_grad()
+                case.step(pipe)
+                opt.step()
+            results[(schedule, optimizer)] = {
+                "state": {k: v.clone() for k, v in pipe.state_dict().items()},
+                "params": {n: p.detach().clone() for n, p in pipe.named_parameters()},
+            }
     return results
 
 

@@ -68,12 +68,12 @@ def eager_microbatches(case, microbatches: int = MICROBATCHES, grad_dtype: torch
 
 def _layouts() -> list[tuple[int, list[str]]]:
     """Every schedule, grouped by how it places stages on 2 ranks (one compile each): the stage
-    count (2 per chunk of a rank) and the placement."""
+    count (2 per chunk of a rank), the placement and whether a mirrored copy runs beside it."""
     groups: dict[tuple, list[str]] = {}
     for name in SCHEDULE_NAMES:
         spec = schedule_spec(name)
-        groups.setdefault((2 * spec.chunks_per_rank, spec.placement), []).append(name)
-    return [(stages, names) for (stages, _), names in groups.items()]
+        groups.setdefault((2 * spec.chunks_per_rank, spec.placement, spec.mirrored), []).append(name)
+    return [(stages, names) for (stages, _, _), names in groups.items()]
 
 
 def train_all_schedules() -> dict:

@@ -92,6 +92,20 @@ def test_batchnorm_statistics_move_with_the_batch():
         assert not torch.equal(expected[1]["buffers"][name], expected[0]["buffers"][name]), name
 
 
+def test_two_copies_of_a_stage_that_updates_buffers_are_refused():
+    """dualpipe runs each stage in two copies, each for half of the microbatches: the running
+    statistics would see neither all the microbatches nor them in order. Refused, naming the stage
+    and its buffers, in one process (at compile, and on set_schedule) and so on every rank."""
+    model, x, target, _ = _convnet_reference()
+    pipe = zbcompile.pipeline(copy.deepcopy(model), stages=2, microbatches=MICROBATCHES, loss_fn=F.cross_entropy, schedule="dualpipe")
+    with pytest.raises(ValueError, match=r"stage 0 updates buffers in its forward \(block1\.1\.num_batches_tracked, .*dualpipev"):
+        pipe.step(x, target=target)
+    pipe = zbcompile.pipeline(copy.deepcopy(model), stages=2, microbatches=MICROBATCHES, loss_fn=F.cross_entropy, schedule="1f1b")
+    pipe.step(x, target=target)
+    with pytest.raises(ValueError, match="two copies of the pipeline"):
+        pipe.set_schedule("dualpipe")
+
+
 class BasicBlock(nn.Module):
     """torchvision's ResNet BasicBlock: two 3x3 conv + BatchNorm, the shortcut a strided 1x1
     conv + BatchNorm where the shape changes."""

@@ -8,10 +8,11 @@ import functools
 import pytest
 import torch
 
+import zbcompile
 from helpers import distributed_workers as workers
 from helpers.models import NAMES, build
 from helpers.multiprocess import Failed, run_ranks
-from zbcompile.schedules import schedule_spec
+from zbcompile.schedules import Action, make_schedule, schedule_spec
 
 pytestmark = pytest.mark.xdist_group("distributed")
 
@@ -20,6 +21,8 @@ TWO_CHUNK = ("interleaved-1f1b", "zbv")  # two stages per rank
 # more two-chunk schedules: on every model with 2 ranks, on the smallest model with 4 (4 processes
 # on 2 cores are slow)
 MORE_TWO_CHUNK = ("looped-bfs", "v-min", "v-half", "v-zb", "dualpipev")
+# two copies of the pipeline, each rank holds a stage of each: like MORE_TWO_CHUNK
+MIRRORED = ("dualpipe",)
 SMALLEST = "mlp"
 
 
@@ -29,8 +32,8 @@ def _runs(ranks: int) -> list[tuple[str, str, int, int]]:
     ranks share one compile."""
     runs = []
     for name in NAMES:
-        more = MORE_TWO_CHUNK if ranks == 2 or name == SMALLEST else ()
-        schedules = sorted(SINGLE_CHUNK + TWO_CHUNK + more, key=lambda s: schedule_spec(s).placement(2 * ranks))
+        more = MORE_TWO_CHUNK + MIRRORED if ranks == 2 or name == SMALLEST else ()
+        schedules = sorted(SINGLE_CHUNK + TWO_CHUNK + more, key=lambda s: (schedule_spec(s).placement(2 * ranks), schedule_spec(s).mirrored))
         runs += [(name, s, ranks * schedule_spec(s).chunks_per_rank, 4) for s in schedules]
     return runs
 
@@ -80,10 +83,14 @@ def test_gradients_equal_eager_for_every_model_and_schedule(battery):
 
 
 def test_gradients_bitwise_equal_across_schedules(battery):
+    """Every single-copy schedule sums microbatch gradients in microbatch order. A mirrored one
+    (dualpipe) adds its two copies' sums, which differs by rounding only (the test above); its
+    two copies of a parameter hold the same bits (`_merged`)."""
     ranks, per_rank = battery
     for name in NAMES:
         for stages, first_schedule in ((ranks, "1f1b"), (2 * ranks, "interleaved-1f1b")):
-            grads = {k[1]: _merged(per_rank, k, "grads") for k in per_rank[0] if k[0] == name and k[2] == stages}
+            keys = [k for k in per_rank[0] if k[0] == name and k[2] == stages and not schedule_spec(k[1]).mirrored]
+            grads = {k[1]: _merged(per_rank, k, "grads") for k in keys}
             first = grads[first_schedule]
             for schedule, other in grads.items():
                 for fqn in first:
@@ -113,6 +120,40 @@ def test_each_rank_holds_only_its_parameters(battery):
     assert sum(held) == total + embedding.numel() * embedding.element_size()
 
 
+def test_dualpipe_ranks_hold_both_their_stages(battery):
+    """Rank r runs stage r of one copy and stage p-1-r of the other: it holds the parameters
+    that 1F1B puts on ranks r and p-1-r, and every compute action runs once on its rank."""
+    ranks, per_rank = battery
+    single, mirrored = ((SMALLEST, s, ranks, 4) for s in ("1f1b", "dualpipe"))
+    held = [r[single]["param_bytes"] for r in per_rank]
+    assert [r[mirrored]["param_bytes"] for r in per_rank] == [held[r] + held[ranks - 1 - r] for r in range(ranks)]
+    schedule = make_schedule("dualpipe", ranks, 4)
+    for rank, result in enumerate(per_rank):
+        ran = sorted(Action.parse(a) for a, _, _ in result[mirrored]["timeline"])
+        assert ran == sorted(schedule.actions[rank])
+        assert {(a.stage, a.microbatch) for a in ran if a.kind == "F"} == {(rank, 0), (rank, 1), (ranks - 1 - rank, 2), (ranks - 1 - rank, 3)}
+
+
+def test_dualpipe_in_one_process_gives_the_bits_of_its_ranks(battery):
+    """One process runs both copies of every stage and sums their gradients as the ranks holding
+    them do: the same bits (single-threaded, as the ranks run), the tied embedding included."""
+    ranks, per_rank = battery
+    name = "gpt" if ranks == 2 else SMALLEST
+    key = (name, "dualpipe", ranks, 4)
+    case = build(name)
+    pipe = zbcompile.pipeline(case.model, stages=ranks, microbatches=4, loss_fn=case.loss_fn, schedule="dualpipe")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        loss = case.step(pipe)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(loss, next(r[key]["loss"] for r in per_rank if r[key]["loss"] is not None))
+    grads = _merged(per_rank, key, "grads")
+    for fqn, param in case.model.named_parameters():
+        assert torch.equal(param.grad, grads[fqn]), fqn
+
+
 def test_timeline_has_every_compute_action_once(battery):
     ranks, per_rank = battery
     key = ("gpt", "zb-h1", ranks, 4)
@@ -124,9 +165,10 @@ def test_timeline_has_every_compute_action_once(battery):
 
 
 def test_three_optimizer_steps_match_eager():
-    """SGD with momentum and AdamW: three steps each, every parameter equal to eager's."""
-    name, steps = "gpt", 3
-    per_rank = run_ranks(2, workers.train, name, "zb-h1", 2, ("sgd", "adamw"), steps)
+    """SGD with momentum and AdamW: three steps each, every parameter equal to eager's; under
+    dualpipe both ranks' copies of every parameter stay the same bits."""
+    name, steps, schedules = "gpt", 3, ("zb-h1", "dualpipe")
+    per_rank = run_ranks(2, workers.train, name, schedules, 2, ("sgd", "adamw"), steps)
     for optimizer in ("sgd", "adamw"):
         reference = build(name)
         opt = workers.make_optimizer(optimizer, reference.model.parameters())
@@ -134,22 +176,30 @@ def test_three_optimizer_steps_match_eager():
             opt.zero_grad()
             reference.eager_loss().backward()
             opt.step()
-        gathered = {k: v for r in per_rank for k, v in r[optimizer].items()}
-        for k, v in reference.model.state_dict().items():
-            torch.testing.assert_close(gathered[k], v, rtol=1e-5, atol=1e-6, msg=f"{optimizer}: {k}")
+        for schedule in schedules:
+            run = (schedule, optimizer)
+            gathered = {k: v for r in per_rank for k, v in r[run]["state"].items()}
+            for k, v in reference.model.state_dict().items():
+                torch.testing.assert_close(gathered[k], v, rtol=1e-5, atol=1e-6, msg=f"{run}: {k}")
+        copies = [r[("dualpipe", optimizer)]["params"] for r in per_rank]
+        assert copies[0].keys() == copies[1].keys() == dict(reference.model.named_parameters()).keys()
+        for fqn, value in copies[0].items():
+            assert torch.equal(value, copies[1][fqn]), f"dualpipe {optimizer}: {fqn}"
 
 
 def test_two_data_parallel_replicas_of_a_two_stage_pipeline():
-    per_rank = run_ranks(4, workers.one_step, [("gpt", "zb-h1", 2, 2)])
-    key = ("gpt", "zb-h1", 2, 2)
-    case, loss = _reference("gpt")
-    losses = [r[key]["loss"] for r in per_rank if r[key]["loss"] is not None]
-    assert len(losses) == 2  # one per replica, each its half of the batch
-    torch.testing.assert_close(sum(losses) / 2, loss.detach(), rtol=1e-5, atol=1e-6)
-    for replica in (per_rank[:2], per_rank[2:]):
-        grads = _merged(replica, key, "grads")
-        for fqn, p in case.model.named_parameters():
-            torch.testing.assert_close(grads[fqn], p.grad, rtol=1e-5, atol=1e-6, msg=fqn)
+    """zb-h1, and dualpipe (each replica's two copies summed, then the replicas averaged)."""
+    runs = [("gpt", "zb-h1", 2, 2), (SMALLEST, "dualpipe", 2, 2)]
+    per_rank = run_ranks(4, workers.one_step, runs)
+    for key in runs:
+        case, loss = _reference(key[0])
+        losses = [r[key]["loss"] for r in per_rank if r[key]["loss"] is not None]
+        assert len(losses) == 2, key  # one per replica, each its half of the batch
+        torch.testing.assert_close(sum(losses) / 2, loss.detach(), rtol=1e-5, atol=1e-6)
+        for replica in (per_rank[:2], per_rank[2:]):
+            grads = _merged(replica, key, "grads")
+            for fqn, p in case.model.named_parameters():
+                torch.testing.assert_close(grads[fqn], p.grad, rtol=1e-5, atol=1e-6, msg=f"{key} {fqn}")
 
 
 def test_meta_device_model_materialises_only_local_parameters():

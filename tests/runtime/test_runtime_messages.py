@@ -30,7 +30,7 @@ class _Recorder:
 def _runner(schedule, rank: int, transport: _Recorder):
     """The parts of a runner its posting logic reads: the program (the lowered list as it is) and
     the transport."""
-    rank_of = lambda stage: schedule.stage_to_rank[stage]  # noqa: E731
+    rank_of = schedule.rank_of
     program = rank_program(schedule, rank, rank_of, lambda direction, stage: ("x",), lambda name: (torch.Size([1]), torch.float32), None)
     return SimpleNamespace(schedule=schedule, program=program, actions=program.actions, transport=transport, rank_of=rank_of)
 
@@ -43,13 +43,13 @@ def _replay(runner) -> list[tuple[str, int, str]]:
         if action.kind.startswith("RECV"):
             receives.post_through(index)
         elif action.kind == "SEND_F":
-            runner.transport.log.append(("send", runner.rank_of(action.stage + 1), str(action)))
+            runner.transport.log.append(("send", runner.rank_of(action.stage + 1, action.microbatch), str(action)))
         elif action.kind == "SEND_B":
-            runner.transport.log.append(("send", runner.rank_of(action.stage - 1), str(action)))
+            runner.transport.log.append(("send", runner.rank_of(action.stage - 1, action.microbatch), str(action)))
     return runner.transport.log
 
 
-CASES = [("1f1b", 4, 8), ("zb-h1", 4, 8), ("zbv", 2, 6), ("interleaved-1f1b", 2, 4)]
+CASES = [("1f1b", 4, 8), ("zb-h1", 4, 8), ("zbv", 2, 6), ("interleaved-1f1b", 2, 4), ("dualpipe", 4, 8)]
 
 
 @pytest.mark.parametrize("name, ranks, microbatches", CASES)
@@ -98,4 +98,4 @@ def test_gloo_posts_receives_ahead_of_the_list():
 
 def _peer(runner, action) -> int:
     s = action.stage
-    return runner.rank_of({"SEND_F": s + 1, "RECV_F": s - 1, "SEND_B": s - 1, "RECV_B": s + 1}[action.kind])
+    return runner.rank_of({"SEND_F": s + 1, "RECV_F": s - 1, "SEND_B": s - 1, "RECV_B": s + 1}[action.kind], action.microbatch)

@@ -149,6 +149,9 @@ def format_schedule(version: dict[str, Any], count: int = 1, memory_unit: int | 
     unit, costs, predicted = version["time_unit"], version["costs"], version["prediction"]
     ranks = len(version["actions"])
     placement = ", ".join(f"{s}->{r}" for s, r in enumerate(version["stage_to_rank"]))
+    if version.get("mirrored_from") is not None:  # dualpipe's second copy
+        mirrored = ", ".join(f"{s}->{ranks - 1 - r}" for s, r in enumerate(version["stage_to_rank"]))
+        placement += f"; from microbatch {version['mirrored_from']} on {mirrored}"
     source = {
         "measured": "measured on this machine (seconds)",
         "given": "given to pipeline(costs=...)",

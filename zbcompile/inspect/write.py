@@ -117,6 +117,7 @@ def schedule_record(schedule: Schedule, costs: Costs, cost_source: str, memory_u
             "stages": schedule.stages,
             "microbatches": schedule.microbatches,
             "stage_to_rank": list(schedule.stage_to_rank),
+            "mirrored_from": schedule.mirrored_from,
             "actions": schedule.compute_only().rows_as_text(),
             "lowered": lower(schedule).rows_as_text(),
             "cost_source": cost_source,

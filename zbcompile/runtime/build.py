@@ -359,7 +359,7 @@ class Builder:
                 f"schedule {schedule.name!r} runs on {schedule.ranks} ranks per pipeline, but this pipeline was laid "
                 f"out for {layout.pp_size}; build a new pipeline for it"
             )
-        local_stages = [s for s, r in enumerate(schedule.stage_to_rank) if r == layout.pp_rank]
+        local_stages = schedule.stages_on(layout.pp_rank)
         used = {f for s in local_stages for f in (*compiled.partition.stages[s].param_fqns, *compiled.partition.stages[s].buffer_fqns)}
 
         def runner() -> DistributedRunner:

@@ -28,7 +28,7 @@ from zbcompile.runtime.p2p import MessageTransport
 from zbcompile.runtime.program import RankProgram
 from zbcompile.runtime.readiness import ReceivesAhead, WaitForecast, WeightQueue
 from zbcompile.runtime.stage import StageExecutor, mean_grad
-from zbcompile.schedules import Action
+from zbcompile.schedules import Action, Schedule
 
 Values = dict[str, torch.Tensor]
 Key = tuple[str, int, int]  # a message's (direction, receiving stage, microbatch)
@@ -37,12 +37,13 @@ clock = time.perf_counter
 
 class Interpreter:
     """Runs `program` (set by `load`) on `executors` (the stages this process holds, by stage
-    index) step after step. After a step, `timeline` holds (action, start, end) in
-    `time.perf_counter()` seconds for every compute action, from when its data had arrived to
-    when it finished (after `synchronize()`, where given), `comm_timeline` the same for every SEND (posting
-    it) and RECV (the wait for its data, when a computation needs it), `early_w` the W run in a
-    wait. Receive buffers are made on `receive_device` (None: the transport hands the sent
-    tensors over)."""
+    index; `copies`: a mirrored schedule's second copy of stages this process also holds, which
+    run its microbatches from `Schedule.mirrored_from` on) step after step. After a step,
+    `timeline` holds (action, start, end) in `time.perf_counter()` seconds for every compute
+    action, from when its data had arrived to when it finished (after `synchronize()`, where
+    given), `comm_timeline` the same for every SEND (posting it) and RECV (the wait for its data,
+    when a computation needs it), `early_w` the W run in a wait. Receive buffers are made on
+    `receive_device` (None: the transport hands the sent tensors over)."""
 
     def __init__(
         self,
@@ -51,8 +52,10 @@ class Interpreter:
         receive_device: torch.device | None,
         follow_readiness: bool,
         synchronize: Callable[[], None] | None,
+        copies: Mapping[int, StageExecutor] | None = None,
     ) -> None:
         self.executors = executors
+        self.copies = copies if copies is not None else {}
         self.transport = transport
         self.receive_device = receive_device
         self.follow_readiness = follow_readiness
@@ -71,9 +74,11 @@ class Interpreter:
         self.comm_timeline: list[tuple[str, float, float]] = []
         self.early_w: tuple[str, ...] = ()
 
-    def load(self, program: RankProgram, stage_to_rank: Sequence[int]) -> None:
-        """Follow `program` (of a schedule placing stages by `stage_to_rank`) from the next step on."""
+    def load(self, program: RankProgram, schedule: Schedule) -> None:
+        """Follow `program` (this process's part of `schedule`) from the next step on."""
+        stage_to_rank = schedule.stage_to_rank
         self.program = program
+        self.mirrored_from = schedule.mirrored_from
         self.last = len(stage_to_rank) - 1
         # per stage: whether what its F (its I or B) hands the next (previous) stage leaves the rank
         self.forward_sent = tuple(s < self.last and stage_to_rank[s + 1] != r for s, r in enumerate(stage_to_rank))
@@ -82,8 +87,9 @@ class Interpreter:
         self.forecast = WaitForecast()
 
     def step(self, inputs: Sequence[Mapping[str, torch.Tensor]], targets: Sequence[Mapping[str, torch.Tensor]]) -> list[torch.Tensor] | None:
-        """One step over `len(inputs)` microbatches; returns the microbatch losses where this
-        process holds the last stage, else None. Parameter gradients stay in the executors."""
+        """One step over `len(inputs)` microbatches; returns the losses of the microbatches this
+        process ran the last stage for, in microbatch order, where it holds the last stage (else
+        None). Parameter gradients stay in the executors."""
         program = self.program
         self.inputs, self.targets = inputs, targets
         self.losses: dict[int, torch.Tensor] = {}
@@ -101,7 +107,7 @@ class Interpreter:
         self.transport.flush_sends()
         self.forecast.end_step()
         self.timeline, self.comm_timeline, self.early_w = self._timeline, self._comm_timeline, tuple(self._early)
-        losses = [self.losses[k] for k in range(len(inputs))] if self.last in self.executors else None
+        losses = [self.losses[k] for k in sorted(self.losses)] if self.last in self.executors else None
         self.inputs = self.targets = ()
         self.losses, self.held, self.outgoing = {}, {}, {}
         return losses
@@ -115,7 +121,7 @@ class Interpreter:
         if s == self.last:
             feed.update(self.targets[k])
         started = clock()
-        outputs = self.executors[s].forward(k, feed)
+        outputs = self._executor(s, k).forward(k, feed)
         if s == self.last:
             self.losses[k] = outputs["loss"]
         else:
@@ -123,11 +129,11 @@ class Interpreter:
         self._ran(text, started)
 
     def _input_backward(self, index: int, action: Action) -> None:
-        self._run_backward(index, action, self.executors[action.stage].input_backward)
+        self._run_backward(index, action, self._executor(action.stage, action.microbatch).input_backward)
         self.weights.backward_ran(action)
 
     def _backward(self, index: int, action: Action) -> None:
-        self._run_backward(index, action, self.executors[action.stage].backward)
+        self._run_backward(index, action, self._executor(action.stage, action.microbatch).backward)
 
     def _weight(self, index: int, action: Action) -> None:
         if self.weights.planned():  # else it ran early, in a wait
@@ -144,6 +150,12 @@ class Interpreter:
         self.receives.post_through(index)
 
     # --- what the handlers share -----------------------------------------------------------
+
+    def _executor(self, stage: int, microbatch: int) -> StageExecutor:
+        """The copy of `stage` that runs `microbatch`."""
+        if self.copies and self.mirrored_from is not None and microbatch >= self.mirrored_from:
+            return self.copies[stage]
+        return self.executors[stage]
 
     def _run_backward(self, index: int, action: Action, compute: Callable[[int, Values], Values]) -> None:
         """I or B (`compute`): takes the gradients of the stage's outputs, hands those of its
@@ -162,7 +174,7 @@ class Interpreter:
 
     def _run_weight(self, action: Action, text: str) -> None:
         started = clock()
-        self.executors[action.stage].weight_backward(action.microbatch)
+        self._executor(action.stage, action.microbatch).weight_backward(action.microbatch)
         self.synchronize()
         ended = clock()
         self._timeline.append((text, started, ended))

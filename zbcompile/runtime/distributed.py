@@ -4,6 +4,12 @@ I, W, B and SEND/RECV) over point-to-point messages (`runtime/p2p.py`), and afte
 runner sums tied weights' gradients between the ranks that hold them and averages gradients over
 data-parallel replicas. Where stages sit: `Layout`, `make_layout`.
 
+A mirrored schedule (dualpipe, `Schedule.mirrored_from`) runs every stage on two ranks, one per
+copy of the pipeline, each for its share of the microbatches: both ranks hold the stage's
+parameters, which are kept equal like tied weights' (the same value at start, each copy's
+gradient summed, copy 0's first, on both), and the last stage's rank of copy 1 hands its
+microbatch losses to that of copy 0, which returns them all.
+
 Following readiness (the default): the program runs W after the sends the plan put them before
 (`program.defer_weights`), and when a computation's message has not arrived yet, the rank runs
 its next W in the meantime (see `runtime/dispatch.py`). So a late message costs no more than the
@@ -24,7 +30,7 @@ from zbcompile.runtime.p2p import Transport
 from zbcompile.runtime.program import RankProgram, rank_program
 from zbcompile.runtime.runner import Runner
 from zbcompile.runtime.stage import StageExecutor
-from zbcompile.runtime.tied_weights import share_owner_values, sum_gradients, tied_weights
+from zbcompile.runtime.tied_weights import TIED_TAG, parameter_users, share_owner_values, sum_gradients, tied_weights
 from zbcompile.schedules import Costs, Schedule
 from zbcompile.schedules.costs import resolve_costs
 from zbcompile.value_names import buffer_name, param_name
@@ -128,6 +134,17 @@ def _layout_of_mesh(mesh: DeviceMesh, pp_size: int, description: str) -> Layout:
     )
 
 
+MIRRORED_LOSS_TAG = TIED_TAG - 1  # above post-validation's tags, below the tied weights'
+
+
+def _placement_text(schedule: Schedule) -> str:
+    """Where `schedule` runs its stages, in words."""
+    if schedule.mirrored_from is None:
+        return str(schedule.stage_to_rank)
+    mirrored = tuple(schedule.rank_of(s, schedule.mirrored_from) for s in range(schedule.stages))
+    return f"{schedule.stage_to_rank} and, from microbatch {schedule.mirrored_from} on, {mirrored}"
+
+
 class DistributedRunner(Runner):
     """Executes one rank's stages of a compiled pipeline, step after step. With
     `follow_readiness` (see the module docstring) W may run elsewhere than the plan says, in the
@@ -146,11 +163,10 @@ class DistributedRunner(Runner):
         self.layout = layout
         self.device = device
         self.rank = dist.get_rank()
-        local_stages = [s for s, r in enumerate(schedule.stage_to_rank) if r == layout.pp_rank]
-        executors = {s: StageExecutor(compiled.programs[s], state) for s in local_stages}
+        executors = {s: StageExecutor(compiled.programs[s], state) for s in schedule.stages_on(layout.pp_rank)}
         synchronize = torch.cuda.synchronize if device.type == "cuda" else None
         super().__init__(compiled, schedule, executors, Transport(self.rank, timeout), device, follow_readiness, synchronize)
-        self.tied_weights = tied_weights(compiled.partition.shared_params, schedule.stage_to_rank, layout.pipeline_ranks, self.rank)
+        self.tied_weights = tied_weights(parameter_users(compiled.partition), schedule.ranks_of, layout.pipeline_ranks, self.rank)
         self._synchronize_state(state)
 
     def _synchronize_state(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -165,8 +181,29 @@ class DistributedRunner(Runner):
                     for name in [*map(param_name, stage.param_fqns), *map(buffer_name, stage.buffer_fqns)]:
                         dist.broadcast(state[name], src=source, group=self.layout.dp_group)
 
-    def rank_of(self, stage: int) -> int:
-        return self.layout.pipeline_ranks[self.schedule.stage_to_rank[stage]]
+    def rank_of(self, stage: int, microbatch: int) -> int:
+        """The global rank running `stage` for `microbatch`."""
+        return self.layout.pipeline_ranks[self.schedule.rank_of(stage, microbatch)]
+
+    def step(self, inputs, targets) -> list[torch.Tensor] | None:
+        """One step; returns every microbatch's loss on the rank of the last stage (of copy 0,
+        under a mirrored schedule), else None."""
+        losses = super().step(inputs, targets)
+        schedule = self.schedule
+        if schedule.mirrored_from is None:
+            return losses
+        last, first_mirrored = schedule.stages - 1, schedule.mirrored_from
+        reporter, mirrored = self.rank_of(last, 0), self.rank_of(last, first_mirrored)
+        action = "handing the mirrored copy's microbatch losses over"
+        if self.rank == mirrored:
+            self.transport.send([torch.stack(losses)], reporter, MIRRORED_LOSS_TAG, action)
+            self.transport.flush_sends()
+            return None
+        if self.rank == reporter:
+            buffer = torch.empty(len(inputs) - first_mirrored, dtype=losses[0].dtype, device=losses[0].device)
+            received = self.transport.wait(self.transport.post_recv([buffer], mirrored, MIRRORED_LOSS_TAG, action), action)
+            return losses + list(received[0].unbind())
+        return losses
 
     def reduce_grads(self) -> dict[str, torch.Tensor]:
         """This rank's parameter gradients for the step: its stages' parts summed in stage order,
@@ -181,10 +218,10 @@ class DistributedRunner(Runner):
 
     def reschedule(self, schedule: Schedule) -> None:
         """Run `schedule` from the next step on (same stages on the same ranks)."""
-        if schedule.stage_to_rank != self.schedule.stage_to_rank:
+        if schedule.placement != self.schedule.placement:
             raise ValueError(
-                f"schedule {schedule.name!r} places stages on ranks {schedule.stage_to_rank}, but this pipeline "
-                f"runs them on {self.schedule.stage_to_rank}; build a new pipeline for it"
+                f"schedule {schedule.name!r} places stages on ranks {_placement_text(schedule)}, but this pipeline "
+                f"runs them on {_placement_text(self.schedule)}; build a new pipeline for it"
             )
         super().reschedule(schedule)
 

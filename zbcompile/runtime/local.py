@@ -1,10 +1,14 @@
 """Runs a whole pipeline step in one process: the interpreter (`runtime/dispatch.py`) follows
 every rank's program merged into one (`program.single_process_program`: each rank's list in
 order, dependencies first), and messages between ranks go through a dict. Used when there is no
-process group, and as the reference the distributed runtime must match bit for bit."""
+process group, and as the reference the distributed runtime must match bit for bit.
+
+A mirrored schedule (dualpipe) runs here with both copies of every stage, each for its
+microbatches, and sums their gradients as the ranks holding them would (`reduce_grads`)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -12,7 +16,8 @@ import torch
 from zbcompile.compiler import CompiledPipeline
 from zbcompile.runtime.program import RankProgram, single_process_program
 from zbcompile.runtime.runner import Runner
-from zbcompile.runtime.stage import StageExecutor
+from zbcompile.runtime.stage import StageExecutor, merge_stage_grads
+from zbcompile.runtime.tied_weights import holder_positions, parameter_users
 from zbcompile.schedules import Schedule
 
 
@@ -53,11 +58,31 @@ class LocalRunner(Runner):
 
     def __init__(self, compiled: CompiledPipeline, schedule: Schedule, state: Mapping[str, torch.Tensor]) -> None:
         executors = {p.index: StageExecutor(p, state) for p in compiled.programs}
-        super().__init__(compiled, schedule, executors, InProcessTransport(), None, False, None)
+        super().__init__(compiled, schedule, executors, InProcessTransport(), None, False, None, copies={})
 
     def _program(self, schedule: Schedule) -> RankProgram:
+        """The merged program; for a mirrored schedule, a second executor per stage (its copy)."""
+        self.copies.clear()
+        if schedule.mirrored_from is not None:
+            state = self.executors[0].state
+            self.copies.update({s: StageExecutor(self.compiled.programs[s], state) for s in range(schedule.stages)})
         return single_process_program(schedule, self._message_names, self._value_layout)
 
     def reduce_grads(self) -> dict[str, torch.Tensor]:
-        return self._stage_grads()
+        """The stages' gradients summed in stage order; under a mirrored schedule, as its ranks
+        sum them (`DistributedRunner.reduce_grads`): each rank's stages in stage order, then a
+        parameter held by several ranks over them in pipeline order (`tied_weights.holder_positions`)."""
+        schedule = self.schedule
+        if schedule.mirrored_from is None:
+            return self._stage_grads()
+        own = [
+            merge_stage_grads([self.executors[s] if schedule.stage_to_rank[s] == rank else self.copies[s] for s in schedule.stages_on(rank)])
+            for rank in range(schedule.ranks)
+        ]
+        grads = {}
+        for fqn, stages in parameter_users(self.compiled.partition).items():
+            parts = [own[rank][fqn] for rank in holder_positions(stages, schedule.ranks_of) if fqn in own[rank]]
+            if parts:
+                grads[fqn] = functools.reduce(torch.add, parts)
+        return grads
 

@@ -87,13 +87,13 @@ def message_tag(direction: str, stage: int, microbatch: int, stages: int) -> int
 def rank_program(
     schedule: Schedule,
     pp_rank: int,
-    rank_of: Callable[[int], int],
+    rank_of: Callable[[int, int], int],
     names: Callable[[str, int], Sequence[str]],
     layout: Callable[[str], Layout],
     memory: MemoryModel | None,
 ) -> RankProgram:
-    """Position `pp_rank`'s program for `schedule`. `rank_of(stage)`: the global rank holding a
-    stage; `names(direction, stage)`: the values a message in that direction into that stage
+    """Position `pp_rank`'s program for `schedule`. `rank_of(stage, microbatch)`: the global rank
+    running a stage for a microbatch; `names(direction, stage)`: the values a message in that direction into that stage
     carries; `layout(name)`: a value's (shape, dtype). With `memory` (the memory model of the
     schedule's costs), W are deferred past sends within the plan's peak; without, the lowered
     list is kept as it is."""
@@ -110,7 +110,7 @@ def single_process_program(
     """The program of one process that runs every rank of `schedule`: every rank's lowered list
     as it is, merged so that each compute action comes where `execution_order` puts it, with
     the messages its list has after it (its SEND first) right behind it. Ranks are positions
-    (`rank_of(stage)` is `stage_to_rank[stage]`); `names`, `layout` as for `rank_program`."""
+    (`rank_of` is `schedule.rank_of`); `names`, `layout` as for `rank_program`."""
     lowered = lower(schedule).actions
     rank = {a: r for r, row in enumerate(lowered) for a in row if a.is_compute}
     cursor = [0] * len(lowered)
@@ -126,7 +126,7 @@ def single_process_program(
             actions.append(row[i])
             i += 1
         cursor[rank[action]] = i
-    return _resolve(schedule, actions, actions, (), schedule.stage_to_rank.__getitem__, names, layout)
+    return _resolve(schedule, actions, actions, (), schedule.rank_of, names, layout)
 
 
 def execution_order(schedule: Schedule) -> list[Action]:
@@ -141,7 +141,7 @@ def _resolve(
     planned: Sequence[Action],
     actions: Sequence[Action],
     deferred: tuple[str, ...],
-    rank_of: Callable[[int], int],
+    rank_of: Callable[[int, int], int],
     names: Callable[[str, int], Sequence[str]],
     layout: Callable[[str], Layout],
 ) -> RankProgram:
@@ -157,7 +157,7 @@ def _resolve(
             direction = kind[-1]
             receiver = {"SEND_F": s + 1, "SEND_B": s - 1}.get(kind, s)
             sender = {"RECV_F": s - 1, "RECV_B": s + 1}.get(kind, s)
-            peer = rank_of(receiver if kind.startswith("SEND") else sender)
+            peer = rank_of(receiver if kind.startswith("SEND") else sender, k)
             value_names = tuple(names(direction, receiver))
             message = Message(direction, receiver, k, peer, message_tag(direction, receiver, k, schedule.stages), value_names, str(action))
             if kind.startswith("SEND"):

@@ -20,8 +20,10 @@ from zbcompile.schedules import Action, Schedule
 
 class Runner(ABC):
     """Runs `compiled`'s stages held here (`executors`: stage -> StageExecutor, `local_stages`
-    in order) step after step, following `schedule` until `reschedule()`. `layout` is this
-    rank's place among the pipelines (`distributed.Layout`; None in one process)."""
+    in order; `copies`: a mirrored schedule's second copy of stages held here too, where one
+    process runs both copies) step after step, following `schedule` until `reschedule()`.
+    `layout` is this rank's place among the pipelines (`distributed.Layout`; None in one
+    process)."""
 
     layout: Any = None
 
@@ -34,13 +36,15 @@ class Runner(ABC):
         receive_device: torch.device | None,
         follow_readiness: bool,
         synchronize: Callable[[], None] | None,
+        copies: dict[int, StageExecutor] | None = None,
     ) -> None:
         self.compiled = compiled
         self.executors = executors
+        self.copies = copies if copies is not None else {}
         self.local_stages = sorted(executors)
         self.transport = transport
         self.follow_readiness = follow_readiness
-        self.interpreter = Interpreter(executors, transport, receive_device, follow_readiness, synchronize)
+        self.interpreter = Interpreter(executors, transport, receive_device, follow_readiness, synchronize, self.copies)
         self._load(schedule)
 
     @property
@@ -52,8 +56,9 @@ class Runner(ABC):
         self._load(schedule)
 
     def _load(self, schedule: Schedule) -> None:
+        _check_copies(schedule, self.compiled)
         self._schedule = schedule
-        self.interpreter.load(self._program(schedule), schedule.stage_to_rank)
+        self.interpreter.load(self._program(schedule), schedule)
 
     @abstractmethod
     def _program(self, schedule: Schedule) -> RankProgram:
@@ -70,7 +75,7 @@ class Runner(ABC):
 
     def set_state(self, state: Mapping[str, torch.Tensor]) -> None:
         """Parameters and buffers (`param:<fqn>`, `buffer:<fqn>`) the next step computes with."""
-        for executor in self.executors.values():
+        for executor in self._all_executors():
             executor.state = state
 
     def _message_names(self, direction: str, stage: int) -> Sequence[str]:
@@ -117,21 +122,40 @@ class Runner(ABC):
     @property
     def peak_live_bytes(self) -> int:
         """The highest bytes each held stage's microbatches kept alive, summed over those stages."""
-        return sum(e.peak_live_bytes for e in self.executors.values())
+        return sum(e.peak_live_bytes for e in self._all_executors())
 
     @property
     def peak_activation_bytes(self) -> int:
         """The same with what lives inside each action (`StageExecutor.peak_activation_bytes`),
         counted while `measure_transients(True)`; 0 otherwise."""
-        return sum(e.peak_activation_bytes for e in self.executors.values())
+        return sum(e.peak_activation_bytes for e in self._all_executors())
 
     def measure_transients(self, on: bool = True) -> None:
         """Count, from the next action on, the memory alive inside each action of every held stage
         (off by default: it traces every op; see `StageExecutor`)."""
-        for executor in self.executors.values():
+        for executor in self._all_executors():
             executor.measure_transients = on
 
     def reset_peaks(self) -> None:
         """Start the peak counts of every held stage afresh (e.g. after a warm-up step)."""
-        for executor in self.executors.values():
+        for executor in self._all_executors():
             executor.reset_peaks()
+
+    def _all_executors(self) -> list:
+        """Every executor this process runs: one per held stage, and a mirrored schedule's second copies."""
+        return [*self.executors.values(), *self.copies.values()]
+
+
+def _check_copies(schedule: Schedule, compiled: CompiledPipeline) -> None:
+    """A mirrored schedule (dualpipe) runs each stage's F in two copies, each for its share of
+    the microbatches; buffers that F updates (BatchNorm's running statistics) would then not see
+    the microbatches in order, nor stay equal in both copies: refused."""
+    if schedule.mirrored_from is None:
+        return
+    for stage in compiled.partition.stages:
+        if stage.buffer_updates:
+            raise ValueError(
+                f"schedule {schedule.name!r} runs every stage in two copies of the pipeline, each for part of the "
+                f"microbatches, but stage {stage.index} updates buffers in its forward ({', '.join(stage.buffer_updates[:3])}), "
+                "which need every microbatch in order; use a schedule with one copy, such as dualpipev or zbv"
+            )

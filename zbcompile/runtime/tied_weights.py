@@ -1,18 +1,22 @@
-"""Parameters held by several ranks of one pipeline (a tied embedding and LM head): which ranks
-hold each, which rank owns it, and the point-to-point messages that keep the copies equal.
+"""Parameters held by several ranks of one pipeline (a tied embedding and LM head; under a
+mirrored schedule such as dualpipe, every parameter, since both copies of the pipeline run each
+stage, on two ranks): which ranks hold each, which rank owns it, and the point-to-point messages
+that keep the copies equal.
 
 No process group is created for them: the owner (the rank of the weight's first stage) gathers
-the other holders' gradients, sums them in pipeline order (its own first) and sends the sum back,
+the other holders' gradients, sums them in pipeline order (its own first; of a stage's two ranks,
+the first copy's first) and sends the sum back,
 so every holder gets the same bits under every schedule; at start-up it sends its value to the
 others. Messages go through the pipeline's `Transport` (timeouts, errors that name the peer)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
+from zbcompile.passes.partition import StagePartition
 from zbcompile.runtime.p2p import Transport
 from zbcompile.value_names import param_name
 
@@ -32,16 +36,31 @@ class TiedWeight:
         return self.holders[0]
 
 
-def tied_weights(shared_params: Mapping[str, Sequence[int]], stage_to_rank: Sequence[int], pipeline_ranks: Sequence[int], rank: int) -> list[TiedWeight]:
+def parameter_users(partition: StagePartition) -> dict[str, tuple[int, ...]]:
+    """Every parameter's FQN -> the stages using it (in stage order)."""
+    users = dict(partition.shared_params)
+    for stage in partition.stages:
+        for fqn in stage.param_fqns:
+            users.setdefault(fqn, (stage.index,))
+    return users
+
+
+def tied_weights(users: Mapping[str, Sequence[int]], ranks_of: Callable[[int], Sequence[int]], pipeline_ranks: Sequence[int], rank: int) -> list[TiedWeight]:
     """The parameters used by stages on several ranks that `rank` holds, sorted by FQN.
-    `shared_params` maps an FQN to the stages using it."""
+    `users` maps an FQN to the stages using it, `ranks_of(stage)` gives the pipeline positions
+    running a stage (`Schedule.ranks_of`)."""
     weights = []
-    for fqn, stages in sorted(shared_params.items()):
-        positions = sorted({stage_to_rank[s] for s in stages}, key=lambda p: min(s for s in stages if stage_to_rank[s] == p))
-        holders = tuple(pipeline_ranks[p] for p in positions)
+    for fqn, stages in sorted(users.items()):
+        holders = tuple(pipeline_ranks[p] for p in holder_positions(stages, ranks_of))
         if len(holders) > 1 and rank in holders:
             weights.append(TiedWeight(fqn, holders))
     return weights
+
+
+def holder_positions(stages: Sequence[int], ranks_of: Callable[[int], Sequence[int]]) -> list[int]:
+    """The pipeline positions holding a parameter that `stages` use, in pipeline order: by
+    stage, and of a stage's ranks (`ranks_of`), copy 0's first. The first is the owner."""
+    return list(dict.fromkeys(p for s in sorted(stages) for p in ranks_of(s)))
 
 
 def share_owner_values(weights: Sequence[TiedWeight], state: Mapping[str, torch.Tensor], transport: Transport) -> None:

@@ -1,5 +1,6 @@
-"""DeepSeek's DualPipeV (https://github.com/deepseek-ai/DualPipe, DeepSeek-V3 report), in the form
-torch.distributed.pipelining's ``ScheduleDualPipeV`` generates.
+"""DeepSeek's DualPipe and DualPipeV (https://github.com/deepseek-ai/DualPipe, DeepSeek-V3 report).
+
+DualPipeV, in the form torch.distributed.pipelining's ``ScheduleDualPipeV`` generates:
 
 Placement: the V of ZB-V (``handcrafted.v_placement``): rank r holds chunk 0 = stage r and chunk 1 =
 stage 2p-1-r. Each rank runs eight phases (p ranks, m microbatches, rank r):
@@ -20,11 +21,25 @@ action, so a pair is written as its two actions back to back, forward first, in 
 runtime runs the sub-actions. DualPipeV needs m >= 2p; for fewer microbatches the order for 2p is
 built and the extra microbatches are dropped (removing whole microbatches keeps an order free of
 deadlock, as in ``handcrafted.zb_v``).
+
+DualPipe (bidirectional): p ranks (p even) and a pipeline of p stages that exists twice. Copy 0
+runs stage s on rank s ("down") and the first ceil(m/2) microbatches; copy 1 runs stage s on rank
+p-1-s ("up") and the others (``Schedule.mirrored_from``). Rank r thus holds two stages, r and
+p-1-r, which sit at positions h and p-1-h of their copies' pipelines (h = min(r, p-1-r)): the
+places of a DualPipeV rank h's two chunks in a V of p stages on p/2 ranks. DeepSeek's DualPipe
+runs on rank r the eight phases of that DualPipeV rank (its "chunk 0" is the copy in which rank r
+sits at position h), each direction with its own half of the microbatches; so does ``dualpipe``,
+built from ``_rank_actions``. DeepSeek needs m even and m/2 >= p; here the order is built for
+max(ceil(m/2), p) microbatches per direction and the ones beyond each copy's share are dropped,
+as above. Both ranks holding a stage keep its parameters, and the runtime adds the two copies'
+gradients after the step: (sum over copy 0's microbatches) + (sum over copy 1's), which is not
+bit for bit the sum in microbatch order that every single-copy schedule computes (floating-point
+addition is not associative), only equal to it within rounding.
 """
 
 from __future__ import annotations
 
-from .handcrafted import v_placement
+from .handcrafted import in_line, v_placement
 from .ir import Action, Schedule
 
 
@@ -99,3 +114,27 @@ def dualpipev(stages: int, microbatches: int) -> Schedule:
         tuple(a for a in _rank_actions(ranks, built, r) if a.microbatch < microbatches) for r in range(ranks)
     )
     return Schedule("dualpipev", stages, microbatches, v_placement(stages), rows)
+
+
+def dualpipe(stages: int, microbatches: int) -> Schedule:
+    """Bidirectional DualPipe on ``stages`` ranks, two copies of the pipeline (see the module
+    docstring)."""
+    if stages < 2 or stages % 2:
+        raise ValueError(
+            f"dualpipe puts stage s and stage p-1-s on rank s, DeepSeek's phases need an even number of "
+            f"stages (ranks), got {stages}; use dualpipev, or an even stage count"
+        )
+    if microbatches < 2:
+        raise ValueError(f"dualpipe splits the microbatches between its two directions: it needs at least 2, got {microbatches}")
+    down = (microbatches + 1) // 2  # copy 0's share; copy 1 runs microbatches down..m-1
+    shares = (down, microbatches - down)
+    built = max(down, stages)
+    rows = []
+    for rank in range(stages):
+        row = []
+        for a in _rank_actions(stages // 2, built, min(rank, stages - 1 - rank)):
+            copy = 0 if a.stage == rank else 1  # copy 0 runs stage s on rank s
+            if a.microbatch < shares[copy]:
+                row.append(Action(a.stage, a.kind, a.microbatch + copy * down))
+        rows.append(tuple(row))
+    return Schedule("dualpipe", stages, microbatches, in_line(stages), tuple(rows), mirrored_from=down)

@@ -69,6 +69,10 @@ class Schedule:
     ``stages`` counts pipeline stages (chunks, for schedules that put several on one rank);
     ``stage_to_rank[s]`` is the rank that runs stage s. ``info`` carries provenance such as the
     solver status, its proven lower bound and the solve time.
+
+    ``mirrored_from`` (None: a single copy): the pipeline exists twice, and microbatches from
+    that index on run on the mirrored copy, which puts stage s on rank ``ranks - 1 -
+    stage_to_rank[s]`` (DualPipe). ``rank_of(stage, microbatch)`` is where an action runs.
     """
 
     name: str
@@ -77,6 +81,7 @@ class Schedule:
     stage_to_rank: tuple[int, ...]
     actions: tuple[tuple[Action, ...], ...]
     info: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    mirrored_from: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage_to_rank", tuple(int(r) for r in self.stage_to_rank))
@@ -91,10 +96,39 @@ class Schedule:
                 f"schedule {self.name!r}: stage_to_rank has {len(self.stage_to_rank)} entries "
                 f"for {self.stages} stages"
             )
+        if self.mirrored_from is not None and not 0 < self.mirrored_from < self.microbatches:
+            raise ValueError(
+                f"schedule {self.name!r}: mirrored_from={self.mirrored_from} must split the {self.microbatches} "
+                "microbatches between the two copies (0 < mirrored_from < microbatches)"
+            )
 
     @property
     def ranks(self) -> int:
         return len(self.actions)
+
+    def rank_of(self, stage: int, microbatch: int) -> int:
+        """The rank that runs ``stage`` for ``microbatch`` (the mirrored copy's from ``mirrored_from`` on)."""
+        rank = self.stage_to_rank[stage]
+        if self.mirrored_from is not None and microbatch >= self.mirrored_from:
+            return self.ranks - 1 - rank
+        return rank
+
+    def ranks_of(self, stage: int) -> tuple[int, ...]:
+        """The ranks that run ``stage``: its own, then its mirrored copy's where that is another."""
+        rank = self.stage_to_rank[stage]
+        if self.mirrored_from is None or self.ranks - 1 - rank == rank:
+            return (rank,)
+        return (rank, self.ranks - 1 - rank)
+
+    def stages_on(self, rank: int) -> list[int]:
+        """The stages ``rank`` runs (for some microbatch), in stage order."""
+        return [s for s in range(self.stages) if rank in self.ranks_of(s)]
+
+    @property
+    def placement(self) -> tuple[tuple[int, ...], int | None]:
+        """What decides where every action runs: two schedules with the same placement run each
+        (stage, microbatch) on the same rank."""
+        return self.stage_to_rank, self.mirrored_from
 
     @property
     def is_lowered(self) -> bool:

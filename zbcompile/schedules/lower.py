@@ -22,7 +22,8 @@ from .timing import ScheduleError, backward_index, dependencies
 
 
 def message_of(action: Action, stages: int, stage_to_rank) -> tuple[Action, Action] | None:
-    """(SEND, RECV) pair that carries ``action``'s output across ranks, or None."""
+    """(SEND, RECV) pair that carries ``action``'s output across ranks, or None. A mirrored copy
+    (``Schedule.mirrored_from``) maps ranks one to one, so it crosses ranks where the first does."""
     s, k = action.stage, action.microbatch
     if action.kind == "F" and s < stages - 1 and stage_to_rank[s + 1] != stage_to_rank[s]:
         return Action(s, "SEND_F", k), Action(s + 1, "RECV_F", k)
@@ -60,7 +61,7 @@ def lower(schedule: Schedule, costs: Costs | ResolvedCosts | None = None) -> Sch
         if message is not None:
             send, recv = message
             out[rank].append(send)
-            out[stage_to_rank[recv.stage]].append(recv)
+            out[schedule.rank_of(recv.stage, recv.microbatch)].append(recv)
         position[rank] += 1
         if position[rank] < len(compute.actions[rank]):
             nxt = compute.actions[rank][position[rank]]
@@ -101,11 +102,11 @@ def check_rendezvous(schedule: Schedule) -> None:
             partner = Action(comm.stage + 1, "SEND_B", comm.microbatch)
         if not 0 <= partner.stage < stages:
             raise ScheduleError(f"{comm} has no partner stage {partner.stage}")
-        return stage_to_rank[partner.stage], partner
+        return schedule.rank_of(partner.stage, partner.microbatch), partner
 
     def inputs_ready(rank: int, action: Action) -> Action | None:
         for dep in dependencies(action, stages, stage_to_rank, 0.0, backward_of):
-            if stage_to_rank[dep.action.stage] == rank:
+            if schedule.rank_of(dep.action.stage, dep.action.microbatch) == rank:
                 if dep.action not in done:
                     return dep.action
             else:

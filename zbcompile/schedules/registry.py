@@ -11,7 +11,7 @@ from typing import Callable, Mapping, Sequence, Union
 from .auto import zb_auto
 from .building_block import v_half, v_min, v_zb
 from .costs import Costs, ResolvedCosts, resolve_costs
-from .dualpipe import dualpipev
+from .dualpipe import dualpipe, dualpipev
 from .handcrafted import (
     gpipe,
     in_line,
@@ -62,7 +62,10 @@ class ScheduleSpec:
     schedules are fixed orders that a limit only checks. ``placement(stages)`` is stage -> rank;
     ``min_stages`` the fewest stages (chunks) it accepts. ``measures_costs``: a distributed
     pipeline left to decide (``pipeline(profile=None)``) measures its costs and re-solves the
-    schedule with them, unless it was given costs.
+    schedule with them, unless it was given costs. ``mirrored``: the pipeline exists twice, the
+    second copy mirrored (stage s on rank ranks-1-placement(s)) for the later microbatches
+    (``Schedule.mirrored_from``), so each rank runs two stages and holds both's parameters;
+    ``chunks_per_rank`` counts the stages of one copy.
     """
 
     name: str
@@ -72,6 +75,7 @@ class ScheduleSpec:
     min_stages: int = 1
     solved: bool = False
     measures_costs: bool = False
+    mirrored: bool = False
 
     def ranks(self, stages: int) -> int:
         """Ranks one pipeline of ``stages`` stages (chunks) occupies."""
@@ -114,6 +118,7 @@ SCHEDULES: Mapping[str, ScheduleSpec] = MappingProxyType({
             chunks_per_rank=2,
         ),
         ScheduleSpec("dualpipev", lambda r: dualpipev(r.stages, r.microbatches), placement=v_placement, chunks_per_rank=2, min_stages=2),
+        ScheduleSpec("dualpipe", lambda r: dualpipe(r.stages, r.microbatches), min_stages=2, mirrored=True),
     )
 })
 SCHEDULE_NAMES = tuple(SCHEDULES)
@@ -157,7 +162,8 @@ def make_schedule(
 
     ``stages`` counts chunks for multi-chunk schedules ("interleaved-1f1b", "looped-bfs": ``ranks``
     ranks, default two chunks each; "zbv", "v-min", "v-half", "v-zb", "dualpipev": two chunks per
-    rank in a V) and costs are then per chunk.
+    rank in a V) and costs are then per chunk. "dualpipe" runs ``stages`` stages on as many ranks, twice:
+    stage s on rank s for the first half of the microbatches, on rank stages-1-s for the others.
     ``memory_limit`` (units of ``mem_b``; scalar or one per rank) binds the solved schedules
     (zb-auto, zbv) and is checked for every schedule. zb-auto spends up to ``time_budget`` seconds
     (default 3) improving its heuristic with the exact solver; ``time_budget=0`` returns the

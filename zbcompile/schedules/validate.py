@@ -1,7 +1,8 @@
 """The validator: every schedule passes here before anything uses it.
 
 Checks, in order, each with an error (``ScheduleError``, a ValueError) naming rank, action and rule:
-1. placement: every action sits on the rank that owns its stage; stages and microbatches in range;
+1. placement: every action sits on the rank that runs its stage for its microbatch
+   (``Schedule.rank_of``); stages and microbatches in range;
 2. completeness: per (stage, microbatch) one F and either one fused B or one I and one W;
 3. order invariant: on every stage F, I/B and W run in increasing microbatch order (the runtime's
    gradient accumulation relies on it);
@@ -45,9 +46,10 @@ def _check_placement(schedule: Schedule) -> None:
                 raise ScheduleError(
                     f"rank {rank}: {a} names microbatch {a.microbatch}, but there are {schedule.microbatches}"
                 )
-            if a.is_compute and schedule.stage_to_rank[a.stage] != rank:
+            if a.is_compute and schedule.rank_of(a.stage, a.microbatch) != rank:
                 raise ScheduleError(
-                    f"rank {rank}: {a} belongs to stage {a.stage}, which runs on rank {schedule.stage_to_rank[a.stage]}"
+                    f"rank {rank}: {a} belongs to stage {a.stage}, which runs microbatch {a.microbatch} on rank "
+                    f"{schedule.rank_of(a.stage, a.microbatch)}"
                 )
 
 
@@ -55,10 +57,10 @@ def _check_complete(schedule: Schedule) -> None:
     counts = Counter((a.stage, a.kind, a.microbatch) for row in schedule.actions for a in row if a.is_compute)
     for (stage, kind, mb), n in counts.items():
         if n > 1:
-            raise ScheduleError(f"rank {schedule.stage_to_rank[stage]}: {Action(stage, kind, mb)} appears {n} times")
+            raise ScheduleError(f"rank {schedule.rank_of(stage, mb)}: {Action(stage, kind, mb)} appears {n} times")
     for stage in range(schedule.stages):
-        rank = schedule.stage_to_rank[stage]
         for mb in range(schedule.microbatches):
+            rank = schedule.rank_of(stage, mb)
             has = {kind for kind in "FIWB" if counts.get((stage, kind, mb))}
             if "F" not in has:
                 raise ScheduleError(f"rank {rank}: {Action(stage, 'F', mb)} is missing")
@@ -111,9 +113,9 @@ def _check_messages(schedule: Schedule) -> None:
         raise ScheduleError(f"lowered schedule messages do not match its edges: missing {missing[:5]}, extra {extra[:5]}")
     for rank, row in enumerate(schedule.actions):
         for a in row:
-            if a.kind in ("SEND_F", "SEND_B") and schedule.stage_to_rank[a.stage] != rank:
+            if a.kind in ("SEND_F", "SEND_B") and schedule.rank_of(a.stage, a.microbatch) != rank:
                 raise ScheduleError(f"rank {rank}: {a} sends for stage {a.stage}, which runs on another rank")
-            if a.kind in ("RECV_F", "RECV_B") and schedule.stage_to_rank[a.stage] != rank:
+            if a.kind in ("RECV_F", "RECV_B") and schedule.rank_of(a.stage, a.microbatch) != rank:
                 raise ScheduleError(f"rank {rank}: {a} receives for stage {a.stage}, which runs on another rank")
 
 
