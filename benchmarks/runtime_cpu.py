@@ -415,16 +415,17 @@ def _share_compilation() -> None:
     original = build.compile_pipeline
     cache: dict = {}
 
-    def compile_once(model, loss_fn, args, kwargs, target, stages, split_points=None, device=None):
+    def compile_once(model, loss_fn, args, kwargs, target, stages, split_points=None, device=None, **options):
         key = (
             tuple((tuple(a.shape), a.dtype) for a in args),
             tuple(target.shape),
             stages,
             tuple(split_points or ()),
             str(device),
+            tuple(sorted(options.items())),
         )
         if key not in cache:
-            cache[key] = original(model, loss_fn, args, kwargs, target, stages, split_points, device)
+            cache[key] = original(model, loss_fn, args, kwargs, target, stages, split_points, device, **options)
         return cache[key]
 
     build.compile_pipeline = compile_once
