@@ -149,7 +149,8 @@ def main() -> None:
     lines = [
         "# Activation memory and step time (12-layer GPT, 2 ranks, m = 4)",
         "",
-        f"Measured on a shared, loaded machine ({_launch.load_line(info)}), torch {info['torch']}: step times are noisy.",
+        f"Machine: {_launch.load_line(info)} before the run, torch {info['torch']}. Step times are medians over rounds on a "
+        "shared 2-core machine: read them to a few percent.",
         f"Model: {config}. recompute=auto runs under a limit of {LIMIT_FRACTION:.0%} of plain zb-h1's measured peak "
         f"({rows[0]['limit_bytes']:,.0f} bytes). Measured peaks count what lives inside each action (the runtime's "
         "measure_transients); the predicted ones the same with each action's own peak from its graph; the M_B/M_W "

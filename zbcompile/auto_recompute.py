@@ -4,7 +4,10 @@ what it needs) under which the schedule fits the memory limit in the least simul
 
 Starting with no recomputation: while some ranks exceed their limit, each stage on such a rank
 takes, among its levels, the one whose schedule fits its rank in the least simulated time (the
-other stages as they are), or, where none fits, the one that lowers its rank's peak most. Each
+other stages as they are), or, where none fits, the one that lowers its rank's peak most. Once
+all fit, each stage in turn moves to the level that keeps every rank within its limit in less
+simulated time, until none does: a schedule solved under the limit (zb-auto) may fit with no
+recomputation only by giving up overlap, and run faster with some. Each
 candidate's schedule is solved and simulated (`evaluate_memory`) with the limit in the memory unit
 of the pipeline before recomputation, which the candidates keep. A rank fits when its peak with
 each action's own transients (`CompiledPipeline.peak_memory_with_transients`: the values a
@@ -68,7 +71,7 @@ def choose_recomputation(compiled: CompiledPipeline, evaluate: Callable[[Compile
     for _ in range(sum(len(options) for options in compiled.alternatives)):
         current = evaluate(with_levels(compiled, levels))
         if not current.over:
-            return with_levels(compiled, levels)
+            return with_levels(compiled, _fastest_fitting(compiled, levels, current.makespan, evaluate))
         changed = False
         for stage in sorted(current.over):
             best = _best_level(compiled, levels, stage, current, evaluate)
@@ -81,6 +84,21 @@ def choose_recomputation(compiled: CompiledPipeline, evaluate: Callable[[Compile
         f"recompute='auto': stages {over} exceed the memory limit at every recompute level (their backward recomputing "
         "every forward value, W holding nothing); raise memory_limit or use more stages"
     )
+
+
+def _fastest_fitting(compiled: CompiledPipeline, levels: list[int], makespan: float, evaluate) -> list[int]:
+    """From `levels`, under which every rank fits: stage by stage, the level under which every
+    rank still fits in less simulated time, until no stage has one."""
+    improved = True
+    while improved:
+        improved = False
+        for stage, options in enumerate(compiled.alternatives):
+            for level in range(len(options)):
+                trial_levels = [level if s == stage else v for s, v in enumerate(levels)]
+                trial = evaluate(with_levels(compiled, trial_levels))
+                if not trial.over and trial.makespan < makespan * (1 - 1e-9):
+                    levels, makespan, improved = trial_levels, trial.makespan, True
+    return levels
 
 
 def _best_level(compiled: CompiledPipeline, levels: list[int], stage: int, current: Evaluation, evaluate) -> int:

@@ -223,3 +223,20 @@ def test_auto_recompute_needs_a_limit_and_says_when_none_fits():
     pipe = zbcompile.pipeline(GPT(CONFIG), stages=2, microbatches=2, loss_fn=lm_loss, schedule="1f1b", memory_limit=0.01, recompute="auto")
     with pytest.raises(ValueError, match=r"stages \[0, 1\] exceed the memory limit at every recompute level"):
         pipe.compile(*_batch(CONFIG)[:1], target=_batch(CONFIG)[1])
+
+
+def test_auto_recompute_keeps_recomputing_where_that_is_faster_within_the_limit():
+    """A schedule solved under the limit (zb-auto) may fit with no recomputation only by giving up
+    overlap: the choice goes on to the fitting levels of least simulated time (levels (2, 1)
+    here; (2, 2) would be faster still but exceeds the limit)."""
+    from zbcompile.auto_recompute import Evaluation, choose_recomputation
+    from zbcompile.compiler import CompiledPipeline
+
+    def evaluate(candidate: CompiledPipeline) -> Evaluation:
+        first, second = candidate.recompute_levels
+        over = frozenset({1}) if (first, second) == (2, 2) else frozenset()
+        return Evaluation(over, (0.0, 0.0), 10.0 - 2 * (first == 2) - 2 * (second >= 1) - 3 * (second == 2))
+
+    options = (("a0", "a1", "a2"), ("b0", "b1", "b2"))
+    compiled = CompiledPipeline(None, None, ("a0", "b0"), alternatives=options, recompute_levels=(0, 0), memory_unit_bytes=1)
+    assert choose_recomputation(compiled, evaluate).recompute_levels == (2, 1)
