@@ -40,12 +40,16 @@ class Runner(ABC):
     ) -> None:
         self.compiled = compiled
         self.executors = executors
-        self.copies = copies if copies is not None else {}
         self.local_stages = sorted(executors)
         self.transport = transport
         self.follow_readiness = follow_readiness
-        self.interpreter = Interpreter(executors, transport, receive_device, follow_readiness, synchronize, self.copies)
+        self.interpreter = Interpreter(executors, transport, receive_device, follow_readiness, synchronize, copies)
         self._load(schedule)
+
+    @property
+    def copies(self) -> dict[int, StageExecutor]:
+        """A mirrored schedule's second copy of stages held here (the interpreter's)."""
+        return self.interpreter.copies
 
     @property
     def schedule(self) -> Schedule:
