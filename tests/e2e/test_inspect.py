@@ -333,11 +333,16 @@ def _chromium() -> str | None:
 
 
 @pytest.mark.xdist_group("distributed")
-@pytest.mark.skipif(_chromium() is None, reason="no Chromium on this machine: test_report_draws_one_box_per_action checks the SVG instead")
 def test_report_screenshot_shows_the_timelines(distributed_dump):
+    """The report opened in a real browser. `make test` installs Chromium (`make browser`); in CI a
+    missing browser fails the test instead of skipping it."""
     import matplotlib.image
     import numpy as np
 
+    if _chromium() is None:
+        if os.environ.get("CI"):
+            pytest.fail("no Chromium in CI: `make browser` (as root) installs Debian's chromium")
+        pytest.skip("no Chromium on this machine: `make browser` as root installs it")
     root, _ = distributed_dump
     page = write_report(root, os.path.join(root, "report.html"))
     shot = os.path.join(root, "report.png")
