@@ -304,8 +304,17 @@ def test_explain_equals_inspect_with_measured_times(distributed_dump):
     text = summary_text(load(root))
     assert per_rank[0]["explain"] == text
     assert f"measured: {STEPS - 1} steps of version 0 (steps 1-{STEPS - 1};" in text
-    ratio = float(re.search(r"measured / predicted makespan = (\d+\.\d+)", text).group(1))
-    assert ratio > 0
+    number = lambda pattern: float(re.search(pattern, text).group(1))  # noqa: E731
+    makespan, predicted = number(r"makespan (\d+\.\d+) ms, span"), number(r"predicted makespan (\d+\.\d+) ms")
+    busy = [float(b) for b in re.search(r"per rank: busy ([\d., ]+) ms", text).group(1).split(", ")]
+    assert number(r"measured / predicted makespan = (\d+\.\d+)") == pytest.approx(makespan / predicted, abs=0.006)
+    # against the ranks' own clocks around each step(): the actions of a step lie within the
+    # earliest start and the latest end of that step's calls, and each rank is busy within its own
+    steps = range(1, STEPS)
+    windows = [max(r["windows"][s][1] for r in per_rank) - min(r["windows"][s][0] for r in per_rank) for s in steps]
+    assert max(busy) <= makespan <= max(windows) * 1e3 + 0.01, (busy, makespan, windows)
+    for rank, result in enumerate(per_rank):
+        assert busy[rank] <= max(result["windows"][s][1] - result["windows"][s][0] for s in steps) * 1e3 + 0.01, rank
 
 
 def _svgs(html: str) -> list[str]:
