@@ -57,8 +57,8 @@ def test_pipelined_step_matches_eager_under_every_schedule(name, stages):
 
 @pytest.mark.xdist_group("distributed")
 def test_meta_models_loaded_from_a_full_state_dict_train_on_two_ranks():
-    """GPT-2 and Llama built on the meta device on each of 2 ranks (gloo), filled from the
-    eager model's full state dict: the first step's loss and gradients equal eager's (bitwise
+    """Every library family (GPT-2 and Llama under three schedules) built on the meta device on
+    each of 2 ranks (gloo), filled from the eager model's full state dict: the first step's loss and gradients equal eager's (bitwise
     across schedules), and after 2 AdamW steps the gathered state dict equals eager's."""
     runs = workers.RUNS
     per_rank = run_ranks(2, workers.meta_train, runs)
