@@ -148,14 +148,17 @@ def dies_mid_step(victim: int) -> tuple[str, float]:
     return "no error", time.monotonic() - started
 
 
-def profiled(max_steps: int, memory_limit: float | None = None) -> dict:
-    """Default options (zb-auto measures its costs) but `memory_limit`, until the schedule solved
-    with measured costs is in use (every rank switches after the same step), then one more step;
-    returns the costs, the steps run, this rank's gradients and the schedule."""
+def profiled_runs(runs: list[tuple[int, dict]]) -> list[dict]:
+    """`profiled(max_steps, **options)` for each (max_steps, options) in one launch."""
+    return [profiled(max_steps, **options) for max_steps, options in runs]
+
+
+def profiled(max_steps: int, **options) -> dict:
+    """Default options (zb-auto measures its costs) but `options`, until the schedule solved
+    with measured costs is in use (every rank switches after the same step) or `max_steps`,
+    then one more step; returns the costs, the steps run, this rank's gradients and the schedule."""
     case = build("gpt")
-    pipe = zbcompile.pipeline(
-        case.model, stages=2, microbatches=4, loss_fn=case.loss_fn, timeout=60, solver_time_budget=0, memory_limit=memory_limit
-    )
+    pipe = zbcompile.pipeline(case.model, stages=2, microbatches=4, loss_fn=case.loss_fn, timeout=60, solver_time_budget=0, **options)
     steps = 0
     while pipe.measured_costs is None and steps < max_steps:
         case.step(pipe)
@@ -169,7 +172,8 @@ def profiled(max_steps: int, memory_limit: float | None = None) -> dict:
         "schedule": [list(map(str, row)) for row in pipe.schedule.actions],
         "placement": pipe.schedule.info.get("placement"),
         "cost_source": pipe.schedule.info.get("cost_source"),
-        "history": pipe.tuner.history,
+        "history": None if pipe.tuner is None else pipe.tuner.history,
+        "name": pipe.schedule.name,
     }
 
 

@@ -224,10 +224,26 @@ def test_a_dead_peer_fails_the_others_within_the_timeout():
     assert "rank 0" in survivor and "RECV" in survivor, survivor
 
 
-def test_zb_auto_measures_its_costs_by_default():
+# (max_steps, options) of the profiled runs, in one launch
+PROFILED = {
+    "default": (400, {}),
+    "below 1f1b": (400, {"memory_limit": 1.5}),
+    "profile=False": (5, {"profile": False}),
+    "profile=True": (400, {"schedule": "zb-h1", "profile": True, "profile_steps": 3}),
+}
+
+
+@pytest.fixture(scope="module")
+def profiled():
+    """What each run of `PROFILED` returned, per rank."""
+    per_rank = run_ranks(2, workers.profiled_runs, list(PROFILED.values()))
+    return {name: [r[i] for r in per_rank] for i, name in enumerate(PROFILED)}
+
+
+def test_zb_auto_measures_its_costs_by_default(profiled):
     """Without options, a distributed zb-auto pipeline times its first steps, solves with what it
     measured while steps go on, and switches on every rank after the same step."""
-    per_rank = run_ranks(2, workers.profiled, 400)
+    per_rank = profiled["default"]
     assert per_rank[0]["steps"] == per_rank[1]["steps"] < 400
     f, b, w, comm = per_rank[0]["costs"]
     assert per_rank[1]["costs"] == per_rank[0]["costs"]  # gathered: every rank has all of them
@@ -240,16 +256,32 @@ def test_zb_auto_measures_its_costs_by_default():
     _assert_eager_grads_after_steps(per_rank)
 
 
-def test_zb_auto_under_a_limit_below_one_f_one_b_runs_a_v_on_the_same_ranks():
+def test_zb_auto_under_a_limit_below_one_f_one_b_runs_a_v_on_the_same_ranks(profiled):
     """memory_limit below 1F1B's: zb-auto compiles the model again in two chunks per rank, runs
     a V schedule, re-solves it with measured chunk costs, and gives eager's gradients."""
-    per_rank = run_ranks(2, workers.profiled, 400, 1.5)
+    per_rank = profiled["below 1f1b"]
     assert [r["placement"] for r in per_rank] == ["v", "v"]
     assert per_rank[0]["cost_source"] == "measured", per_rank[0]["history"]
     assert len(per_rank[0]["costs"][0]) == 4  # measured per chunk
     assert per_rank[0]["schedule"] == per_rank[1]["schedule"]
     assert {a[0] for a in per_rank[0]["schedule"][0] if a[1] == "F"} == {"0", "3"}  # rank 0: first and last chunk
     _assert_eager_grads_after_steps(per_rank)
+
+
+def test_profile_false_keeps_the_static_schedule_and_profile_true_measures_any_schedule(profiled):
+    """profile=False: zb-auto times nothing and keeps the schedule solved from static estimates.
+    profile=True on zb-h1 (which measures nothing by default): after a warm-up step and
+    profile_steps=3 timed ones, every rank has the measured costs and runs zb-h1 built with them."""
+    for rank in profiled["profile=False"]:
+        assert rank["history"] is None and rank["costs"] is None and rank["steps"] == 6, rank["history"]
+        assert rank["cost_source"] == "static" and rank["name"] == "zb-auto"
+    measured = profiled["profile=True"]
+    assert measured[0]["costs"] == measured[1]["costs"] and measured[0]["costs"] is not None
+    assert measured[0]["history"][0]["step"] == 3, measured[0]["history"]
+    assert all(r["name"] == "zb-h1" and r["cost_source"] == "measured" for r in measured), [r["name"] for r in measured]
+    assert measured[0]["steps"] > 4
+    for name in ("profile=False", "profile=True"):
+        _assert_eager_grads_after_steps(profiled[name])
 
 
 def _assert_eager_grads_after_steps(per_rank: list[dict]) -> None:
