@@ -251,7 +251,8 @@ def misplaced_batches() -> dict:
 def pipelines_in_process_groups() -> dict:
     """Four ranks. First two independent 2-stage pipelines, each over its own process group
     (created by its members only): ranks 0-1 train the MLP, ranks 2-3 the GPT (tied embedding).
-    Then all four as 2 replicas x 2 stages of the GPT, given a ("dp", "pp") DeviceMesh."""
+    Then all four as 2 replicas x 2 stages of the GPT, given a ("dp", "pp") DeviceMesh; then two
+    independent GPT pipelines, each given its "pp" slice of a ("tp", "pp") mesh."""
     from torch.distributed.device_mesh import init_device_mesh
 
     rank = dist.get_rank()
@@ -260,6 +261,7 @@ def pipelines_in_process_groups() -> dict:
     for label, name, process_group, microbatches in (
         ("group", "mlp" if rank < 2 else "gpt", group, 4),
         ("mesh", "gpt", init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp")), 2),
+        ("slice", "gpt", init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "pp"))["pp"], 2),
     ):
         case = build(name)
         pipe = zbcompile.pipeline(

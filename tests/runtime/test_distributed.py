@@ -369,6 +369,12 @@ def test_pipelines_over_a_process_group_or_a_device_mesh():
         grads = {k: v for r in replica for k, v in r["mesh"]["grads"].items()}
         for fqn, p in case.model.named_parameters():
             torch.testing.assert_close(grads[fqn], p.grad, rtol=1e-5, atol=1e-6, msg=f"mesh: {fqn}")
+    for members in (per_rank[:2], per_rank[2:]):  # the "pp" slice of a larger mesh: one pipeline each
+        assert [r["slice"]["loss"] is None for r in members] == [True, False]
+        torch.testing.assert_close(members[1]["slice"]["loss"], loss.detach(), rtol=1e-5, atol=1e-6)
+        grads = {k: v for r in members for k, v in r["slice"]["grads"].items()}
+        for fqn, p in case.model.named_parameters():
+            torch.testing.assert_close(grads[fqn], p.grad, rtol=1e-5, atol=1e-6, msg=f"slice: {fqn}")
     for r in per_rank:
         assert "process_group of 4 ranks" in r["error"] and "DeviceMesh" in r["error"], r["error"]
 
