@@ -9,8 +9,33 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import zbcompile
-from helpers.models import BatchNormConvNet, build, image_batch
+from helpers.models import NAMES, BatchNormConvNet, build, image_batch
 from zbcompile.schedules import schedule_spec
+
+SINGLE_CHUNK = ("gpipe", "1f1b", "zb-h1", "zb-h2", "zb-auto")
+TWO_CHUNK = ("interleaved-1f1b", "zbv")  # two stages per rank
+# more two-chunk schedules: on every model with 2 ranks, on the smallest model with 4 (4 processes
+# on 2 cores are slow)
+MORE_TWO_CHUNK = ("looped-bfs", "v-min", "v-half", "v-zb", "dualpipev")
+# two copies of the pipeline, each rank holds a stage of each: like MORE_TWO_CHUNK
+MIRRORED = ("dualpipe",)
+SMALLEST = "mlp"
+
+
+def battery_runs(ranks: int) -> list[tuple[str, str, int, int]]:
+    """Every model under every schedule (two stages per rank for the two-chunk schedules), in one
+    launch per rank count, ordered by placement: consecutive runs that keep the stages on the same
+    ranks share one compile."""
+    runs = []
+    for name in NAMES:
+        more = MORE_TWO_CHUNK + MIRRORED if ranks == 2 or name == SMALLEST else ()
+        schedules = sorted(SINGLE_CHUNK + TWO_CHUNK + more, key=lambda s: (schedule_spec(s).placement(2 * ranks), schedule_spec(s).mirrored))
+        runs += [(name, s, ranks * schedule_spec(s).chunks_per_rank, 4) for s in schedules]
+    return runs
+
+
+# 2 data-parallel replicas x 2 stages on 4 ranks: zb-h1, and dualpipe (each replica's two copies summed)
+REPLICA_RUNS = [("gpt", "zb-h1", 2, 2), (SMALLEST, "dualpipe", 2, 2)]
 
 
 def one_step(runs: list[tuple[str, str, int, int]]) -> dict:

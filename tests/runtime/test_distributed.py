@@ -10,42 +10,69 @@ import torch
 
 import zbcompile
 from helpers import distributed_workers as workers
+from helpers import launches
 from helpers.models import NAMES, build
 from helpers.multiprocess import Failed, run_ranks
 from zbcompile.schedules import Action, make_schedule, schedule_spec
 
 pytestmark = pytest.mark.xdist_group("distributed")
 
-SINGLE_CHUNK = ("gpipe", "1f1b", "zb-h1", "zb-h2", "zb-auto")
-TWO_CHUNK = ("interleaved-1f1b", "zbv")  # two stages per rank
-# more two-chunk schedules: on every model with 2 ranks, on the smallest model with 4 (4 processes
-# on 2 cores are slow)
-MORE_TWO_CHUNK = ("looped-bfs", "v-min", "v-half", "v-zb", "dualpipev")
-# two copies of the pipeline, each rank holds a stage of each: like MORE_TWO_CHUNK
-MIRRORED = ("dualpipe",)
-SMALLEST = "mlp"
-
-
-def _runs(ranks: int) -> list[tuple[str, str, int, int]]:
-    """Every model under every schedule (two stages per rank for the two-chunk schedules), in one
-    launch per rank count, ordered by placement: consecutive runs that keep the stages on the same
-    ranks share one compile."""
-    runs = []
-    for name in NAMES:
-        more = MORE_TWO_CHUNK + MIRRORED if ranks == 2 or name == SMALLEST else ()
-        schedules = sorted(SINGLE_CHUNK + TWO_CHUNK + more, key=lambda s: (schedule_spec(s).placement(2 * ranks), schedule_spec(s).mirrored))
-        runs += [(name, s, ranks * schedule_spec(s).chunks_per_rank, 4) for s in schedules]
-    return runs
+SINGLE_CHUNK, TWO_CHUNK, MORE_TWO_CHUNK, MIRRORED, SMALLEST = (
+    workers.SINGLE_CHUNK, workers.TWO_CHUNK, workers.MORE_TWO_CHUNK, workers.MIRRORED, workers.SMALLEST
+)
 
 
 @functools.cache
 def _battery(ranks: int) -> list[dict]:
-    return run_ranks(ranks, workers.one_step, _runs(ranks))
+    """Every rank's results of `workers.battery_runs(ranks)` (on 4 ranks, from the shared launch)."""
+    if ranks == 4:
+        return [r["battery"] for r in launches.four_ranks()]
+    return run_ranks(ranks, workers.one_step, workers.battery_runs(ranks))
+
+
+PARTIAL_RUNS = [("masked", "zb-h1", 2), ("gpt", "zbv", 4)]
+LATE_STEPS = 3
+# (max_steps, options) of the profiled runs
+PROFILED = {
+    "default": (400, {}),
+    "below 1f1b": (400, {"memory_limit": 1.5}),
+    "profile=False": (5, {"profile": False}),
+    "profile=True": (400, {"schedule": "zb-h1", "profile": True, "profile_steps": 3}),
+}
+
+
+# two-rank checks that share one launch, in this order (the batches that fail on purpose come last)
+SHARED_CALLS = [
+    ("train", workers.train, ("gpt", ("zb-h1", "dualpipe"), 2, ("sgd", "adamw"), 3)),
+    ("meta_init", workers.meta_init, (2,)),
+    ("profiled", workers.profiled_runs, (list(PROFILED.values()),)),
+    ("new_shapes", workers.new_shapes_recompile, ()),
+    ("partial", workers.partial_batches, (PARTIAL_RUNS,)),
+    ("late", workers.late_messages, (0.05, LATE_STEPS)),
+    ("misplaced", workers.misplaced_batches, ()),
+]
+
+
+@functools.cache
+def _two_ranks() -> list[dict]:
+    return run_ranks(2, launches.several, SHARED_CALLS)
+
+
+def _shared(label: str) -> list:
+    """Every rank's result of the `SHARED_CALLS` entry `label` (one launch for all of them)."""
+    return [r[label] for r in _two_ranks()]
+
+
+@pytest.fixture(scope="module")
+def profiled():
+    """What each run of `PROFILED` returned, per rank."""
+    per_rank = _shared("profiled")
+    return {name: [r[i] for r in per_rank] for i, name in enumerate(PROFILED)}
 
 
 @pytest.fixture(params=[2, 4], ids=lambda r: f"{r}ranks")
 def battery(request):
-    """Every rank's results of `_runs(ranks)`, computed once per session whatever the test order."""
+    """Every rank's results of `workers.battery_runs(ranks)`, computed once per session whatever the test order."""
     return request.param, _battery(request.param)
 
 
@@ -167,8 +194,8 @@ def test_timeline_has_every_compute_action_once(battery):
 def test_three_optimizer_steps_match_eager():
     """SGD with momentum and AdamW: three steps each, every parameter equal to eager's; under
     dualpipe both ranks' copies of every parameter stay the same bits."""
-    name, steps, schedules = "gpt", 3, ("zb-h1", "dualpipe")
-    per_rank = run_ranks(2, workers.train, name, schedules, 2, ("sgd", "adamw"), steps)
+    name, schedules, _, _, steps = SHARED_CALLS[0][2]
+    per_rank = _shared("train")
     for optimizer in ("sgd", "adamw"):
         reference = build(name)
         opt = workers.make_optimizer(optimizer, reference.model.parameters())
@@ -189,9 +216,8 @@ def test_three_optimizer_steps_match_eager():
 
 def test_two_data_parallel_replicas_of_a_two_stage_pipeline():
     """zb-h1, and dualpipe (each replica's two copies summed, then the replicas averaged)."""
-    runs = [("gpt", "zb-h1", 2, 2), (SMALLEST, "dualpipe", 2, 2)]
-    per_rank = run_ranks(4, workers.one_step, runs)
-    for key in runs:
+    per_rank = [r["replicas"] for r in launches.four_ranks()]
+    for key in workers.REPLICA_RUNS:
         case, loss = _reference(key[0])
         losses = [r[key]["loss"] for r in per_rank if r[key]["loss"] is not None]
         assert len(losses) == 2, key  # one per replica, each its half of the batch
@@ -203,7 +229,7 @@ def test_two_data_parallel_replicas_of_a_two_stage_pipeline():
 
 
 def test_meta_device_model_materialises_only_local_parameters():
-    per_rank = run_ranks(2, workers.meta_init, 2)
+    per_rank = _shared("meta_init")
     case, loss = _reference("gpt")
     all_names = {n for n, _ in case.model.named_parameters()}
     materialised = [set(r["materialised"]) for r in per_rank]
@@ -222,22 +248,6 @@ def test_a_dead_peer_fails_the_others_within_the_timeout():
     assert seconds < 10 + 15, seconds
     assert survivor.startswith("PeerError"), survivor
     assert "rank 0" in survivor and "RECV" in survivor, survivor
-
-
-# (max_steps, options) of the profiled runs, in one launch
-PROFILED = {
-    "default": (400, {}),
-    "below 1f1b": (400, {"memory_limit": 1.5}),
-    "profile=False": (5, {"profile": False}),
-    "profile=True": (400, {"schedule": "zb-h1", "profile": True, "profile_steps": 3}),
-}
-
-
-@pytest.fixture(scope="module")
-def profiled():
-    """What each run of `PROFILED` returned, per rank."""
-    per_rank = run_ranks(2, workers.profiled_runs, list(PROFILED.values()))
-    return {name: [r[i] for r in per_rank] for i, name in enumerate(PROFILED)}
 
 
 def test_zb_auto_measures_its_costs_by_default(profiled):
@@ -310,7 +320,7 @@ def test_world_size_that_does_not_fit_the_pipeline():
 
 
 def test_new_batch_shape_recompiles_on_every_rank():
-    per_rank = run_ranks(2, workers.new_shapes_recompile)
+    per_rank = _shared("new_shapes")
     reference = build("gpt")
     reference.eager_loss().backward()
     half = build("gpt")
@@ -325,9 +335,8 @@ def test_ranks_may_pass_none_for_what_their_stages_do_not_read():
     """The inputs only on the first stage's rank, the target only on the last stage's: keyword
     inputs and a constant argument (masked), and zbv, whose V puts both ends on rank 0 (rank 1
     passes nothing at all). Two steps: the second follows the agreed shapes without a collective."""
-    runs = [("masked", "zb-h1", 2), ("gpt", "zbv", 4)]
-    per_rank = run_ranks(2, workers.partial_batches, runs)
-    for run in runs:
+    per_rank = _shared("partial")
+    for run in PARTIAL_RUNS:
         name = run[0]
         case, loss = _reference(name)
         case.eager_loss().backward()  # a second step accumulates
@@ -341,7 +350,7 @@ def test_ranks_may_pass_none_for_what_their_stages_do_not_read():
 
 
 def test_batches_the_ranks_disagree_on_are_clear_errors():
-    first, second = run_ranks(2, workers.misplaced_batches)
+    first, second = _shared("misplaced")
     for errors in (first, second):  # both ranks see what every rank passed
         message = errors["different sizes"]
         assert message.startswith("ValueError") and "rank 0" in message and "rank 1" in message, message
@@ -352,7 +361,7 @@ def test_batches_the_ranks_disagree_on_are_clear_errors():
 
 
 def test_pipelines_over_a_process_group_or_a_device_mesh():
-    per_rank = run_ranks(4, workers.pipelines_in_process_groups)
+    per_rank = [r["groups"] for r in launches.four_ranks()]
     for members in (per_rank[:2], per_rank[2:]):  # one pipeline per process group
         name = members[0]["group"]["name"]
         case, loss = _reference(name)
@@ -384,8 +393,8 @@ def test_late_messages_move_w_into_the_wait_and_change_no_bit():
     while it waits, and W that preceded a send run after it; without, every W stays where the
     schedule put it. Gradients (three steps
     accumulated) are the same bits in every run and schedule, and equal eager's."""
-    steps = 3
-    per_rank = run_ranks(2, workers.late_messages, 0.05, steps)
+    steps = LATE_STEPS
+    per_rank = _shared("late")
     runs = list(per_rank[0])
     for schedule, follow in runs:
         if not follow:
