@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import zbcompile
+from helpers.grads import FP32, assert_grads_close
 from zbcompile._torch_internals import TorchDispatchMode
 from zbcompile.models import GPT, GPTConfig
 from zbcompile.models.gpt import lm_loss
@@ -70,6 +71,36 @@ def test_checkpointed_blocks_give_the_same_gradients_bitwise_under_every_schedul
         assert torch.equal(loss, plain_loss), schedule
         for fqn, grad in plain.items():
             assert torch.equal(grads[fqn], grad), f"{schedule}: {fqn}"
+
+
+@functools.lru_cache(maxsize=None)
+def _eager(config: GPTConfig, checkpointed: bool) -> tuple[torch.Tensor, dict]:
+    """The reference: the same GPT (same initial weights) eager, every block under
+    torch.utils.checkpoint or none, as a loop over the microbatches, `(loss / m).backward()` each."""
+    torch.manual_seed(0)
+    model = GPT(dataclasses.replace(config, checkpoint=checkpointed))
+    losses = []
+    for tokens, target in zip(*(t.chunk(MICROBATCHES) for t in _batch(config))):
+        loss = lm_loss(model(tokens), target)
+        (loss / MICROBATCHES).backward()
+        losses.append(loss.detach())
+    return torch.stack(losses).mean(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _assert_matches(loss: torch.Tensor, grads: dict, reference: tuple[torch.Tensor, dict], what: str, **tolerance) -> None:
+    """Bit for bit, or within `tolerance` (the traced embedding backward sums in another order)."""
+    torch.testing.assert_close(loss, reference[0], **(tolerance or dict(rtol=0, atol=0)))
+    assert_grads_close(grads, reference[1], what, **(tolerance or dict(rtol=0, atol=0)))
+
+
+def test_checkpointed_pipeline_equals_eager_with_and_without_torch_checkpoint():
+    """12-layer GPT without dropout: eager with every block under torch.utils.checkpoint and eager
+    without it give the same bits; the checkpointed pipeline, under a fused and a split backward,
+    gives eager's gradients at fp32 rounding."""
+    plain, checkpointed = _eager(GPT12, False), _eager(GPT12, True)
+    _assert_matches(*checkpointed, plain, "eager with torch.utils.checkpoint")
+    for schedule in ("1f1b", "zb-h1"):
+        _assert_matches(*_step(*_pipelines(GPT12)[True], schedule, GPT12), checkpointed, f"pipeline, {schedule}", **FP32)
 
 
 def test_forward_saves_only_block_inputs_and_the_backward_pays_the_recomputation():
@@ -211,6 +242,7 @@ def test_auto_recompute_fits_a_limit_30_percent_below_zb_h1s_measured_peak():
     assert any(auto.compiled.recompute_levels), auto.compiled.recompute_levels
     assert auto.compiled.memory_unit() == unit
     assert torch.equal(loss, plain_loss) and all(torch.equal(grads[n], g) for n, g in plain.items())
+    _assert_matches(loss, grads, _eager(config, False), "recompute='auto' against eager", **FP32)
     text = auto.explain()
     assert all(f"stage {s}: recompute" in text for s in range(STAGES)), text
 

@@ -11,6 +11,7 @@ per-microbatch eager losses: the contract of `step()` (see README, "mean over mi
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -434,7 +435,7 @@ MODELS = {
     "functional-ops": Model(Functional, _functional_inputs),
     "strided-boundaries": Model(Strided, lambda g: ((torch.randn(BATCH, 5, 7, generator=g),), {}, torch.randn(BATCH, 3, generator=g))),
     "batch-group-layer-norm": Model(_normalised, lambda g: ((torch.randn(BATCH, 3, 6, 6, generator=g),), {}, torch.randn(BATCH, 3, generator=g)), per_microbatch=True),
-    "bfloat16": Model(lambda: LowPrecision().bfloat16(), _bf16_inputs, reference_dtype=torch.float32, tolerance=dict(rtol=3e-2, atol=3e-2)),
+    "bfloat16": Model(lambda: LowPrecision().bfloat16(), _bf16_inputs, per_microbatch=True, tolerance=dict(rtol=0, atol=0)),
 }
 
 # (stages, microbatches, schedule) per model: every schedule and stage count appears somewhere
@@ -460,6 +461,14 @@ CONFIGS = {
 def test_model_matches_eager(name):
     stages, microbatches, schedule = CONFIGS[name]
     check_matches_eager(MODELS[name], stages, microbatches, schedule)
+
+
+def test_the_bf16_check_fails_against_an_fp32_computation():
+    """The bf16 model is checked bit for bit against eager bf16: the same check against the model
+    computed in fp32 (what a path that silently upcast would give) fails."""
+    fp32_reference = dataclasses.replace(MODELS["bfloat16"], reference_dtype=torch.float32)
+    with pytest.raises(AssertionError, match="not equal|Mismatched elements"):
+        check_matches_eager(fp32_reference, *CONFIGS["bfloat16"])
 
 
 # --- regressions -----------------------------------------------------------------------------------

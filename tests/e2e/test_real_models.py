@@ -57,8 +57,8 @@ def test_pipelined_step_matches_eager_under_every_schedule(name, stages):
 
 @pytest.mark.xdist_group("distributed")
 def test_meta_models_loaded_from_a_full_state_dict_train_on_two_ranks():
-    """GPT-2 and Llama built on the meta device on each of 2 ranks (gloo), filled from the
-    eager model's full state dict: the first step's loss and gradients equal eager's (bitwise
+    """Every library family (GPT-2 and Llama under three schedules) built on the meta device on
+    each of 2 ranks (gloo), filled from the eager model's full state dict: the first step's loss and gradients equal eager's (bitwise
     across schedules), and after 2 AdamW steps the gathered state dict equals eager's."""
     runs = workers.RUNS
     per_rank = run_ranks(2, workers.meta_train, runs)
@@ -132,6 +132,30 @@ class _MaskedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lin(x) @ self.mask
+
+
+def test_meta_model_trains_from_init_fn_alone():
+    """Llama on the meta device with `init_fn` and no state dict: every parameter and buffer is
+    filled as `_init_weights` fills it (linear and embedding weights drawn with the config's
+    standard deviation, norms at 1, the rotary frequencies computed), and a step gives what the
+    eager model with those same weights gives."""
+    meta = build("llama", meta=True)
+    pipe = zbcompile.pipeline(meta.model, stages=2, microbatches=MICROBATCHES, schedule="zb-h1", init_fn=meta.model._init_weights)
+    loss = meta.step(pipe)
+    std = meta.model.config.initializer_range
+    for name, p in meta.model.named_parameters():
+        assert not p.is_meta and p.isfinite().all(), name
+        if name.endswith("norm.weight"):
+            assert torch.equal(p, torch.ones_like(p)), name
+        else:
+            assert abs(p.std().item() - std) < 0.25 * std, (name, p.std().item())
+    reference = build("llama")
+    assert torch.equal(meta.model.get_buffer("model.rotary_emb.inv_freq"), reference.model.get_buffer("model.rotary_emb.inv_freq"))
+    reference.model.load_state_dict(meta.model.state_dict())
+    eager = reference.eager_loss()
+    eager.backward()
+    torch.testing.assert_close(loss, eager.detach(), **FP32)
+    assert_grads_close(grads_of(meta.model), grads_of(reference.model), "meta llama from init_fn", **FP32)
 
 
 def test_reset_parameters_fills_the_buffers_it_writes():

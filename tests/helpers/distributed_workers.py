@@ -9,8 +9,33 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import zbcompile
-from helpers.models import BatchNormConvNet, build, image_batch
+from helpers.models import NAMES, BatchNormConvNet, build, image_batch
 from zbcompile.schedules import schedule_spec
+
+SINGLE_CHUNK = ("gpipe", "1f1b", "zb-h1", "zb-h2", "zb-auto")
+TWO_CHUNK = ("interleaved-1f1b", "zbv")  # two stages per rank
+# more two-chunk schedules: on every model with 2 ranks, on the smallest model with 4 (4 processes
+# on 2 cores are slow)
+MORE_TWO_CHUNK = ("looped-bfs", "v-min", "v-half", "v-zb", "dualpipev")
+# two copies of the pipeline, each rank holds a stage of each: like MORE_TWO_CHUNK
+MIRRORED = ("dualpipe",)
+SMALLEST = "mlp"
+
+
+def battery_runs(ranks: int) -> list[tuple[str, str, int, int]]:
+    """Every model under every schedule (two stages per rank for the two-chunk schedules), in one
+    launch per rank count, ordered by placement: consecutive runs that keep the stages on the same
+    ranks share one compile."""
+    runs = []
+    for name in NAMES:
+        more = MORE_TWO_CHUNK + MIRRORED if ranks == 2 or name == SMALLEST else ()
+        schedules = sorted(SINGLE_CHUNK + TWO_CHUNK + more, key=lambda s: (schedule_spec(s).placement(2 * ranks), schedule_spec(s).mirrored))
+        runs += [(name, s, ranks * schedule_spec(s).chunks_per_rank, 4) for s in schedules]
+    return runs
+
+
+# 2 data-parallel replicas x 2 stages on 4 ranks: zb-h1, and dualpipe (each replica's two copies summed)
+REPLICA_RUNS = [("gpt", "zb-h1", 2, 2), (SMALLEST, "dualpipe", 2, 2)]
 
 
 def one_step(runs: list[tuple[str, str, int, int]]) -> dict:
@@ -148,14 +173,17 @@ def dies_mid_step(victim: int) -> tuple[str, float]:
     return "no error", time.monotonic() - started
 
 
-def profiled(max_steps: int, memory_limit: float | None = None) -> dict:
-    """Default options (zb-auto measures its costs) but `memory_limit`, until the schedule solved
-    with measured costs is in use (every rank switches after the same step), then one more step;
-    returns the costs, the steps run, this rank's gradients and the schedule."""
+def profiled_runs(runs: list[tuple[int, dict]]) -> list[dict]:
+    """`profiled(max_steps, **options)` for each (max_steps, options) in one launch."""
+    return [profiled(max_steps, **options) for max_steps, options in runs]
+
+
+def profiled(max_steps: int, **options) -> dict:
+    """Default options (zb-auto measures its costs) but `options`, until the schedule solved
+    with measured costs is in use (every rank switches after the same step) or `max_steps`,
+    then one more step; returns the costs, the steps run, this rank's gradients and the schedule."""
     case = build("gpt")
-    pipe = zbcompile.pipeline(
-        case.model, stages=2, microbatches=4, loss_fn=case.loss_fn, timeout=60, solver_time_budget=0, memory_limit=memory_limit
-    )
+    pipe = zbcompile.pipeline(case.model, stages=2, microbatches=4, loss_fn=case.loss_fn, timeout=60, solver_time_budget=0, **options)
     steps = 0
     while pipe.measured_costs is None and steps < max_steps:
         case.step(pipe)
@@ -169,7 +197,8 @@ def profiled(max_steps: int, memory_limit: float | None = None) -> dict:
         "schedule": [list(map(str, row)) for row in pipe.schedule.actions],
         "placement": pipe.schedule.info.get("placement"),
         "cost_source": pipe.schedule.info.get("cost_source"),
-        "history": pipe.tuner.history,
+        "history": None if pipe.tuner is None else pipe.tuner.history,
+        "name": pipe.schedule.name,
     }
 
 
@@ -247,7 +276,8 @@ def misplaced_batches() -> dict:
 def pipelines_in_process_groups() -> dict:
     """Four ranks. First two independent 2-stage pipelines, each over its own process group
     (created by its members only): ranks 0-1 train the MLP, ranks 2-3 the GPT (tied embedding).
-    Then all four as 2 replicas x 2 stages of the GPT, given a ("dp", "pp") DeviceMesh."""
+    Then all four as 2 replicas x 2 stages of the GPT, given a ("dp", "pp") DeviceMesh; then two
+    independent GPT pipelines, each given its "pp" slice of a ("tp", "pp") mesh."""
     from torch.distributed.device_mesh import init_device_mesh
 
     rank = dist.get_rank()
@@ -256,6 +286,7 @@ def pipelines_in_process_groups() -> dict:
     for label, name, process_group, microbatches in (
         ("group", "mlp" if rank < 2 else "gpt", group, 4),
         ("mesh", "gpt", init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp")), 2),
+        ("slice", "gpt", init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "pp"))["pp"], 2),
     ):
         case = build(name)
         pipe = zbcompile.pipeline(

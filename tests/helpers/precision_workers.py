@@ -8,8 +8,10 @@ compared with: an eager loop over the microbatches, `(loss / m).backward()` each
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 from typing import Any
+from unittest import mock
 
 import torch
 from torch import nn
@@ -18,7 +20,6 @@ import zbcompile
 from helpers.models import build as build_zoo
 from helpers.post_validation_workers import train_case
 from helpers.real_models import MICROBATCHES, build
-from zbcompile import _torch_internals as ti
 from zbcompile.schedules.registry import SCHEDULE_NAMES, schedule_spec
 
 MODES = ("autocast", "bf16")
@@ -46,8 +47,10 @@ def llama(mode: str):
 def eager_microbatches(case, microbatches: int = MICROBATCHES, grad_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, dict]:
     """Mean loss and gradients of an eager loop over the microbatches (on `case.model` itself),
     each parameter's gradient accumulated in `grad_dtype` (torch's `param.grad_dtype`) when given.
-    It runs with torch.compiler's compiling flag set, as the trace does: transformers chooses
-    its attention-mask code by that flag, and the reference takes the same library path."""
+    transformers chooses its attention-mask code by `torch.compiler.is_compiling()` and
+    `is_exporting()`, which answer True while torch.export (and our trace) runs: the reference
+    patches both public functions to answer True, independently of zbcompile's own means, so it
+    takes the same library path."""
     if grad_dtype is not None:
         for p in case.model.parameters():
             p.grad_dtype = grad_dtype
@@ -56,7 +59,7 @@ def eager_microbatches(case, microbatches: int = MICROBATCHES, grad_dtype: torch
         for values in (case.args, list(case.kwargs.values()))
     ]
     losses = []
-    with ti.traced_like_export():
+    with _as_if_exporting():
         for k in range(microbatches):
             args = [c[k] for c in chunks[0]]
             kwargs = dict(zip(case.kwargs, [c[k] for c in chunks[1]]))
@@ -64,6 +67,13 @@ def eager_microbatches(case, microbatches: int = MICROBATCHES, grad_dtype: torch
             (loss / microbatches).backward()
             losses.append(loss.detach())
     return torch.stack(losses).mean(), {n: p.grad for n, p in case.model.named_parameters()}
+
+
+def _as_if_exporting() -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    for name in ("is_compiling", "is_exporting"):
+        stack.enter_context(mock.patch.object(torch.compiler, name, lambda: True))
+    return stack
 
 
 def _layouts() -> list[tuple[int, list[str]]]:

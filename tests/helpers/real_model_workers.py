@@ -7,10 +7,13 @@ import torch
 
 import zbcompile
 from helpers.distributed_workers import make_optimizer
-from helpers.real_models import MICROBATCHES, build
+from helpers.real_models import MICROBATCHES, NAMES, build
 
-# (model, stages, schedule) on 2 ranks: one stage per rank, or two (zbv)
-RUNS = [(name, stages, schedule) for name in ("gpt2", "llama") for stages, schedule in ((2, "1f1b"), (2, "zb-h1"), (4, "zbv"))]
+# (model, stages, schedule) on 2 ranks: GPT-2 and Llama one stage per rank, or two (zbv); every
+# other family of `real_models` one stage per rank under zb-h1
+RUNS = [(name, stages, schedule) for name in ("gpt2", "llama") for stages, schedule in ((2, "1f1b"), (2, "zb-h1"), (4, "zbv"))] + [
+    (name, 2, "zb-h1") for name in NAMES if name not in ("gpt2", "llama")
+]
 STEPS = 2
 
 

@@ -306,6 +306,15 @@ def test_parameter_updated_in_the_forward_is_refused_with_the_module():
         pipe.step(torch.randn(BATCH, 4), target=torch.randn(BATCH, 2))
 
 
+def test_batchnorm_with_a_cumulative_average_is_refused_with_the_module():
+    """BatchNorm(momentum=None) reads its counter as a Python number (the README says so)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, momentum=None), nn.Linear(4, 2))
+    pipe = zbcompile.pipeline(model, stages=2, microbatches=2, loss_fn=F.mse_loss)
+    with pytest.raises(ValueError, match=r"cannot trace data-dependent control flow in module '1' \(BatchNorm1d\)"):
+        pipe.step(torch.randn(BATCH, 4), target=torch.randn(BATCH, 2))
+    assert int(model[1].num_batches_tracked) == 0 and torch.equal(model[1].running_mean, torch.zeros(4))
+
+
 def test_parameter_updated_through_data_is_refused():
     class Shrink(nn.Module):
         def __init__(self) -> None:

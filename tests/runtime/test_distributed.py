@@ -10,42 +10,69 @@ import torch
 
 import zbcompile
 from helpers import distributed_workers as workers
+from helpers import launches
 from helpers.models import NAMES, build
 from helpers.multiprocess import Failed, run_ranks
 from zbcompile.schedules import Action, make_schedule, schedule_spec
 
 pytestmark = pytest.mark.xdist_group("distributed")
 
-SINGLE_CHUNK = ("gpipe", "1f1b", "zb-h1", "zb-h2", "zb-auto")
-TWO_CHUNK = ("interleaved-1f1b", "zbv")  # two stages per rank
-# more two-chunk schedules: on every model with 2 ranks, on the smallest model with 4 (4 processes
-# on 2 cores are slow)
-MORE_TWO_CHUNK = ("looped-bfs", "v-min", "v-half", "v-zb", "dualpipev")
-# two copies of the pipeline, each rank holds a stage of each: like MORE_TWO_CHUNK
-MIRRORED = ("dualpipe",)
-SMALLEST = "mlp"
-
-
-def _runs(ranks: int) -> list[tuple[str, str, int, int]]:
-    """Every model under every schedule (two stages per rank for the two-chunk schedules), in one
-    launch per rank count, ordered by placement: consecutive runs that keep the stages on the same
-    ranks share one compile."""
-    runs = []
-    for name in NAMES:
-        more = MORE_TWO_CHUNK + MIRRORED if ranks == 2 or name == SMALLEST else ()
-        schedules = sorted(SINGLE_CHUNK + TWO_CHUNK + more, key=lambda s: (schedule_spec(s).placement(2 * ranks), schedule_spec(s).mirrored))
-        runs += [(name, s, ranks * schedule_spec(s).chunks_per_rank, 4) for s in schedules]
-    return runs
+SINGLE_CHUNK, TWO_CHUNK, MORE_TWO_CHUNK, MIRRORED, SMALLEST = (
+    workers.SINGLE_CHUNK, workers.TWO_CHUNK, workers.MORE_TWO_CHUNK, workers.MIRRORED, workers.SMALLEST
+)
 
 
 @functools.cache
 def _battery(ranks: int) -> list[dict]:
-    return run_ranks(ranks, workers.one_step, _runs(ranks))
+    """Every rank's results of `workers.battery_runs(ranks)` (on 4 ranks, from the shared launch)."""
+    if ranks == 4:
+        return [r["battery"] for r in launches.four_ranks()]
+    return run_ranks(ranks, workers.one_step, workers.battery_runs(ranks))
+
+
+PARTIAL_RUNS = [("masked", "zb-h1", 2), ("gpt", "zbv", 4)]
+LATE_STEPS = 3
+# (max_steps, options) of the profiled runs
+PROFILED = {
+    "default": (400, {}),
+    "below 1f1b": (400, {"memory_limit": 1.5}),
+    "profile=False": (5, {"profile": False}),
+    "profile=True": (400, {"schedule": "zb-h1", "profile": True, "profile_steps": 3}),
+}
+
+
+# two-rank checks that share one launch, in this order (the batches that fail on purpose come last)
+SHARED_CALLS = [
+    ("train", workers.train, ("gpt", ("zb-h1", "dualpipe"), 2, ("sgd", "adamw"), 3)),
+    ("meta_init", workers.meta_init, (2,)),
+    ("profiled", workers.profiled_runs, (list(PROFILED.values()),)),
+    ("new_shapes", workers.new_shapes_recompile, ()),
+    ("partial", workers.partial_batches, (PARTIAL_RUNS,)),
+    ("late", workers.late_messages, (0.05, LATE_STEPS)),
+    ("misplaced", workers.misplaced_batches, ()),
+]
+
+
+@functools.cache
+def _two_ranks() -> list[dict]:
+    return run_ranks(2, launches.several, SHARED_CALLS)
+
+
+def _shared(label: str) -> list:
+    """Every rank's result of the `SHARED_CALLS` entry `label` (one launch for all of them)."""
+    return [r[label] for r in _two_ranks()]
+
+
+@pytest.fixture(scope="module")
+def profiled():
+    """What each run of `PROFILED` returned, per rank."""
+    per_rank = _shared("profiled")
+    return {name: [r[i] for r in per_rank] for i, name in enumerate(PROFILED)}
 
 
 @pytest.fixture(params=[2, 4], ids=lambda r: f"{r}ranks")
 def battery(request):
-    """Every rank's results of `_runs(ranks)`, computed once per session whatever the test order."""
+    """Every rank's results of `workers.battery_runs(ranks)`, computed once per session whatever the test order."""
     return request.param, _battery(request.param)
 
 
@@ -167,8 +194,8 @@ def test_timeline_has_every_compute_action_once(battery):
 def test_three_optimizer_steps_match_eager():
     """SGD with momentum and AdamW: three steps each, every parameter equal to eager's; under
     dualpipe both ranks' copies of every parameter stay the same bits."""
-    name, steps, schedules = "gpt", 3, ("zb-h1", "dualpipe")
-    per_rank = run_ranks(2, workers.train, name, schedules, 2, ("sgd", "adamw"), steps)
+    name, schedules, _, _, steps = SHARED_CALLS[0][2]
+    per_rank = _shared("train")
     for optimizer in ("sgd", "adamw"):
         reference = build(name)
         opt = workers.make_optimizer(optimizer, reference.model.parameters())
@@ -189,9 +216,8 @@ def test_three_optimizer_steps_match_eager():
 
 def test_two_data_parallel_replicas_of_a_two_stage_pipeline():
     """zb-h1, and dualpipe (each replica's two copies summed, then the replicas averaged)."""
-    runs = [("gpt", "zb-h1", 2, 2), (SMALLEST, "dualpipe", 2, 2)]
-    per_rank = run_ranks(4, workers.one_step, runs)
-    for key in runs:
+    per_rank = [r["replicas"] for r in launches.four_ranks()]
+    for key in workers.REPLICA_RUNS:
         case, loss = _reference(key[0])
         losses = [r[key]["loss"] for r in per_rank if r[key]["loss"] is not None]
         assert len(losses) == 2, key  # one per replica, each its half of the batch
@@ -203,7 +229,7 @@ def test_two_data_parallel_replicas_of_a_two_stage_pipeline():
 
 
 def test_meta_device_model_materialises_only_local_parameters():
-    per_rank = run_ranks(2, workers.meta_init, 2)
+    per_rank = _shared("meta_init")
     case, loss = _reference("gpt")
     all_names = {n for n, _ in case.model.named_parameters()}
     materialised = [set(r["materialised"]) for r in per_rank]
@@ -224,10 +250,10 @@ def test_a_dead_peer_fails_the_others_within_the_timeout():
     assert "rank 0" in survivor and "RECV" in survivor, survivor
 
 
-def test_zb_auto_measures_its_costs_by_default():
+def test_zb_auto_measures_its_costs_by_default(profiled):
     """Without options, a distributed zb-auto pipeline times its first steps, solves with what it
     measured while steps go on, and switches on every rank after the same step."""
-    per_rank = run_ranks(2, workers.profiled, 400)
+    per_rank = profiled["default"]
     assert per_rank[0]["steps"] == per_rank[1]["steps"] < 400
     f, b, w, comm = per_rank[0]["costs"]
     assert per_rank[1]["costs"] == per_rank[0]["costs"]  # gathered: every rank has all of them
@@ -240,16 +266,32 @@ def test_zb_auto_measures_its_costs_by_default():
     _assert_eager_grads_after_steps(per_rank)
 
 
-def test_zb_auto_under_a_limit_below_one_f_one_b_runs_a_v_on_the_same_ranks():
+def test_zb_auto_under_a_limit_below_one_f_one_b_runs_a_v_on_the_same_ranks(profiled):
     """memory_limit below 1F1B's: zb-auto compiles the model again in two chunks per rank, runs
     a V schedule, re-solves it with measured chunk costs, and gives eager's gradients."""
-    per_rank = run_ranks(2, workers.profiled, 400, 1.5)
+    per_rank = profiled["below 1f1b"]
     assert [r["placement"] for r in per_rank] == ["v", "v"]
     assert per_rank[0]["cost_source"] == "measured", per_rank[0]["history"]
     assert len(per_rank[0]["costs"][0]) == 4  # measured per chunk
     assert per_rank[0]["schedule"] == per_rank[1]["schedule"]
     assert {a[0] for a in per_rank[0]["schedule"][0] if a[1] == "F"} == {"0", "3"}  # rank 0: first and last chunk
     _assert_eager_grads_after_steps(per_rank)
+
+
+def test_profile_false_keeps_the_static_schedule_and_profile_true_measures_any_schedule(profiled):
+    """profile=False: zb-auto times nothing and keeps the schedule solved from static estimates.
+    profile=True on zb-h1 (which measures nothing by default): after a warm-up step and
+    profile_steps=3 timed ones, every rank has the measured costs and runs zb-h1 built with them."""
+    for rank in profiled["profile=False"]:
+        assert rank["history"] is None and rank["costs"] is None and rank["steps"] == 6, rank["history"]
+        assert rank["cost_source"] == "static" and rank["name"] == "zb-auto"
+    measured = profiled["profile=True"]
+    assert measured[0]["costs"] == measured[1]["costs"] and measured[0]["costs"] is not None
+    assert measured[0]["history"][0]["step"] == 3, measured[0]["history"]
+    assert all(r["name"] == "zb-h1" and r["cost_source"] == "measured" for r in measured), [r["name"] for r in measured]
+    assert measured[0]["steps"] > 4
+    for name in ("profile=False", "profile=True"):
+        _assert_eager_grads_after_steps(profiled[name])
 
 
 def _assert_eager_grads_after_steps(per_rank: list[dict]) -> None:
@@ -278,7 +320,7 @@ def test_world_size_that_does_not_fit_the_pipeline():
 
 
 def test_new_batch_shape_recompiles_on_every_rank():
-    per_rank = run_ranks(2, workers.new_shapes_recompile)
+    per_rank = _shared("new_shapes")
     reference = build("gpt")
     reference.eager_loss().backward()
     half = build("gpt")
@@ -293,9 +335,8 @@ def test_ranks_may_pass_none_for_what_their_stages_do_not_read():
     """The inputs only on the first stage's rank, the target only on the last stage's: keyword
     inputs and a constant argument (masked), and zbv, whose V puts both ends on rank 0 (rank 1
     passes nothing at all). Two steps: the second follows the agreed shapes without a collective."""
-    runs = [("masked", "zb-h1", 2), ("gpt", "zbv", 4)]
-    per_rank = run_ranks(2, workers.partial_batches, runs)
-    for run in runs:
+    per_rank = _shared("partial")
+    for run in PARTIAL_RUNS:
         name = run[0]
         case, loss = _reference(name)
         case.eager_loss().backward()  # a second step accumulates
@@ -309,7 +350,7 @@ def test_ranks_may_pass_none_for_what_their_stages_do_not_read():
 
 
 def test_batches_the_ranks_disagree_on_are_clear_errors():
-    first, second = run_ranks(2, workers.misplaced_batches)
+    first, second = _shared("misplaced")
     for errors in (first, second):  # both ranks see what every rank passed
         message = errors["different sizes"]
         assert message.startswith("ValueError") and "rank 0" in message and "rank 1" in message, message
@@ -320,7 +361,7 @@ def test_batches_the_ranks_disagree_on_are_clear_errors():
 
 
 def test_pipelines_over_a_process_group_or_a_device_mesh():
-    per_rank = run_ranks(4, workers.pipelines_in_process_groups)
+    per_rank = [r["groups"] for r in launches.four_ranks()]
     for members in (per_rank[:2], per_rank[2:]):  # one pipeline per process group
         name = members[0]["group"]["name"]
         case, loss = _reference(name)
@@ -337,6 +378,12 @@ def test_pipelines_over_a_process_group_or_a_device_mesh():
         grads = {k: v for r in replica for k, v in r["mesh"]["grads"].items()}
         for fqn, p in case.model.named_parameters():
             torch.testing.assert_close(grads[fqn], p.grad, rtol=1e-5, atol=1e-6, msg=f"mesh: {fqn}")
+    for members in (per_rank[:2], per_rank[2:]):  # the "pp" slice of a larger mesh: one pipeline each
+        assert [r["slice"]["loss"] is None for r in members] == [True, False]
+        torch.testing.assert_close(members[1]["slice"]["loss"], loss.detach(), rtol=1e-5, atol=1e-6)
+        grads = {k: v for r in members for k, v in r["slice"]["grads"].items()}
+        for fqn, p in case.model.named_parameters():
+            torch.testing.assert_close(grads[fqn], p.grad, rtol=1e-5, atol=1e-6, msg=f"slice: {fqn}")
     for r in per_rank:
         assert "process_group of 4 ranks" in r["error"] and "DeviceMesh" in r["error"], r["error"]
 
@@ -346,8 +393,8 @@ def test_late_messages_move_w_into_the_wait_and_change_no_bit():
     while it waits, and W that preceded a send run after it; without, every W stays where the
     schedule put it. Gradients (three steps
     accumulated) are the same bits in every run and schedule, and equal eager's."""
-    steps = 3
-    per_rank = run_ranks(2, workers.late_messages, 0.05, steps)
+    steps = LATE_STEPS
+    per_rank = _shared("late")
     runs = list(per_rank[0])
     for schedule, follow in runs:
         if not follow:

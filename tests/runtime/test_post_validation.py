@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import launches
 from helpers import post_validation_workers as workers
 from helpers.multiprocess import run_ranks
 
@@ -25,9 +26,12 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 
 def _launch(world: int) -> list[tuple[int, list[dict]]]:
     """(stages, every rank's results) per pipeline: 2 ranks run a 2-stage pipeline; 4 ranks a
-    4-stage pipeline, then 2 replicas x 2 stages. One launch per world size, checked by one test
-    (so that no two test workers launch the same processes)."""
-    pipelines = [(2, OPTIMIZERS)] if world == 2 else [(4, OPTIMIZERS), (2, ("adamw",))]
+    4-stage pipeline, then 2 replicas x 2 stages (in the shared four-rank launch). One launch per
+    world size, checked by one test (so that no two test workers launch the same processes)."""
+    if world == 4:
+        per_rank = [r["post_validation"] for r in launches.four_ranks()]
+        return [(stages, per_rank) for stages, _ in launches.POST_VALIDATION_PIPELINES]
+    pipelines = [(2, OPTIMIZERS)]
     per_rank = run_ranks(world, workers.train_all, pipelines)
     return [(stages, per_rank) for stages, _ in pipelines]
 
