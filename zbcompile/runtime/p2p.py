@@ -136,7 +136,7 @@ class _Watch:
 
     def __init__(self, timeout: timedelta, group: dist.ProcessGroup | None) -> None:
         self.timeout = timeout
-        self.group = group
+        self.group = group if group is not None else dist.group.WORLD  # kept: it may be destroyed by exit
         self._idle: list[queue.SimpleQueue] = []
         self._threads: list[tuple[threading.Thread, queue.SimpleQueue]] = []
         self._waiting: set[int] = set()  # ids of the receives a thread is waiting for
@@ -186,11 +186,11 @@ class _Watch:
 
 
 def _abort(group: dist.ProcessGroup | None) -> None:
-    """Abort `group` (the default group for None), if it still exists, ignoring its errors: the
+    """Abort `group` (even one `destroy_process_group` has let go of), ignoring its errors: the
     process is leaving."""
     try:
-        if dist.is_initialized():
-            (group if group is not None else dist.group.WORLD).abort()
+        if group is not None:
+            group.abort()
     except (RuntimeError, ValueError, AttributeError):
         pass
 
