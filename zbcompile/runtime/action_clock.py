@@ -111,6 +111,7 @@ class EventClock:
         origin, base = self._origin, self._origin_host
         intervals: Intervals = defaultdict(list)
         for timeline, label, started, ended in self._pending:
-            intervals[timeline].append((label, base + origin.elapsed_time(started) / 1e3, base + origin.elapsed_time(ended) / 1e3))
+            start, end = (base + origin.elapsed_time(event) / 1e3 for event in (started, ended))
+            intervals[timeline].append((label, start, end))
         self._pending = []
         return intervals

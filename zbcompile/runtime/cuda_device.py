@@ -54,7 +54,9 @@ def check_distinct(rank: int, ranks: Sequence[int], identity: str, store: Any) -
             )
 
 
-def claim_device(ranks: Sequence[int], rank: int, bound: torch.device | None, store: Any, cuda: ModuleType | Any = torch.cuda) -> torch.device:
+def claim_device(
+    ranks: Sequence[int], rank: int, bound: torch.device | None, store: Any, cuda: ModuleType | Any = torch.cuda
+) -> torch.device:
     """This rank's CUDA device, made current and checked distinct among `ranks` (module docstring)."""
     index = choose_device(bound, cuda)
     identity = f"{socket.gethostname()}/{cuda.get_device_properties(index).uuid}"

@@ -199,9 +199,13 @@ class Interpreter:
         if self.follow_readiness and transport.can_tell(pending):  # W while the message is on its way
             weights, forecast, overtaken = self.weights, self.forecast, self.program.overtaken
             queued = 0.0  # seconds of W queued here (where the host cannot see the device's time)
+
+            def waited() -> float:
+                return clock.seconds_since(reached) if clock.on_host else queued
+
             while (
                 (w := weights.runnable()) is not None
-                and (w in overtaken.get(key, ()) or forecast.fits(key, (clock.seconds_since(reached) if clock.on_host else queued), w.stage))
+                and (w in overtaken.get(key, ()) or forecast.fits(key, waited(), w.stage))
                 and not transport.arrived(pending)
             ):
                 weights.advance()

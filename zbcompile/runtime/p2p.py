@@ -262,7 +262,8 @@ class Transport:
         allocates nothing), and `wait` returns views of it."""
         layouts = [(b.shape, b.dtype) for b in buffers]
         flat = buffers[0] if len(buffers) == 1 else flat_message.empty(layouts, self.device)
-        pending = Pending(self._post(dist.irecv, flat, peer, tag, action), flat_message.unpack(flat, layouts), peer, action)
+        works = self._post(dist.irecv, flat, peer, tag, action)
+        pending = Pending(works, flat_message.unpack(flat, layouts), peer, action)
         if watch and self._helpers is not None:
             self._helpers[1].watch(pending)
         return pending
@@ -298,7 +299,8 @@ class Transport:
         else:
             for work in pending.works:
                 work.wait()  # no timeout: the current stream waits, the host goes on
-            self._device_waited.append(Pending(pending.works, [], pending.peer, f"{waiting_action} (waiting for {pending.action})"))
+            waiting = f"{waiting_action} (waiting for {pending.action})"
+            self._device_waited.append(Pending(pending.works, [], pending.peer, waiting))
             self._release_sent()
         tensors, pending.tensors = pending.tensors, []
         return tensors

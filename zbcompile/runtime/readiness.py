@@ -49,7 +49,9 @@ class WaitForecast:
     def note_weight(self, stage: int, seconds: float) -> None:
         self._weights[stage].append(seconds)
 
-    def end_step(self, timeline: Sequence[tuple[str, float, float]] = (), waits: Sequence[tuple[Any, float, float]] = ()) -> None:
+    def end_step(
+        self, timeline: Sequence[tuple[str, float, float]] = (), waits: Sequence[tuple[Any, float, float]] = ()
+    ) -> None:
         """Close a step: take its W times from `timeline` ((action, start, end), the compute
         actions) and its messages' lateness from `waits` ((key, computation reached, message
         arrived)), besides those noted one by one."""
