@@ -54,6 +54,7 @@ __all__ = [
     "default_partition",
     "graph_break",
     "inductor_compile",
+    "default_store",
     "register_dynamo_backend",
     "export_joint",
     "fake_contiguous",
@@ -284,3 +285,10 @@ def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor
 
     with torch._inductor.config.patch(compile_threads=1):  # no worker pool to start per process
         return torch._inductor.compile(gm, example_inputs)
+
+
+def default_store():
+    """The key-value store the default process group was made with (torch.distributed's)."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()

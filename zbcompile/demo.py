@@ -370,6 +370,8 @@ class _Training:
         if loss is not None:
             self.loss = loss
         if self.timelines is not None:
+            if self.device.type == "cuda":  # the optimizer's kernels, not only their launch
+                torch.cuda.current_stream(self.device).synchronize()
             self.timelines.append(list(self.pipe.runner.timeline))
             self.loop_s.append(time.perf_counter() - started - pipeline_s)
 

@@ -15,15 +15,20 @@ Following readiness (`follow_readiness`): when a computation's message has not a
 the next W (in the program's W order, once its I has run) runs in the meantime where the plan
 ran that W before this computation anyway, or where it is expected to fit in the wait: the same
 message was at least that late in recent steps (`readiness.WaitForecast`). So a late message
-costs no more than the plan."""
+costs no more than the plan.
+
+Nothing in a step waits for the device: each action's interval is measured by an `ActionClock`
+(`runtime/action_clock.py`: host time on CPU, events on the compute stream on CUDA, read at the
+end of the step), and a computation waits only for the messages it consumes (the transport's
+`wait`, which on NCCL makes the compute stream wait for that receive, not the host)."""
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Mapping, Sequence
 
 import torch
 
+from zbcompile.runtime.action_clock import ActionClock, HostClock
 from zbcompile.runtime.p2p import MessageTransport
 from zbcompile.runtime.program import RankProgram
 from zbcompile.runtime.readiness import ReceivesAhead, WaitForecast, WeightQueue
@@ -32,7 +37,6 @@ from zbcompile.schedules import Action, Schedule
 
 Values = dict[str, torch.Tensor]
 Key = tuple[str, int, int]  # a message's (direction, receiving stage, microbatch)
-clock = time.perf_counter
 
 
 class Interpreter:
@@ -40,10 +44,11 @@ class Interpreter:
     index; `copies`: a mirrored schedule's second copy of stages this process also holds, which
     run its microbatches from `Schedule.mirrored_from` on) step after step. After a step,
     `timeline` holds (action, start, end) in `time.perf_counter()` seconds for every compute
-    action, from when its data had arrived to when it finished (after `synchronize()`, where
-    given), `comm_timeline` the same for every SEND (posting it) and RECV (the wait for its data,
-    when a computation needs it), `early_w` the W run in a wait. Receive buffers are made on
-    `receive_device` (None: the transport hands the sent tensors over)."""
+    action, from when its data had arrived to when it finished, as `clock` measured it (default
+    `HostClock`; on CUDA an `EventClock`), `comm_timeline` the same for every SEND (posting it)
+    and RECV (the wait for its data, when a computation needs it), `early_w` the W run in a wait.
+    Receive buffers are made on `receive_device` (None: the transport hands the sent tensors
+    over). `step_timeout_s` bounds the wait for the device at the end of a step."""
 
     def __init__(
         self,
@@ -51,15 +56,17 @@ class Interpreter:
         transport: MessageTransport,
         receive_device: torch.device | None,
         follow_readiness: bool,
-        synchronize: Callable[[], None] | None,
+        clock: ActionClock | None = None,
         copies: Mapping[int, StageExecutor] | None = None,
+        step_timeout_s: float = 1800.0,
     ) -> None:
         self.executors = executors
         self.copies = copies if copies is not None else {}
         self.transport = transport
         self.receive_device = receive_device
         self.follow_readiness = follow_readiness
-        self.synchronize = synchronize or _nothing
+        self.clock = clock if clock is not None else HostClock()
+        self.step_timeout_s = step_timeout_s
         self.handlers: dict[str, Callable[[int, Action], None]] = {
             "F": self._forward,
             "I": self._input_backward,
@@ -97,16 +104,16 @@ class Interpreter:
         self.outgoing: dict[Key, Values] = {}  # for another rank, until their SEND
         self.receives = ReceivesAhead(program, self.transport, self.receive_device, self._watch)
         self.weights = WeightQueue(program.weight_order)
-        self._timeline: list[tuple[str, float, float]] = []
-        self._comm_timeline: list[tuple[str, float, float]] = []
         self._early: list[str] = []
+        self.clock.start_step()
         handlers, post_ahead = self.handlers, self.receives.post_ahead
         for index, action in enumerate(program.actions):
             post_ahead(index)
             handlers[action.kind](index, action)
-        self.transport.flush_sends()
-        self.forecast.end_step()
-        self.timeline, self.comm_timeline, self.early_w = self._timeline, self._comm_timeline, tuple(self._early)
+        self.transport.complete_messages()
+        intervals = self.clock.end_step(self.step_timeout_s)
+        self.timeline, self.comm_timeline, self.early_w = intervals["compute"], intervals["comm"], tuple(self._early)
+        self.forecast.end_step(self.timeline, intervals["wait"])
         losses = [self.losses[k] for k in sorted(self.losses)] if self.last in self.executors else None
         self.inputs = self.targets = ()
         self.losses, self.held, self.outgoing = {}, {}, {}
@@ -120,7 +127,7 @@ class Interpreter:
         feed = dict(self.inputs[k]) if s == 0 else self._fetch(("F", s, k), text)
         if s == self.last:
             feed.update(self.targets[k])
-        started = clock()
+        started = self.clock.mark()
         outputs = self._executor(s, k).forward(k, feed)
         if s == self.last:
             self.losses[k] = outputs["loss"]
@@ -141,10 +148,10 @@ class Interpreter:
 
     def _send(self, index: int, action: Action) -> None:
         message = self.program.messages[index]
-        started = clock()
+        started = self.clock.mark()
         values = self.outgoing.pop(message.key)
         self.transport.send([values[n] for n in message.names], message.peer, message.tag, message.text)
-        self._comm_timeline.append((message.text, started, clock()))
+        self.clock.record("comm", message.text, started)
 
     def _receive(self, index: int, action: Action) -> None:
         self.receives.post_through(index)
@@ -166,23 +173,19 @@ class Interpreter:
             grads_in = {"loss": mean_grad(self.losses[k], len(self.inputs))}
         else:
             grads_in = self._fetch(("B", s, k), text)
-        started = clock()
+        started = self.clock.mark()
         grads_out = compute(k, grads_in)
         if s > 0:
             (self.outgoing if self.backward_sent[s] else self.held)[("B", s - 1, k)] = grads_out
         self._ran(text, started)
 
     def _run_weight(self, action: Action, text: str) -> None:
-        started = clock()
+        started = self.clock.mark()
         self._executor(action.stage, action.microbatch).weight_backward(action.microbatch)
-        self.synchronize()
-        ended = clock()
-        self._timeline.append((text, started, ended))
-        self.forecast.note_weight(action.stage, ended - started)
+        self.clock.record("compute", text, started)
 
-    def _ran(self, text: str, started: float) -> None:
-        self.synchronize()
-        self._timeline.append((text, started, clock()))
+    def _ran(self, text: str, started) -> None:
+        self.clock.record("compute", text, started)
 
     def _fetch(self, key: Key, waiting_action: str) -> Values:
         """The values message `key` carries to the computation `waiting_action`: kept here, or
@@ -191,23 +194,28 @@ class Interpreter:
         if key in held:
             return held.pop(key)
         receive, pending = self.receives.take(key)
-        transport = self.transport
-        reached = clock()
+        transport, clock = self.transport, self.clock
+        reached = clock.mark()
         if self.follow_readiness and transport.can_tell(pending):  # W while the message is on its way
             weights, forecast, overtaken = self.weights, self.forecast, self.program.overtaken
+            queued = 0.0  # seconds of W queued here (where the host cannot see the device's time)
+
+            def waited() -> float:
+                return clock.seconds_since(reached) if clock.on_host else queued
+
             while (
                 (w := weights.runnable()) is not None
-                and (w in overtaken.get(key, ()) or forecast.fits(key, clock() - reached, w.stage))
+                and (w in overtaken.get(key, ()) or forecast.fits(key, waited(), w.stage))
                 and not transport.arrived(pending)
             ):
                 weights.advance()
                 self._run_weight(w, str(w))
                 self._early.append(str(w))
-        waited = clock()
+                queued += forecast.weight_seconds.get(w.stage, 0.0)
+        waited = clock.mark()
         values = dict(zip(receive.message.names, transport.wait(pending, waiting_action)))
-        done = clock()
-        self._comm_timeline.append((receive.message.text, waited, done))
-        self.forecast.note_wait(key, (transport.arrival_time(pending) or done) - reached)
+        clock.record("comm", receive.message.text, waited)
+        clock.record("wait", key, reached, transport.arrival_time(pending) if clock.on_host else None)
         return values
 
     def _watch(self, key: Key) -> bool:
@@ -216,6 +224,3 @@ class Interpreter:
         program = self.program
         return self.follow_readiness and (key in program.overtaken or (bool(program.weight_order) and self.forecast.worth_watching(key)))
 
-
-def _nothing() -> None:
-    pass

@@ -25,7 +25,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from zbcompile._torch_internals import default_store
 from zbcompile.compiler import CompiledPipeline
+from zbcompile.runtime.action_clock import EventClock, HostClock
+from zbcompile.runtime.cuda_device import claim_device
 from zbcompile.runtime.p2p import Transport
 from zbcompile.runtime.program import RankProgram, rank_program
 from zbcompile.runtime.runner import Runner
@@ -59,7 +62,10 @@ def make_layout(pp_size: int, device: torch.device, description: str, group: dis
     """The layout of pipelines of `pp_size` ranks over `group`: None (the default group: a
     ("dp", "pp") DeviceMesh over the world, every rank calls this), a process group of one
     pipeline's ranks (in group order), or a DeviceMesh with a "pp" dimension and optionally a
-    "dp" one (e.g. a slice of a larger mesh)."""
+    "dp" one (e.g. a slice of a larger mesh). On CUDA (NCCL), this rank's device is settled
+    first, one per rank (`cuda_device.claim_device`), before any collective."""
+    if device.type == "cuda":
+        _claim_cuda_device(group)
     if isinstance(group, DeviceMesh):
         return _layout_of_mesh(group, pp_size, description)
     ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
@@ -105,6 +111,17 @@ def make_layout(pp_size: int, device: torch.device, description: str, group: dis
         dp_group=mesh.get_group("dp") if dp_size > 1 else None,
         mesh=mesh,
     )
+
+
+def _claim_cuda_device(group: dist.ProcessGroup | DeviceMesh | None) -> torch.device:
+    """This rank's GPU, made current and checked distinct among the ranks of `group` (the world
+    for None) through the store, before the first collective."""
+    if isinstance(group, DeviceMesh):
+        ranks = group.mesh.flatten().tolist()
+    else:
+        ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
+    bound = getattr(dist.group.WORLD, "bound_device_id", None)
+    return claim_device(ranks, dist.get_rank(), bound, default_store())
 
 
 def _layout_of_mesh(mesh: DeviceMesh, pp_size: int, description: str) -> Layout:
@@ -164,8 +181,10 @@ class DistributedRunner(Runner):
         self.device = device
         self.rank = dist.get_rank()
         executors = {s: StageExecutor(compiled.programs[s], state) for s in schedule.stages_on(layout.pp_rank)}
-        synchronize = torch.cuda.synchronize if device.type == "cuda" else None
-        super().__init__(compiled, schedule, executors, Transport(self.rank, timeout), device, follow_readiness, synchronize)
+        clock = EventClock() if device.type == "cuda" else HostClock()
+        transport = Transport(self.rank, timeout, layout.pp_group)
+        super().__init__(compiled, schedule, executors, transport, device, follow_readiness, clock)
+        self.interpreter.step_timeout_s = timeout.total_seconds()
         self.tied_weights = tied_weights(parameter_users(compiled.partition), schedule.ranks_of, layout.pipeline_ranks, self.rank)
         self._synchronize_state(state)
 
@@ -197,7 +216,7 @@ class DistributedRunner(Runner):
         action = "handing the mirrored copy's microbatch losses over"
         if self.rank == mirrored:
             self.transport.send([torch.stack(losses)], reporter, MIRRORED_LOSS_TAG, action)
-            self.transport.flush_sends()
+            self.transport.complete_messages()
             return None
         if self.rank == reporter:
             buffer = torch.empty(len(inputs) - first_mirrored, dtype=losses[0].dtype, device=losses[0].device)

@@ -12,11 +12,17 @@ alive while it allocates its output, and memory only rises at allocations). Not 
 op allocates and frees inside itself (a kernel's workspace), and buffers allocated outside the
 dispatcher (Inductor-generated code allocates its intermediates directly; what a compiled graph
 returns is counted by the executor after the action).
+
+On CUDA the caching allocator knows better: `peak_inside` reads `torch.cuda`'s memory
+statistics around the action instead (`AllocatorPeak`: what the allocator handed out, rounded up
+to its blocks, kernels' workspaces included; NCCL's own buffers are not the allocator's), and
+adds what the action took in. It resets the device's peak statistics around every measured action.
 """
 
 from __future__ import annotations
 
 import weakref
+from typing import Any, Callable
 
 import torch
 
@@ -84,3 +90,37 @@ class TransientTracker(TorchDispatchMode):
     def _died(self, key: int, nbytes: int) -> None:
         if self._alive.pop(key, None) is not None:
             self.current -= nbytes
+
+
+class AllocatorPeak:
+    """While active: the most bytes `cuda`'s caching allocator had allocated on `device` above what
+    it had when the block started (`peak`, from `memory_allocated`, `reset_peak_memory_stats`,
+    `max_memory_allocated`). `cuda` stands in for `torch.cuda` in CPU tests."""
+
+    def __init__(self, device: torch.device, cuda: Any = torch.cuda) -> None:
+        self.device, self.cuda = device, cuda
+        self.peak = 0
+
+    def __enter__(self) -> AllocatorPeak:
+        self._base = self.cuda.memory_allocated(self.device)
+        self.cuda.reset_peak_memory_stats(self.device)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.peak = max(0, self.cuda.max_memory_allocated(self.device) - self._base)
+
+
+def peak_inside(run: Callable[[], None], taken, device: torch.device, cuda: Any = torch.cuda) -> int:
+    """Run `run` (an action given the tensors `taken`: pass a view such as `env.values()`, so
+    that nothing here keeps them alive) and return the most bytes alive inside it:
+    what it took in plus what it allocated, at most, while it ran; by the allocator's statistics
+    on CUDA, else by `TransientTracker`."""
+    if device.type == "cuda":
+        taken_bytes = held_bytes(taken)
+        with AllocatorPeak(device, cuda) as allocator:
+            run()
+        return taken_bytes + allocator.peak
+    with TransientTracker() as tracker:
+        tracker.take(taken)
+        run()
+    return tracker.peak

@@ -49,7 +49,7 @@ class InProcessTransport:
     def arrival_time(self, pending: Any) -> float | None:
         return None
 
-    def flush_sends(self) -> None:
+    def complete_messages(self) -> None:
         pass
 
 

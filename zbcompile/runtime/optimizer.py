@@ -62,11 +62,13 @@ class NormState:
 
 
 def squared_norm(grads: Iterable[torch.Tensor]) -> NormState:
-    """Sum of squares of every element of `grads`, accumulated in float64 in the given order."""
-    total = torch.zeros((), dtype=torch.float64)
+    """Sum of squares of every element of `grads`, accumulated in float64 in the given order, on
+    the gradients' device: one host synchronisation (the final `.item()`), not one per gradient."""
+    total: torch.Tensor | None = None
     for g in grads:
-        total = total + g.detach().to(torch.float64).square().sum().cpu()
-    value = total.item()
+        part = g.detach().to(torch.float64).square().sum()
+        total = part.clone() if total is None else total + part.to(total.device)
+    value = 0.0 if total is None else total.item()
     return NormState(value, not math.isfinite(value))
 
 
@@ -274,7 +276,7 @@ class PostValidatedOptimizer(_PipelineOptimizer):
         if position.next is not None:
             state = self._receive(transport, position.next, PARTIAL_TAG, "optimizer step (partial gradient norm)").plus(state)
         if position.previous is not None:
-            transport.flush_sends()
+            transport.complete_messages()
             transport.send([state.to_tensor(self._device())], position.previous, PARTIAL_TAG, "partial gradient norm")
         if position.previous is None:  # pipeline rank 0: the global state is known
             self._apply(grads, state)
@@ -300,7 +302,7 @@ class PostValidatedOptimizer(_PipelineOptimizer):
         state = pending.global_state
         if position.previous is not None:
             state = self._receive(transport, position.previous, GLOBAL_TAG, "post-validation (global gradient norm)")
-        transport.flush_sends()
+        transport.complete_messages()
         if position.next is not None:
             transport.send([state.to_tensor(self._device())], position.next, GLOBAL_TAG, "global gradient norm")
         if position.previous is None:
@@ -320,7 +322,7 @@ class PostValidatedOptimizer(_PipelineOptimizer):
         the pipe (its next steps no longer call us). Every rank of the pipeline must call it."""
         self.finish()
         if self._transport is not None:
-            self._transport.flush_sends()
+            self._transport.complete_messages()
         self.pipe.pre_step_hooks.remove(self.finish)
         self.pipe.state_dict_hooks.remove(self._refuse_unvalidated)
 
@@ -354,7 +356,7 @@ class PostValidatedOptimizer(_PipelineOptimizer):
 
     def _transport_for(self, position: _Position) -> Transport:
         if self._transport is None:
-            self._transport = Transport(position.rank, self.pipe.options.timeout)
+            self._transport = Transport(position.rank, self.pipe.options.timeout, position.pipeline_group)
         return self._transport
 
     def _device(self) -> torch.device:

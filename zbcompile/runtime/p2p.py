@@ -1,19 +1,36 @@
 """Point-to-point messages between pipeline ranks over torch.distributed, with a timeout on
 every wait and errors that name the peer and the action. The device follows the process
-group's backend (CPU for gloo, the current CUDA device for NCCL): one code path for both."""
+group's backend (CPU for gloo, the current CUDA device for NCCL): one code path for both.
+
+A message is one buffer (`flat_message`), sent with one isend and received with one irecv on
+the pipeline's own process group. On NCCL, waiting for a receive makes the compute stream wait
+for it, not the host; the step's end confirms, on the host and with the timeout, every message
+of the step. A sent buffer is released as soon as its send has completed (on NCCL, seen when
+the next message is posted or waited for; gloo cannot tell without waiting, so there at the
+step's end), and counted until then (`sending_bytes`, `peak_sending_bytes`).
+
+At interpreter exit (and when a transport is collected) the helper threads of gloo transports
+stop: a thread still inside gloo's `wait()` when Python finalizes is killed in C++ code, which
+aborts the process ("terminate called without an active exception"). A receive still unanswered
+after a short grace (a step that failed) is woken by aborting the transport's process group."""
 
 from __future__ import annotations
 
+import atexit
 import functools
 import queue
 import threading
 import time
+import weakref
+from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
+
+from zbcompile.runtime import flat_message
 
 
 def device_for(group: dist.ProcessGroup | None = None) -> torch.device:
@@ -53,7 +70,7 @@ class MessageTransport(Protocol):
 
     def arrival_time(self, pending: Any) -> float | None: ...
 
-    def flush_sends(self) -> None: ...
+    def complete_messages(self) -> None: ...
 
 
 class PeerError(RuntimeError):
@@ -75,6 +92,7 @@ class Pending:
     arrived_at: float | None = None
     error: BaseException | None = None
     timed_out: bool = False
+    nbytes: int = 0
 
 
 class _Poster:
@@ -87,15 +105,20 @@ class _Poster:
 
     def __init__(self, name: str) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._serve, name=name, daemon=True).start()
+        self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self.thread.start()
 
     def post(self, pending: Pending, post: Callable[[], list]) -> None:
         pending.posted = threading.Event()
         self._jobs.put((pending, post))
 
+    def stop(self) -> None:
+        """End the thread once it has posted what it was given."""
+        self._jobs.put(None)
+
     def _serve(self) -> None:
-        while True:
-            pending, post = self._jobs.get()
+        while (job := self._jobs.get()) is not None:
+            pending, post = job
             try:
                 pending.works = post()
             except RuntimeError as error:
@@ -108,11 +131,15 @@ class _Watch:
     whether a message has arrived: gloo's `Work` has no such test (`is_completed()` turns true
     only inside `wait()`), and a wait with a short timeout aborts the process group. Each
     receive gets a thread of its own (idle ones are reused), so a message never waits on
-    another. The threads are daemons and hold no Python lock while they wait."""
+    another. The threads are daemons and hold no Python lock while they wait; `stop()` ends
+    them (see the module docstring)."""
 
-    def __init__(self, timeout: timedelta) -> None:
+    def __init__(self, timeout: timedelta, group: dist.ProcessGroup | None) -> None:
         self.timeout = timeout
+        self.group = group if group is not None else dist.group.WORLD  # kept: it may be destroyed by exit
         self._idle: list[queue.SimpleQueue] = []
+        self._threads: list[tuple[threading.Thread, queue.SimpleQueue]] = []
+        self._waiting: set[int] = set()  # ids of the receives a thread is waiting for
         self._lock = threading.Lock()
 
     def watch(self, pending: Pending) -> None:
@@ -120,14 +147,31 @@ class _Watch:
         pending.done = threading.Event()
         with self._lock:
             jobs = self._idle.pop() if self._idle else None
+            self._waiting.add(id(pending))
         if jobs is None:
             jobs = queue.SimpleQueue()
-            threading.Thread(target=self._serve, args=(jobs,), name="zbcompile-arrival", daemon=True).start()
+            thread = threading.Thread(target=self._serve, args=(jobs,), name="zbcompile-arrival", daemon=True)
+            self._threads.append((thread, jobs))
+            thread.start()
         jobs.put(pending)
 
+    def stop(self, grace_s: float, abort: bool) -> None:
+        """End every thread once it is idle. With `abort` (at exit): give the receives still
+        awaited `grace_s` seconds to arrive, then abort the process group to wake the threads
+        still inside gloo's wait, and join them."""
+        deadline = time.perf_counter() + grace_s
+        while abort and self._waiting and time.perf_counter() < deadline:
+            time.sleep(0.01)
+        if abort and self._waiting:
+            _abort(self.group)
+        for _, jobs in self._threads:
+            jobs.put(None)
+        if abort:
+            for thread, _ in self._threads:
+                thread.join(grace_s)
+
     def _serve(self, jobs: queue.SimpleQueue) -> None:
-        while True:
-            pending = jobs.get()
+        while (pending := jobs.get()) is not None:
             try:
                 for work in pending.works:
                     if work.wait(self.timeout) is False:
@@ -137,25 +181,68 @@ class _Watch:
             pending.arrived_at = time.perf_counter()
             with self._lock:
                 self._idle.append(jobs)
+                self._waiting.discard(id(pending))
             pending.done.set()
 
 
-class Transport:
-    """Sends and receives the tensors of one message (several tensors to one peer are posted as
-    one batch). Every wait gives up after `timeout` and raises a PeerError naming the peer rank
-    and the action that was waiting. With gloo, a helper thread posts the sends (`_Poster`), and
-    `arrived()` tells without blocking whether a receive posted with `watch=True` has completed
-    (a thread waits for it, `_Watch`)."""
+def _abort(group: dist.ProcessGroup | None) -> None:
+    """Abort `group` (even one `destroy_process_group` has let go of), ignoring its errors: the
+    process is leaving."""
+    try:
+        if group is not None:
+            group.abort()
+    except (RuntimeError, ValueError, AttributeError):
+        pass
 
-    def __init__(self, rank: int, timeout: timedelta) -> None:
+
+_RUNNING: set = set()  # the (poster, watch) pairs whose threads have not been stopped
+EXIT_GRACE_S = 5.0  # how long a receive still awaited at exit may take before the group is aborted
+
+
+def _stop_helpers(helpers: tuple[_Poster, _Watch], at_exit: bool) -> None:
+    """Stop a transport's helper threads: when it is collected, each once idle; at exit, now
+    (see `_Watch.stop`)."""
+    if helpers in _RUNNING:
+        _RUNNING.discard(helpers)
+        helpers[0].stop()
+        helpers[1].stop(EXIT_GRACE_S, abort=at_exit)
+        if at_exit:
+            helpers[0].thread.join(EXIT_GRACE_S)
+
+
+@atexit.register
+def _stop_all_helpers() -> None:
+    """At interpreter exit, before Python finalizes: stop every transport's helper threads."""
+    for helpers in list(_RUNNING):
+        _stop_helpers(helpers, at_exit=True)
+
+
+class Transport:
+    """Sends and receives the messages of one rank over `group` (the pipeline's process group;
+    None: the default group), each message one flat buffer (`flat_message`). Every wait gives up
+    after `timeout` and raises a PeerError naming the peer rank and the action that was
+    waiting. With gloo, a helper thread posts the sends (`_Poster`), and `arrived()` tells
+    without blocking whether a receive posted with `watch=True` has completed (a thread waits
+    for it, `_Watch`). On NCCL, `wait` makes the compute stream wait for the receive, and
+    `complete_messages` confirms it on the host."""
+
+    def __init__(self, rank: int, timeout: timedelta, group: dist.ProcessGroup | None = None) -> None:
         self.rank = rank
         self.timeout = timeout
-        self._sends: list[Pending] = []
+        self.group = group
+        self.sending_bytes = 0  # bytes of sent buffers whose send has not been seen complete
+        self.peak_sending_bytes = 0
+        self._sends: deque[Pending] = deque()
+        self._device_waited: list[Pending] = []  # NCCL receives the compute stream waits for
 
     @functools.cached_property
     def matches_by_tag(self) -> bool:
         """gloo pairs a send with its receive by tag; NCCL (and the others) by order per peer."""
-        return dist.get_backend() == "gloo"
+        return dist.get_backend(self.group) == "gloo"
+
+    @functools.cached_property
+    def device(self) -> torch.device:
+        return device_for(self.group)
 
     @functools.cached_property
     def _helpers(self) -> tuple[_Poster, _Watch] | None:
@@ -164,22 +251,35 @@ class Transport:
         blocking: gloo. None elsewhere (NCCL: the runner's thread posts, in order)."""
         if not self.matches_by_tag:
             return None
-        return _Poster("zbcompile-send"), _Watch(self.timeout)
+        helpers = (_Poster("zbcompile-send"), _Watch(self.timeout, self.group))
+        _RUNNING.add(helpers)
+        weakref.finalize(self, _stop_helpers, helpers, False)
+        return helpers
 
     def post_recv(self, buffers: Sequence[torch.Tensor], peer: int, tag: int, action: str, watch: bool = False) -> Pending:
-        pending = Pending(self._post(dist.irecv, buffers, peer, tag, action), list(buffers), peer, action)
+        """Receive a message shaped like `buffers`: one tensor is received into; several only
+        give the layout of the flat buffer received into (`torch.empty(..., device="meta")`
+        allocates nothing), and `wait` returns views of it."""
+        layouts = [(b.shape, b.dtype) for b in buffers]
+        flat = buffers[0] if len(buffers) == 1 else flat_message.empty(layouts, self.device)
+        works = self._post(dist.irecv, flat, peer, tag, action)
+        pending = Pending(works, flat_message.unpack(flat, layouts), peer, action)
         if watch and self._helpers is not None:
             self._helpers[1].watch(pending)
         return pending
 
     def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int, action: str) -> None:
-        pending = Pending([], [t.contiguous() for t in tensors], peer, action)
-        post = functools.partial(self._post, dist.isend, pending.tensors, peer, tag, action)
+        self._release_sent()
+        flat = flat_message.pack(tensors)
+        pending = Pending([], [flat], peer, action, nbytes=flat.numel() * flat.element_size())
+        post = functools.partial(self._post, dist.isend, flat, peer, tag, action)
         if self._helpers is None:
             pending.works = post()
         else:
             self._helpers[0].post(pending, post)
         self._sends.append(pending)
+        self.sending_bytes += pending.nbytes
+        self.peak_sending_bytes = max(self.peak_sending_bytes, self.sending_bytes)
 
     def can_tell(self, pending: Pending) -> bool:
         """Whether `arrived(pending)` can tell: NCCL's works can; a gloo receive only if watched."""
@@ -192,19 +292,40 @@ class Transport:
         return not self.matches_by_tag and all(work.is_completed() for work in pending.works)
 
     def wait(self, pending: Pending, waiting_action: str) -> list[torch.Tensor]:
-        """The received tensors, once they are there."""
-        self._complete(pending, f"{waiting_action} (waiting for {pending.action})")
-        return pending.tensors
+        """The received tensors, for the work queued next: on gloo once they are there; on NCCL
+        at once, the current stream waiting for them (confirmed by `complete_messages`)."""
+        if self.matches_by_tag:
+            self._complete(pending, f"{waiting_action} (waiting for {pending.action})")
+        else:
+            for work in pending.works:
+                work.wait()  # no timeout: the current stream waits, the host goes on
+            waiting = f"{waiting_action} (waiting for {pending.action})"
+            self._device_waited.append(Pending(pending.works, [], pending.peer, waiting))
+            self._release_sent()
+        tensors, pending.tensors = pending.tensors, []
+        return tensors
 
     def arrival_time(self, pending: Pending) -> float | None:
         """When a completed receive arrived (`time.perf_counter()`), where a helper thread saw it."""
         return pending.arrived_at
 
-    def flush_sends(self) -> None:
-        """Wait for every send posted so far (their tensors can then be freed)."""
-        sends, self._sends = self._sends, []
-        for pending in sends:
+    def complete_messages(self) -> None:
+        """Wait until every send posted so far and every receive handed to the device has
+        completed (their buffers are then free), each within the timeout."""
+        sends, self._sends = self._sends, deque()
+        received, self._device_waited = self._device_waited, []
+        for pending in [*sends, *received]:
             self._complete(pending, pending.action)
+        self.sending_bytes -= sum(p.nbytes for p in sends)
+
+    def _release_sent(self) -> None:
+        """Drop the sends seen complete, oldest first (NCCL runs them in the order posted, so the
+        first one still running ends the look); gloo cannot tell without waiting."""
+        if self.matches_by_tag:
+            return
+        sends = self._sends
+        while sends and all(w.is_completed() for w in sends[0].works):
+            self.sending_bytes -= sends.popleft().nbytes
 
     def _complete(self, pending: Pending, action: str) -> None:
         """Wait until `pending` completed: for its watching thread, else for its posting thread
@@ -221,12 +342,10 @@ class Transport:
             for work in pending.works:
                 self._wait_one(work, pending.peer, action)
 
-    def _post(self, op, tensors: Sequence[torch.Tensor], peer: int, tag: int, action: str) -> list:
-        """Post `op` (dist.isend or dist.irecv) for every tensor; several go as one batch."""
+    def _post(self, op, flat: torch.Tensor, peer: int, tag: int, action: str) -> list:
+        """Post `op` (dist.isend or dist.irecv) of one message's buffer on the transport's group."""
         try:
-            if len(tensors) <= 1:  # batching costs more than a single message on CPU
-                return [op(t, peer, tag=tag) for t in tensors]
-            return dist.batch_isend_irecv([dist.P2POp(op, t, peer, tag=tag) for t in tensors])
+            return [op(flat, peer, group=self.group, tag=tag)]
         except RuntimeError as error:
             raise PeerError(f"rank {self.rank}: posting {action} to/from rank {peer} failed: {error}") from error
 

@@ -56,23 +56,33 @@ def action_medians(timelines: Sequence[Timeline]) -> Medians:
 
 def round_trip_seconds(runner: DistributedRunner, repeats: int = 5) -> float:
     """Half the median round trip of the largest boundary message between this rank and the next
-    pipeline rank (every rank takes part: even positions send first)."""
+    pipeline rank (every rank takes part: even positions send first). Each message is waited for
+    on the host (`Work.wait` with the timeout blocks the host on NCCL too, where a plain
+    `dist.send` would only queue the transfer), so the time is the transfer's."""
     layout = runner.layout
     values = runner.compiled.partition.values
     size = max([v.nbytes for v in values.values()] + [4])
     buffer = torch.zeros(size // 4, dtype=torch.float32, device=runner.device)
     position, ranks = layout.pp_rank, layout.pipeline_ranks
+    timeout = runner.transport.timeout
+
+    def send(peer: int) -> None:
+        dist.isend(buffer, peer, group=layout.pp_group).wait(timeout)
+
+    def receive(peer: int) -> None:
+        dist.irecv(buffer, peer, group=layout.pp_group).wait(timeout)
+
     samples = []
     for _ in range(repeats):
         for sender in (0, 1):  # pairs (0,1), (2,3)... then (1,2), (3,4)...
             if (position - sender) % 2 == 0 and position + 1 < len(ranks):
                 started = time.perf_counter()
-                dist.send(buffer, ranks[position + 1])
-                dist.recv(buffer, ranks[position + 1])
+                send(ranks[position + 1])
+                receive(ranks[position + 1])
                 samples.append((time.perf_counter() - started) / 2)
             elif (position - sender) % 2 == 1 and position >= 1:
-                dist.recv(buffer, ranks[position - 1])
-                dist.send(buffer, ranks[position - 1])
+                receive(ranks[position - 1])
+                send(ranks[position - 1])
     return statistics.median(samples) if samples else 0.0
 
 

@@ -53,8 +53,8 @@ class Message:
 
 @dataclass(frozen=True)
 class Receive:
-    """A RECV at position `index` of the program; `after` is the position of the last SEND to
-    the same peer before it (-1: none); `layouts` the (shape, dtype) of each value."""
+    """A RECV at position `index` of the program; `after` is the position of the last SEND
+    before it, to any peer (-1: none); `layouts` the (shape, dtype) of each value."""
 
     message: Message
     index: int
@@ -149,7 +149,7 @@ def _resolve(
     each message's peer, tag, value names and buffer layouts resolved."""
     messages: list[Message | None] = []
     receives: list[Receive] = []
-    last_send: dict[int, int] = {}
+    last_send = -1
     for index, action in enumerate(actions):
         s, k, kind = action.stage, action.microbatch, action.kind
         message = None
@@ -161,9 +161,9 @@ def _resolve(
             value_names = tuple(names(direction, receiver))
             message = Message(direction, receiver, k, peer, message_tag(direction, receiver, k, schedule.stages), value_names, str(action))
             if kind.startswith("SEND"):
-                last_send[peer] = index
+                last_send = index
             else:
-                receives.append(Receive(message, index, last_send.get(peer, -1), tuple(layout(n) for n in value_names)))
+                receives.append(Receive(message, index, last_send, tuple(layout(n) for n in value_names)))
         messages.append(message if message is not None and kind.startswith("SEND") else None)
     return RankProgram(
         actions=tuple(actions),

@@ -49,7 +49,18 @@ class WaitForecast:
     def note_weight(self, stage: int, seconds: float) -> None:
         self._weights[stage].append(seconds)
 
-    def end_step(self) -> None:
+    def end_step(
+        self, timeline: Sequence[tuple[str, float, float]] = (), waits: Sequence[tuple[Any, float, float]] = ()
+    ) -> None:
+        """Close a step: take its W times from `timeline` ((action, start, end), the compute
+        actions) and its messages' lateness from `waits` ((key, computation reached, message
+        arrived)), besides those noted one by one."""
+        for text, start, end in timeline:
+            action = Action.parse(text)
+            if action.kind == "W":
+                self.note_weight(action.stage, end - start)
+        for key, reached, arrived in waits:
+            self.note_wait(key, arrived - reached)
         self.weight_seconds.update({stage: statistics.median(d) for stage, d in self._weights.items()})
         self._weights.clear()
 
@@ -99,8 +110,10 @@ class ReceivesAhead:
     """One step's receives, posted in program order up to RECEIVE_LOOKAHEAD ahead of the action
     the rank is at, and always by the time the program reaches them. Where the transport matches
     messages by order rather than tag (every backend but gloo, NCCL among them), a receive is
-    never posted before an earlier send to the same peer, so each peer still sees one order of
-    operations. Where `watch(key)`, the transport can tell when a message has arrived. Receive
+    never posted before a send the program has before it, to any peer: NCCL runs a rank's
+    point-to-point operations on one stream in the order they are posted, a receive holding up
+    everything behind it until its sender sends, so the rank's operations keep the program's
+    order, which the lowering proved free of deadlock (docs/runtime.md, "Posting order"). Where `watch(key)`, the transport can tell when a message has arrived. Receive
     buffers are made on `device`; None: the transport hands over the sent tensors themselves (in
     one process)."""
 
@@ -131,8 +144,10 @@ class ReceivesAhead:
     def _post_next(self) -> None:
         receive = self.plan[self.next]
         message = receive.message
-        device = self.device
-        buffers = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in receive.layouts] if device is not None else []
+        buffers = []
+        if self.device is not None:  # one tensor is received into; several lay out one flat buffer
+            device = self.device if len(receive.layouts) == 1 else "meta"
+            buffers = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in receive.layouts]
         pending = self.transport.post_recv(buffers, message.peer, message.tag, message.text, watch=self.watch(message.key))
         self.posted[message.key] = (receive, pending)
         self.next += 1

@@ -6,11 +6,12 @@ runners have its shape and drive the one interpreter (`runtime/dispatch.py`): `L
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from zbcompile.compiler import CompiledPipeline
+from zbcompile.runtime.action_clock import ActionClock
 from zbcompile.runtime.dispatch import Interpreter
 from zbcompile.runtime.p2p import MessageTransport
 from zbcompile.runtime.program import RankProgram
@@ -35,7 +36,7 @@ class Runner(ABC):
         transport: MessageTransport,
         receive_device: torch.device | None,
         follow_readiness: bool,
-        synchronize: Callable[[], None] | None,
+        clock: ActionClock | None,
         copies: dict[int, StageExecutor] | None = None,
     ) -> None:
         self.compiled = compiled
@@ -43,7 +44,7 @@ class Runner(ABC):
         self.local_stages = sorted(executors)
         self.transport = transport
         self.follow_readiness = follow_readiness
-        self.interpreter = Interpreter(executors, transport, receive_device, follow_readiness, synchronize, copies)
+        self.interpreter = Interpreter(executors, transport, receive_device, follow_readiness, clock, copies)
         self._load(schedule)
 
     @property

@@ -10,7 +10,7 @@ import torch
 
 from zbcompile.compiler import StageProgram
 from zbcompile.program import Program
-from zbcompile.runtime.live_memory import TransientTracker, held_bytes
+from zbcompile.runtime.live_memory import held_bytes, peak_inside
 from zbcompile.value_names import (
     OUTPUT,
     buffer_name,
@@ -45,7 +45,7 @@ class StageExecutor:
       saved values of the other microbatches in flight, plus what the running action took in
       (its microbatch's saved values, the values received from the neighbours or the batch,
       the output gradients), plus every storage its graph created and still alive
-      (`live_memory.TransientTracker`): the forward values a checkpointed region recomputes,
+      (`live_memory.peak_inside`: a TransientTracker, or on CUDA the allocator's statistics): the forward values a checkpointed region recomputes,
       intermediate gradients, the outputs it hands on, and the per-microbatch parameter
       gradients before they are added. Not counted: parameters, buffers and the accumulated
       parameter gradients (not activations: one copy per stage whatever the schedule), values
@@ -158,10 +158,9 @@ class StageExecutor:
             program.run(env, self.state, consumed)
             return
         others = sum(b for k, b in self._env_bytes.items() if k != microbatch)
-        with TransientTracker() as tracker:
-            tracker.take(env.values())
-            program.run(env, self.state, consumed)
-        self.peak_activation_bytes = max(self.peak_activation_bytes, others + tracker.peak)
+        device = next((v.device for v in env.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
+        inside = peak_inside(lambda: program.run(env, self.state, consumed), env.values(), device)
+        self.peak_activation_bytes = max(self.peak_activation_bytes, others + inside)
 
     def _receive_tangents(self, env: dict[str, torch.Tensor], output_grads: Mapping[str, torch.Tensor]) -> None:
         for name in self.program.joint.tangents:

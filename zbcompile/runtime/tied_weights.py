@@ -71,7 +71,7 @@ def share_owner_values(weights: Sequence[TiedWeight], state: Mapping[str, torch.
         if transport.rank == weight.owner:
             for holder in weight.holders[1:]:
                 transport.send([value.detach()], holder, TIED_TAG + index, action)
-            transport.flush_sends()
+            transport.complete_messages()
         else:
             received = transport.wait(transport.post_recv([torch.empty_like(value)], weight.owner, TIED_TAG + index, action), action)
             with torch.no_grad():
@@ -93,9 +93,9 @@ def sum_gradients(weights: Sequence[TiedWeight], grads: dict[str, torch.Tensor],
                 total += part[0]
             for holder in weight.holders[1:]:
                 transport.send([total], holder, TIED_TAG + index, action)
-            transport.flush_sends()
+            transport.complete_messages()
         else:
             transport.send([own], weight.owner, TIED_TAG + index, action)
             total = transport.wait(transport.post_recv([torch.empty_like(own)], weight.owner, TIED_TAG + index, action), action)[0]
-            transport.flush_sends()
+            transport.complete_messages()
         grads[weight.fqn] = total
