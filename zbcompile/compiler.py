@@ -18,10 +18,11 @@ from zbcompile import _torch_internals as ti
 from zbcompile._torch_internals import pytree
 from zbcompile.passes import _fx
 from zbcompile.passes.graph_cost import GraphCost, graph_cost, peak_bytes
-from zbcompile.passes.joint import StageJoint, export_stage_joints
+from zbcompile.passes.joint import StageJoint, export_stage_joint, export_stage_joints
 from zbcompile.passes.partition import Stage, StagePartition, partition_stages
 from zbcompile.passes.recompute import RECOMPUTE_LEVELS, RecomputeLevel
 from zbcompile.passes.split_backward import MIN_DEFERRAL_INTENSITY, StageBackwardSplit, split_backward
+from zbcompile.passes.stage_reuse import stage_fingerprint
 from zbcompile.passes.trace import TracedModel, trace_model
 from zbcompile.program import Program
 from zbcompile.schedules import Costs, Schedule
@@ -119,10 +120,8 @@ class CompiledPipeline:
         """Per rank, the simulator's peak activation memory of `schedule` (in `costs`' memory unit,
         by default the static costs') with each action's own peak (`action_peaks`) in place of
         its memory model's: what the runtime measures with `measure_transients`."""
-        resolved = resolve_costs(costs if costs is not None else self.schedule_costs(), schedule.stages)
-        unit = self.memory_unit()
-        peaks = tuple({kind: bytes_ / unit for kind, bytes_ in p.cost.action_peaks.items()} for p in self.programs)
-        return peak_memory(schedule, _WithActionPeaks(**vars(resolved), action_peaks=peaks))
+        costs = costs if costs is not None else self.schedule_costs()
+        return peak_memory_with_transients(schedule, costs, [p.cost for p in self.programs], self.memory_unit())
 
     def recompute_choice(self) -> list[str]:
         """recompute="auto": one line per stage, its level, M_B and M_W against level 0 (checkpoint
@@ -195,6 +194,74 @@ def compile_pipeline(
     return CompiledPipeline(traced, partition, programs, seconds, alternatives)
 
 
+@dataclass(frozen=True)
+class CostedPipeline:
+    """A compile for planning: the traced model, its partition and every stage's static cost,
+    stages whose programs are identical (`passes/stage_reuse.py`) compiled once:
+    `representative[s]` is the stage whose joint, split and cost stage s reuses (s itself for
+    the first of each kind)."""
+
+    traced: TracedModel
+    partition: StagePartition
+    costs: tuple[StageGraphCost, ...]
+    representative: tuple[int, ...]
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+
+
+def compile_costs(
+    model: nn.Module,
+    loss_fn: Callable[..., torch.Tensor] | None,
+    args: tuple,
+    kwargs: dict[str, Any],
+    target: Any,
+    stages: int,
+    split_points: Sequence[str] | None = None,
+    device: torch.device | None = None,
+    min_deferral_intensity: float = MIN_DEFERRAL_INTENSITY,
+) -> CostedPipeline:
+    """What `compile_pipeline` computes of each stage's cost, for a model on the meta device as
+    well (nothing is materialised), with the joint export, the I/W split and the cost of stages
+    with equal `stage_fingerprint`s done once. Costs equal `compile_pipeline`'s stage for stage."""
+    seconds: dict[str, float] = {}
+    started = time.perf_counter()
+    with ti.quiet_torch_logs():
+        traced = trace_model(model, loss_fn, args, kwargs, target, device)
+    seconds["trace"] = time.perf_counter() - started
+    with ti.quiet_torch_logs(warnings_too=True):
+        started = time.perf_counter()
+        partition = partition_stages(traced, stages, split_points)
+        seconds["partition"] = time.perf_counter() - started
+        started = time.perf_counter()
+        costs, representative = _costs_with_reuse(partition, traced.fake_mode, min_deferral_intensity)
+        seconds["joint+split+cost"] = time.perf_counter() - started
+    return CostedPipeline(traced, partition, costs, representative, seconds)
+
+
+def _costs_with_reuse(
+    partition: StagePartition, fake_mode: Any, min_deferral_intensity: float
+) -> tuple[tuple[StageGraphCost, ...], tuple[int, ...]]:
+    """Per stage, its cost and the stage it was computed on, last stage first as
+    `export_stage_joints` goes (a stage's outputs get gradients where the next stage gives them)."""
+    seen: dict[Any, tuple[int, StageJoint, StageGraphCost]] = {}
+    costs: dict[int, StageGraphCost] = {}
+    representative: dict[int, int] = {}
+    grads_from_next: set[str] = set()
+    last = len(partition.stages) - 1
+    for stage in reversed(partition.stages):
+        key = stage_fingerprint(stage, partition, grads_from_next, stage.index == last)
+        if key not in seen:
+            joint, _ = export_stage_joint(stage, partition, grads_from_next, "loss" if stage.index == last else None, fake_mode)
+            seen[key] = (stage.index, joint, _stage_cost(joint, split_backward(joint, min_deferral_intensity)))
+        first, joint, cost = seen[key]
+        costs[stage.index], representative[stage.index] = cost, first
+        # the same input positions get gradients as on the stage it reuses
+        positions = {partition.stages[first].graph_inputs.index(v) for v in joint.input_grads}
+        own = {stage.graph_inputs[k] for k in positions}
+        grads_from_next = own | {v for v in stage.relays if v in grads_from_next}
+    order = range(len(partition.stages))
+    return tuple(costs[s] for s in order), tuple(representative[s] for s in order)
+
+
 def _stage_program(stage: Stage, joint: StageJoint, level: RecomputeLevel, min_deferral_intensity: float) -> StageProgram:
     """The stage at one recompute level (`joint` separated with its predicate)."""
     intensity = min_deferral_intensity if level.defer_weights else math.inf
@@ -236,6 +303,17 @@ def _weight_memory(split: StageBackwardSplit) -> tuple[set[str], int]:
     held |= {placeholder_names[roots[n]] for n in stash if roots[n].op == "placeholder"}
     owned = {roots[n] for n in stash if roots[n].op != "placeholder"}
     return held, sum(_fx.node_bytes(n) for n in owned)
+
+
+def peak_memory_with_transients(
+    schedule: Schedule, costs: Costs, stage_costs: Sequence[StageGraphCost], unit_bytes: float
+) -> tuple[float, ...]:
+    """Per rank, the simulator's peak activation memory of `schedule` under `costs` (memory in
+    units of `unit_bytes`) with each action's own peak (`StageGraphCost.action_peaks`) in place of
+    its memory model's."""
+    resolved = resolve_costs(costs, schedule.stages)
+    peaks = tuple({kind: bytes_ / unit_bytes for kind, bytes_ in c.action_peaks.items()} for c in stage_costs)
+    return peak_memory(schedule, _WithActionPeaks(**vars(resolved), action_peaks=peaks))
 
 
 @dataclass(frozen=True)

@@ -49,11 +49,15 @@ def stage_rows(compiled: "CompiledPipeline") -> list[dict[str, Any]]:
     FLOPs, written bytes and estimated time (FLOP-equivalents) of F, I and W, M_B and M_W in
     bytes, the boundary values it receives and sends (name, shape, dtype, bytes), and the bytes
     crossing the boundary to the next stage."""
-    params = dict(compiled.traced.model.named_parameters())
-    partition = compiled.partition
+    return stage_rows_of(compiled.traced.model.named_parameters(), compiled.partition, [p.cost for p in compiled.programs])
+
+
+def stage_rows_of(named_parameters: Any, partition: Any, costs: Sequence[Any]) -> list[dict[str, Any]]:
+    """`stage_rows` from the model's `named_parameters()`, a `StagePartition` and each stage's
+    `StageGraphCost` (what a plan has without stage programs)."""
+    params = dict(named_parameters)
     rows = []
-    for program, stage in zip(compiled.programs, partition.stages):
-        cost = program.cost
+    for cost, stage in zip(costs, partition.stages):
         graphs = dict(zip(PASSES, (cost.forward, cost.input_backward, cost.weight_backward)))
         owned = [f for f in stage.param_fqns if partition.shared_params.get(f, (stage.index,))[0] == stage.index]
         rows.append(

@@ -1,0 +1,202 @@
+"""`zbcompile.plan()`: size a pipelined training run before the GPUs.
+
+    report = zbcompile.plan(model, tokens, labels=tokens, stages=8, microbatches=32, dp=8, hardware="H100-80GB")
+    print(report)                       # stages, memory per rank, schedules, zb-auto's choice
+    report.write_svg("zb-auto", "timeline.svg")
+
+The model may live on the meta device and the batch may be meta tensors: the compiler traces
+with fake tensors and never materialises a parameter. Stages whose programs are identical are
+compiled once (`compiler.compile_costs`). Per-pass times come from a `Hardware` profile
+(`hardware.py`), memory from the compiled graphs (M_B, M_W and each action's own peak) plus the
+state each rank holds (`inspect/plan_report.state_bytes`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from zbcompile.compiler import CostedPipeline, compile_costs, peak_memory_with_transients
+from zbcompile.hardware import Hardware, resolve_hardware
+from zbcompile.inspect.plan_report import DATA_PARALLEL_MODES, plan_text, state_bytes
+from zbcompile.inspect.text import stage_rows_of
+from zbcompile.runtime.batch import split
+from zbcompile.schedules import Costs, Schedule, ScheduleError, make_schedule, simulate
+from zbcompile.schedules.memory_limit import parse_bytes
+from zbcompile.schedules.render import layout, to_svg
+
+PLANNED_SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "gpipe", "zb-auto")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What `plan()` found: the compile (`costed`), the hardware, per-stage costs in seconds and
+    bytes (`costs`, memory in units of `unit_bytes`), each planned schedule by name, and the
+    JSON-able `record` the report prints (`str(plan)`)."""
+
+    costed: CostedPipeline
+    hardware: Hardware
+    costs: Costs
+    unit_bytes: float
+    state: tuple[float, ...]
+    schedules: dict[str, Schedule]
+    record: dict[str, Any]
+
+    def __str__(self) -> str:
+        return plan_text(self.record)
+
+    def peak_bytes(self, schedule: Schedule) -> list[float]:
+        """Per rank: state + the simulated peak activations, each action's own peak included."""
+        activations = peak_memory_with_transients(schedule, self.costs, self.costed.costs, self.unit_bytes)
+        return [self.state[rank] + peak * self.unit_bytes for rank, peak in enumerate(activations)]
+
+    def svg(self, name: str) -> str:
+        """The predicted timeline of the planned schedule `name`, as an SVG document."""
+        if name not in self.schedules:
+            raise ValueError(f"schedule {name!r} was not planned (or did not fit); planned: {', '.join(self.schedules)}")
+        schedule = self.schedules[name]
+        title = f"{name}: {schedule.stages} stages, {schedule.microbatches} microbatches, predicted on {self.hardware.name}"
+        return to_svg(layout(schedule, self.costs), title=title, legend=True)
+
+    def write_svg(self, name: str, path: str | os.PathLike) -> None:
+        with open(path, "w") as file:
+            file.write(self.svg(name))
+
+
+def plan(
+    model: nn.Module,
+    *inputs: Any,
+    stages: int,
+    microbatches: int,
+    target: Any = None,
+    hardware: Hardware | str = "H100-80GB",
+    dp: int = 1,
+    data_parallel: str = "replicate",
+    memory_limit: float | str | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    split_points: Sequence[str] | None = None,
+    schedules: Sequence[str] = PLANNED_SCHEDULES,
+    optimizer_factor: float = 2.0,
+    grad_factor: float = 1.0,
+    time_budget: float = 1.0,
+    **kwargs: Any,
+) -> Plan:
+    """Plan `stages` pipeline stages over `microbatches` microbatches of the batch `inputs`,
+    `kwargs`, `target` (one data-parallel replica's, as `step()` takes it; meta tensors welcome)
+    on `hardware` (a `Hardware`, a name from `hardware.NAMED` or a JSON file), with `dp`
+    data-parallel replicas keeping their state as `data_parallel` says ("replicate" or "shard",
+    see `inspect/plan_report.py`), against `memory_limit` bytes per rank (default: the device's).
+    `optimizer_factor` and `grad_factor`: bytes of optimizer state and of gradients per byte of
+    parameters (AdamW in the parameters' dtype: 2 and 1). `schedules`: which to plan (schedules
+    of one stage per rank); zb-auto is solved under each rank's memory left after its state."""
+    if data_parallel not in DATA_PARALLEL_MODES:
+        raise ValueError(f"plan(): data_parallel must be one of {DATA_PARALLEL_MODES}, got {data_parallel!r}")
+    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
+        raise ValueError(f"plan(): dp must be a positive int, got {dp!r}")
+    hardware = resolve_hardware(hardware)
+    limit = hardware.memory if memory_limit is None else (
+        parse_bytes(memory_limit) if isinstance(memory_limit, str) else float(memory_limit)
+    )
+    micro_inputs, micro_targets, _ = split(inputs, kwargs, target, microbatches)
+    (args, call_kwargs), micro_target = micro_inputs[0], micro_targets[0]
+    costed = compile_costs(model, loss_fn, args, call_kwargs, micro_target, stages, split_points)
+    rows = stage_rows_of(model.named_parameters(), costed.partition, costed.costs)
+    for row, cost in zip(rows, costed.costs):
+        row["layers"] = layers_of(row["param_fqns"])
+        row["state"] = state_bytes(row["param_bytes"], dp, data_parallel, grad_factor, optimizer_factor)
+        graphs = {"F": cost.forward, "I": cost.input_backward, "W": cost.weight_backward}
+        row["seconds"] = {kind: hardware.pass_seconds(g, kind) for kind, g in graphs.items()}
+    unit = float(max([c.mem_b for c in costed.costs] + [1]))
+    comm = hardware.link_seconds(max(costed.partition.boundary_bytes, default=0))
+    costs = Costs(
+        f=[r["seconds"]["F"] for r in rows], i=[r["seconds"]["I"] for r in rows], w=[r["seconds"]["W"] for r in rows],
+        comm=comm, mem_b=[c.mem_b / unit for c in costed.costs], mem_w=[c.mem_w / unit for c in costed.costs],
+    )
+    state = tuple(r["state"]["total"] for r in rows)
+    result = Plan(costed, hardware, costs, unit, state, {}, {})
+    entries = [_plan_schedule(result, name, microbatches, limit, time_budget) for name in schedules]
+    record = {
+        "model": type(model).__name__, "stages": stages, "microbatches": microbatches,
+        "microbatch": _shapes(args, call_kwargs), "dp": dp, "data_parallel": data_parallel,
+        "hardware": hardware.to_dict(), "phase_seconds": costed.phase_seconds,
+        "representative": list(costed.representative), "stage_rows": rows,
+        "tied": {fqn: list(ks) for fqn, ks in costed.partition.shared_params.items()},
+        "comm_seconds": comm, "memory_limit_bytes": limit,
+        "allreduce_seconds": hardware.allreduce_seconds(max(r["param_bytes"] * grad_factor for r in rows), dp),
+        "schedules": [e for e, _ in entries], "zb_auto": _zb_auto_choice([e for e, _ in entries]),
+    }
+    return Plan(costed, hardware, costs, unit, state, {e["name"]: s for e, s in entries if s is not None}, record)
+
+
+def _plan_schedule(plan_: Plan, name: str, microbatches: int, limit: float, time_budget: float) -> tuple[dict[str, Any], Schedule | None]:
+    """One schedule's entry of the report, and the schedule (None where it cannot be made)."""
+    stages = len(plan_.state)
+    memory_limit = None
+    if name == "zb-auto":
+        room = [(limit - s) / plan_.unit_bytes for s in plan_.state]
+        if min(room) <= 0:
+            rank = room.index(min(room))
+            return {"name": name, "error": f"rank {rank}'s state alone ({plan_.state[rank] / 1e9:.1f} GB) fills the memory"}, None
+        memory_limit = room
+    try:
+        schedule = make_schedule(
+            name, stages, microbatches, plan_.costs, memory_limit, time_budget=time_budget, placements=("in-line",),
+        )
+    except (ValueError, ScheduleError) as error:
+        return {"name": name, "error": str(error).splitlines()[0]}, None
+    sim = simulate(schedule, plan_.costs)
+    peaks = plan_.peak_bytes(schedule)
+    entry = {
+        "name": name, "peak_bytes": peaks, "fits": max(peaks) <= limit, "makespan": sim.makespan, "span": sim.span,
+        "bubble_rate": sim.bubble_rate, "stage_bubble_rate": sim.stage_bubble_rate, "error": None,
+    }
+    return entry, schedule
+
+
+def _zb_auto_choice(entries: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    by_name = {e["name"]: e for e in entries}
+    chosen = by_name.get("zb-auto")
+    if chosen is None:
+        return None
+    if chosen.get("error"):
+        return {"error": chosen["error"]}
+    reference = by_name.get("1f1b")
+    speedup = reference["span"] / chosen["span"] if reference and not reference.get("error") and chosen["span"] else None
+    description = (
+        f"zb-auto, one stage per rank, under each rank's memory left after its state; peak "
+        f"{max(chosen['peak_bytes']) / 1e9:.1f} GB on the fullest rank"
+    )
+    return {"description": description, "span": chosen["span"], "speedup_over_1f1b": speedup}
+
+
+def _shapes(args: tuple, kwargs: dict) -> str:
+    tensors = [*args, *kwargs.values()]
+    return ", ".join(f"{tuple(t.shape)}" for t in tensors if isinstance(t, torch.Tensor)) or "(no tensors)"
+
+
+_INDEX = re.compile(r"^(.*?)\.(\d+)\.")
+
+
+def layers_of(param_fqns: Sequence[str]) -> str:
+    """The modules a stage's parameters belong to, numbered blocks as ranges:
+    `model.embed_tokens, model.layers.0-9`."""
+    ranges: dict[str, list[int]] = {}
+    for fqn in param_fqns:
+        match = _INDEX.match(fqn)
+        if match:
+            ranges.setdefault(match.group(1), []).append(int(match.group(2)))
+        else:
+            ranges.setdefault(fqn.rpartition(".")[0] or fqn, [])
+    parts = []
+    for owner, indices in ranges.items():
+        if not indices:
+            parts.append(owner)
+            continue
+        low, high = min(indices), max(indices)
+        parts.append(f"{owner}.{low}" if low == high else f"{owner}.{low}-{high}")
+    return ", ".join(parts)
