@@ -23,8 +23,8 @@ from torch import nn
 
 from zbcompile.compiler import CostedPipeline, compile_costs, peak_memory_with_transients
 from zbcompile.hardware import Hardware, resolve_hardware
-from zbcompile.inspect.plan_report import DATA_PARALLEL_MODES, plan_text, state_bytes
-from zbcompile.inspect.text import stage_rows_of
+from zbcompile.inspect.plan_report import plan_text
+from zbcompile.inspect.text import DATA_PARALLEL_MODES, stage_rows_of, state_bytes
 from zbcompile.runtime.batch import split
 from zbcompile.schedules import Costs, Schedule, ScheduleError, make_schedule, simulate
 from zbcompile.schedules.memory_limit import parse_bytes

@@ -137,6 +137,62 @@ def stage_table(compiled: "CompiledPipeline") -> str:
     return stages + "\n" + format_phases(compiled.phase_seconds)
 
 
+# --- state memory per rank (shared with the plan's report, inspect/plan_report.py) ---------------
+
+
+DATA_PARALLEL_MODES = ("replicate", "shard")
+
+
+def state_bytes(param_bytes: float, dp: int, mode: str, grad_factor: float = 1.0, optimizer_factor: float = 2.0) -> dict[str, float]:
+    """Bytes one rank holds for a stage's `param_bytes` (P) of parameters during a step: "params",
+    "grads", "optimizer" and their "total". AdamW by default: two moments per parameter in its
+    dtype (`optimizer_factor=2`), gradients in the parameters' dtype (`grad_factor=1`).
+
+        replicate  parameters P, gradients P x grad_factor, optimizer state P x optimizer_factor
+        shard      parameters, gradients and optimizer state stored divided over the dp ranks (a
+                   DTensor shard each, as FSDP2 keeps them), plus the stage's whole parameters
+                   gathered and its whole gradients accumulated while the step runs"""
+    if mode not in DATA_PARALLEL_MODES:
+        raise ValueError(f"data_parallel must be one of {DATA_PARALLEL_MODES}, got {mode!r}")
+    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
+        raise ValueError(f"dp must be a positive int, got {dp!r}")
+    grads, optimizer = param_bytes * grad_factor, param_bytes * optimizer_factor
+    if mode == "replicate":
+        held = {"params": param_bytes, "grads": grads, "optimizer": optimizer}
+    else:
+        held = {"params": param_bytes + param_bytes / dp, "grads": grads + grads / dp, "optimizer": optimizer / dp}
+    return {**held, "total": sum(held.values())}
+
+
+def format_state_table(rows: Sequence[dict[str, Any]], dp: int, mode: str) -> str:
+    """Per stage: parameters, and the bytes one rank holds for them (`state_bytes`: stored in
+    `row["state"]`, or computed for `dp` and `mode`), then M_B, M_W and, where the rows have them,
+    predicted F/I/W seconds."""
+    timed = all("seconds" in row for row in rows)
+    header = ["stage", "layers", "params", "param B", "grad B", "optim B", "state B", "M_B", "M_W"]
+    header += ["F", "I", "W"] if timed else []
+    lines = []
+    for row in rows:
+        state = row.get("state") or state_bytes(row["param_bytes"], dp, mode)
+        line = [
+            str(row["stage"]), row.get("layers", "-"), si(row["params"]),
+            *(si(state[k], "B") for k in ("params", "grads", "optimizer", "total")),
+            si(row["mem_b"], "B"), si(row["mem_w"], "B"),
+        ]
+        if timed:
+            line += [seconds_text(row["seconds"][k]) for k in ("F", "I", "W")]
+        lines.append(tuple(line))
+    title = f"state per rank ({mode}, dp={dp}; AdamW moments in the parameters' dtype), activations per microbatch"
+    return title + (", predicted pass times" if timed else "") + ":\n" + format_table(header, lines)
+
+
+def seconds_text(seconds: float) -> str:
+    """Seconds in the unit that reads best: s, ms or µs."""
+    if seconds >= 1:
+        return f"{seconds:.3f} s"
+    return f"{seconds * 1e3:.2f} ms" if seconds >= 1e-4 else f"{seconds * 1e6:.2f} µs"
+
+
 # --- the schedule, predicted and measured ----------------------------------------------------
 
 
@@ -281,6 +337,8 @@ def summary_text(dump: Dump) -> str:
         format_stages(record["stage_rows"], record["tied"]),
         *record.get("recompute", []),
         _balance(version),
+        "",
+        format_state_table(record["stage_rows"], world["world_size"] // max(world["ranks_per_pipeline"], 1), "replicate"),
         "",
         format_schedule(version, len(dump.versions), record["memory_unit"]),
         format_measured(version, dump.trace),
