@@ -14,7 +14,6 @@ state each rank holds (`inspect/plan_report.state_bytes`).
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -107,7 +106,6 @@ def plan(
     costed = compile_costs(model, loss_fn, args, call_kwargs, micro_target, stages, split_points)
     rows = stage_rows_of(model.named_parameters(), costed.partition, costed.costs)
     for row, cost in zip(rows, costed.costs):
-        row["layers"] = layers_of(row["param_fqns"])
         row["state"] = state_bytes(row["param_bytes"], dp, data_parallel, grad_factor, optimizer_factor)
         graphs = {"F": cost.forward, "I": cost.input_backward, "W": cost.weight_backward}
         row["seconds"] = {kind: hardware.pass_seconds(g, kind) for kind, g in graphs.items()}
@@ -177,26 +175,3 @@ def _zb_auto_choice(entries: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
 def _shapes(args: tuple, kwargs: dict) -> str:
     tensors = [*args, *kwargs.values()]
     return ", ".join(f"{tuple(t.shape)}" for t in tensors if isinstance(t, torch.Tensor)) or "(no tensors)"
-
-
-_INDEX = re.compile(r"^(.*?)\.(\d+)\.")
-
-
-def layers_of(param_fqns: Sequence[str]) -> str:
-    """The modules a stage's parameters belong to, numbered blocks as ranges:
-    `model.embed_tokens, model.layers.0-9`."""
-    ranges: dict[str, list[int]] = {}
-    for fqn in param_fqns:
-        match = _INDEX.match(fqn)
-        if match:
-            ranges.setdefault(match.group(1), []).append(int(match.group(2)))
-        else:
-            ranges.setdefault(fqn.rpartition(".")[0] or fqn, [])
-    parts = []
-    for owner, indices in ranges.items():
-        if not indices:
-            parts.append(owner)
-            continue
-        low, high = min(indices), max(indices)
-        parts.append(f"{owner}.{low}" if low == high else f"{owner}.{low}-{high}")
-    return ", ".join(parts)

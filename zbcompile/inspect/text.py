@@ -66,6 +66,7 @@ def stage_rows_of(named_parameters: Any, partition: Any, costs: Sequence[Any]) -
                 "params": sum(params[f].numel() for f in owned),
                 "param_bytes": sum(params[f].numel() * params[f].element_size() for f in owned),
                 "param_fqns": list(stage.param_fqns),
+                "layers": layers_of(stage.param_fqns),
                 "flops": {k: g.flops for k, g in graphs.items()},
                 "written_bytes": {k: g.written_bytes for k, g in graphs.items()},
                 "time_estimate": {k: g.time_estimate for k, g in graphs.items()},
@@ -77,6 +78,29 @@ def stage_rows_of(named_parameters: Any, partition: Any, costs: Sequence[Any]) -
             }
         )
     return rows
+
+
+_BLOCK_INDEX = re.compile(r"^(.*?)\.(\d+)\.")
+
+
+def layers_of(param_fqns: Sequence[str]) -> str:
+    """The modules a stage's parameters belong to, numbered blocks as ranges:
+    `model.embed_tokens, model.layers.0-9`."""
+    ranges: dict[str, list[int]] = {}
+    for fqn in param_fqns:
+        match = _BLOCK_INDEX.match(fqn)
+        if match:
+            ranges.setdefault(match.group(1), []).append(int(match.group(2)))
+        else:
+            ranges.setdefault(fqn.rpartition(".")[0] or fqn, [])
+    parts = []
+    for owner, indices in ranges.items():
+        if not indices:
+            parts.append(owner)
+            continue
+        low, high = min(indices), max(indices)
+        parts.append(f"{owner}.{low}" if low == high else f"{owner}.{low}-{high}")
+    return ", ".join(parts)
 
 
 def format_stage_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -323,6 +347,11 @@ def format_measured(version: dict[str, Any], trace: dict[str, Any] | None) -> st
     )
 
 
+def _replicas(world: dict[str, Any]) -> int:
+    """Data-parallel replicas of the pipeline (1 in one process)."""
+    return max(1, world["world_size"] // world["ranks_per_pipeline"]) if world["distributed"] else 1
+
+
 def summary_text(dump: Dump) -> str:
     """Stages, balance, costs, predicted against measured makespan and bubble."""
     record = dump.record
@@ -338,7 +367,7 @@ def summary_text(dump: Dump) -> str:
         *record.get("recompute", []),
         _balance(version),
         "",
-        format_state_table(record["stage_rows"], world["world_size"] // max(world["ranks_per_pipeline"], 1), "replicate"),
+        format_state_table(record["stage_rows"], _replicas(world), "replicate"),
         "",
         format_schedule(version, len(dump.versions), record["memory_unit"]),
         format_measured(version, dump.trace),
