@@ -23,7 +23,7 @@ from torch import nn
 from zbcompile.compiler import CostedPipeline, compile_costs, peak_memory_with_transients
 from zbcompile.hardware import Hardware, resolve_hardware
 from zbcompile.inspect.plan_report import plan_text
-from zbcompile.inspect.text import DATA_PARALLEL_MODES, stage_rows_of, state_bytes
+from zbcompile.inspect.text import DATA_PARALLEL_MODES, si, stage_rows_of, state_bytes
 from zbcompile.runtime.batch import split
 from zbcompile.schedules import Costs, Schedule, ScheduleError, make_schedule, simulate
 from zbcompile.schedules.memory_limit import parse_bytes
@@ -45,6 +45,16 @@ class Plan:
     state: tuple[float, ...]
     schedules: dict[str, Schedule]
     record: dict[str, Any]
+    options: "PlanOptions"
+    microbatch: str = ""
+
+    def on(self, hardware: Hardware | str) -> "Plan":
+        """The same compile planned on other hardware (`Hardware.from_measured`'s calibration, say)."""
+        return plan_compiled(self.costed, resolve_hardware(hardware), self.options, self.microbatch)
+
+    def static_costs(self) -> list[dict[str, Any]]:
+        """Per stage, its F, I and W `GraphCost`s: `Hardware.from_measured`'s `static`."""
+        return [pass_costs(c) for c in self.costed.costs]
 
     def __str__(self) -> str:
         return plan_text(self.record)
@@ -93,22 +103,51 @@ def plan(
     `optimizer_factor` and `grad_factor`: bytes of optimizer state and of gradients per byte of
     parameters (AdamW in the parameters' dtype: 2 and 1). `schedules`: which to plan (schedules
     of one stage per rank); zb-auto is solved under each rank's memory left after its state."""
+    micro_inputs, micro_targets, _ = split(inputs, kwargs, target, microbatches)
+    (args, call_kwargs), micro_target = micro_inputs[0], micro_targets[0]
+    _check_options(dp, data_parallel)
+    hardware = resolve_hardware(hardware)
+    # traced as on a CPU (fake tensors, nothing allocated): its attention kernel saves what a GPU's
+    # flash attention saves (no sequence x sequence scores); the meta device's would keep them
+    costed = compile_costs(model, loss_fn, args, call_kwargs, micro_target, stages, split_points, device=torch.device("cpu"))
+    options = PlanOptions(microbatches, dp, data_parallel, memory_limit, tuple(schedules), optimizer_factor, grad_factor, time_budget)
+    return plan_compiled(costed, hardware, options, _shapes(args, call_kwargs))
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """`plan()`'s options past the compile (see there)."""
+
+    microbatches: int
+    dp: int = 1
+    data_parallel: str = "replicate"
+    memory_limit: float | str | None = None
+    schedules: tuple[str, ...] = PLANNED_SCHEDULES
+    optimizer_factor: float = 2.0
+    grad_factor: float = 1.0
+    time_budget: float = 1.0
+
+
+def _check_options(dp: int, data_parallel: str) -> None:
     if data_parallel not in DATA_PARALLEL_MODES:
         raise ValueError(f"plan(): data_parallel must be one of {DATA_PARALLEL_MODES}, got {data_parallel!r}")
     if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
         raise ValueError(f"plan(): dp must be a positive int, got {dp!r}")
-    hardware = resolve_hardware(hardware)
-    limit = hardware.memory if memory_limit is None else (
-        parse_bytes(memory_limit) if isinstance(memory_limit, str) else float(memory_limit)
+
+
+def plan_compiled(costed: CostedPipeline, hardware: Hardware, options: PlanOptions, microbatch: str = "") -> Plan:
+    """The plan of a compile (`compiler.compile_costs`) on `hardware`: per-stage times and state,
+    every schedule of `options.schedules` simulated; no compiling (`Plan.on` re-plans on other hardware)."""
+    o = options
+    _check_options(o.dp, o.data_parallel)
+    limit = hardware.memory if o.memory_limit is None else (
+        parse_bytes(o.memory_limit) if isinstance(o.memory_limit, str) else float(o.memory_limit)
     )
-    micro_inputs, micro_targets, _ = split(inputs, kwargs, target, microbatches)
-    (args, call_kwargs), micro_target = micro_inputs[0], micro_targets[0]
-    costed = compile_costs(model, loss_fn, args, call_kwargs, micro_target, stages, split_points)
+    model = costed.traced.model
     rows = stage_rows_of(model.named_parameters(), costed.partition, costed.costs)
     for row, cost in zip(rows, costed.costs):
-        row["state"] = state_bytes(row["param_bytes"], dp, data_parallel, grad_factor, optimizer_factor)
-        graphs = {"F": cost.forward, "I": cost.input_backward, "W": cost.weight_backward}
-        row["seconds"] = {kind: hardware.pass_seconds(g, kind) for kind, g in graphs.items()}
+        row["state"] = state_bytes(row["param_bytes"], o.dp, o.data_parallel, o.grad_factor, o.optimizer_factor)
+        row["seconds"] = {kind: hardware.pass_seconds(g, kind) for kind, g in pass_costs(cost).items()}
     unit = float(max([c.mem_b for c in costed.costs] + [1]))
     comm = hardware.link_seconds(max(costed.partition.boundary_bytes, default=0))
     costs = Costs(
@@ -116,19 +155,25 @@ def plan(
         comm=comm, mem_b=[c.mem_b / unit for c in costed.costs], mem_w=[c.mem_w / unit for c in costed.costs],
     )
     state = tuple(r["state"]["total"] for r in rows)
-    result = Plan(costed, hardware, costs, unit, state, {}, {})
-    entries = [_plan_schedule(result, name, microbatches, limit, time_budget) for name in schedules]
+    result = Plan(costed, hardware, costs, unit, state, {}, {}, o, microbatch)
+    entries = [_plan_schedule(result, name, o.microbatches, limit, o.time_budget) for name in o.schedules]
     record = {
-        "model": type(model).__name__, "stages": stages, "microbatches": microbatches,
-        "microbatch": _shapes(args, call_kwargs), "dp": dp, "data_parallel": data_parallel,
+        "model": type(model).__name__, "stages": len(costed.costs), "microbatches": o.microbatches,
+        "microbatch": microbatch, "dp": o.dp, "data_parallel": o.data_parallel,
         "hardware": hardware.to_dict(), "phase_seconds": costed.phase_seconds,
         "representative": list(costed.representative), "stage_rows": rows,
         "tied": {fqn: list(ks) for fqn, ks in costed.partition.shared_params.items()},
         "comm_seconds": comm, "memory_limit_bytes": limit,
-        "allreduce_seconds": hardware.allreduce_seconds(max(r["param_bytes"] * grad_factor for r in rows), dp),
+        "allreduce_seconds": hardware.allreduce_seconds(max(r["param_bytes"] * o.grad_factor for r in rows), o.dp),
         "schedules": [e for e, _ in entries], "zb_auto": _zb_auto_choice([e for e, _ in entries]),
     }
-    return Plan(costed, hardware, costs, unit, state, {e["name"]: s for e, s in entries if s is not None}, record)
+    schedules = {e["name"]: s for e, s in entries if s is not None}
+    return Plan(costed, hardware, costs, unit, state, schedules, record, o, microbatch)
+
+
+def pass_costs(cost: Any) -> dict[str, Any]:
+    """A `StageGraphCost`'s F, I and W `GraphCost`s by letter (what `Hardware` times)."""
+    return {"F": cost.forward, "I": cost.input_backward, "W": cost.weight_backward}
 
 
 def _plan_schedule(plan_: Plan, name: str, microbatches: int, limit: float, time_budget: float) -> tuple[dict[str, Any], Schedule | None]:
@@ -137,9 +182,15 @@ def _plan_schedule(plan_: Plan, name: str, microbatches: int, limit: float, time
     memory_limit = None
     if name == "zb-auto":
         room = [(limit - s) / plan_.unit_bytes for s in plan_.state]
-        if min(room) <= 0:
-            rank = room.index(min(room))
-            return {"name": name, "error": f"rank {rank}'s state alone ({plan_.state[rank] / 1e9:.1f} GB) fills the memory"}, None
+        needs = [max(b, w) for b, w in zip(plan_.costs.mem_b, plan_.costs.mem_w)]
+        short = [r for r in range(stages) if room[r] < needs[r]]
+        if short:
+            r = short[0]
+            return {"name": name, "error": (
+                f"rank {r} has {si(max(room[r], 0) * plan_.unit_bytes, 'B')} left after its state "
+                f"({si(plan_.state[r], 'B')}), below one microbatch's activations ({si(needs[r] * plan_.unit_bytes, 'B')})"
+                + (f"; so do ranks {', '.join(map(str, short[1:]))}" if len(short) > 1 else "")
+            )}, None
         memory_limit = room
     try:
         schedule = make_schedule(
@@ -167,7 +218,7 @@ def _zb_auto_choice(entries: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     speedup = reference["span"] / chosen["span"] if reference and not reference.get("error") and chosen["span"] else None
     description = (
         f"zb-auto, one stage per rank, under each rank's memory left after its state; peak "
-        f"{max(chosen['peak_bytes']) / 1e9:.1f} GB on the fullest rank"
+        f"{si(max(chosen['peak_bytes']), 'B')} on the fullest rank"
     )
     return {"description": description, "span": chosen["span"], "speedup_over_1f1b": speedup}
 

@@ -35,7 +35,7 @@ def format_schedules(record: dict[str, Any]) -> str:
     lines = []
     for entry in record["schedules"]:
         if entry.get("error"):
-            lines.append((entry["name"], "-", "no", "-", "-", "-", "-", entry["error"]))
+            lines.append((entry["name"], "-", "no", "-", "-", "-", "-", "(below)"))
             continue
         peaks = entry["peak_bytes"]
         lines.append((
@@ -43,9 +43,11 @@ def format_schedules(record: dict[str, Any]) -> str:
             seconds_text(entry["span"]), f"{entry['bubble_rate']:.1%}", f"{entry['stage_bubble_rate']:.1%}",
             " ".join(si(b, "B").replace(" ", "") for b in peaks),
         ))
+    errors = [f"  {e['name']}: {e['error']}" for e in record["schedules"] if e.get("error")]
     text = [
         f"schedules (memory per rank: state + activations with each action's own peak, against {si(limit, 'B')}):",
         format_table(header, lines),
+        *errors,
         "step = makespan (a barrier ends every step); steady step = span (steps back to back, the paper's); "
         "stage bubble = 1 - busy / (ranks x span)",
     ]

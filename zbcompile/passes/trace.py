@@ -93,8 +93,8 @@ def trace_model(
     was. Raises ValueError naming the module and the source line for data-dependent control
     flow, and naming the parameter or input for a forward that writes one in place (buffer
     updates become graph outputs, see `TracedModel`); any other error is re-raised naming the
-    module (or loss_fn) and the source line. Parameters on the `meta` device trace as if they
-    lived on `device` (default: the inputs' device)."""
+    module (or loss_fn) and the source line. Parameters (and inputs) on the `meta` device trace
+    as if they lived on `device` (default: the inputs' device)."""
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     input_leaves, input_spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
@@ -131,8 +131,8 @@ def trace_model(
     example = (
         [fake_state[n] for n in params],
         [fake_state[n] for n in buffers],
-        [ti.fake_contiguous(fake_mode, t) for t in input_tensors],
-        [ti.fake_contiguous(fake_mode, t) for t in target_leaves],
+        [ti.fake_contiguous(fake_mode, t, device) for t in input_tensors],  # meta inputs: on `device` too
+        [ti.fake_contiguous(fake_mode, t, device) for t in target_leaves],
     )
     # Traced as torch.export traces: libraries that ask whether they are being compiled or
     # exported (transformers' masks) take their traceable path.
