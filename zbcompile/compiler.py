@@ -206,6 +206,7 @@ class CostedPipeline:
     costs: tuple[StageGraphCost, ...]
     representative: tuple[int, ...]
     phase_seconds: dict[str, float] = field(default_factory=dict)
+    phase_cpu_seconds: dict[str, float] = field(default_factory=dict)
 
 
 def compile_costs(
@@ -221,20 +222,26 @@ def compile_costs(
 ) -> CostedPipeline:
     """What `compile_pipeline` computes of each stage's cost, for a model on the meta device as
     well (nothing is materialised), with the joint export, the I/W split and the cost of stages
-    with equal `stage_fingerprint`s done once. Costs equal `compile_pipeline`'s stage for stage."""
+    with equal `stage_fingerprint`s done once. Costs equal `compile_pipeline`'s stage for stage.
+    The trace records no source lines (errors name the module). Phases are timed in wall-clock
+    and in this process's CPU seconds (what a shared machine does not distort)."""
     seconds: dict[str, float] = {}
-    started = time.perf_counter()
+    cpu_seconds: dict[str, float] = {}
+
+    def timed(phase: str, fn: Callable[[], Any]) -> Any:
+        started, cpu = time.perf_counter(), time.process_time()
+        result = fn()
+        seconds[phase], cpu_seconds[phase] = time.perf_counter() - started, time.process_time() - cpu
+        return result
+
     with ti.quiet_torch_logs():
-        traced = trace_model(model, loss_fn, args, kwargs, target, device)
-    seconds["trace"] = time.perf_counter() - started
+        traced = timed("trace", lambda: trace_model(model, loss_fn, args, kwargs, target, device, record_stack_traces=False))
     with ti.quiet_torch_logs(warnings_too=True):
-        started = time.perf_counter()
-        partition = partition_stages(traced, stages, split_points)
-        seconds["partition"] = time.perf_counter() - started
-        started = time.perf_counter()
-        costs, representative = _costs_with_reuse(partition, traced.fake_mode, min_deferral_intensity)
-        seconds["joint+split+cost"] = time.perf_counter() - started
-    return CostedPipeline(traced, partition, costs, representative, seconds)
+        partition = timed("partition", lambda: partition_stages(traced, stages, split_points))
+        costs, representative = timed(
+            "joint+split+cost", lambda: _costs_with_reuse(partition, traced.fake_mode, min_deferral_intensity)
+        )
+    return CostedPipeline(traced, partition, costs, representative, seconds, cpu_seconds)
 
 
 def _costs_with_reuse(

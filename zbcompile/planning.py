@@ -160,7 +160,7 @@ def plan_compiled(costed: CostedPipeline, hardware: Hardware, options: PlanOptio
     record = {
         "model": type(model).__name__, "stages": len(costed.costs), "microbatches": o.microbatches,
         "microbatch": microbatch, "dp": o.dp, "data_parallel": o.data_parallel,
-        "hardware": hardware.to_dict(), "phase_seconds": costed.phase_seconds,
+        "hardware": hardware.to_dict(), "phase_seconds": costed.phase_seconds, "phase_cpu_seconds": costed.phase_cpu_seconds,
         "representative": list(costed.representative), "stage_rows": rows,
         "tied": {fqn: list(ks) for fqn, ks in costed.partition.shared_params.items()},
         "comm_seconds": comm, "memory_limit_bytes": limit,

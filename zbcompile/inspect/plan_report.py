@@ -85,7 +85,10 @@ def plan_text(record: dict[str, Any]) -> str:
         f"hardware: {hw['name']}: {si(hw['flops'], 'FLOP/s')}, memory {si(hw['memory_bandwidth'], 'B/s')}, "
         f"link {si(hw['link_bandwidth'], 'B/s')}, {si(hw['memory'], 'B')}; efficiency "
         + ", ".join(f"{k} {v:.2f}" for k, v in efficiency.items()),
-        "compile: " + ", ".join(f"{k} {v:.2f}s" for k, v in record["phase_seconds"].items())
+        "compile: " + ", ".join(
+            f"{k} {v:.2f}s (CPU {record.get('phase_cpu_seconds', {}).get(k, float('nan')):.2f}s)"
+            for k, v in record["phase_seconds"].items()
+        )
         + (f"; stages {', '.join(map(str, reused))} reuse an identical stage's programs" if reused else ""),
         "",
         format_stages(record["stage_rows"], record["tied"]),
