@@ -31,7 +31,7 @@ def format_schedules(record: dict[str, Any]) -> str:
     and the list), whether every rank fits, predicted step time (makespan), steady-state step
     (span) and the stage bubble; then zb-auto's choice."""
     limit = record["memory_limit_bytes"]
-    header = ("schedule", "peak (max rank)", "fits", "step", "steady step", "bubble", "stage bubble", "peak per rank")
+    header = ("schedule", "peak (max rank)", "fits", "step", "steady step", "bubble", "stage bubble", "peak per rank (GB)")
     lines = []
     for entry in record["schedules"]:
         if entry.get("error"):
@@ -41,7 +41,7 @@ def format_schedules(record: dict[str, Any]) -> str:
         lines.append((
             entry["name"], si(max(peaks), "B"), "yes" if entry["fits"] else "no", seconds_text(entry["makespan"]),
             seconds_text(entry["span"]), f"{entry['bubble_rate']:.1%}", f"{entry['stage_bubble_rate']:.1%}",
-            " ".join(si(b, "B").replace(" ", "") for b in peaks),
+            " ".join(f"{b / 1e9:.1f}" for b in peaks),
         ))
     errors = [f"  {e['name']}: {e['error']}" for e in record["schedules"] if e.get("error")]
     text = [
