@@ -58,7 +58,11 @@ def main() -> None:
         print(f"\n--- pp={r['stages']} ---\n{r['report']}")
     out = HERE / "results"
     (out / "plan_scale.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out / "plan_scale.md").write_text(table + "\n\n" + "\n\n".join(f"pp={r['stages']}:\n```\n{r['report']}```" for r in results) + "\n")
+    note = (
+        "CPU time is the planning process's own (user + system), the best guide to its wall time on a quiet "
+        "machine; wall time here depends on the load beside it.\n\n"
+    )
+    (out / "plan_scale.md").write_text(note + table + "\n\n" + "\n\n".join(f"pp={r['stages']}:\n```\n{r['report']}```" for r in results) + "\n")
 
 
 if __name__ == "__main__":
