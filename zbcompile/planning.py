@@ -193,18 +193,33 @@ def _plan_schedule(plan_: Plan, name: str, microbatches: int, limit: float, time
             )}, None
         memory_limit = room
     try:
-        schedule = make_schedule(
-            name, stages, microbatches, plan_.costs, memory_limit, time_budget=time_budget, placements=("in-line",),
-        )
+        schedule, peaks = _solve_within(plan_, name, microbatches, memory_limit, limit, time_budget)
     except (ValueError, ScheduleError) as error:
         return {"name": name, "error": str(error).splitlines()[0]}, None
     sim = simulate(schedule, plan_.costs)
-    peaks = plan_.peak_bytes(schedule)
     entry = {
         "name": name, "peak_bytes": peaks, "fits": max(peaks) <= limit, "makespan": sim.makespan, "span": sim.span,
         "bubble_rate": sim.bubble_rate, "stage_bubble_rate": sim.stage_bubble_rate, "error": None,
     }
     return entry, schedule
+
+
+def _solve_within(
+    plan_: Plan, name: str, microbatches: int, memory_limit: list[float] | None, limit: float, time_budget: float, tries: int = 3
+) -> tuple[Schedule, list[float]]:
+    """`name` made under `memory_limit` (units; a solved schedule's bound) and its peaks per rank
+    in bytes with each action's transients; where those pass `limit` on a rank, the schedule is
+    solved again under that rank's bound lowered by the excess (at most `tries` times)."""
+    for _ in range(tries):
+        schedule = make_schedule(
+            name, len(plan_.state), microbatches, plan_.costs, memory_limit, time_budget=time_budget, placements=("in-line",),
+        )
+        peaks = plan_.peak_bytes(schedule)
+        over = [max(0.0, p - limit) / plan_.unit_bytes for p in peaks]
+        if memory_limit is None or not any(over):
+            break
+        memory_limit = [bound - excess for bound, excess in zip(memory_limit, over)]
+    return schedule, peaks
 
 
 def _zb_auto_choice(entries: Sequence[dict[str, Any]]) -> dict[str, Any] | None:

@@ -31,7 +31,9 @@ def format_schedules(record: dict[str, Any]) -> str:
     and the list), whether every rank fits, predicted step time (makespan), steady-state step
     (span) and the stage bubble; then zb-auto's choice."""
     limit = record["memory_limit_bytes"]
-    header = ("schedule", "peak (max rank)", "fits", "step", "steady step", "bubble", "stage bubble", "peak per rank (GB)")
+    largest = max([max(e["peak_bytes"]) for e in record["schedules"] if not e.get("error")] + [1.0])
+    scale, unit = next((f, u) for f, u in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB"), (1.0, "B")) if largest >= f or f == 1.0)
+    header = ("schedule", "peak (max rank)", "fits", "step", "steady step", "bubble", "stage bubble", f"peak per rank ({unit})")
     lines = []
     for entry in record["schedules"]:
         if entry.get("error"):
@@ -41,7 +43,7 @@ def format_schedules(record: dict[str, Any]) -> str:
         lines.append((
             entry["name"], si(max(peaks), "B"), "yes" if entry["fits"] else "no", seconds_text(entry["makespan"]),
             seconds_text(entry["span"]), f"{entry['bubble_rate']:.1%}", f"{entry['stage_bubble_rate']:.1%}",
-            " ".join(f"{b / 1e9:.1f}" for b in peaks),
+            " ".join(f"{b / scale:.1f}" for b in peaks),
         ))
     errors = [f"  {e['name']}: {e['error']}" for e in record["schedules"] if e.get("error")]
     text = [
