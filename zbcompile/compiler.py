@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from zbcompile.passes.joint import StageJoint, export_stage_joint, export_stage_
 from zbcompile.passes.partition import Stage, StagePartition, partition_stages
 from zbcompile.passes.recompute import RECOMPUTE_LEVELS, RecomputeLevel
 from zbcompile.passes.split_backward import MIN_DEFERRAL_INTENSITY, StageBackwardSplit, split_backward
-from zbcompile.passes.stage_reuse import stage_fingerprint
+from zbcompile.passes.stage_reuse import renamed_joint, renamed_split, stage_fingerprint, stage_name_map
 from zbcompile.passes.trace import TracedModel, trace_model
 from zbcompile.program import Program
 from zbcompile.schedules import Costs, Schedule
@@ -153,13 +154,16 @@ def compile_pipeline(
     min_deferral_intensity: float = MIN_DEFERRAL_INTENSITY,
     cuts: Sequence[int] | None = None,
     recompute_alternatives: bool = False,
+    reuse_stages: bool = False,
 ) -> CompiledPipeline:
     """Compile one microbatch's forward + loss (`args`, `kwargs`, `target` are a microbatch).
     The model's parameters may be on the `meta` device; they compile as if on `device`.
     `min_deferral_intensity`: see `split_backward` (0 defers every weight gradient to W);
     `cuts`: reuse an earlier partition's cut positions (`StagePartition.cuts`);
     `recompute_alternatives`: also compile every stage at each level of `RECOMPUTE_LEVELS`
-    (`CompiledPipeline.alternatives`, for recompute="auto")."""
+    (`CompiledPipeline.alternatives`, for recompute="auto"); `reuse_stages`: stages with equal
+    `stage_fingerprint`s share one joint export, split and cost, each under its own names
+    (`phase_seconds` then times "joint+split+cost" together)."""
     seconds: dict[str, float] = {}
 
     def timed(phase: str, fn, *a, **k):
@@ -175,15 +179,20 @@ def compile_pipeline(
         partition = timed("partition", partition_stages, traced, stages, split_points, cuts=cuts)
         levels = RECOMPUTE_LEVELS if recompute_alternatives else ()
         predicates = list(dict.fromkeys(level.recompute for level in levels))  # one separation each
-        joints = timed("joint", export_stage_joints, partition, traced.fake_mode, recompute_levels=predicates)
-        splits = timed("split_backward", lambda: [split_backward(j, min_deferral_intensity) for j in joints])
-        programs = timed(
-            "cost",
-            lambda: tuple(
-                StageProgram(stage, joint, split, _stage_cost(joint, split))
-                for stage, joint, split in zip(partition.stages, joints, splits)
-            ),
-        )
+        if reuse_stages:
+            programs, _ = timed(
+                "joint+split+cost", _programs_with_reuse, partition, traced.fake_mode, min_deferral_intensity, predicates
+            )
+        else:
+            joints = timed("joint", export_stage_joints, partition, traced.fake_mode, recompute_levels=predicates)
+            splits = timed("split_backward", lambda: [split_backward(j, min_deferral_intensity) for j in joints])
+            programs = timed(
+                "cost",
+                lambda: tuple(
+                    StageProgram(stage, joint, split, _stage_cost(joint, split))
+                    for stage, joint, split in zip(partition.stages, joints, splits)
+                ),
+            )
         alternatives = timed("recompute", lambda: tuple(
             (program, *(
                 _stage_program(stage, program.joint.alternatives[predicates.index(level.recompute)], level, min_deferral_intensity)
@@ -247,26 +256,41 @@ def compile_costs(
 def _costs_with_reuse(
     partition: StagePartition, fake_mode: Any, min_deferral_intensity: float
 ) -> tuple[tuple[StageGraphCost, ...], tuple[int, ...]]:
-    """Per stage, its cost and the stage it was computed on, last stage first as
-    `export_stage_joints` goes (a stage's outputs get gradients where the next stage gives them)."""
-    seen: dict[Any, tuple[int, StageJoint, StageGraphCost]] = {}
-    costs: dict[int, StageGraphCost] = {}
+    programs, representative = _programs_with_reuse(partition, fake_mode, min_deferral_intensity)
+    return tuple(p.cost for p in programs), representative
+
+
+def _programs_with_reuse(
+    partition: StagePartition, fake_mode: Any, min_deferral_intensity: float, predicates: Sequence[Callable] = ()
+) -> tuple[tuple[StageProgram, ...], tuple[int, ...]]:
+    """Every stage's program, and the stage it was compiled from: stages are taken last first,
+    as `export_stage_joints` takes them (a stage's outputs get gradients where the next stage
+    gives them); one whose `stage_fingerprint` was seen takes that stage's joint, split and cost
+    under its own names (`stage_reuse.renamed_joint`)."""
+    seen: dict[Any, tuple[int, StageJoint, StageBackwardSplit, StageGraphCost]] = {}
+    programs: dict[int, StageProgram] = {}
     representative: dict[int, int] = {}
     grads_from_next: set[str] = set()
     last = len(partition.stages) - 1
     for stage in reversed(partition.stages):
         key = stage_fingerprint(stage, partition, grads_from_next, stage.index == last)
         if key not in seen:
-            joint, _ = export_stage_joint(stage, partition, grads_from_next, "loss" if stage.index == last else None, fake_mode)
-            seen[key] = (stage.index, joint, _stage_cost(joint, split_backward(joint, min_deferral_intensity)))
-        first, joint, cost = seen[key]
-        costs[stage.index], representative[stage.index] = cost, first
-        # the same input positions get gradients as on the stage it reuses
-        positions = {partition.stages[first].graph_inputs.index(v) for v in joint.input_grads}
-        own = {stage.graph_inputs[k] for k in positions}
-        grads_from_next = own | {v for v in stage.relays if v in grads_from_next}
+            loss = "loss" if stage.index == last else None
+            joint, alternatives = export_stage_joint(stage, partition, grads_from_next, loss, fake_mode, predicates)
+            joint = dataclasses.replace(joint, alternatives=alternatives)
+            split = split_backward(joint, min_deferral_intensity)
+            seen[key] = (stage.index, joint, split, _stage_cost(joint, split))
+        first, joint, split, cost = seen[key]
+        if first != stage.index:
+            mapping = stage_name_map(partition.stages[first], stage)
+            joint, split = renamed_joint(joint, stage.index, mapping), renamed_split(split, stage.index, mapping)
+        output_grads = tuple(v for v in stage.outputs if v in grads_from_next)
+        alternatives = tuple(dataclasses.replace(a, output_grads=output_grads) for a in joint.alternatives)
+        joint = dataclasses.replace(joint, output_grads=output_grads, alternatives=alternatives)
+        programs[stage.index], representative[stage.index] = StageProgram(stage, joint, split, cost), first
+        grads_from_next = set(joint.input_grads) | {v for v in stage.relays if v in grads_from_next}
     order = range(len(partition.stages))
-    return tuple(costs[s] for s in order), tuple(representative[s] for s in order)
+    return tuple(programs[s] for s in order), tuple(representative[s] for s in order)
 
 
 def _stage_program(stage: Stage, joint: StageJoint, level: RecomputeLevel, min_deferral_intensity: float) -> StageProgram:

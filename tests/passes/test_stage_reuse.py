@@ -1,6 +1,8 @@
 """Stages that compile to the same programs are compiled once (`compiler.compile_costs`,
-`passes/stage_reuse.py`): the reused costs equal those of compiling every stage, and the F, I, W
-programs of stages with equal fingerprints are the same graphs up to names."""
+`compile_pipeline(reuse_stages=True)`, `passes/stage_reuse.py`): the reused costs equal those of
+compiling every stage, the F, I, W programs of stages with equal fingerprints are the same graphs
+up to names, a reused stage's programs carry exactly the names its own compile gives them, and a
+pipelined step with reused programs gives the same gradients, bit for bit."""
 
 from __future__ import annotations
 
@@ -12,6 +14,10 @@ from zbcompile.compiler import compile_costs, compile_pipeline
 from zbcompile.models import GPT, GPTConfig
 from zbcompile.models.gpt import lm_loss
 from zbcompile.passes.stage_reuse import graph_fingerprint
+from zbcompile.runtime import batch
+from zbcompile.runtime.local import LocalRunner
+from zbcompile.schedules import make_schedule
+from zbcompile.value_names import param_name
 
 
 class StageReuseTest(unittest.TestCase):
@@ -24,6 +30,7 @@ class StageReuseTest(unittest.TestCase):
         cls.batch = ((tokens,), {}, tokens.roll(1, 1))
         cls.full = compile_pipeline(cls.model, lm_loss, *cls.batch, stages=4)
         cls.reused = compile_costs(cls.model, lm_loss, *cls.batch, stages=4)
+        cls.shared = compile_pipeline(cls.model, lm_loss, *cls.batch, stages=4, reuse_stages=True)
 
     def test_middle_stages_compile_once(self):
         self.assertEqual(self.reused.representative, (0, 2, 2, 3))
@@ -46,6 +53,36 @@ class StageReuseTest(unittest.TestCase):
         self.assertEqual(fingerprints[1], fingerprints[2])
         self.assertNotEqual(fingerprints[0], fingerprints[1])  # the embeddings
         self.assertNotEqual(fingerprints[2], fingerprints[3])  # the head and the loss
+
+
+    def test_reused_programs_carry_their_own_names(self):
+        fields = ("forward", "backward", "input_backward", "weight_backward")
+        for own, shared in zip(self.full.programs, self.shared.programs):
+            for field in fields:
+                program = getattr(own.joint if field == "backward" else own, field)
+                other = getattr(shared.joint if field == "backward" else shared, field)
+                self.assertEqual(program.signature, other.signature, f"stage {own.index} {field}")
+                self.assertEqual(graph_fingerprint(program.graph), graph_fingerprint(other.graph))
+            for name in ("tangents", "input_grads", "param_grads", "storage", "output_grads", "recomputed"):
+                self.assertEqual(getattr(own.joint, name), getattr(shared.joint, name), f"stage {own.index} {name}")
+            for name in ("stash", "weight_reads", "input_param_grads", "freed_after_input"):
+                self.assertEqual(getattr(own.split, name), getattr(shared.split, name), f"stage {own.index} {name}")
+            self.assertEqual(own.cost, shared.cost)
+
+    def test_gradients_equal_compiling_every_stage(self):
+        tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+        micro_inputs, micro_targets, _ = batch.split((tokens,), {}, tokens.roll(1, 1), 2)
+        state = {param_name(n): p for n, p in self.model.named_parameters()}
+        grads = []
+        for compiled in (self.full, self.shared):
+            schedule = make_schedule("zb-h1", 4, 2)
+            runner = LocalRunner(compiled, schedule, state)
+            runner.step(*batch.feeds(compiled, micro_inputs, micro_targets))
+            grads.append(runner.reduce_grads())
+        self.assertEqual(set(grads[0]), set(grads[1]))
+        self.assertTrue(all(g.abs().sum() > 0 for g in grads[0].values()), "a gradient is zero: nothing compared")
+        for name, grad in grads[0].items():
+            self.assertTrue(torch.equal(grad, grads[1][name]), name)
 
 
 class FingerprintTest(unittest.TestCase):

@@ -16,12 +16,17 @@ names), split identically and cost the same (FLOPs, bytes, M_B, M_W, action peak
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Hashable
 
 import torch
 from torch import fx
 
+from zbcompile.passes.joint import StageJoint
 from zbcompile.passes.partition import Stage, StagePartition
+from zbcompile.passes.split_backward import StageBackwardSplit
+from zbcompile.program import Program, Signature
+from zbcompile.value_names import BUFFER, GRAD, INPUT, OUTPUT, PARAM, PARAM_GRAD, TANGENT, UPDATE
 
 
 def _value_form(value: Any) -> Hashable:
@@ -85,3 +90,74 @@ def stage_fingerprint(stage: Stage, partition: StagePartition, grads_from_next: 
     )
     receives_grads = tuple(o in grads_from_next for o in stage.graph_outputs)
     return (graph_fingerprint(stage.module), differentiable, receives_grads, last, len(stage.buffer_updates))
+
+
+# --- a stage's programs from an identical stage's -------------------------------------------------
+
+
+def stage_name_map(first: Stage, other: Stage) -> dict[str, str]:
+    """What `first`'s names stand for in `other`, two stages with equal fingerprints: boundary
+    values and targets by position among the graph's inputs and outputs, parameter and buffer
+    FQNs by position among its `get_attr`s."""
+    mapping = dict(zip(first.graph_inputs, other.graph_inputs, strict=True))
+    mapping.update(zip(first.graph_outputs, other.graph_outputs, strict=True))
+    for mine, theirs in zip(first.module.graph.nodes, other.module.graph.nodes, strict=True):
+        if mine.op == "get_attr" and mine.target in first.state_fqns:
+            mapping[first.state_fqns[mine.target]] = other.state_fqns[theirs.target]
+    return mapping
+
+
+_RENAMED_PREFIXES = (PARAM_GRAD, PARAM, BUFFER, UPDATE, INPUT, OUTPUT, TANGENT, GRAD)
+
+
+def renamed(name: str, mapping: dict[str, str]) -> str:
+    """`name` (an environment name such as `grad:param:<fqn>`, or a bare value or FQN) with what
+    it names mapped; `saved:`/`stash:` names and graph-internal names stay (identical stages'
+    joint graphs name their nodes alike)."""
+    for prefix in _RENAMED_PREFIXES:
+        if name.startswith(prefix):
+            return prefix + mapping[name[len(prefix):]]
+    return mapping.get(name, name)
+
+
+def renamed_program(program: Program, mapping: dict[str, str]) -> Program:
+    """The same graph under `other`'s names (the graph object is shared: programs are pure)."""
+    signature = Signature(
+        tuple(renamed(n, mapping) for n in program.signature.inputs),
+        tuple(renamed(n, mapping) for n in program.signature.outputs),
+    )
+    return Program(program.graph, signature)
+
+
+def _names(values: tuple[str, ...], mapping: dict[str, str]) -> tuple[str, ...]:
+    return tuple(renamed(v, mapping) for v in values)
+
+
+def renamed_joint(joint: StageJoint, index: int, mapping: dict[str, str]) -> StageJoint:
+    """`joint` as stage `index`'s, whose names `mapping` gives (`stage_name_map`)."""
+    return dataclasses.replace(
+        joint,
+        stage=index,
+        forward=renamed_program(joint.forward, mapping),
+        backward=renamed_program(joint.backward, mapping),
+        tangents=_names(joint.tangents, mapping),
+        input_grads=_names(joint.input_grads, mapping),
+        param_grads=_names(joint.param_grads, mapping),
+        storage={renamed(k, mapping): v for k, v in joint.storage.items()},
+        output_grads=_names(joint.output_grads, mapping),
+        alternatives=tuple(renamed_joint(a, index, mapping) for a in joint.alternatives),
+    )
+
+
+def renamed_split(split: StageBackwardSplit, index: int, mapping: dict[str, str]) -> StageBackwardSplit:
+    """`split` as stage `index`'s (see `renamed_joint`)."""
+    return dataclasses.replace(
+        split,
+        stage=index,
+        input_backward=renamed_program(split.input_backward, mapping),
+        weight_backward=renamed_program(split.weight_backward, mapping),
+        stash=_names(split.stash, mapping),
+        weight_reads=_names(split.weight_reads, mapping),
+        input_param_grads=_names(split.input_param_grads, mapping),
+        freed_after_input=_names(split.freed_after_input, mapping),
+    )
