@@ -131,6 +131,14 @@ class PlanCommandTest(unittest.TestCase):
                 self.assertEqual(len(json.load(file)["stage_rows"]), 2)
             self.assertTrue(os.path.getsize(os.path.join(root, "t.svg")) > 0)
 
+    def test_factory(self):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = main(["plan", "helpers.plan_factories:tiny_gpt", "--stages", "2", "--microbatches", "2", "--schedules", "1f1b,zb-auto"])
+        self.assertEqual(code, 0)
+        self.assertIn("plan: GPT, 2 stages, 2 microbatches of (2, 16)", out.getvalue())
+        self.assertIn("zb-auto would choose: zb-auto", out.getvalue())
+
     def test_unknown_model_is_refused(self):
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
