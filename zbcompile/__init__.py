@@ -15,6 +15,9 @@ from typing import Any
 # public name -> the module that defines it, imported on first use
 _MODULE_OF = {
     "pipeline": "zbcompile.api",
+    "plan": "zbcompile.planning",
+    "Plan": "zbcompile.planning",
+    "Hardware": "zbcompile.hardware",
     "PipelinedModule": "zbcompile.api",
     "PostValidatedOptimizer": "zbcompile.runtime.optimizer",
     "SynchronousClipOptimizer": "zbcompile.runtime.optimizer",

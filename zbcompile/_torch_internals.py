@@ -189,10 +189,12 @@ def version_of(tensor: torch.Tensor) -> int:
     return tensor._version
 
 
-def fake_contiguous(mode: FakeTensorMode, tensor: torch.Tensor) -> torch.Tensor:
-    """A new contiguous fake tensor in `mode` with `tensor`'s shape, dtype and device."""
+def fake_contiguous(mode: FakeTensorMode, tensor: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    """A new contiguous fake tensor in `mode` with `tensor`'s shape, dtype and device (a `meta`
+    tensor's on `device`, where given)."""
     with mode:
-        return torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+        where = device if tensor.is_meta and device is not None else tensor.device
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device=where)
 
 
 def fake_strided(mode: FakeTensorMode, shape, stride, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -11,6 +11,7 @@ SUBCOMMANDS = {
     "schedule": "zbcompile.schedules.cli",
     "demo": "zbcompile.demo",
     "inspect": "zbcompile.inspect.cli",
+    "plan": "zbcompile.planning_cli",
 }
 
 

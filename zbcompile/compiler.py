@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -18,10 +19,11 @@ from zbcompile import _torch_internals as ti
 from zbcompile._torch_internals import pytree
 from zbcompile.passes import _fx
 from zbcompile.passes.graph_cost import GraphCost, graph_cost, peak_bytes
-from zbcompile.passes.joint import StageJoint, export_stage_joints
+from zbcompile.passes.joint import StageJoint, export_stage_joint, export_stage_joints
 from zbcompile.passes.partition import Stage, StagePartition, partition_stages
 from zbcompile.passes.recompute import RECOMPUTE_LEVELS, RecomputeLevel
 from zbcompile.passes.split_backward import MIN_DEFERRAL_INTENSITY, StageBackwardSplit, split_backward
+from zbcompile.passes.stage_reuse import renamed_joint, renamed_split, stage_fingerprint, stage_name_map
 from zbcompile.passes.trace import TracedModel, trace_model
 from zbcompile.program import Program
 from zbcompile.schedules import Costs, Schedule
@@ -119,10 +121,8 @@ class CompiledPipeline:
         """Per rank, the simulator's peak activation memory of `schedule` (in `costs`' memory unit,
         by default the static costs') with each action's own peak (`action_peaks`) in place of
         its memory model's: what the runtime measures with `measure_transients`."""
-        resolved = resolve_costs(costs if costs is not None else self.schedule_costs(), schedule.stages)
-        unit = self.memory_unit()
-        peaks = tuple({kind: bytes_ / unit for kind, bytes_ in p.cost.action_peaks.items()} for p in self.programs)
-        return peak_memory(schedule, _WithActionPeaks(**vars(resolved), action_peaks=peaks))
+        costs = costs if costs is not None else self.schedule_costs()
+        return peak_memory_with_transients(schedule, costs, [p.cost for p in self.programs], self.memory_unit())
 
     def recompute_choice(self) -> list[str]:
         """recompute="auto": one line per stage, its level, M_B and M_W against level 0 (checkpoint
@@ -154,13 +154,16 @@ def compile_pipeline(
     min_deferral_intensity: float = MIN_DEFERRAL_INTENSITY,
     cuts: Sequence[int] | None = None,
     recompute_alternatives: bool = False,
+    reuse_stages: bool = False,
 ) -> CompiledPipeline:
     """Compile one microbatch's forward + loss (`args`, `kwargs`, `target` are a microbatch).
     The model's parameters may be on the `meta` device; they compile as if on `device`.
     `min_deferral_intensity`: see `split_backward` (0 defers every weight gradient to W);
     `cuts`: reuse an earlier partition's cut positions (`StagePartition.cuts`);
     `recompute_alternatives`: also compile every stage at each level of `RECOMPUTE_LEVELS`
-    (`CompiledPipeline.alternatives`, for recompute="auto")."""
+    (`CompiledPipeline.alternatives`, for recompute="auto"); `reuse_stages`: stages with equal
+    `stage_fingerprint`s share one joint export, split and cost, each under its own names
+    (`phase_seconds` then times "joint+split+cost" together)."""
     seconds: dict[str, float] = {}
 
     def timed(phase: str, fn, *a, **k):
@@ -176,15 +179,20 @@ def compile_pipeline(
         partition = timed("partition", partition_stages, traced, stages, split_points, cuts=cuts)
         levels = RECOMPUTE_LEVELS if recompute_alternatives else ()
         predicates = list(dict.fromkeys(level.recompute for level in levels))  # one separation each
-        joints = timed("joint", export_stage_joints, partition, traced.fake_mode, recompute_levels=predicates)
-        splits = timed("split_backward", lambda: [split_backward(j, min_deferral_intensity) for j in joints])
-        programs = timed(
-            "cost",
-            lambda: tuple(
-                StageProgram(stage, joint, split, _stage_cost(joint, split))
-                for stage, joint, split in zip(partition.stages, joints, splits)
-            ),
-        )
+        if reuse_stages:
+            programs, _ = timed(
+                "joint+split+cost", _programs_with_reuse, partition, traced.fake_mode, min_deferral_intensity, predicates
+            )
+        else:
+            joints = timed("joint", export_stage_joints, partition, traced.fake_mode, recompute_levels=predicates)
+            splits = timed("split_backward", lambda: [split_backward(j, min_deferral_intensity) for j in joints])
+            programs = timed(
+                "cost",
+                lambda: tuple(
+                    StageProgram(stage, joint, split, _stage_cost(joint, split))
+                    for stage, joint, split in zip(partition.stages, joints, splits)
+                ),
+            )
         alternatives = timed("recompute", lambda: tuple(
             (program, *(
                 _stage_program(stage, program.joint.alternatives[predicates.index(level.recompute)], level, min_deferral_intensity)
@@ -193,6 +201,96 @@ def compile_pipeline(
             for stage, program in zip(partition.stages, programs)
         )) if levels else ()
     return CompiledPipeline(traced, partition, programs, seconds, alternatives)
+
+
+@dataclass(frozen=True)
+class CostedPipeline:
+    """A compile for planning: the traced model, its partition and every stage's static cost,
+    stages whose programs are identical (`passes/stage_reuse.py`) compiled once:
+    `representative[s]` is the stage whose joint, split and cost stage s reuses (s itself for
+    the first of each kind)."""
+
+    traced: TracedModel
+    partition: StagePartition
+    costs: tuple[StageGraphCost, ...]
+    representative: tuple[int, ...]
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    phase_cpu_seconds: dict[str, float] = field(default_factory=dict)
+
+
+def compile_costs(
+    model: nn.Module,
+    loss_fn: Callable[..., torch.Tensor] | None,
+    args: tuple,
+    kwargs: dict[str, Any],
+    target: Any,
+    stages: int,
+    split_points: Sequence[str] | None = None,
+    device: torch.device | None = None,
+    min_deferral_intensity: float = MIN_DEFERRAL_INTENSITY,
+) -> CostedPipeline:
+    """What `compile_pipeline` computes of each stage's cost, for a model on the meta device as
+    well (nothing is materialised), with the joint export, the I/W split and the cost of stages
+    with equal `stage_fingerprint`s done once. Costs equal `compile_pipeline`'s stage for stage.
+    The trace records no source lines (errors name the module). Phases are timed in wall-clock
+    and in this process's CPU seconds (what a shared machine does not distort)."""
+    seconds: dict[str, float] = {}
+    cpu_seconds: dict[str, float] = {}
+
+    def timed(phase: str, fn: Callable[[], Any]) -> Any:
+        started, cpu = time.perf_counter(), time.process_time()
+        result = fn()
+        seconds[phase], cpu_seconds[phase] = time.perf_counter() - started, time.process_time() - cpu
+        return result
+
+    with ti.quiet_torch_logs():
+        traced = timed("trace", lambda: trace_model(model, loss_fn, args, kwargs, target, device, record_stack_traces=False))
+    with ti.quiet_torch_logs(warnings_too=True):
+        partition = timed("partition", lambda: partition_stages(traced, stages, split_points))
+        costs, representative = timed(
+            "joint+split+cost", lambda: _costs_with_reuse(partition, traced.fake_mode, min_deferral_intensity)
+        )
+    return CostedPipeline(traced, partition, costs, representative, seconds, cpu_seconds)
+
+
+def _costs_with_reuse(
+    partition: StagePartition, fake_mode: Any, min_deferral_intensity: float
+) -> tuple[tuple[StageGraphCost, ...], tuple[int, ...]]:
+    programs, representative = _programs_with_reuse(partition, fake_mode, min_deferral_intensity)
+    return tuple(p.cost for p in programs), representative
+
+
+def _programs_with_reuse(
+    partition: StagePartition, fake_mode: Any, min_deferral_intensity: float, predicates: Sequence[Callable] = ()
+) -> tuple[tuple[StageProgram, ...], tuple[int, ...]]:
+    """Every stage's program, and the stage it was compiled from: stages are taken last first,
+    as `export_stage_joints` takes them (a stage's outputs get gradients where the next stage
+    gives them); one whose `stage_fingerprint` was seen takes that stage's joint, split and cost
+    under its own names (`stage_reuse.renamed_joint`)."""
+    seen: dict[Any, tuple[int, StageJoint, StageBackwardSplit, StageGraphCost]] = {}
+    programs: dict[int, StageProgram] = {}
+    representative: dict[int, int] = {}
+    grads_from_next: set[str] = set()
+    last = len(partition.stages) - 1
+    for stage in reversed(partition.stages):
+        key = stage_fingerprint(stage, partition, grads_from_next, stage.index == last)
+        if key not in seen:
+            loss = "loss" if stage.index == last else None
+            joint, alternatives = export_stage_joint(stage, partition, grads_from_next, loss, fake_mode, predicates)
+            joint = dataclasses.replace(joint, alternatives=alternatives)
+            split = split_backward(joint, min_deferral_intensity)
+            seen[key] = (stage.index, joint, split, _stage_cost(joint, split))
+        first, joint, split, cost = seen[key]
+        if first != stage.index:
+            mapping = stage_name_map(partition.stages[first], stage)
+            joint, split = renamed_joint(joint, stage.index, mapping), renamed_split(split, stage.index, mapping)
+        output_grads = tuple(v for v in stage.outputs if v in grads_from_next)
+        alternatives = tuple(dataclasses.replace(a, output_grads=output_grads) for a in joint.alternatives)
+        joint = dataclasses.replace(joint, output_grads=output_grads, alternatives=alternatives)
+        programs[stage.index], representative[stage.index] = StageProgram(stage, joint, split, cost), first
+        grads_from_next = set(joint.input_grads) | {v for v in stage.relays if v in grads_from_next}
+    order = range(len(partition.stages))
+    return tuple(programs[s] for s in order), tuple(representative[s] for s in order)
 
 
 def _stage_program(stage: Stage, joint: StageJoint, level: RecomputeLevel, min_deferral_intensity: float) -> StageProgram:
@@ -236,6 +334,17 @@ def _weight_memory(split: StageBackwardSplit) -> tuple[set[str], int]:
     held |= {placeholder_names[roots[n]] for n in stash if roots[n].op == "placeholder"}
     owned = {roots[n] for n in stash if roots[n].op != "placeholder"}
     return held, sum(_fx.node_bytes(n) for n in owned)
+
+
+def peak_memory_with_transients(
+    schedule: Schedule, costs: Costs, stage_costs: Sequence[StageGraphCost], unit_bytes: float
+) -> tuple[float, ...]:
+    """Per rank, the simulator's peak activation memory of `schedule` under `costs` (memory in
+    units of `unit_bytes`) with each action's own peak (`StageGraphCost.action_peaks`) in place of
+    its memory model's."""
+    resolved = resolve_costs(costs, schedule.stages)
+    peaks = tuple({kind: bytes_ / unit_bytes for kind, bytes_ in c.action_peaks.items()} for c in stage_costs)
+    return peak_memory(schedule, _WithActionPeaks(**vars(resolved), action_peaks=peaks))
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,11 @@ boundaries (values sent to the next stage):
   0 -> 1: addmm_1 float32[2, 16] (128 B)
 balance: F+I+W per stage relative to the slowest (the schedule's costs): 0.95, 1.00; stage 1 sets the pace
 
+state per rank (replicate, dp=1; AdamW moments in the parameters' dtype), activations per microbatch:
+stage    layers  params  param B   grad B  optim B  state B    M_B    M_W
+    0  fc1, fc2     384  1.54 kB  1.54 kB  3.07 kB  6.14 kB  176 B  304 B
+    1  fc3, fc4     340  1.36 kB  1.36 kB  2.72 kB  5.44 kB  576 B  416 B
+
 schedule zb-h1 (version 0 of 1), 2 ranks (stage->rank 0->0, 1->1), 4 microbatches
 costs: static estimates in FLOP-equivalents (FLOPs + 4 x bytes written), comm 0
 stage       F       I       W    M_B    M_W

@@ -49,11 +49,15 @@ def stage_rows(compiled: "CompiledPipeline") -> list[dict[str, Any]]:
     FLOPs, written bytes and estimated time (FLOP-equivalents) of F, I and W, M_B and M_W in
     bytes, the boundary values it receives and sends (name, shape, dtype, bytes), and the bytes
     crossing the boundary to the next stage."""
-    params = dict(compiled.traced.model.named_parameters())
-    partition = compiled.partition
+    return stage_rows_of(compiled.traced.model.named_parameters(), compiled.partition, [p.cost for p in compiled.programs])
+
+
+def stage_rows_of(named_parameters: Any, partition: Any, costs: Sequence[Any]) -> list[dict[str, Any]]:
+    """`stage_rows` from the model's `named_parameters()`, a `StagePartition` and each stage's
+    `StageGraphCost` (what a plan has without stage programs)."""
+    params = dict(named_parameters)
     rows = []
-    for program, stage in zip(compiled.programs, partition.stages):
-        cost = program.cost
+    for cost, stage in zip(costs, partition.stages):
         graphs = dict(zip(PASSES, (cost.forward, cost.input_backward, cost.weight_backward)))
         owned = [f for f in stage.param_fqns if partition.shared_params.get(f, (stage.index,))[0] == stage.index]
         rows.append(
@@ -62,6 +66,7 @@ def stage_rows(compiled: "CompiledPipeline") -> list[dict[str, Any]]:
                 "params": sum(params[f].numel() for f in owned),
                 "param_bytes": sum(params[f].numel() * params[f].element_size() for f in owned),
                 "param_fqns": list(stage.param_fqns),
+                "layers": layers_of(stage.param_fqns),
                 "flops": {k: g.flops for k, g in graphs.items()},
                 "written_bytes": {k: g.written_bytes for k, g in graphs.items()},
                 "time_estimate": {k: g.time_estimate for k, g in graphs.items()},
@@ -73,6 +78,29 @@ def stage_rows(compiled: "CompiledPipeline") -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+_BLOCK_INDEX = re.compile(r"^(.*?)\.(\d+)\.")
+
+
+def layers_of(param_fqns: Sequence[str]) -> str:
+    """The modules a stage's parameters belong to, numbered blocks as ranges:
+    `model.embed_tokens, model.layers.0-9`."""
+    ranges: dict[str, list[int]] = {}
+    for fqn in param_fqns:
+        match = _BLOCK_INDEX.match(fqn)
+        if match:
+            ranges.setdefault(match.group(1), []).append(int(match.group(2)))
+        else:
+            ranges.setdefault(fqn.rpartition(".")[0] or fqn, [])
+    parts = []
+    for owner, indices in ranges.items():
+        if not indices:
+            parts.append(owner)
+            continue
+        low, high = min(indices), max(indices)
+        parts.append(f"{owner}.{low}" if low == high else f"{owner}.{low}-{high}")
+    return ", ".join(parts)
 
 
 def format_stage_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -131,6 +159,62 @@ def stage_table(compiled: "CompiledPipeline") -> str:
     """The stage table, boundary values, tied weights and compile times of `compiled`."""
     stages = format_stages(stage_rows(compiled), compiled.partition.shared_params)
     return stages + "\n" + format_phases(compiled.phase_seconds)
+
+
+# --- state memory per rank (shared with the plan's report, inspect/plan_report.py) ---------------
+
+
+DATA_PARALLEL_MODES = ("replicate", "shard")
+
+
+def state_bytes(param_bytes: float, dp: int, mode: str, grad_factor: float = 1.0, optimizer_factor: float = 2.0) -> dict[str, float]:
+    """Bytes one rank holds for a stage's `param_bytes` (P) of parameters during a step: "params",
+    "grads", "optimizer" and their "total". AdamW by default: two moments per parameter in its
+    dtype (`optimizer_factor=2`), gradients in the parameters' dtype (`grad_factor=1`).
+
+        replicate  parameters P, gradients P x grad_factor, optimizer state P x optimizer_factor
+        shard      parameters, gradients and optimizer state stored divided over the dp ranks (a
+                   DTensor shard each, as FSDP2 keeps them), plus the stage's whole parameters
+                   gathered and its whole gradients accumulated while the step runs"""
+    if mode not in DATA_PARALLEL_MODES:
+        raise ValueError(f"data_parallel must be one of {DATA_PARALLEL_MODES}, got {mode!r}")
+    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
+        raise ValueError(f"dp must be a positive int, got {dp!r}")
+    grads, optimizer = param_bytes * grad_factor, param_bytes * optimizer_factor
+    if mode == "replicate":
+        held = {"params": param_bytes, "grads": grads, "optimizer": optimizer}
+    else:
+        held = {"params": param_bytes + param_bytes / dp, "grads": grads + grads / dp, "optimizer": optimizer / dp}
+    return {**held, "total": sum(held.values())}
+
+
+def format_state_table(rows: Sequence[dict[str, Any]], dp: int, mode: str) -> str:
+    """Per stage: parameters, and the bytes one rank holds for them (`state_bytes`: stored in
+    `row["state"]`, or computed for `dp` and `mode`), then M_B, M_W and, where the rows have them,
+    predicted F/I/W seconds."""
+    timed = all("seconds" in row for row in rows)
+    header = ["stage", "layers", "params", "param B", "grad B", "optim B", "state B", "M_B", "M_W"]
+    header += ["F", "I", "W"] if timed else []
+    lines = []
+    for row in rows:
+        state = row.get("state") or state_bytes(row["param_bytes"], dp, mode)
+        line = [
+            str(row["stage"]), row.get("layers", "-"), si(row["params"]),
+            *(si(state[k], "B") for k in ("params", "grads", "optimizer", "total")),
+            si(row["mem_b"], "B"), si(row["mem_w"], "B"),
+        ]
+        if timed:
+            line += [seconds_text(row["seconds"][k]) for k in ("F", "I", "W")]
+        lines.append(tuple(line))
+    title = f"state per rank ({mode}, dp={dp}; AdamW moments in the parameters' dtype), activations per microbatch"
+    return title + (", predicted pass times" if timed else "") + ":\n" + format_table(header, lines)
+
+
+def seconds_text(seconds: float) -> str:
+    """Seconds in the unit that reads best: s, ms or µs."""
+    if seconds >= 1:
+        return f"{seconds:.3f} s"
+    return f"{seconds * 1e3:.2f} ms" if seconds >= 1e-4 else f"{seconds * 1e6:.2f} µs"
 
 
 # --- the schedule, predicted and measured ----------------------------------------------------
@@ -263,6 +347,11 @@ def format_measured(version: dict[str, Any], trace: dict[str, Any] | None) -> st
     )
 
 
+def _replicas(world: dict[str, Any]) -> int:
+    """Data-parallel replicas of the pipeline (1 in one process)."""
+    return max(1, world["world_size"] // world["ranks_per_pipeline"]) if world["distributed"] else 1
+
+
 def summary_text(dump: Dump) -> str:
     """Stages, balance, costs, predicted against measured makespan and bubble."""
     record = dump.record
@@ -277,6 +366,8 @@ def summary_text(dump: Dump) -> str:
         format_stages(record["stage_rows"], record["tied"]),
         *record.get("recompute", []),
         _balance(version),
+        "",
+        format_state_table(record["stage_rows"], _replicas(world), "replicate"),
         "",
         format_schedule(version, len(dump.versions), record["memory_unit"]),
         format_measured(version, dump.trace),

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import networkx as nx
+import numpy as np
 import torch
 from torch import fx, nn
 
@@ -353,13 +354,16 @@ def _balanced_cuts(
     prefix = _prefix_sums(costs)
     cap = _min_bottleneck(prefix, allowed, stages) * (1 + tolerance) + 1e-9
     points = [0, *allowed, len(costs)]  # where a stage may start; the last entry is the end
-    infinity = (float("inf"), float("inf"))
-    # best[j]: (boundary bytes, sum of squared stage costs) of the best prefix ending at points[j]
-    best = [(0.0, 0.0)] + [infinity] * (len(points) - 1)
+    starts = np.array([prefix[p] for p in points])
+    # the best prefix ending at points[j]: its boundary bytes, then its sum of squared stage costs
+    # (infinite: none); each candidate window is scanned with numpy, ties going to the first i
+    best_bytes = np.full(len(points), np.inf)
+    best_squares = np.full(len(points), np.inf)
+    best_bytes[0] = best_squares[0] = 0.0
     parents: list[list[int]] = []
     for round_ in range(stages):
         last_round = round_ == stages - 1
-        new_best = [infinity] * len(points)
+        new_bytes, new_squares = np.full(len(points), np.inf), np.full(len(points), np.inf)
         parent = [-1] * len(points)
         lo = 0
         for j in range(1, len(points)):
@@ -367,27 +371,27 @@ def _balanced_cuts(
                 continue
             while prefix[points[j]] - prefix[points[lo]] > cap:
                 lo += 1
-            candidates = [i for i in range(lo, j) if best[i] != infinity]
-            if not candidates:
+            if lo >= j:
                 continue
+            fewest = best_bytes[lo:j].min()
+            if fewest == np.inf:
+                continue
+            run = starts[j] - starts[lo:j]
+            squares = np.where(best_bytes[lo:j] == fewest, best_squares[lo:j] + run * run, np.inf)
+            k = int(np.argmin(squares))
             boundary = 0 if last_round else live_bytes[points[j]]
-            i = min(candidates, key=lambda i: _extend(best[i], prefix[points[j]] - prefix[points[i]], boundary))
-            new_best[j] = _extend(best[i], prefix[points[j]] - prefix[points[i]], boundary)
-            parent[j] = i
-        best = new_best
+            new_bytes[j], new_squares[j] = fewest + boundary, squares[k]
+            parent[j] = lo + k
+        best_bytes, best_squares = new_bytes, new_squares
         parents.append(parent)
     j = len(points) - 1
-    if best[j] == infinity:
+    if best_bytes[j] == np.inf:
         raise ValueError("no balanced cut found; pass split_points to choose the stages yourself")
     cuts = []
     for parent in reversed(parents):
         j = parent[j]
         cuts.append(points[j])
     return sorted(cuts)[1:]  # the first entry is the model's start
-
-
-def _extend(score: tuple[float, float], run_cost: float, boundary: int) -> tuple[float, float]:
-    return score[0] + boundary, score[1] + run_cost * run_cost
 
 
 def _cuts_at_split_points(

@@ -86,6 +86,7 @@ def trace_model(
     kwargs: dict[str, Any],
     target: Any = None,
     device: torch.device | None = None,
+    record_stack_traces: bool = True,
 ) -> TracedModel:
     """Trace `loss_fn(model(*args, **kwargs), target)` (or `model(...)` itself when loss_fn is
     None, which must then return the loss, see `_loss_of_output`) with `torch.compiler`'s
@@ -93,8 +94,10 @@ def trace_model(
     was. Raises ValueError naming the module and the source line for data-dependent control
     flow, and naming the parameter or input for a forward that writes one in place (buffer
     updates become graph outputs, see `TracedModel`); any other error is re-raised naming the
-    module (or loss_fn) and the source line. Parameters on the `meta` device trace as if they
-    lived on `device` (default: the inputs' device)."""
+    module (or loss_fn) and the source line. Parameters (and inputs) on the `meta` device trace
+    as if they lived on `device` (default: the inputs' device). `record_stack_traces=False` skips
+    recording each node's source line (a third of the trace's time; later errors then name the
+    module only)."""
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     input_leaves, input_spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
@@ -131,15 +134,15 @@ def trace_model(
     example = (
         [fake_state[n] for n in params],
         [fake_state[n] for n in buffers],
-        [ti.fake_contiguous(fake_mode, t) for t in input_tensors],
-        [ti.fake_contiguous(fake_mode, t) for t in target_leaves],
+        [ti.fake_contiguous(fake_mode, t, device) for t in input_tensors],  # meta inputs: on `device` too
+        [ti.fake_contiguous(fake_mode, t, device) for t in target_leaves],
     )
     # Traced as torch.export traces: libraries that ask whether they are being compiled or
     # exported (transformers' masks) take their traceable path.
     with ti.traced_like_export(), ti.preserve_node_meta(), _module_annotations(model) as module_stack, _checkpoint_annotations(module_stack):
         try:
             with fake_mode, ti.onednn_disabled():
-                graph_module = ti.make_fx(torch.func.functionalize(forward_and_loss, remove="mutations"), record_stack_traces=True)(*example)
+                graph_module = ti.make_fx(torch.func.functionalize(forward_and_loss, remove="mutations"), record_stack_traces=record_stack_traces)(*example)
         except Exception as error:  # noqa: BLE001 - re-raised, naming where tracing stopped
             if _raised_here(error):
                 raise

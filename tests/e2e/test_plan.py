@@ -1,0 +1,150 @@
+"""`zbcompile.plan()` and `zbcompile plan`: a model on the meta device planned without
+materialising a parameter; memory per rank is state plus activations and decides what fits;
+hardware profiles by name, from JSON and calibrated from measured times."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import tempfile
+import unittest
+
+import torch
+
+import zbcompile
+from zbcompile.cli import main
+from zbcompile.hardware import NAMED, Hardware
+from zbcompile.inspect.text import state_bytes
+from zbcompile.models import GPT, GPTConfig
+from zbcompile.models.gpt import lm_loss
+from zbcompile.passes.graph_cost import GraphCost
+from zbcompile.planning import PlanOptions, plan_compiled
+from zbcompile.schedules import Costs
+
+
+class HardwareTest(unittest.TestCase):
+    def test_named_profiles_and_json_round_trip(self):
+        self.assertEqual(set(NAMED), {"A100-80GB", "H100-80GB", "H200"})
+        self.assertGreater(NAMED["H200"].memory, NAMED["H100-80GB"].memory)
+        with tempfile.TemporaryDirectory() as root:
+            path = os.path.join(root, "gpu.json")
+            NAMED["H100-80GB"].save(path)
+            self.assertEqual(Hardware.load(path), NAMED["H100-80GB"])
+        with self.assertRaisesRegex(ValueError, "unknown hardware 'B999'.*H100-80GB"):
+            Hardware.named("B999")
+        with self.assertRaisesRegex(TypeError, "unknown keys \\['tflops'\\]"):
+            Hardware.from_dict({"tflops": 1})
+        with self.assertRaisesRegex(ValueError, "efficiency is a share of peak"):
+            Hardware(flops=1e12, memory_bandwidth=1e12, link_bandwidth=1e9, memory=1e9, efficiency=2.0)
+
+    def test_from_measured_recovers_the_efficiencies_that_made_the_times(self):
+        truth = Hardware(flops=1e12, memory_bandwidth=1e11, link_bandwidth=1e9, memory=1e9, pass_efficiency={"F": 0.5, "I": 0.4, "W": 0.8})
+        static = [{k: GraphCost(flops=f * 10**9, written_bytes=b * 10**6) for k, (f, b) in zip("FIW", work)}
+                  for work in ([(3, 5), (4, 9), (2, 1)], [(6, 2), (5, 3), (4, 4)])]
+        measured = Costs(**{k.lower(): [truth.pass_seconds(stage[k], k) for stage in static] for k in "FIW"}, comm=0.002)
+        fitted = Hardware.from_measured(measured, static, like=truth, boundary_bytes=[4e6])
+        for kind in "FIW":
+            self.assertAlmostEqual(fitted.efficiency_of(kind), truth.efficiency_of(kind), places=12)
+        self.assertAlmostEqual(fitted.link_bandwidth, 2e9)
+
+    def test_state_bytes_by_data_parallel_mode(self):
+        replicate = state_bytes(100.0, 4, "replicate")
+        self.assertEqual((replicate["params"], replicate["grads"], replicate["optimizer"]), (100.0, 100.0, 200.0))
+        shard = state_bytes(100.0, 4, "shard")
+        self.assertEqual((shard["params"], shard["grads"], shard["optimizer"]), (125.0, 125.0, 50.0))
+        with self.assertRaisesRegex(ValueError, "data_parallel must be one of"):
+            state_bytes(1.0, 2, "zero")
+
+
+def meta_gpt() -> tuple[torch.nn.Module, torch.Tensor]:
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=64, seq_len=16, hidden=32, heads=2, layers=6))
+    return model, torch.zeros(8, 16, dtype=torch.long, device="meta")
+
+
+class PlanTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.model, tokens = meta_gpt()
+        cls.plan = zbcompile.plan(cls.model, tokens, target=tokens, loss_fn=lm_loss, stages=3, microbatches=4, dp=2, hardware="A100-80GB")
+
+    def test_nothing_is_materialised(self):
+        self.assertTrue(all(p.is_meta for p in self.model.parameters()))
+
+    def test_every_schedule_has_peaks_fit_and_times(self):
+        names = [e["name"] for e in self.plan.record["schedules"]]
+        self.assertEqual(names, ["1f1b", "zb-h1", "zb-h2", "gpipe", "zb-auto"])
+        for entry in self.plan.record["schedules"]:
+            self.assertEqual(len(entry["peak_bytes"]), 3)
+            self.assertTrue(entry["fits"])  # kilobytes against 80 GB
+            self.assertGreater(entry["span"], 0)
+            # each rank: its state plus activations of at least one microbatch
+            for rank, peak in enumerate(entry["peak_bytes"]):
+                self.assertGreater(peak, self.plan.state[rank] + self.plan.costed.costs[rank].mem_b * 0.99)
+        text = str(self.plan)
+        for expected in ("zb-auto would choose", "state per rank (replicate, dp=2", "tok_emb, pos_emb, blocks.0"):
+            self.assertIn(expected, text)
+        self.assertIn('<rect class="action W"', self.plan.svg("zb-auto"))
+
+    def test_predicted_times_follow_the_hardware(self):
+        row = self.plan.record["stage_rows"][1]
+        cost = self.plan.costed.costs[1].forward
+        hw = NAMED["A100-80GB"]
+        self.assertAlmostEqual(row["seconds"]["F"], (cost.flops / hw.flops + cost.written_bytes / hw.memory_bandwidth) / hw.efficiency)
+
+    def test_a_small_memory_limit_decides_what_fits(self):
+        zb_h2 = next(e for e in self.plan.record["schedules"] if e["name"] == "zb-h2")
+        one_f_one_b = next(e for e in self.plan.record["schedules"] if e["name"] == "1f1b")
+        limit = (max(zb_h2["peak_bytes"]) + max(one_f_one_b["peak_bytes"])) / 2
+        self.assertLess(max(one_f_one_b["peak_bytes"]), limit)
+        options = PlanOptions(microbatches=4, dp=2, memory_limit=limit, schedules=("1f1b", "zb-h2", "zb-auto"))
+        tight = plan_compiled(self.plan.costed, NAMED["A100-80GB"], options)  # the same compile, re-planned
+        fits = {e["name"]: e["fits"] for e in tight.record["schedules"]}
+        self.assertEqual(fits, {"1f1b": True, "zb-h2": False, "zb-auto": True})
+
+    def test_bad_options_name_themselves(self):
+        model, tokens = meta_gpt()
+        with self.assertRaisesRegex(ValueError, "data_parallel must be one of"):
+            zbcompile.plan(model, tokens, stages=2, microbatches=2, data_parallel="zero")
+        with self.assertRaisesRegex(ValueError, "does not split into microbatches=3"):
+            zbcompile.plan(model, tokens, stages=2, microbatches=3)
+
+
+class PlanCommandTest(unittest.TestCase):
+    def test_config_json(self):
+        config = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 96}
+        with tempfile.TemporaryDirectory() as root:
+            path = os.path.join(root, "config.json")
+            with open(path, "w") as file:
+                json.dump(config, file)
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                code = main(["plan", path, "--stages", "2", "--microbatches", "4", "--seq-len", "8", "--dp", "2",
+                             "--hardware", "H200", "--svg", os.path.join(root, "t.svg"), "--json", os.path.join(root, "p.json")])
+            self.assertEqual(code, 0)
+            self.assertIn("plan: LlamaForCausalLM, 2 stages", out.getvalue())
+            self.assertIn("model.embed_tokens, model.layers.0", out.getvalue())
+            with open(os.path.join(root, "p.json")) as file:
+                self.assertEqual(len(json.load(file)["stage_rows"]), 2)
+            self.assertTrue(os.path.getsize(os.path.join(root, "t.svg")) > 0)
+
+    def test_factory(self):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = main(["plan", "helpers.plan_factories:tiny_gpt", "--stages", "2", "--microbatches", "2", "--schedules", "1f1b,zb-auto"])
+        self.assertEqual(code, 0)
+        self.assertIn("plan: GPT, 2 stages, 2 microbatches of (2, 16)", out.getvalue())
+        self.assertIn("zb-auto would choose: zb-auto", out.getvalue())
+
+    def test_unknown_model_is_refused(self):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            self.assertEqual(main(["plan", "nothing_here", "--stages", "2", "--microbatches", "2"]), 2)
+        self.assertIn("neither a config.json nor module:function", err.getvalue())
+
+
+if __name__ == "__main__":
+    unittest.main()

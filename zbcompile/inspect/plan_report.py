@@ -1,0 +1,103 @@
+"""The plan's report, and the memory part `pipe.explain()` shares with it: per stage, the layers
+it holds, the bytes of parameters, gradients and optimizer state per rank (by data-parallel mode
+and size), M_B and M_W, and predicted F/I/W times; per schedule, the peak memory of every rank
+(state + activations), whether it fits, the predicted step time and bubble; zb-auto's choice.
+
+Records are plain JSON-able dicts (`zbcompile.planning.Plan.record`); everything here formats
+them. Pure Python; no torch.
+
+State per rank: `text.state_bytes` (which `pipe.explain()` prints too) says what each data-parallel
+mode holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zbcompile.inspect.text import (
+    DATA_PARALLEL_MODES,
+    format_stages,
+    format_state_table,
+    format_table,
+    seconds_text,
+    si,
+    state_bytes,
+)
+
+__all__ = ["DATA_PARALLEL_MODES", "format_schedules", "plan_text", "state_bytes", "zb_auto_line"]
+
+def format_schedules(record: dict[str, Any]) -> str:
+    """One line per schedule: peak memory per rank (state + activations, the largest rank's
+    and the list), whether every rank fits, predicted step time (makespan), steady-state step
+    (span) and the stage bubble; then zb-auto's choice."""
+    limit = record["memory_limit_bytes"]
+    largest = max([max(e["peak_bytes"]) for e in record["schedules"] if not e.get("error")] + [1.0])
+    scale, unit = next((f, u) for f, u in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB"), (1.0, "B")) if largest >= f or f == 1.0)
+    header = ("schedule", "peak (max rank)", "fits", "step", "steady step", "bubble", "stage bubble", f"peak per rank ({unit})")
+    lines = []
+    for entry in record["schedules"]:
+        if entry.get("error"):
+            lines.append((entry["name"], "-", "no", "-", "-", "-", "-", "(below)"))
+            continue
+        peaks = entry["peak_bytes"]
+        lines.append((
+            entry["name"], si(max(peaks), "B"), "yes" if entry["fits"] else "no", seconds_text(entry["makespan"]),
+            seconds_text(entry["span"]), f"{entry['bubble_rate']:.1%}", f"{entry['stage_bubble_rate']:.1%}",
+            " ".join(f"{b / scale:.1f}" for b in peaks),
+        ))
+    errors = [f"  {e['name']}: {e['error']}" for e in record["schedules"] if e.get("error")]
+    text = [
+        f"schedules (memory per rank: state + activations with each action's own peak, against {si(limit, 'B')}):",
+        format_table(header, lines),
+        *errors,
+        "step = makespan (a barrier ends every step); steady step = span (steps back to back, the paper's); "
+        "stage bubble = 1 - busy / (ranks x span)",
+    ]
+    if record.get("allreduce_seconds"):
+        text.append(
+            f"plus the data-parallel gradient reduction after the step: {seconds_text(record['allreduce_seconds'])} "
+            f"(ring over dp={record['dp']}, largest rank's gradients, not overlapped)"
+        )
+    text.append(zb_auto_line(record))
+    return "\n".join(text)
+
+
+def zb_auto_line(record: dict[str, Any]) -> str:
+    choice = record.get("zb_auto")
+    if not choice:
+        return "zb-auto: not planned"
+    if choice.get("error"):
+        return f"zb-auto would choose nothing: {choice['error']}"
+    return (
+        f"zb-auto would choose: {choice['description']} (steady step {seconds_text(choice['span'])}, "
+        f"{choice['speedup_over_1f1b']:.3f}x 1F1B's steady-step throughput)"
+        if choice.get("speedup_over_1f1b") else f"zb-auto would choose: {choice['description']}"
+    )
+
+
+def plan_text(record: dict[str, Any]) -> str:
+    """The whole plan: what was planned on what hardware, compile times, the stage table
+    (`format_stages`, as `pipe.explain()` prints it), state and times per stage, the schedules."""
+    hw = record["hardware"]
+    efficiency = hw["pass_efficiency"] or {"all": hw["efficiency"]}
+    reused = [s for s, r in enumerate(record["representative"]) if r != s]
+    lines = [
+        f"plan: {record['model']}, {record['stages']} stages, {record['microbatches']} microbatches of "
+        f"{record['microbatch']}, dp={record['dp']} ({record['data_parallel']})",
+        f"hardware: {hw['name']}: {si(hw['flops'], 'FLOP/s')}, memory {si(hw['memory_bandwidth'], 'B/s')}, "
+        f"link {si(hw['link_bandwidth'], 'B/s')}, {si(hw['memory'], 'B')}; efficiency "
+        + ", ".join(f"{k} {v:.2f}" for k, v in efficiency.items()),
+        "compile: " + ", ".join(
+            f"{k} {v:.2f}s (CPU {record.get('phase_cpu_seconds', {}).get(k, float('nan')):.2f}s)"
+            for k, v in record["phase_seconds"].items()
+        )
+        + (f"; stages {', '.join(map(str, reused))} reuse an identical stage's programs" if reused else ""),
+        "",
+        format_stages(record["stage_rows"], record["tied"]),
+        "",
+        format_state_table(record["stage_rows"], record["dp"], record["data_parallel"]),
+        f"boundary message: {seconds_text(record['comm_seconds'])} (largest boundary over the link)",
+        "",
+        format_schedules(record),
+    ]
+    return "\n".join(lines)

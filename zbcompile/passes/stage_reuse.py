@@ -1,0 +1,163 @@
+"""Pass: which stages compile to the same programs, so that their joint graphs, I/W split and
+costs are computed once.
+
+A deep model cut into many stages repeats itself: the middle stages of an 80-layer decoder cut
+in eight each hold ten identical blocks. `graph_fingerprint(graph)` is a canonical form of an FX
+graph with node, parameter and buffer names left out: every node's op, target, arguments (by
+position of the nodes they read), keyword arguments and the shape, strides and dtype of its
+value, and a parameter's or buffer's shape and dtype instead of its name. Two graphs with equal
+fingerprints compute the same function of their inputs and parameters, op for op.
+`stage_fingerprint` adds what the joint pass reads besides the graph: which inputs carry a
+gradient, which outputs get one from the next stage, whether the stage computes the loss, and
+its buffer updates. Stages with equal stage fingerprints export identical joint graphs (up to
+names), split identically and cost the same (FLOPs, bytes, M_B, M_W, action peaks), which
+`tests/passes/test_stage_reuse.py` checks against compiling every stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Hashable
+
+import torch
+from torch import fx
+
+from zbcompile.passes.joint import StageJoint
+from zbcompile.passes.partition import Stage, StagePartition
+from zbcompile.passes.split_backward import StageBackwardSplit
+from zbcompile.program import Program, Signature
+from zbcompile.value_names import BUFFER, GRAD, INPUT, OUTPUT, PARAM, PARAM_GRAD, TANGENT, UPDATE
+
+
+def _value_form(value: Any) -> Hashable:
+    """Shape, strides and dtype of a traced value (tuples of them for multi-output ops)."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), tuple(value.stride()), str(value.dtype), value.requires_grad)
+    if isinstance(value, (tuple, list)):
+        return tuple(_value_form(v) for v in value)
+    return repr(value)
+
+
+def _argument_form(argument: Any, index: dict[fx.Node, int]) -> Hashable:
+    if isinstance(argument, fx.Node):
+        return ("node", index[argument])
+    if isinstance(argument, (tuple, list)):
+        return (type(argument).__name__, tuple(_argument_form(a, index) for a in argument))
+    if isinstance(argument, dict):
+        return ("dict", tuple(sorted((k, _argument_form(v, index)) for k, v in argument.items())))
+    return repr(argument)
+
+
+def graph_fingerprint(graph_module: fx.GraphModule) -> tuple[Hashable, ...]:
+    """The canonical form of `graph_module`'s graph (see the module docstring); equal for graphs
+    that differ only in node, parameter and buffer names. Checkpoint regions count by the order
+    they first appear in."""
+    index: dict[fx.Node, int] = {}
+    regions: dict[Any, int] = {}
+    form: list[Hashable] = []
+    for position, node in enumerate(graph_module.graph.nodes):
+        index[node] = position
+        value = _value_form(node.meta.get("val"))
+        if node.op == "get_attr":
+            attribute = _attribute(graph_module, node.target)
+            state = isinstance(attribute, torch.Tensor) and (
+                isinstance(attribute, torch.nn.Parameter) or node.meta.get("zb_role") in ("param", "buffer")
+            )
+            # parameters and buffers by shape and dtype; tensor constants by their name (the same object everywhere)
+            form.append(("get_attr", _value_form(attribute) if state else node.target, node.meta.get("zb_role")))
+            continue
+        region = node.meta.get("custom", {}).get("checkpoint")
+        if region is not None:
+            region = regions.setdefault(region, len(regions))
+        # placeholders by position (their targets are value names); ops by what they call
+        target = "" if node.op == "placeholder" else str(node.target)
+        form.append((node.op, str(target), _argument_form(node.args, index), _argument_form(node.kwargs, index), value, region))
+    return tuple(form)
+
+
+def _attribute(module: torch.nn.Module, path: str) -> Any:
+    for part in path.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def stage_fingerprint(stage: Stage, partition: StagePartition, grads_from_next: set[str], last: bool) -> tuple[Hashable, ...]:
+    """The stage's graph fingerprint with what its joint export depends on besides the graph:
+    which inputs may carry a gradient (by position), which outputs get one from the next stage,
+    whether it computes the loss, and how many buffers it updates."""
+    differentiable = tuple(
+        bool(partition.values[n].differentiable) if n in partition.values else None for n in stage.graph_inputs
+    )
+    receives_grads = tuple(o in grads_from_next for o in stage.graph_outputs)
+    return (graph_fingerprint(stage.module), differentiable, receives_grads, last, len(stage.buffer_updates))
+
+
+# --- a stage's programs from an identical stage's -------------------------------------------------
+
+
+def stage_name_map(first: Stage, other: Stage) -> dict[str, str]:
+    """What `first`'s names stand for in `other`, two stages with equal fingerprints: boundary
+    values and targets by position among the graph's inputs and outputs, parameter and buffer
+    FQNs by position among its `get_attr`s."""
+    mapping = dict(zip(first.graph_inputs, other.graph_inputs, strict=True))
+    mapping.update(zip(first.graph_outputs, other.graph_outputs, strict=True))
+    for mine, theirs in zip(first.module.graph.nodes, other.module.graph.nodes, strict=True):
+        if mine.op == "get_attr" and mine.target in first.state_fqns:
+            mapping[first.state_fqns[mine.target]] = other.state_fqns[theirs.target]
+    return mapping
+
+
+_RENAMED_PREFIXES = (PARAM_GRAD, PARAM, BUFFER, UPDATE, INPUT, OUTPUT, TANGENT, GRAD)
+
+
+def renamed(name: str, mapping: dict[str, str]) -> str:
+    """`name` (an environment name such as `grad:param:<fqn>`, or a bare value or FQN) with what
+    it names mapped; `saved:`/`stash:` names and graph-internal names stay (identical stages'
+    joint graphs name their nodes alike)."""
+    for prefix in _RENAMED_PREFIXES:
+        if name.startswith(prefix):
+            return prefix + mapping[name[len(prefix):]]
+    return mapping.get(name, name)
+
+
+def renamed_program(program: Program, mapping: dict[str, str]) -> Program:
+    """The same graph under `other`'s names (the graph object is shared: programs are pure)."""
+    signature = Signature(
+        tuple(renamed(n, mapping) for n in program.signature.inputs),
+        tuple(renamed(n, mapping) for n in program.signature.outputs),
+    )
+    return Program(program.graph, signature)
+
+
+def _names(values: tuple[str, ...], mapping: dict[str, str]) -> tuple[str, ...]:
+    return tuple(renamed(v, mapping) for v in values)
+
+
+def renamed_joint(joint: StageJoint, index: int, mapping: dict[str, str]) -> StageJoint:
+    """`joint` as stage `index`'s, whose names `mapping` gives (`stage_name_map`)."""
+    return dataclasses.replace(
+        joint,
+        stage=index,
+        forward=renamed_program(joint.forward, mapping),
+        backward=renamed_program(joint.backward, mapping),
+        tangents=_names(joint.tangents, mapping),
+        input_grads=_names(joint.input_grads, mapping),
+        param_grads=_names(joint.param_grads, mapping),
+        storage={renamed(k, mapping): v for k, v in joint.storage.items()},
+        output_grads=_names(joint.output_grads, mapping),
+        alternatives=tuple(renamed_joint(a, index, mapping) for a in joint.alternatives),
+    )
+
+
+def renamed_split(split: StageBackwardSplit, index: int, mapping: dict[str, str]) -> StageBackwardSplit:
+    """`split` as stage `index`'s (see `renamed_joint`)."""
+    return dataclasses.replace(
+        split,
+        stage=index,
+        input_backward=renamed_program(split.input_backward, mapping),
+        weight_backward=renamed_program(split.weight_backward, mapping),
+        stash=_names(split.stash, mapping),
+        weight_reads=_names(split.weight_reads, mapping),
+        input_param_grads=_names(split.input_param_grads, mapping),
+        freed_after_input=_names(split.freed_after_input, mapping),
+    )

@@ -1,0 +1,243 @@
+"""`zbcompile.plan()`: size a pipelined training run before the GPUs.
+
+    report = zbcompile.plan(model, tokens, labels=tokens, stages=8, microbatches=32, dp=8, hardware="H100-80GB")
+    print(report)                       # stages, memory per rank, schedules, zb-auto's choice
+    report.write_svg("zb-auto", "timeline.svg")
+
+The model may live on the meta device and the batch may be meta tensors: the compiler traces
+with fake tensors and never materialises a parameter. Stages whose programs are identical are
+compiled once (`compiler.compile_costs`). Per-pass times come from a `Hardware` profile
+(`hardware.py`), memory from the compiled graphs (M_B, M_W and each action's own peak) plus the
+state each rank holds (`inspect/plan_report.state_bytes`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from zbcompile.compiler import CostedPipeline, compile_costs, peak_memory_with_transients
+from zbcompile.hardware import Hardware, resolve_hardware
+from zbcompile.inspect.plan_report import plan_text
+from zbcompile.inspect.text import DATA_PARALLEL_MODES, si, stage_rows_of, state_bytes
+from zbcompile.runtime.batch import split
+from zbcompile.schedules import Costs, Schedule, ScheduleError, make_schedule, simulate
+from zbcompile.schedules.memory_limit import parse_bytes
+from zbcompile.schedules.render import layout, to_svg
+
+PLANNED_SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "gpipe", "zb-auto")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What `plan()` found: the compile (`costed`), the hardware, per-stage costs in seconds and
+    bytes (`costs`, memory in units of `unit_bytes`), each planned schedule by name, and the
+    JSON-able `record` the report prints (`str(plan)`)."""
+
+    costed: CostedPipeline
+    hardware: Hardware
+    costs: Costs
+    unit_bytes: float
+    state: tuple[float, ...]
+    schedules: dict[str, Schedule]
+    record: dict[str, Any]
+    options: "PlanOptions"
+    microbatch: str = ""
+
+    def on(self, hardware: Hardware | str) -> "Plan":
+        """The same compile planned on other hardware (`Hardware.from_measured`'s calibration, say)."""
+        return plan_compiled(self.costed, resolve_hardware(hardware), self.options, self.microbatch)
+
+    def static_costs(self) -> list[dict[str, Any]]:
+        """Per stage, its F, I and W `GraphCost`s: `Hardware.from_measured`'s `static`."""
+        return [pass_costs(c) for c in self.costed.costs]
+
+    def __str__(self) -> str:
+        return plan_text(self.record)
+
+    def peak_bytes(self, schedule: Schedule) -> list[float]:
+        """Per rank: state + the simulated peak activations, each action's own peak included."""
+        activations = peak_memory_with_transients(schedule, self.costs, self.costed.costs, self.unit_bytes)
+        return [self.state[rank] + peak * self.unit_bytes for rank, peak in enumerate(activations)]
+
+    def svg(self, name: str) -> str:
+        """The predicted timeline of the planned schedule `name`, as an SVG document."""
+        if name not in self.schedules:
+            raise ValueError(f"schedule {name!r} was not planned (or did not fit); planned: {', '.join(self.schedules)}")
+        schedule = self.schedules[name]
+        title = f"{name}: {schedule.stages} stages, {schedule.microbatches} microbatches, predicted on {self.hardware.name}"
+        return to_svg(layout(schedule, self.costs), title=title, legend=True)
+
+    def write_svg(self, name: str, path: str | os.PathLike) -> None:
+        with open(path, "w") as file:
+            file.write(self.svg(name))
+
+
+def plan(
+    model: nn.Module,
+    *inputs: Any,
+    stages: int,
+    microbatches: int,
+    target: Any = None,
+    hardware: Hardware | str = "H100-80GB",
+    dp: int = 1,
+    data_parallel: str = "replicate",
+    memory_limit: float | str | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    split_points: Sequence[str] | None = None,
+    schedules: Sequence[str] = PLANNED_SCHEDULES,
+    optimizer_factor: float = 2.0,
+    grad_factor: float = 1.0,
+    time_budget: float = 1.0,
+    **kwargs: Any,
+) -> Plan:
+    """Plan `stages` pipeline stages over `microbatches` microbatches of the batch `inputs`,
+    `kwargs`, `target` (one data-parallel replica's, as `step()` takes it; meta tensors welcome)
+    on `hardware` (a `Hardware`, a name from `hardware.NAMED` or a JSON file), with `dp`
+    data-parallel replicas keeping their state as `data_parallel` says ("replicate" or "shard",
+    see `inspect/plan_report.py`), against `memory_limit` bytes per rank (default: the device's).
+    `optimizer_factor` and `grad_factor`: bytes of optimizer state and of gradients per byte of
+    parameters (AdamW in the parameters' dtype: 2 and 1). `schedules`: which to plan (schedules
+    of one stage per rank); zb-auto is solved under each rank's memory left after its state."""
+    micro_inputs, micro_targets, _ = split(inputs, kwargs, target, microbatches)
+    (args, call_kwargs), micro_target = micro_inputs[0], micro_targets[0]
+    _check_options(dp, data_parallel)
+    hardware = resolve_hardware(hardware)
+    # traced as on a CPU (fake tensors, nothing allocated): its attention kernel saves what a GPU's
+    # flash attention saves (no sequence x sequence scores); the meta device's would keep them
+    costed = compile_costs(model, loss_fn, args, call_kwargs, micro_target, stages, split_points, device=torch.device("cpu"))
+    options = PlanOptions(microbatches, dp, data_parallel, memory_limit, tuple(schedules), optimizer_factor, grad_factor, time_budget)
+    return plan_compiled(costed, hardware, options, _shapes(args, call_kwargs))
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """`plan()`'s options past the compile (see there)."""
+
+    microbatches: int
+    dp: int = 1
+    data_parallel: str = "replicate"
+    memory_limit: float | str | None = None
+    schedules: tuple[str, ...] = PLANNED_SCHEDULES
+    optimizer_factor: float = 2.0
+    grad_factor: float = 1.0
+    time_budget: float = 1.0
+
+
+def _check_options(dp: int, data_parallel: str) -> None:
+    if data_parallel not in DATA_PARALLEL_MODES:
+        raise ValueError(f"plan(): data_parallel must be one of {DATA_PARALLEL_MODES}, got {data_parallel!r}")
+    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
+        raise ValueError(f"plan(): dp must be a positive int, got {dp!r}")
+
+
+def plan_compiled(costed: CostedPipeline, hardware: Hardware, options: PlanOptions, microbatch: str = "") -> Plan:
+    """The plan of a compile (`compiler.compile_costs`) on `hardware`: per-stage times and state,
+    every schedule of `options.schedules` simulated; no compiling (`Plan.on` re-plans on other hardware)."""
+    o = options
+    _check_options(o.dp, o.data_parallel)
+    limit = hardware.memory if o.memory_limit is None else (
+        parse_bytes(o.memory_limit) if isinstance(o.memory_limit, str) else float(o.memory_limit)
+    )
+    model = costed.traced.model
+    rows = stage_rows_of(model.named_parameters(), costed.partition, costed.costs)
+    for row, cost in zip(rows, costed.costs):
+        row["state"] = state_bytes(row["param_bytes"], o.dp, o.data_parallel, o.grad_factor, o.optimizer_factor)
+        row["seconds"] = {kind: hardware.pass_seconds(g, kind) for kind, g in pass_costs(cost).items()}
+    unit = float(max([c.mem_b for c in costed.costs] + [1]))
+    comm = hardware.link_seconds(max(costed.partition.boundary_bytes, default=0))
+    costs = Costs(
+        f=[r["seconds"]["F"] for r in rows], i=[r["seconds"]["I"] for r in rows], w=[r["seconds"]["W"] for r in rows],
+        comm=comm, mem_b=[c.mem_b / unit for c in costed.costs], mem_w=[c.mem_w / unit for c in costed.costs],
+    )
+    state = tuple(r["state"]["total"] for r in rows)
+    result = Plan(costed, hardware, costs, unit, state, {}, {}, o, microbatch)
+    entries = [_plan_schedule(result, name, o.microbatches, limit, o.time_budget) for name in o.schedules]
+    record = {
+        "model": type(model).__name__, "stages": len(costed.costs), "microbatches": o.microbatches,
+        "microbatch": microbatch, "dp": o.dp, "data_parallel": o.data_parallel,
+        "hardware": hardware.to_dict(), "phase_seconds": costed.phase_seconds, "phase_cpu_seconds": costed.phase_cpu_seconds,
+        "representative": list(costed.representative), "stage_rows": rows,
+        "tied": {fqn: list(ks) for fqn, ks in costed.partition.shared_params.items()},
+        "comm_seconds": comm, "memory_limit_bytes": limit,
+        "allreduce_seconds": hardware.allreduce_seconds(max(r["param_bytes"] * o.grad_factor for r in rows), o.dp),
+        "schedules": [e for e, _ in entries], "zb_auto": _zb_auto_choice([e for e, _ in entries]),
+    }
+    schedules = {e["name"]: s for e, s in entries if s is not None}
+    return Plan(costed, hardware, costs, unit, state, schedules, record, o, microbatch)
+
+
+def pass_costs(cost: Any) -> dict[str, Any]:
+    """A `StageGraphCost`'s F, I and W `GraphCost`s by letter (what `Hardware` times)."""
+    return {"F": cost.forward, "I": cost.input_backward, "W": cost.weight_backward}
+
+
+def _plan_schedule(plan_: Plan, name: str, microbatches: int, limit: float, time_budget: float) -> tuple[dict[str, Any], Schedule | None]:
+    """One schedule's entry of the report, and the schedule (None where it cannot be made)."""
+    stages = len(plan_.state)
+    memory_limit = None
+    if name == "zb-auto":
+        room = [(limit - s) / plan_.unit_bytes for s in plan_.state]
+        needs = [max(b, w) for b, w in zip(plan_.costs.mem_b, plan_.costs.mem_w)]
+        short = [r for r in range(stages) if room[r] < needs[r]]
+        if short:
+            r = short[0]
+            return {"name": name, "error": (
+                f"rank {r} has {si(max(room[r], 0) * plan_.unit_bytes, 'B')} left after its state "
+                f"({si(plan_.state[r], 'B')}), below one microbatch's activations ({si(needs[r] * plan_.unit_bytes, 'B')})"
+                + (f"; so do ranks {', '.join(map(str, short[1:]))}" if len(short) > 1 else "")
+            )}, None
+        memory_limit = room
+    try:
+        schedule, peaks = _solve_within(plan_, name, microbatches, memory_limit, limit, time_budget)
+    except (ValueError, ScheduleError) as error:
+        return {"name": name, "error": str(error).splitlines()[0]}, None
+    sim = simulate(schedule, plan_.costs)
+    entry = {
+        "name": name, "peak_bytes": peaks, "fits": max(peaks) <= limit, "makespan": sim.makespan, "span": sim.span,
+        "bubble_rate": sim.bubble_rate, "stage_bubble_rate": sim.stage_bubble_rate, "error": None,
+    }
+    return entry, schedule
+
+
+def _solve_within(
+    plan_: Plan, name: str, microbatches: int, memory_limit: list[float] | None, limit: float, time_budget: float, tries: int = 3
+) -> tuple[Schedule, list[float]]:
+    """`name` made under `memory_limit` (units; a solved schedule's bound) and its peaks per rank
+    in bytes with each action's transients; where those pass `limit` on a rank, the schedule is
+    solved again under that rank's bound lowered by the excess (at most `tries` times)."""
+    for _ in range(tries):
+        schedule = make_schedule(
+            name, len(plan_.state), microbatches, plan_.costs, memory_limit, time_budget=time_budget, placements=("in-line",),
+        )
+        peaks = plan_.peak_bytes(schedule)
+        over = [max(0.0, p - limit) / plan_.unit_bytes for p in peaks]
+        if memory_limit is None or not any(over):
+            break
+        memory_limit = [bound - excess for bound, excess in zip(memory_limit, over)]
+    return schedule, peaks
+
+
+def _zb_auto_choice(entries: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    by_name = {e["name"]: e for e in entries}
+    chosen = by_name.get("zb-auto")
+    if chosen is None:
+        return None
+    if chosen.get("error"):
+        return {"error": chosen["error"]}
+    reference = by_name.get("1f1b")
+    speedup = reference["span"] / chosen["span"] if reference and not reference.get("error") and chosen["span"] else None
+    description = (
+        f"zb-auto, one stage per rank, under each rank's memory left after its state; peak "
+        f"{si(max(chosen['peak_bytes']), 'B')} on the fullest rank"
+    )
+    return {"description": description, "span": chosen["span"], "speedup_over_1f1b": speedup}
+
+
+def _shapes(args: tuple, kwargs: dict) -> str:
+    tensors = [*args, *kwargs.values()]
+    return ", ".join(f"{tuple(t.shape)}" for t in tensors if isinstance(t, torch.Tensor)) or "(no tensors)"
