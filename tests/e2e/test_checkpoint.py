@@ -68,6 +68,16 @@ def test_loads_at_two_ranks_under_another_schedule_and_cut(saved_run):
     assert any(s["optimizer"] for s in (per_rank[0]["saved"], per_rank[1]["saved"]))
 
 
+def test_the_schedule_in_use_comes_back_on_the_layout_it_ran_on(saved_run):
+    """Run A's schedule in use was replaced (as measured costs do); a pipeline with A's options
+    and cut runs it again after loading, with A's tuner state; another cut keeps its own."""
+    _, per_rank, _ = saved_run
+    for result in per_rank:
+        assert result["d_static_schedule"] == "zb-auto" and result["d_schedule_restored"]
+        assert result["d_tuner"] == result["saved_tuner"]
+        assert result["c_schedule"] == "zb-auto"
+
+
 def test_resumed_run_is_bitwise_the_uninterrupted_one(saved_run):
     """Run B (other init, other schedule, a process whose RNG had moved on) loads and runs the
     same 3 steps as run A after its save: dropout masks, clipping and AdamW give the same bits."""

@@ -19,6 +19,7 @@ from helpers.models import BATCH, GPT_CONFIG
 from zbcompile import checkpoint
 from zbcompile.models import GPT
 from zbcompile.models.gpt import lm_loss
+from zbcompile.schedules import make_schedule
 
 CONFIG = dataclasses.replace(GPT_CONFIG, dropout=0.1)
 SAVED_AT = 2  # steps before the checkpoint
@@ -69,8 +70,12 @@ def save_resume_and_die_saving(directory: str) -> dict:
     rank = dist.get_rank()
     pipe, opt = make_run(0)
     train(pipe, opt, 0, SAVED_AT)
+    in_use = make_schedule("zb-h1", 2, 4)  # as if measured costs had re-solved zb-auto's schedule
+    pipe.runner.reschedule(in_use)
+    measured = {"measured": pipe.compiled.schedule_costs(), "predicted_span": 1.0, "resolves": 1, "drift_resolves": 0}
+    pipe.tuner.load_state_dict({**measured, "history": [{"step": 1, "event": "switched"}]})
     checkpoint.save(os.path.join(directory, "a"), pipe, opt, next_step=SAVED_AT, note=f"saved by rank {rank}")
-    result = {"saved": snapshot(pipe, opt), "saved_schedule": pipe.schedule}
+    result = {"saved": snapshot(pipe, opt), "saved_tuner": pipe.tuner.state_dict()}
     train(pipe, opt, SAVED_AT, RESUMED)
     result["uninterrupted"] = snapshot(pipe, opt)
 
@@ -85,6 +90,13 @@ def save_resume_and_die_saving(directory: str) -> dict:
     c_pipe, c_opt = make_run(2, split_points=OTHER_CUT)
     checkpoint.load(os.path.join(directory, "a"), c_pipe, c_opt)
     result["c_loaded"] = snapshot(c_pipe, c_opt)
+    result["c_schedule"] = c_pipe.schedule.name  # another cut: its own schedule
+
+    d_pipe, d_opt = make_run(3)  # A's layout: the schedule in use and its tuner come back
+    result["d_static_schedule"] = d_pipe.schedule.name
+    checkpoint.load(os.path.join(directory, "a"), d_pipe)
+    result["d_schedule_restored"] = d_pipe.schedule.actions == in_use.actions
+    result["d_tuner"] = d_pipe.tuner.state_dict()
     torch.save(result, os.path.join(directory, f"rank{rank}.pt"))
 
     dist.barrier()
