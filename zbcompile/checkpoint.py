@@ -19,8 +19,8 @@ What a checkpoint holds, under DCP's flattened keys:
 A post-validated optimizer's pending step is validated before saving (`finish()`, what the next
 `pipe.step()` would do first), so the checkpoint holds final state and resuming gives the same
 bits. Loading reads from the checkpoint what this rank holds, whatever the layout it was saved
-on (one process, another schedule or cut, more or fewer ranks; DTensor entries are resharded by
-DCP). The RNG states, the schedule in use and its costs are restored where they apply: a rank's
+on (one process, another schedule or cut, more or fewer ranks: DCP reads each rank's entries
+wherever they were written, and would reshard DTensor entries the same way). The RNG states, the schedule in use and its costs are restored where they apply: a rank's
 RNG states where the checkpoint has that rank, the schedule where the pipeline runs the same
 schedule option on the same cut and ranks (so dropout draws, measured costs and the schedule do
 not change the bits of a resumed run).

@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from helpers.checkpoint_workers import make_run, snapshot, train
+from helpers.save_resume_workers import make_run, snapshot, train
 from zbcompile import checkpoint
 
 STEPS = 6

@@ -23,7 +23,7 @@ from zbcompile.schedules import make_schedule
 
 CONFIG = dataclasses.replace(GPT_CONFIG, dropout=0.1)
 SAVED_AT = 2  # steps before the checkpoint
-RESUMED = 2  # steps after it
+RESUMED = 3  # steps after it
 OTHER_CUT = ("blocks.1",)  # a cut no balanced compile of 2 stages makes
 
 

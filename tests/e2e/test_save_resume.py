@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import zbcompile
-from helpers import checkpoint_workers as workers
+from helpers import save_resume_workers as workers
 from helpers.models import build
 from helpers.multiprocess import Failed, run_ranks
 from zbcompile import checkpoint
@@ -57,7 +57,9 @@ def _assert_equal(actual: dict[str, dict], expected: dict[str, dict], what: str)
 
 
 def test_loads_at_two_ranks_under_another_schedule_and_cut(saved_run):
-    _, per_rank, _ = saved_run
+    directory, per_rank, _ = saved_run
+    written = sorted(f for f in os.listdir(os.path.join(directory, "a")) if f.endswith(".distcp"))
+    assert written == ["__0_0.distcp", "__1_0.distcp"], written  # every rank wrote its own part
     saved = _merged(per_rank, "saved")
     for r, result in enumerate(per_rank):
         _assert_equal(result["b_loaded"], saved, f"rank {r}, 1F1B")
