@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -56,10 +57,12 @@ def main(directory: str) -> None:
     for step in range(start, STEPS):
         if attempt == 0 and rank == 1 and step == KILLED_AT:
             die_in_forward(pipe)
+        started = time.monotonic()
         try:
             train(pipe, opt, step, 1)
         except Exception as error:
-            print(f"rank {rank} failed in step {step}: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+            seconds = time.monotonic() - started
+            print(f"rank {rank} failed in step {step} after {seconds:.1f} s: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
             raise
         if (step + 1) % CHECKPOINT_EVERY == 0:
             checkpoint.save(os.path.join(checkpoints, f"step_{step + 1}"), pipe, opt, next_step=step + 1)
