@@ -33,11 +33,14 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.seq_len), generator=generator) for _ in range(2))
 
 
-def make_run(seed: int, stages: int = 2, **options: Any) -> tuple[Any, Any]:
-    """(pipe, optimizer) for a model initialised from `seed`, compiled (distributed: placed)."""
+def make_run(seed: int, stages: int = 2, meta: bool = False, **options: Any) -> tuple[Any, Any]:
+    """(pipe, optimizer) for a model initialised from `seed` (built on the meta device: each rank
+    materialises its stages' parameters), compiled (distributed: placed)."""
     torch.manual_seed(seed)
+    with torch.device("meta" if meta else "cpu"):
+        model = GPT(CONFIG)
     pipe = zbcompile.pipeline(
-        GPT(CONFIG), stages=stages, microbatches=4, loss_fn=lm_loss, timeout=60, solver_time_budget=0, **options
+        model, stages=stages, microbatches=4, loss_fn=lm_loss, timeout=60, solver_time_budget=0, **options
     )
     pipe.compile(batch(0)[0], target=batch(0)[1])
     inner = torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1)
@@ -112,7 +115,11 @@ def save_resume_and_die_saving(directory: str) -> dict:
 
 
 def load_on_four(directory: str) -> dict:
-    """Load checkpoint "a" (saved at 2 ranks) into a pipeline of 4 stages on 4 ranks."""
-    pipe, opt = make_run(3, stages=4, schedule="1f1b")
+    """Load checkpoint "a" (saved at 2 ranks) into a pipeline of 4 stages on 4 ranks, its model
+    built on the meta device; then one step (every tensor a rank uses was filled)."""
+    pipe, opt = make_run(3, stages=4, meta=True, schedule="1f1b")
     extra = checkpoint.load(os.path.join(directory, "a"), pipe, opt)
-    return {"loaded": snapshot(pipe, opt), "extra": extra, "step_count": pipe.step_count}
+    result = {"loaded": snapshot(pipe, opt), "extra": extra, "step_count": pipe.step_count}
+    train(pipe, opt, SAVED_AT, 1)
+    opt.close()  # validates the step; its last messages have left before the process group goes
+    return result

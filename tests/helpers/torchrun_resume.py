@@ -47,6 +47,7 @@ def main(directory: str) -> None:
         torch.manual_seed(SEED + rank)
         train(pipe, opt, 0, STEPS)
         torch.save(snapshot(pipe, opt), os.path.join(directory, f"uninterrupted{rank}.pt"))
+        opt.close()
     pipe, opt = make_run(0)
     torch.manual_seed(SEED + rank)
     checkpoints = os.path.join(directory, "checkpoints")
@@ -67,6 +68,7 @@ def main(directory: str) -> None:
         if (step + 1) % CHECKPOINT_EVERY == 0:
             checkpoint.save(os.path.join(checkpoints, f"step_{step + 1}"), pipe, opt, next_step=step + 1)
     torch.save(snapshot(pipe, opt), os.path.join(directory, f"resumed{rank}.pt"))
+    opt.close()  # the last messages have left before the process group goes
     dist.destroy_process_group()
 
 
