@@ -20,10 +20,11 @@ A post-validated optimizer's pending step is validated before saving (`finish()`
 `pipe.step()` would do first), so the checkpoint holds final state and resuming gives the same
 bits. Loading reads from the checkpoint what this rank holds, whatever the layout it was saved
 on (one process, another schedule or cut, more or fewer ranks: DCP reads each rank's entries
-wherever they were written, and would reshard DTensor entries the same way). The RNG states, the schedule in use and its costs are restored where they apply: a rank's
-RNG states where the checkpoint has that rank, the schedule where the pipeline runs the same
-schedule option on the same cut and ranks (so dropout draws, measured costs and the schedule do
-not change the bits of a resumed run).
+wherever they were written, and would reshard DTensor entries the same way). The RNG states,
+the schedule in use and its costs are restored where they apply: a rank's RNG states where the
+checkpoint has that rank, the schedule where the pipeline runs the same schedule option on the
+same cut and ranks (so dropout draws, measured costs and the schedule do not change the bits of
+a resumed run).
 
 A checkpoint is complete once its directory bears its final name: every rank writes into
 `<path>.partial`; after DCP has written every part and its metadata (DCP writes `.metadata`
@@ -184,7 +185,10 @@ def _inner(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer itself (zbcompile's post-validated and synchronous-clip wrappers hold one)."""
     inner = getattr(optimizer, "optimizer", optimizer)
     if not isinstance(inner, torch.optim.Optimizer):
-        raise TypeError(f"checkpoint: optimizer must be a torch.optim.Optimizer or a zbcompile wrapper of one, got {type(optimizer).__name__}")
+        raise TypeError(
+            "checkpoint: optimizer must be a torch.optim.Optimizer or a zbcompile wrapper of one, "
+            f"got {type(optimizer).__name__}"
+        )
     return inner
 
 
@@ -279,7 +283,8 @@ def _require(saved: set[str], state: dict[str, Any], path: str) -> None:
     wanted += [f"optimizer.{k}" for k in state.get("optimizer", {})]
     missing = [k for k in wanted if k not in saved]
     if missing:
-        what = "optimizer state (saved without an optimizer?)" if all(k.startswith("optimizer.") for k in missing) else "entries"
+        only_optimizer = all(k.startswith("optimizer.") for k in missing)
+        what = "optimizer state (saved without an optimizer?)" if only_optimizer else "entries"
         raise ValueError(
             f"checkpoint {path!r} lacks {len(missing)} {what} this rank needs, e.g. {missing[:5]}; load it into "
             "the model it was saved from (the same parameter names), and pass optimizer= only if save() had one"

@@ -86,7 +86,8 @@ def test_resumed_run_is_bitwise_the_uninterrupted_one(saved_run):
     _, per_rank, _ = saved_run
     for r, result in enumerate(per_rank):
         _assert_equal(result["b_resumed"], result["uninterrupted"], f"rank {r}, resumed")
-        moved = [n for n, p in result["uninterrupted"]["params"].items() if not torch.equal(p, result["saved"]["params"][n])]
+        saved = result["saved"]["params"]
+        moved = [n for n, p in result["uninterrupted"]["params"].items() if not torch.equal(p, saved[n])]
         assert moved, "the steps after the save changed nothing"
 
 

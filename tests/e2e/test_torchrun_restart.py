@@ -39,16 +39,20 @@ def test_a_rank_killed_mid_step_restarts_from_the_latest_checkpoint_bitwise(tmp_
     assert done.returncode == 0, done.stderr[-4000:]
 
     survivor = _log(logs, 0, 0, "stderr")
-    failure = re.search(rf"rank 0 failed in step {torchrun_resume.KILLED_AT} after ([0-9.]+) s: PeerError: (.*)", survivor)
+    pattern = rf"rank 0 failed in step {torchrun_resume.KILLED_AT} after ([0-9.]+) s: PeerError: (.*)"
+    failure = re.search(pattern, survivor)
     assert failure, survivor[-3000:]
     assert float(failure[1]) < 60, failure[0]  # the pipeline's timeout: a dead peer's socket fails at once
     assert "with rank 1 (peer rank 1 may have died" in failure[2], failure[0]
     step = torchrun_resume.KILLED_AT // torchrun_resume.CHECKPOINT_EVERY * torchrun_resume.CHECKPOINT_EVERY
     for rank in range(2):
         assert f"rank {rank}: attempt 1 resumed from step_{step}" in _log(logs, 1, rank, "stdout")
-        uninterrupted, resumed = (torch.load(tmp_path / f"{run}{rank}.pt", weights_only=False) for run in ("uninterrupted", "resumed"))
+        uninterrupted, resumed = (
+            torch.load(tmp_path / f"{run}{rank}.pt", weights_only=False) for run in ("uninterrupted", "resumed")
+        )
         for part in ("params", "optimizer"):
             assert uninterrupted[part].keys() == resumed[part].keys()
             for name, value in uninterrupted[part].items():
-                same = torch.equal(value, resumed[part][name]) if isinstance(value, torch.Tensor) else value == resumed[part][name]
+                other = resumed[part][name]
+                same = torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
                 assert same, f"rank {rank}: {part} {name}"

@@ -58,7 +58,8 @@ def train(pipe: Any, optimizer: Any, first: int, count: int) -> None:
 def snapshot(pipe: Any, optimizer: Any) -> dict[str, dict[str, Any]]:
     """This process's parameters and optimizer state by FQN (the optimizer's last step validated)."""
     optimizer.finish()
-    flat = get_optimizer_state_dict(pipe.module, optimizer.optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    flat = get_optimizer_state_dict(pipe.module, optimizer.optimizer, options=options)
     return {
         "params": {n: p.detach().clone() for n, p in pipe.named_parameters()},
         "optimizer": {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in flat.items()},

@@ -63,7 +63,8 @@ def main(directory: str) -> None:
             train(pipe, opt, step, 1)
         except Exception as error:
             seconds = time.monotonic() - started
-            print(f"rank {rank} failed in step {step} after {seconds:.1f} s: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+            message = f"rank {rank} failed in step {step} after {seconds:.1f} s: {type(error).__name__}: {error}"
+            print(message, file=sys.stderr, flush=True)
             raise
         if (step + 1) % CHECKPOINT_EVERY == 0:
             checkpoint.save(os.path.join(checkpoints, f"step_{step + 1}"), pipe, opt, next_step=step + 1)
