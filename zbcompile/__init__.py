@@ -27,10 +27,13 @@ _MODULE_OF = {
     "defer_weight_grads": "zbcompile.backend",
     "take_weight_grads": "zbcompile.backend",
 }
-__all__ = sorted(_MODULE_OF)
+_SUBMODULES = ("checkpoint",)  # zbcompile.checkpoint.save / load / latest
+__all__ = sorted((*_MODULE_OF, *_SUBMODULES))
 
 
 def __getattr__(name: str) -> Any:
     if name in _MODULE_OF:
         return getattr(importlib.import_module(_MODULE_OF[name]), name)
+    if name in _SUBMODULES:
+        return importlib.import_module(f"zbcompile.{name}")
     raise AttributeError(f"module 'zbcompile' has no attribute {name!r}")

@@ -135,6 +135,7 @@ class PipelinedModule:
         # at the start of every step() (optimizer post-validation finishes its last step there); before state_dict()
         self.pre_step_hooks: list[Callable[[], None]] = []
         self.state_dict_hooks: list[Callable[[], None]] = []
+        self.step_count = 0  # steps run (`step()` calls); zbcompile.checkpoint saves and restores it
 
     @property
     def options(self) -> PipelineOptions:
@@ -162,6 +163,7 @@ class PipelinedModule:
         losses = runner.step(feeds, targets)
         accumulate_grads(self.module, runner.reduce_grads())
         self.measured_costs = built.after_step(self.measured_costs)
+        self.step_count += 1
         return torch.stack(losses).mean().detach() if losses is not None else None
 
     def compile(self, *inputs: Any, target: Any = None, **kwargs: Any) -> "PipelinedModule":
@@ -227,6 +229,11 @@ class PipelinedModule:
         for hook in self.state_dict_hooks:
             hook()
         return self._builder.owned_only(self.module.state_dict(*args, **kwargs))
+
+    def held_state_dict(self) -> dict[str, Any]:
+        """The module's state-dict entries this process holds (what `load_state_dict` fills here;
+        every alias of a tied weight on every rank that uses it): all of them in one process."""
+        return self._builder.held_only_entries(self.module.state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
         """Copy this process's entries of any state dict holding them (`Builder.load_state_dict`)."""

@@ -322,6 +322,15 @@ class Builder:
         aliases = placement.canonical_names(self.module)
         return {k: v for k, v in state_dict.items() if aliases.get(k, k) in owned}
 
+    def held_only_entries(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The entries of the module's `state_dict` whose tensors this process holds (every alias
+        of a tied weight on every rank that uses it): all of them in one process, or before a
+        distributed compile placed the parameters."""
+        if self.held is None:
+            return state_dict
+        aliases = placement.canonical_names(self.module)
+        return {k: v for k, v in state_dict.items() if aliases.get(k, k) in self.held}
+
     def _held_names(self) -> set[str] | None:
         """FQNs this rank holds (None: all of them, in one process)."""
         if not self.distributed:

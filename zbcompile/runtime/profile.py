@@ -138,6 +138,23 @@ class CostTuner:
         """A solve has started and its outcome is not taken yet (the same on every rank)."""
         return self._solving is not None
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the costs the running schedule was solved with and the
+        decisions so far (a solve in flight is not kept: it starts again after a load)."""
+        return {
+            "measured": self.measured, "predicted_span": self.predicted_span, "resolves": self.resolves,
+            "drift_resolves": self.drift_resolves, "history": list(self.history),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state_dict()`'s record: a warm-up step, then drift checks against the
+        saved costs (calibrated again on this run's first window), or the first measurement
+        where nothing was measured yet."""
+        self.measured, self.predicted_span = state["measured"], state["predicted_span"]
+        self.resolves, self.drift_resolves = state["resolves"], state["drift_resolves"]
+        self.history = list(state["history"])
+        self.reference, self._steps, self._window, self._solving = None, 0, [], None
+
     def after_step(self, runner: DistributedRunner) -> Schedule | None:
         """Record the step `runner` just ran; returns the schedule to run from the next step on,
         when this step is a switch (the same on every rank), else None."""

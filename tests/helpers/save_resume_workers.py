@@ -1,0 +1,126 @@
+"""What each rank runs in the checkpoint tests (importable by spawned processes), and the run
+they share: a small GPT with dropout and tied embeddings, AdamW with weight decay behind the
+post-validated optimizer (clipping at 0.5), a deterministic batch per step."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+import zbcompile
+from helpers.models import BATCH, GPT_CONFIG
+from zbcompile import checkpoint
+from zbcompile.models import GPT
+from zbcompile.models.gpt import lm_loss
+from zbcompile.schedules import make_schedule
+
+CONFIG = dataclasses.replace(GPT_CONFIG, dropout=0.1)
+SAVED_AT = 2  # steps before the checkpoint
+RESUMED = 3  # steps after it
+OTHER_CUT = ("blocks.1",)  # a cut no balanced compile of 2 stages makes
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch of training step `step` (tokens, next tokens)."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    return tuple(torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.seq_len), generator=generator) for _ in range(2))
+
+
+def make_run(seed: int, stages: int = 2, meta: bool = False, **options: Any) -> tuple[Any, Any]:
+    """(pipe, optimizer) for a model initialised from `seed` (built on the meta device: each rank
+    materialises its stages' parameters), compiled (distributed: placed)."""
+    torch.manual_seed(seed)
+    with torch.device("meta" if meta else "cpu"):
+        model = GPT(CONFIG)
+    pipe = zbcompile.pipeline(
+        model, stages=stages, microbatches=4, loss_fn=lm_loss, timeout=60, solver_time_budget=0, **options
+    )
+    pipe.compile(batch(0)[0], target=batch(0)[1])
+    inner = torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1)
+    return pipe, zbcompile.PostValidatedOptimizer(inner, pipe, max_norm=0.5)
+
+
+def train(pipe: Any, optimizer: Any, first: int, count: int) -> None:
+    for step in range(first, first + count):
+        tokens, target = batch(step)
+        pipe.step(tokens, target=target)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def snapshot(pipe: Any, optimizer: Any) -> dict[str, dict[str, Any]]:
+    """This process's parameters and optimizer state by FQN (the optimizer's last step validated)."""
+    optimizer.finish()
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    flat = get_optimizer_state_dict(pipe.module, optimizer.optimizer, options=options)
+    return {
+        "params": {n: p.detach().clone() for n, p in pipe.named_parameters()},
+        "optimizer": {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in flat.items()},
+    }
+
+
+def save_resume_and_die_saving(directory: str) -> dict:
+    """Run A: SAVED_AT steps (default schedule, costs measured), checkpoint "a", RESUMED more
+    steps. Run B (another init, 1F1B) loads "a" and runs the same RESUMED steps; run C (another
+    cut) loads it. Results go to `directory/rank<r>.pt`; then rank 1 is killed while writing
+    checkpoint "b", and rank 0 returns the error it got and the seconds it took."""
+    rank = dist.get_rank()
+    pipe, opt = make_run(0)
+    train(pipe, opt, 0, SAVED_AT)
+    in_use = make_schedule("zb-h1", 2, 4)  # as if measured costs had re-solved zb-auto's schedule
+    pipe.runner.reschedule(in_use)
+    measured = {"measured": pipe.compiled.schedule_costs(), "predicted_span": 1.0, "resolves": 1, "drift_resolves": 0}
+    pipe.tuner.load_state_dict({**measured, "history": [{"step": 1, "event": "switched"}]})
+    checkpoint.save(os.path.join(directory, "a"), pipe, opt, next_step=SAVED_AT, note=f"saved by rank {rank}")
+    result = {"saved": snapshot(pipe, opt), "saved_tuner": pipe.tuner.state_dict()}
+    train(pipe, opt, SAVED_AT, RESUMED)
+    result["uninterrupted"] = snapshot(pipe, opt)
+
+    torch.manual_seed(99)  # a process whose RNG went elsewhere meanwhile
+    b_pipe, b_opt = make_run(1, schedule="1f1b")
+    result["b_extra"] = checkpoint.load(os.path.join(directory, "a"), b_pipe, b_opt)
+    result["b_step_count"] = b_pipe.step_count
+    result["b_loaded"] = snapshot(b_pipe, b_opt)
+    train(b_pipe, b_opt, SAVED_AT, RESUMED)
+    result["b_resumed"] = snapshot(b_pipe, b_opt)
+
+    c_pipe, c_opt = make_run(2, split_points=OTHER_CUT)
+    checkpoint.load(os.path.join(directory, "a"), c_pipe, c_opt)
+    result["c_loaded"] = snapshot(c_pipe, c_opt)
+    result["c_schedule"] = c_pipe.schedule.name  # another cut: its own schedule
+
+    d_pipe, d_opt = make_run(3)  # A's layout: the schedule in use and its tuner come back
+    result["d_static_schedule"] = d_pipe.schedule.name
+    checkpoint.load(os.path.join(directory, "a"), d_pipe)
+    result["d_schedule_restored"] = d_pipe.schedule.actions == in_use.actions
+    result["d_tuner"] = d_pipe.tuner.state_dict()
+    torch.save(result, os.path.join(directory, f"rank{rank}.pt"))
+
+    dist.barrier()
+    if rank == 1:  # dies in the middle of writing its part of checkpoint "b"
+        writer = torch.distributed.checkpoint.FileSystemWriter
+        writer.write_data = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+    started = time.monotonic()
+    try:
+        checkpoint.save(os.path.join(directory, "b"), pipe, opt, next_step=SAVED_AT + RESUMED)
+    except Exception as error:  # noqa: BLE001 - the test reads the message
+        return {"error": f"{type(error).__name__}: {error}", "seconds": time.monotonic() - started}
+    return {"error": None, "seconds": time.monotonic() - started}
+
+
+def load_on_four(directory: str) -> dict:
+    """Load checkpoint "a" (saved at 2 ranks) into a pipeline of 4 stages on 4 ranks, its model
+    built on the meta device; then one step (every tensor a rank uses was filled)."""
+    pipe, opt = make_run(3, stages=4, meta=True, schedule="1f1b")
+    extra = checkpoint.load(os.path.join(directory, "a"), pipe, opt)
+    result = {"loaded": snapshot(pipe, opt), "extra": extra, "step_count": pipe.step_count}
+    train(pipe, opt, SAVED_AT, 1)
+    opt.close()  # validates the step; its last messages have left before the process group goes
+    return result
