@@ -23,7 +23,7 @@ from zbcompile.runtime.distributed import DistributedRunner, Layout, make_layout
 from zbcompile.runtime.local import LocalRunner
 from zbcompile.runtime.p2p import device_for
 from zbcompile.runtime.runner import Runner
-from zbcompile.schedules import Costs, Schedule, make_schedule, schedule_spec
+from zbcompile.schedules import Costs, Schedule, make_schedule, pipeline_ranks, schedule_label, schedule_spec
 from zbcompile.schedules.costs import ResolvedCosts, resolve_costs
 from zbcompile.schedules.memory_limit import (
     DEFAULT_LIMIT_RULE,
@@ -86,8 +86,8 @@ class Builder:
         ranks of `process_group`, the world by default)."""
         if self._layout is None:
             o = self.options
-            pp_size = schedule_spec(o.schedule).ranks(o.stages)
-            self._layout = make_layout(pp_size, self.device(), f"schedule {o.schedule!r} with stages={o.stages}", o.process_group)
+            pp_size = pipeline_ranks(o.schedule, o.stages)
+            self._layout = make_layout(pp_size, self.device(), f"schedule {schedule_label(o.schedule)} with stages={o.stages}", o.process_group)
         return self._layout
 
     def device(self) -> torch.device:
@@ -120,10 +120,10 @@ class Builder:
             raise RuntimeError("the pipeline compiles on the first step() or compile(); call one of them first")
         return self.builds[self._last_key]
 
-    def reschedule(self, schedule: str, memory_limit: Any) -> None:
-        """Run `schedule` under `memory_limit` from the next step on in every compile. With
-        recompute="auto" the recomputation chosen at compile stays, and so does the limit where
-        `memory_limit` is None."""
+    def reschedule(self, schedule: str | Schedule, memory_limit: Any) -> None:
+        """Run `schedule` (a name, or a `Schedule` checked against each compile) under
+        `memory_limit` from the next step on in every compile. With recompute="auto" the
+        recomputation chosen at compile stays, and so does the limit where `memory_limit` is None."""
         if memory_limit is None and self.options.recompute == "auto":
             memory_limit = self.options.memory_limit
         self.options = replace(self.options, schedule=schedule, memory_limit=memory_limit)
@@ -131,7 +131,7 @@ class Builder:
             new = self.schedule(built.compiled)
             if new.stages != len(built.compiled.programs):
                 raise ValueError(
-                    f"schedule {schedule!r} runs {new.stages} stages, but this pipeline was compiled in "
+                    f"schedule {schedule_label(schedule)} runs {new.stages} stages, but this pipeline was compiled in "
                     f"{len(built.compiled.programs)} (zb-auto chose a V of two chunks per rank under its memory_limit); "
                     "build a new pipeline for it"
                 )
@@ -238,7 +238,9 @@ class Builder:
             name=o.schedule, stages=o.stages, microbatches=o.microbatches, costs=costs, memory_limit=limit,
             time_budget=o.solver_time_budget, objective=o.objective, placements=placements,
         )
-        if self._is_v_compile(compiled):
+        if isinstance(o.schedule, Schedule):  # run as given: checked against the compiled stages
+            arguments["stages"] = len(compiled.programs)
+        elif self._is_v_compile(compiled):
             chunks = resolve_costs(costs, len(compiled.programs))
             arguments.update(costs=chunks.merged(2), chunk_costs=chunks, placements=("v",))
         if limit is None:
@@ -261,7 +263,8 @@ class Builder:
         the schedule table says the schedule measures them, without given costs)."""
         wanted = self.options.profile
         if wanted is None:
-            wanted = schedule_spec(self.options.schedule).measures_costs and self.options.costs is None
+            given = isinstance(self.options.schedule, Schedule)  # nothing to re-solve
+            wanted = not given and schedule_spec(self.options.schedule).measures_costs and self.options.costs is None
         if not wanted or not self.distributed:
             return None
         solve_arguments = functools.partial(self.solve_arguments, compiled=compiled)
@@ -356,7 +359,7 @@ class Builder:
         layout = self.layout()
         if schedule.ranks != layout.pp_size:
             raise ValueError(
-                f"schedule {schedule.name!r} runs on {schedule.ranks} ranks per pipeline, but this pipeline was laid "
+                f"schedule {schedule_label(schedule)} runs on {schedule.ranks} ranks per pipeline, but this pipeline was laid "
                 f"out for {layout.pp_size}; build a new pipeline for it"
             )
         local_stages = schedule.stages_on(layout.pp_rank)
