@@ -9,22 +9,29 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import zbcompile
-from helpers.models import BatchNormConvNet, build, image_batch
-from zbcompile.schedules import schedule_spec
+from helpers.models import BatchNormConvNet, batch_for, build, image_batch
+from zbcompile.schedules import Schedule, schedule_spec
 
 
-def one_step(runs: list[tuple[str, str, int, int]]) -> dict:
-    """For each (model, schedule, stages, microbatches): one step; returns per run the loss
-    (None off the last stage), this rank's reported gradients and state-dict keys, and the
-    parameter bytes it holds. Consecutive runs of one model whose schedules place the stages alike
-    share one compiled pipeline (`set_schedule`)."""
+def _placement(schedule: str | Schedule, stages: int) -> tuple:
+    """Where `schedule` (a name or a given Schedule) runs each stage, and whether it is mirrored."""
+    if isinstance(schedule, Schedule):
+        return schedule.stage_to_rank, schedule.mirrored_from is not None
+    spec = schedule_spec(schedule)
+    return spec.placement(stages), spec.mirrored
+
+
+def one_step(runs: list[tuple[str, str | Schedule, int, int]]) -> dict:
+    """For each (model, schedule, stages, microbatches): one step on `batch_for(microbatches)`
+    rows; returns per run the loss (None off the last stage), this rank's reported gradients and
+    state-dict keys, and the parameter bytes it holds. Consecutive runs of one model whose
+    schedules place the stages alike share one compiled pipeline (`set_schedule`)."""
     results = {}
     pipe, previous = None, None
     for name, schedule, stages, microbatches in runs:
-        spec = schedule_spec(schedule)
-        placement = (name, stages, microbatches, spec.placement(stages), spec.mirrored)
+        placement = (name, stages, microbatches, *_placement(schedule, stages))
         if placement != previous:
-            case = build(name)
+            case = build(name, batch=batch_for(microbatches))
             pipe = zbcompile.pipeline(
                 case.model, stages=stages, microbatches=microbatches, loss_fn=case.loss_fn,
                 schedule=schedule, timeout=60, solver_time_budget=0.5,

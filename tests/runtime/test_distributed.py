@@ -4,15 +4,16 @@ model; optimizer steps, state dicts, data parallelism, meta-device models, failu
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 import torch
 
 import zbcompile
 from helpers import distributed_workers as workers
-from helpers.models import NAMES, build
+from helpers.models import NAMES, batch_for, build
 from helpers.multiprocess import Failed, run_ranks
-from zbcompile.schedules import Action, make_schedule, schedule_spec
+from zbcompile.schedules import Action, Schedule, make_schedule, schedule_spec
 
 pytestmark = pytest.mark.xdist_group("distributed")
 
@@ -24,6 +25,10 @@ MORE_TWO_CHUNK = ("looped-bfs", "v-min", "v-half", "v-zb", "dualpipev")
 # two copies of the pipeline, each rank holds a stage of each: like MORE_TWO_CHUNK
 MIRRORED = ("dualpipe",)
 SMALLEST = "mlp"
+# torch's DualPipeV on 4 ranks, 10 microbatches, from torch's own tests (tests/data/README.md)
+TORCH_DUALPIPEV = Schedule.from_csv(
+    (Path(__file__).parents[1] / "data" / "dualpipev_4rank_10mb.csv").read_text(), name="torch-dualpipev-4rank-10mb"
+)
 
 
 def _runs(ranks: int) -> list[tuple[str, str, int, int]]:
@@ -35,6 +40,8 @@ def _runs(ranks: int) -> list[tuple[str, str, int, int]]:
         more = MORE_TWO_CHUNK + MIRRORED if ranks == 2 or name == SMALLEST else ()
         schedules = sorted(SINGLE_CHUNK + TWO_CHUNK + more, key=lambda s: (schedule_spec(s).placement(2 * ranks), schedule_spec(s).mirrored))
         runs += [(name, s, ranks * schedule_spec(s).chunks_per_rank, 4) for s in schedules]
+    if ranks == TORCH_DUALPIPEV.ranks:  # a schedule given in torch's CSV format
+        runs.append((SMALLEST, TORCH_DUALPIPEV, TORCH_DUALPIPEV.stages, TORCH_DUALPIPEV.microbatches))
     return runs
 
 
@@ -49,8 +56,8 @@ def battery(request):
     return request.param, _battery(request.param)
 
 
-def _reference(name: str):
-    case = build(name)
+def _reference(name: str, microbatches: int = 4):
+    case = build(name, batch=batch_for(microbatches))
     loss = case.eager_loss()
     loss.backward()
     return case, loss
@@ -70,8 +77,8 @@ def _merged(per_rank: list[dict], key: tuple, field: str) -> dict:
 def test_gradients_equal_eager_for_every_model_and_schedule(battery):
     ranks, per_rank = battery
     for name in NAMES:
-        case, loss = _reference(name)
         for key in [k for k in per_rank[0] if k[0] == name]:
+            case, loss = _reference(name, key[3])
             losses = [r[key]["loss"] for r in per_rank if r[key]["loss"] is not None]
             assert len(losses) == 1, f"{key}: the loss must be returned on exactly one rank"
             torch.testing.assert_close(losses[0], loss.detach(), rtol=1e-5, atol=1e-6, msg=f"{key} loss")
@@ -89,12 +96,33 @@ def test_gradients_bitwise_equal_across_schedules(battery):
     ranks, per_rank = battery
     for name in NAMES:
         for stages, first_schedule in ((ranks, "1f1b"), (2 * ranks, "interleaved-1f1b")):
-            keys = [k for k in per_rank[0] if k[0] == name and k[2] == stages and not schedule_spec(k[1]).mirrored]
+            keys = [
+                k for k in per_rank[0]
+                if k[0] == name and k[2] == stages and isinstance(k[1], str) and not schedule_spec(k[1]).mirrored
+            ]
             grads = {k[1]: _merged(per_rank, k, "grads") for k in keys}
             first = grads[first_schedule]
             for schedule, other in grads.items():
                 for fqn in first:
                     assert torch.equal(first[fqn], other[fqn]), f"{name}: {fqn} differs between {first_schedule} and {schedule}"
+
+
+def test_torch_dualpipev_csv_runs_on_four_ranks():
+    """torch's own DualPipeV file, read with Schedule.from_csv and given to pipeline(): every rank
+    runs its row's actions (an OVERLAP_F_B pair as its two actions), and loss and gradients equal
+    eager's."""
+    per_rank = _battery(TORCH_DUALPIPEV.ranks)
+    key = (SMALLEST, TORCH_DUALPIPEV, TORCH_DUALPIPEV.stages, TORCH_DUALPIPEV.microbatches)
+    for rank, result in enumerate(per_rank):
+        assert sorted(a for a, _, _ in result[key]["timeline"]) == sorted(map(str, TORCH_DUALPIPEV.actions[rank]))
+    case, loss = _reference(SMALLEST, TORCH_DUALPIPEV.microbatches)
+    losses = [r[key]["loss"] for r in per_rank if r[key]["loss"] is not None]
+    assert len(losses) == 1
+    torch.testing.assert_close(losses[0], loss.detach(), rtol=1e-5, atol=1e-6)
+    grads = _merged(per_rank, key, "grads")
+    assert grads.keys() == dict(case.model.named_parameters()).keys()
+    for fqn, param in case.model.named_parameters():
+        torch.testing.assert_close(grads[fqn], param.grad, rtol=1e-5, atol=1e-6, msg=fqn)
 
 
 def test_gathered_state_dict_loads_strictly(battery):
