@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from zbcompile import auto_recompute
 from zbcompile.compiler import CompiledPipeline, compile_pipeline
 from zbcompile.inspect.write import CompileDump, start_dump
+from zbcompile.passes.graph_cost import FLOPS_PER_BYTE
 from zbcompile.runtime import batch, placement, profile
 from zbcompile.runtime.distributed import DistributedRunner, Layout, make_layout
 from zbcompile.runtime.local import LocalRunner
@@ -139,24 +140,10 @@ class Builder:
             self.builds[key] = replace(built, tuner=self.tuner(built.compiled))
 
     def build(self, example: tuple, example_target: Any) -> Build:
-        """Compile for microbatches like `example` ((args, kwargs)) and `example_target`. Where
-        zb-auto puts two chunks per rank in a V (a memory limit below 1F1B's), the model is
-        compiled again in twice the stages, its memory still counted in the first compile's unit,
-        and the V schedule re-solved on the chunks' own costs."""
+        """Compile for microbatches like `example` ((args, kwargs)) and `example_target`, in the
+        placement zb-auto chooses (`_placed`)."""
         o = self.options
-        compiled = self._compile(example, example_target, o.stages)
-        # a V answers a memory limit the user set; recompute="auto" and split points fix one stage per rank
-        offer_v = o.memory_limit is not None and o.recompute != "auto" and o.split_points is None
-        schedule = self.schedule(compiled, PLACEMENTS if offer_v else ("in-line",))
-        if schedule.stages != len(compiled.programs):
-            compiled = self._compile(example, example_target, schedule.stages, memory_unit_bytes=compiled.memory_unit())
-            try:
-                schedule = self.schedule(compiled)
-            except ValueError as error:
-                raise ValueError(
-                    f"zb-auto chose a V of {schedule.stages} chunks under memory_limit {o.memory_limit!r} with each chunk "
-                    f"estimated as half a stage, but the chunks as compiled do not fit it ({error}); raise the limit"
-                ) from error
+        compiled, schedule = self._placed(self._compile(example, example_target, o.stages), example, example_target)
         compiled = compile_stage_programs(compiled, o.compiler)
         device = self.device() if self.distributed else None
         if self.distributed:
@@ -166,6 +153,33 @@ class Builder:
             runner = LocalRunner(compiled, schedule, self.state())
         tuner = self.tuner(compiled)
         return Build(compiled, runner, tuner, start_dump(o.dump_dir, compiled, schedule, o, runner))
+
+    def _placed(self, compiled: CompiledPipeline, example: tuple, example_target: Any) -> tuple[CompiledPipeline, Schedule]:
+        """`compiled` (one stage per rank) and its schedule; or, where zb-auto predicts a V of two
+        chunks per rank faster by its objective with each chunk estimated as half a stage (or the
+        V alone fits the memory limit), the model compiled again in twice the stages, its memory
+        still counted in the first compile's unit, with the V solved on the chunks' own costs, if
+        it is still faster than one stage per rank. recompute="auto" and split points keep one
+        stage per rank; so does a model that does not cut into twice the stages."""
+        o = self.options
+        offer_v = o.recompute != "auto" and o.split_points is None
+        schedule = self.schedule(compiled, PLACEMENTS if offer_v else ("in-line",))
+        if schedule.stages == len(compiled.programs):
+            return compiled, schedule
+        in_line_value = schedule.info.get("in_line_value")  # None: no schedule of one stage per rank fits
+        try:
+            chunks = self._compile(example, example_target, schedule.stages, memory_unit_bytes=compiled.memory_unit())
+            v_schedule = self.schedule(chunks)
+        except ValueError as error:
+            if in_line_value is not None:  # the model does not cut into 2p chunks, or they do not fit
+                return compiled, self.schedule(compiled)
+            raise ValueError(
+                f"zb-auto chose a V of {schedule.stages} chunks under memory_limit {o.memory_limit!r} with each chunk "
+                f"estimated as half a stage, but the chunks as compiled do not fit it ({error}); raise the limit"
+            ) from error
+        if in_line_value is not None and v_schedule.info["value"] >= in_line_value:
+            return compiled, self.schedule(compiled).with_info(v_value=v_schedule.info["value"])
+        return chunks, v_schedule.with_info(in_line_value=in_line_value)
 
     def _compile(self, example: tuple, example_target: Any, stages: int, memory_unit_bytes: int | None = None) -> CompiledPipeline:
         """The model cut into `stages` stages (recompute="auto" applied), before the stage
@@ -190,7 +204,7 @@ class Builder:
         def solve() -> Schedule:
             given = self.options.costs
             try:
-                costs = compiled.schedule_costs() if given is None else self._per_compiled_stage(given, compiled)
+                costs = static_costs(compiled) if given is None else self._per_compiled_stage(given, compiled)
                 arguments = self.solve_arguments(costs, compiled, placements)
                 schedule = make_schedule(**arguments)
             except ValueError as error:
@@ -240,7 +254,9 @@ class Builder:
         )
         if isinstance(o.schedule, Schedule):  # run as given: checked against the compiled stages
             arguments["stages"] = len(compiled.programs)
-        elif self._is_v_compile(compiled):
+        elif "v" in placements and o.costs is None:  # on the compiler's costs, zb-auto weighs the V by time
+            arguments["v_always"] = True
+        if self._is_v_compile(compiled) and not isinstance(o.schedule, Schedule):
             chunks = resolve_costs(costs, len(compiled.programs))
             arguments.update(costs=chunks.merged(2), chunk_costs=chunks, placements=("v",))
         if limit is None:
@@ -388,3 +404,12 @@ class Builder:
         if move_others:
             self.held = set(held)
         return result
+
+
+def static_costs(compiled: CompiledPipeline) -> Costs:
+    """The compiler's estimates (`CompiledPipeline.schedule_costs`) with a message's time: the
+    largest boundary's bytes, written once by the sender and once by the receiver, in the same
+    FLOP-equivalents (`graph_cost.FLOPS_PER_BYTE`), so that the V's extra messages count."""
+    costs = compiled.schedule_costs()
+    largest = max(compiled.partition.boundary_bytes, default=0)
+    return replace(costs, comm=2 * FLOPS_PER_BYTE * largest)

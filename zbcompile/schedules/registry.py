@@ -50,6 +50,7 @@ class BuildRequest:
     started: float
     placements: tuple[str, ...] = ("in-line",)
     chunk_costs: ResolvedCosts | None = None  # a V result's chunks (None: ``costs.chunked(2)``)
+    v_always: bool = False  # zb-auto weighs the V by time under any limit, not only below 1F1B's memory
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,9 @@ def _build_zb_auto(r: BuildRequest) -> Schedule:
     def in_line() -> Schedule:
         return zb_auto(r.stages, r.microbatches, r.costs, r.limits, r.objective, r.time_budget, r.deterministic, r.started)
 
-    return choose_placement(in_line, r.stages, r.microbatches, r.costs, r.limits, r.objective, r.placements, r.chunk_costs)
+    return choose_placement(
+        in_line, r.stages, r.microbatches, r.costs, r.limits, r.objective, r.placements, r.chunk_costs, r.v_always
+    )
 
 
 SCHEDULES: Mapping[str, ScheduleSpec] = MappingProxyType({
@@ -201,6 +204,7 @@ def make_schedule(
     check: bool = True,
     placements: Sequence[str] = PLACEMENTS,
     chunk_costs: Costs | ResolvedCosts | None = None,
+    v_always: bool = False,
 ) -> Schedule:
     """Build, validate and return the schedule ``name`` (one of ``SCHEDULE_NAMES``). ``name`` may
     also be a ``Schedule`` (e.g. ``Schedule.from_csv(text)``): it is checked against ``stages``,
@@ -219,7 +223,8 @@ def make_schedule(
     ``stages`` ranks (``v_choice.choose_placement``; check ``sched.stages``); ``("in-line",)``
     keeps one stage per rank, the stages the caller compiled.
     ``chunk_costs``: the costs of those 2 x ``stages`` chunks where the caller compiled them
-    (default: ``costs`` cut in two, ``ResolvedCosts.chunked``).
+    (default: ``costs`` cut in two, ``ResolvedCosts.chunked``). ``v_always``: zb-auto weighs the V
+    against one stage per rank by the objective under any limit, or none (a pipeline's default).
     """
     if isinstance(name, Schedule):
         return _given(name, stages, microbatches, costs, memory_limit, check)
@@ -231,7 +236,9 @@ def make_schedule(
     started = time.perf_counter()
     limits = rank_limits(memory_limit, spec.ranks(stages)) if spec.solved else None
     chunks = None if chunk_costs is None else resolve_costs(chunk_costs, 2 * stages)
-    request = BuildRequest(stages, microbatches, sc, limits, objective, time_budget, deterministic, ranks, started, tuple(placements), chunks)
+    request = BuildRequest(
+        stages, microbatches, sc, limits, objective, time_budget, deterministic, ranks, started, tuple(placements), chunks, v_always
+    )
     sched = spec.build(request)
     sched = sched.with_info(solve_time_s=time.perf_counter() - started)
     if sched.stages != stages:  # zb-auto chose two chunks per rank: per-chunk costs
