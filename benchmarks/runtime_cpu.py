@@ -2,8 +2,10 @@
 on the same GPT, 2 gloo ranks with one thread each, m in {4, 8, 16} microbatches, in one run,
 and where the time goes.
 
-zbcompile's zb-auto runs with the pipeline's default options (it measures its costs over its
-first steps and re-solves, and follows readiness). Beside it, for the record of what each
+zbcompile's zb-auto runs with the pipeline's default options (the model cut where the compiler
+balances it, one stage per rank or two chunks per rank in a V, whichever it predicts faster; it
+measures its costs over its first steps and re-solves, and follows readiness); zbcompile's fixed
+schedules run on the hand cut torch's 1F1B and GPipe get (two stages at the middle block). Beside it, for the record of what each
 default brings: zb-auto(static costs) (`profile=False`) and zb-auto(plan order)
 (`follow_readiness=False`). torch: ScheduleGPipe, Schedule1F1B, ScheduleZBVZeroBubble and
 ScheduleDualPipeV (`--all` adds zbcompile's zb-h1 and torch's ScheduleInterleavedZeroBubble).
@@ -160,7 +162,7 @@ class ZbPipeline:
             microbatches=m,
             loss_fn=lm_loss,
             schedule=schedule,
-            split_points=[f"blocks.{settings.layers // 2}"],
+            split_points=None if schedule == "zb-auto" else [f"blocks.{settings.layers // 2}"],
             timeout=settings.timeout_s,
             **options,
         )
@@ -504,6 +506,7 @@ def predict(per_rank: list[dict], key, rounds: list[int]) -> dict:
     measured in `rounds`, and 1F1B simulated under the same costs: the most this schedule could
     gain over it between barriers (makespans) and back to back (spans, the steady-state gain)."""
     from zbcompile.schedules import make_schedule, simulate
+    from zbcompile.schedules.costs import resolve_costs
 
     schedule = per_rank[0]["zb"][key]["schedule"]
     durations, latencies, gaps, actions = _durations(per_rank, key, rounds)
@@ -511,7 +514,9 @@ def predict(per_rank: list[dict], key, rounds: list[int]) -> dict:
     medians = {k: _launch.median(v) for k, v in durations.items()}
     costs = _costs(medians, schedule.stages, comm)
     sim = simulate(schedule, costs)
-    one_f_one_b = simulate(make_schedule("1f1b", schedule.stages, schedule.microbatches, check=False), costs)
+    # 1F1B on the same ranks: a V's chunks 2r and 2r+1 make rank r's stage
+    in_line = resolve_costs(costs, schedule.stages).merged(schedule.stages // schedule.ranks)
+    one_f_one_b = simulate(make_schedule("1f1b", schedule.ranks, schedule.microbatches, check=False), in_line)
     return {
         "f_ms": [1e3 * x for x in costs.f],
         "b_ms": [1e3 * x for x in costs.i],
@@ -599,6 +604,7 @@ def analyse(per_rank: list[dict], settings: Settings, machine_before: dict, mach
                 row["captured_share"] = (row["vs_zbcompile_1f1b"] - 1) / (predicted - 1) if predicted > 1.005 else None
                 row["barrier_over_makespan"] = row["barrier_step_ms"] / prediction["makespan_ms"]
                 row["cost_source"] = zb["cost_source"]
+                row["placement"] = zb["schedule"].info.get("placement", "in-line")
                 row["switch_steps"] = zb["switch_steps"]
                 row["tuner_history"] = [r["zb"][key]["tuner_history"] for r in per_rank][0]
                 row["w_into_wait_per_step"] = [statistics.fmean(x["into_wait"] for x in r["zb"][key]["moved"]) for r in per_rank]
@@ -644,8 +650,8 @@ def report(data: dict) -> str:
         "",
         f"GPT (untied embeddings) vocab {s['vocab']}, seq {s['seq_len']}, hidden {s['hidden']}, heads {s['heads']}, "
         f"{s['layers']} layers; {sizing}; 2 gloo ranks, 1 thread each. zbcompile: 2 stages split at "
-        f"blocks.{s['layers'] // 2}; zb-auto with the pipeline's defaults (costs measured over its first steps, "
-        "readiness followed), zb-auto(static costs) with `profile=False`, zb-auto(plan order) with "
+        f"blocks.{s['layers'] // 2}; zb-auto with the pipeline's defaults (the compiler's cut, one stage per rank or "
+        "a V of two chunks per rank, costs measured over its first steps, readiness followed), zb-auto(static costs) with `profile=False`, zb-auto(plan order) with "
         "`follow_readiness=False`. torch: the same split for GPipe/1F1B, 4 chunks of "
         f"{s['layers'] // 4} block(s) for the 2-chunks-per-rank schedules.",
         f"{s['warmup']} warm-up steps per pipeline (untimed; zb-auto until it runs its measured schedule), then "
@@ -678,6 +684,8 @@ def report(data: dict) -> str:
     ))
     bests = sorted({(r["m"], r["torch_best"]) for r in rows})
     lines += ["", "torch best: " + ", ".join(f"m={m}: {a}" for m, a in bests), ""]
+    placed = [f"m={r['m']}: {r['placement']}" for r in rows if r["library"] == "zbcompile" and r["schedule"] == "zb-auto"]
+    lines += ["zb-auto's placement (one stage per rank: in-line; two chunks per rank: v): " + ", ".join(placed), ""]
     lines += ["## Where the time goes (zbcompile; per-action medians from the runtime's timelines of the settled steps of the rounds used)", ""]
     lines.append(_launch.table(
         ["schedule", "m", "F ms (s0/s1)", "I or B ms", "W ms", "comm ms", "busy ms (r0/r1)", "simulated span ms",

@@ -18,7 +18,7 @@ from zbcompile.runtime import batch, profile
 from zbcompile.runtime.build import Builder
 from zbcompile.runtime.runner import Runner
 from zbcompile.runtime.stage import StageExecutor, accumulate_grads
-from zbcompile.schedules import DEFAULT_SCHEDULE, SCHEDULE_NAMES, Costs, Schedule
+from zbcompile.schedules import DEFAULT_SCHEDULE, SCHEDULE_NAMES, Costs, Schedule, check_schedule_sizes, schedule_label
 from zbcompile.schedules.memory_limit import check_memory_limit
 from zbcompile.stage_compiler import check_compiler
 
@@ -32,7 +32,7 @@ class PipelineOptions:
     stages: int
     microbatches: int
     loss_fn: Callable[..., torch.Tensor] | None = None  # (output, target) -> a microbatch's mean loss; None: forward returns it
-    schedule: str = DEFAULT_SCHEDULE  # one of SCHEDULE_NAMES (docs/schedules.md)
+    schedule: str | Schedule = DEFAULT_SCHEDULE  # one of SCHEDULE_NAMES (docs/schedules.md), or a Schedule to run as given
     split_points: tuple[str, ...] | None = None  # module FQNs where a stage begins; None: stages balanced by cost
     memory_limit: float | str | Sequence[float | str] | None = None  # per stage, in microbatches' activations, or bytes ("12GiB")
     process_group: Any = None  # one pipeline's ranks, or a DeviceMesh with "pp" (and "dp"); None: the world
@@ -65,9 +65,21 @@ class PipelineOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"pipeline(): {name} must be a positive int, got {value!r}")
-        if self.schedule not in SCHEDULE_NAMES:
-            raise ValueError(f"pipeline(): unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
+        check_schedule_option(self.schedule, self.stages, self.microbatches)
         check_memory_limit(self.memory_limit)
+
+
+def check_schedule_option(schedule: Any, stages: int, microbatches: int) -> None:
+    """A schedule name from the table, or a `Schedule` of `stages` stages and `microbatches`."""
+    if isinstance(schedule, Schedule):
+        check_schedule_sizes(schedule, stages, microbatches)
+    elif not isinstance(schedule, str):
+        raise TypeError(
+            f"pipeline(): schedule must be a name ({', '.join(SCHEDULE_NAMES)}) or a zbcompile.schedules.Schedule "
+            f"(e.g. Schedule.from_csv(text)), got {type(schedule).__name__}"
+        )
+    elif schedule not in SCHEDULE_NAMES:
+        raise ValueError(f"pipeline(): unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
 
 
 def pipeline(
@@ -76,7 +88,7 @@ def pipeline(
     stages: int,
     microbatches: int = 1,
     loss_fn: Callable[..., torch.Tensor] | None = None,
-    schedule: str = DEFAULT_SCHEDULE,
+    schedule: str | Schedule = DEFAULT_SCHEDULE,
     split_points: Sequence[str] | None = None,
     memory_limit: float | str | Sequence[float | str] | None = None,
     process_group: Any = None,
@@ -171,9 +183,11 @@ class PipelinedModule:
         self._builder.prepare(inputs, kwargs, target)
         return self
 
-    def set_schedule(self, schedule: str, memory_limit: float | str | Sequence[float | str] | None = None) -> "PipelinedModule":
-        """Run `schedule` from the next step on, without recompiling (distributed: every stage must stay on its
-        rank). recompute="auto" keeps the recomputation chosen at compile, and its limit unless one is given."""
+    def set_schedule(self, schedule: str | Schedule, memory_limit: float | str | Sequence[float | str] | None = None) -> "PipelinedModule":
+        """Run `schedule` (a name, or a `Schedule` such as `Schedule.from_csv(text)`, checked against the
+        compile: stages, microbatches, placement) from the next step on, without recompiling (distributed: every
+        stage must stay on its rank). recompute="auto" keeps the recomputation chosen at compile, and its limit
+        unless one is given."""
         self._builder.reschedule(schedule, memory_limit)
         return self
 
@@ -252,4 +266,4 @@ class PipelinedModule:
 
     def __repr__(self) -> str:
         o = self.options
-        return f"PipelinedModule(stages={o.stages}, microbatches={o.microbatches}, schedule={o.schedule!r}, module={self.module!r})"
+        return f"PipelinedModule(stages={o.stages}, microbatches={o.microbatches}, schedule={schedule_label(o.schedule)}, module={self.module!r})"

@@ -8,6 +8,7 @@ import torch
 
 import zbcompile
 from helpers.models import build
+from zbcompile.runtime.build import static_costs
 from zbcompile.schedules import Costs, make_schedule, simulate
 from zbcompile.schedules.memory_limit import parse_bytes
 
@@ -99,3 +100,36 @@ def test_zb_auto_picks_a_v_under_a_limit_below_one_f_one_b():
     assert torch.equal(other.step(same_cut), loss)
     for fqn, p in other.model.named_parameters():
         assert torch.equal(p.grad, grads[fqn]), fqn
+
+
+def test_zb_auto_weighs_the_v_by_predicted_time_with_default_options():
+    """No memory limit: zb-auto weighs one stage per rank against a V of the model cut in 2p
+    chunks by the simulated span on the compiler's costs with the messages' time
+    (`build.static_costs`), the V's extra messages included, and runs the faster: the V for the
+    GPT with 2 microbatches on 2 ranks (the fill and drain dominate), compiled in 4 chunks, with
+    eager's gradients; one stage per rank for the MLP with 4, where the V's messages cost more
+    than its shorter fill gains."""
+    case = build("gpt")
+    in_line = zbcompile.pipeline(case.model, stages=2, microbatches=2, loss_fn=case.loss_fn, schedule="1f1b")
+    in_line.compile(*case.args, target=case.target, **case.kwargs)
+    expected_in_line = make_schedule("zb-auto", 2, 2, static_costs(in_line.compiled), time_budget=0, placements=("in-line",))
+
+    pipe = zbcompile.pipeline(case.model, stages=2, microbatches=2, loss_fn=case.loss_fn, solver_time_budget=0)
+    loss = case.step(pipe)
+    schedule = pipe.schedule
+    assert schedule.info["placement"] == "v" and schedule.stages == 4 and len(pipe.compiled.programs) == 4
+    assert schedule.info["in_line_value"] == pytest.approx(expected_in_line.info["value"])
+    assert schedule.info["value"] == pytest.approx(simulate(schedule, static_costs(pipe.compiled)).span)
+    assert schedule.info["value"] < schedule.info["in_line_value"]
+    reference = build("gpt")
+    expected = reference.eager_loss()
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+    for fqn, p in reference.model.named_parameters():
+        torch.testing.assert_close(case.model.get_parameter(fqn).grad, p.grad, rtol=1e-5, atol=1e-6, msg=fqn)
+
+    mlp = build("mlp")
+    kept = zbcompile.pipeline(mlp.model, stages=2, microbatches=4, loss_fn=mlp.loss_fn, solver_time_budget=0)
+    kept.compile(*mlp.args, target=mlp.target, **mlp.kwargs)
+    assert kept.schedule.info["placement"] == "in-line" and kept.schedule.stages == 2
+    assert kept.schedule.info["v_value"] > kept.schedule.info["value"]

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 import zbcompile
-from helpers.models import NAMES, BatchNormConvNet, build, image_batch
-from zbcompile.schedules import schedule_spec
+from helpers.models import NAMES, BatchNormConvNet, batch_for, build, image_batch
+from zbcompile.schedules import Schedule, schedule_spec
 
 SINGLE_CHUNK = ("gpipe", "1f1b", "zb-h1", "zb-h2", "zb-auto")
 TWO_CHUNK = ("interleaved-1f1b", "zbv")  # two stages per rank
@@ -20,6 +21,10 @@ MORE_TWO_CHUNK = ("looped-bfs", "v-min", "v-half", "v-zb", "dualpipev")
 # two copies of the pipeline, each rank holds a stage of each: like MORE_TWO_CHUNK
 MIRRORED = ("dualpipe",)
 SMALLEST = "mlp"
+# torch's DualPipeV on 4 ranks, 10 microbatches, from torch's own tests (tests/data/README.md)
+TORCH_DUALPIPEV = Schedule.from_csv(
+    (Path(__file__).parents[1] / "data" / "dualpipev_4rank_10mb.csv").read_text(), name="torch-dualpipev-4rank-10mb"
+)
 
 
 def battery_runs(ranks: int) -> list[tuple[str, str, int, int]]:
@@ -31,6 +36,8 @@ def battery_runs(ranks: int) -> list[tuple[str, str, int, int]]:
         more = MORE_TWO_CHUNK + MIRRORED if ranks == 2 or name == SMALLEST else ()
         schedules = sorted(SINGLE_CHUNK + TWO_CHUNK + more, key=lambda s: (schedule_spec(s).placement(2 * ranks), schedule_spec(s).mirrored))
         runs += [(name, s, ranks * schedule_spec(s).chunks_per_rank, 4) for s in schedules]
+    if ranks == TORCH_DUALPIPEV.ranks:  # a schedule given in torch's CSV format
+        runs.append((SMALLEST, TORCH_DUALPIPEV, TORCH_DUALPIPEV.stages, TORCH_DUALPIPEV.microbatches))
     return runs
 
 
@@ -38,18 +45,25 @@ def battery_runs(ranks: int) -> list[tuple[str, str, int, int]]:
 REPLICA_RUNS = [("gpt", "zb-h1", 2, 2), (SMALLEST, "dualpipe", 2, 2)]
 
 
-def one_step(runs: list[tuple[str, str, int, int]]) -> dict:
-    """For each (model, schedule, stages, microbatches): one step; returns per run the loss
-    (None off the last stage), this rank's reported gradients and state-dict keys, and the
-    parameter bytes it holds. Consecutive runs of one model whose schedules place the stages alike
-    share one compiled pipeline (`set_schedule`)."""
+def _placement(schedule: str | Schedule, stages: int) -> tuple:
+    """Where `schedule` (a name or a given Schedule) runs each stage, and whether it is mirrored."""
+    if isinstance(schedule, Schedule):
+        return schedule.stage_to_rank, schedule.mirrored_from is not None
+    spec = schedule_spec(schedule)
+    return spec.placement(stages), spec.mirrored
+
+
+def one_step(runs: list[tuple[str, str | Schedule, int, int]]) -> dict:
+    """For each (model, schedule, stages, microbatches): one step on `batch_for(microbatches)`
+    rows; returns per run the loss (None off the last stage), this rank's reported gradients and
+    state-dict keys, and the parameter bytes it holds. Consecutive runs of one model whose
+    schedules place the stages alike share one compiled pipeline (`set_schedule`)."""
     results = {}
     pipe, previous = None, None
     for name, schedule, stages, microbatches in runs:
-        spec = schedule_spec(schedule)
-        placement = (name, stages, microbatches, spec.placement(stages), spec.mirrored)
+        placement = (name, stages, microbatches, *_placement(schedule, stages))
         if placement != previous:
-            case = build(name)
+            case = build(name, batch=batch_for(microbatches))
             pipe = zbcompile.pipeline(
                 case.model, stages=stages, microbatches=microbatches, loss_fn=case.loss_fn,
                 schedule=schedule, timeout=60, solver_time_budget=0.5,

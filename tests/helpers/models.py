@@ -1,6 +1,7 @@
-"""A zoo of tiny models for end-to-end tests. `build(name, seed, dtype)` returns a `Case`: the
-model, one batch of inputs (positional and keyword), the target and the loss function, all made
-deterministically from `seed`; floating-point parameters and inputs are cast to `dtype`."""
+"""A zoo of tiny models for end-to-end tests. `build(name, seed, dtype, batch)` returns a `Case`:
+the model, one batch of `batch` rows of inputs (positional and keyword), the target and the loss
+function, all made deterministically from `seed`; floating-point parameters and inputs are cast to
+`dtype`."""
 
 from __future__ import annotations
 
@@ -14,7 +15,12 @@ from torch import nn
 from zbcompile.models import GPT, GPTConfig
 from zbcompile.models.gpt import lm_loss
 
-BATCH = 8  # divisible by every microbatch count the tests use (1, 2, 4)
+BATCH = 8  # divisible by most microbatch counts the tests use (1, 2, 4; `batch_for` the others)
+
+
+def batch_for(microbatches: int) -> int:
+    """`BATCH` rows where they split into `microbatches`, else the fewest whole microbatches above it."""
+    return BATCH if BATCH % microbatches == 0 else microbatches * -(-BATCH // microbatches)
 
 
 @dataclass
@@ -111,37 +117,37 @@ def _finish(case: Case, dtype: torch.dtype) -> Case:
     return case
 
 
-def _mlp(generator: torch.Generator) -> Case:
+def _mlp(generator: torch.Generator, batch: int) -> Case:
     model = MLP()
-    x = torch.randn(BATCH, 6, generator=generator)
-    target = torch.randn(BATCH, 4, generator=generator)
+    x = torch.randn(batch, 6, generator=generator)
+    target = torch.randn(batch, 4, generator=generator)
     return Case("mlp", model, (x,), {}, target, F.mse_loss)
 
 
-def _gpt(generator: torch.Generator) -> Case:
+def _gpt(generator: torch.Generator, batch: int) -> Case:
     config = GPT_CONFIG
     model = GPT(config)
-    tokens = torch.randint(0, config.vocab_size, (BATCH, config.seq_len), generator=generator)
-    target = torch.randint(0, config.vocab_size, (BATCH, config.seq_len), generator=generator)
+    tokens = torch.randint(0, config.vocab_size, (batch, config.seq_len), generator=generator)
+    target = torch.randint(0, config.vocab_size, (batch, config.seq_len), generator=generator)
     return Case("gpt", model, (tokens,), {}, target, lm_loss)
 
 
-def _convnet(generator: torch.Generator) -> Case:
+def _convnet(generator: torch.Generator, batch: int) -> Case:
     model = ResidualConvNet()
-    x = torch.randn(BATCH, 3, 8, 8, generator=generator)
-    target = torch.randint(0, 5, (BATCH,), generator=generator)
+    x = torch.randn(batch, 3, 8, 8, generator=generator)
+    target = torch.randint(0, 5, (batch,), generator=generator)
     return Case("convnet", model, (x,), {}, target, F.cross_entropy)
 
 
-def _masked(generator: torch.Generator) -> Case:
+def _masked(generator: torch.Generator, batch: int) -> Case:
     model = MaskedSharedMLP()
-    x = torch.randn(BATCH, 6, generator=generator)
-    mask = (torch.rand(BATCH, 12, generator=generator) > 0.3).float()
-    target = torch.randn(BATCH, 3, generator=generator)
+    x = torch.randn(batch, 6, generator=generator)
+    mask = (torch.rand(batch, 12, generator=generator) > 0.3).float()
+    target = torch.randn(batch, 3, generator=generator)
     return Case("masked", model, (x,), {"mask": mask, "scale": 0.5}, target, F.mse_loss)
 
 
-BUILDERS: dict[str, Callable[[torch.Generator], Case]] = {
+BUILDERS: dict[str, Callable[[torch.Generator, int], Case]] = {
     "mlp": _mlp,
     "gpt": _gpt,
     "convnet": _convnet,
@@ -150,11 +156,11 @@ BUILDERS: dict[str, Callable[[torch.Generator], Case]] = {
 NAMES = tuple(BUILDERS)
 
 
-def build(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> Case:
-    """The zoo entry `name` (one of `NAMES`), the same for the same seed and dtype."""
+def build(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, batch: int = BATCH) -> Case:
+    """The zoo entry `name` (one of `NAMES`) with a batch of `batch` rows, the same for the same seed and dtype."""
     torch.manual_seed(seed)  # parameter initialisation
     generator = torch.Generator().manual_seed(seed + 1)  # data
-    return _finish(BUILDERS[name](generator), dtype)
+    return _finish(BUILDERS[name](generator, batch), dtype)
 
 
 # --- models whose forward updates buffers (outside the zoo: eager reference runs microbatch by

@@ -159,7 +159,7 @@ def test_batchnorm_in_eval_mode_updates_nothing():
     x, target = image_batch()
     pipe = zbcompile.pipeline(model, stages=2, microbatches=MICROBATCHES, loss_fn=F.cross_entropy)
     pipe.step(x, target=target)
-    assert updates_by_stage(pipe) == [(), ()]
+    assert updates_by_stage(pipe) == [()] * len(pipe.compiled.programs)  # zb-auto may cut 2 stages or a V of 4
     for name, value in model.named_buffers():
         assert torch.equal(value, before[name]), name
 
@@ -167,7 +167,8 @@ def test_batchnorm_in_eval_mode_updates_nothing():
 def test_forwards_out_of_microbatch_order_are_refused_where_buffers_update():
     torch.manual_seed(0)
     x, target = image_batch()
-    pipe = zbcompile.pipeline(BatchNormConvNet(), stages=2, microbatches=MICROBATCHES, loss_fn=F.cross_entropy)
+    # one stage per rank, so that stage 0 holds the first BatchNorm
+    pipe = zbcompile.pipeline(BatchNormConvNet(), stages=2, microbatches=MICROBATCHES, loss_fn=F.cross_entropy, schedule="1f1b")
     pipe.compile(x, target=target)
     first = pipe.executors[0]
     first.forward(0, {"input_0": x[:2]})

@@ -11,7 +11,7 @@ import torch
 import zbcompile
 from helpers import distributed_workers as workers
 from helpers import launches
-from helpers.models import NAMES, build
+from helpers.models import NAMES, batch_for, build
 from helpers.multiprocess import Failed, run_ranks
 from zbcompile.schedules import Action, make_schedule, schedule_spec
 
@@ -20,6 +20,7 @@ pytestmark = pytest.mark.xdist_group("distributed")
 SINGLE_CHUNK, TWO_CHUNK, MORE_TWO_CHUNK, MIRRORED, SMALLEST = (
     workers.SINGLE_CHUNK, workers.TWO_CHUNK, workers.MORE_TWO_CHUNK, workers.MIRRORED, workers.SMALLEST
 )
+TORCH_DUALPIPEV = workers.TORCH_DUALPIPEV
 
 
 @functools.cache
@@ -76,8 +77,8 @@ def battery(request):
     return request.param, _battery(request.param)
 
 
-def _reference(name: str):
-    case = build(name)
+def _reference(name: str, microbatches: int = 4):
+    case = build(name, batch=batch_for(microbatches))
     loss = case.eager_loss()
     loss.backward()
     return case, loss
@@ -97,8 +98,8 @@ def _merged(per_rank: list[dict], key: tuple, field: str) -> dict:
 def test_gradients_equal_eager_for_every_model_and_schedule(battery):
     ranks, per_rank = battery
     for name in NAMES:
-        case, loss = _reference(name)
         for key in [k for k in per_rank[0] if k[0] == name]:
+            case, loss = _reference(name, key[3])
             losses = [r[key]["loss"] for r in per_rank if r[key]["loss"] is not None]
             assert len(losses) == 1, f"{key}: the loss must be returned on exactly one rank"
             torch.testing.assert_close(losses[0], loss.detach(), rtol=1e-5, atol=1e-6, msg=f"{key} loss")
@@ -116,12 +117,33 @@ def test_gradients_bitwise_equal_across_schedules(battery):
     ranks, per_rank = battery
     for name in NAMES:
         for stages, first_schedule in ((ranks, "1f1b"), (2 * ranks, "interleaved-1f1b")):
-            keys = [k for k in per_rank[0] if k[0] == name and k[2] == stages and not schedule_spec(k[1]).mirrored]
+            keys = [
+                k for k in per_rank[0]
+                if k[0] == name and k[2] == stages and isinstance(k[1], str) and not schedule_spec(k[1]).mirrored
+            ]
             grads = {k[1]: _merged(per_rank, k, "grads") for k in keys}
             first = grads[first_schedule]
             for schedule, other in grads.items():
                 for fqn in first:
                     assert torch.equal(first[fqn], other[fqn]), f"{name}: {fqn} differs between {first_schedule} and {schedule}"
+
+
+def test_torch_dualpipev_csv_runs_on_four_ranks():
+    """torch's own DualPipeV file, read with Schedule.from_csv and given to pipeline(): every rank
+    runs its row's actions (an OVERLAP_F_B pair as its two actions), and loss and gradients equal
+    eager's."""
+    per_rank = _battery(TORCH_DUALPIPEV.ranks)
+    key = (SMALLEST, TORCH_DUALPIPEV, TORCH_DUALPIPEV.stages, TORCH_DUALPIPEV.microbatches)
+    for rank, result in enumerate(per_rank):
+        assert sorted(a for a, _, _ in result[key]["timeline"]) == sorted(map(str, TORCH_DUALPIPEV.actions[rank]))
+    case, loss = _reference(SMALLEST, TORCH_DUALPIPEV.microbatches)
+    losses = [r[key]["loss"] for r in per_rank if r[key]["loss"] is not None]
+    assert len(losses) == 1
+    torch.testing.assert_close(losses[0], loss.detach(), rtol=1e-5, atol=1e-6)
+    grads = _merged(per_rank, key, "grads")
+    assert grads.keys() == dict(case.model.named_parameters()).keys()
+    for fqn, param in case.model.named_parameters():
+        torch.testing.assert_close(grads[fqn], param.grad, rtol=1e-5, atol=1e-6, msg=fqn)
 
 
 def test_gathered_state_dict_loads_strictly(battery):

@@ -118,6 +118,44 @@ def test_zb_auto_picks_a_v_schedule_below_1f1b_memory(p, m, costs, fraction):
     assert fitting >= 1
 
 
+@pytest.mark.parametrize(
+    ("p", "m", "costs"),
+    [
+        (2, 2, Costs()),
+        (4, 4, Costs()),
+        (4, 4, Costs(comm=0.5)),
+        (4, 8, Costs(f=1.0, i=1.1, w=0.8, comm=0.1, mem_b=1.0, mem_w=0.4)),
+        (3, 6, Costs(f=[1.0, 2.0, 1.5], i=[1.0, 1.5, 1.2], w=[0.5, 1.0, 0.8], comm=0.05)),
+        (8, 8, Costs(comm=0.02)),
+    ],
+)
+@pytest.mark.parametrize("at_one_f_one_b", [False, True])
+def test_zb_auto_weighs_the_v_by_time_under_any_limit(p, m, costs, at_one_f_one_b):
+    """``v_always`` (a pipeline's default): with no limit, or 1F1B's, the V competes by the
+    objective, its extra messages counted (each chunk's ``comm``); the result is the faster
+    placement and never behind a fixed schedule in either placement that fits the same memory.
+    (Looped placements, interleaved-1f1b and looped-bfs, are not among zb-auto's: with stages of
+    uneven cost, chunk c on rank c mod p can even out the ranks' work where neither in-line nor
+    the V does.)"""
+    stage_costs = costs.resolve(p)
+    chunk_costs = stage_costs.chunked(2)
+    limit = max(simulate(make_schedule("1f1b", p, m, costs), costs).peak_memory) if at_one_f_one_b else None
+    auto = make_schedule("zb-auto", p, m, costs, memory_limit=limit, time_budget=0, v_always=True)
+    in_line = make_schedule("zb-auto", p, m, costs, memory_limit=limit, time_budget=0, placements=("in-line",))
+    value = simulate(auto, chunk_costs if auto.stages == 2 * p else stage_costs).span
+    in_line_value = simulate(in_line, stage_costs).span
+    assert value <= in_line_value + 1e-9
+    assert (auto.info["placement"] == "v") == (value < in_line_value - 1e-9)
+    for name in (*FIXED, "zbv"):
+        chunks = p * schedule_spec(name).chunks_per_rank
+        if name in ("interleaved-1f1b", "looped-bfs"):
+            continue
+        sc = stage_costs if chunks == p else chunk_costs
+        res = simulate(make_schedule(name, chunks, m, sc, check=False), sc)
+        if limit is None or max(res.peak_memory) <= limit + 1e-9:
+            assert value <= res.span + 1e-9, name
+
+
 def test_zb_auto_keeps_one_stage_per_rank_when_asked():
     """By default a limit below 1F1B's (4 here) brings in the V; ("in-line",) keeps the stages."""
     assert make_schedule("zb-auto", 4, 8, Costs(), memory_limit=2.5, time_budget=0).stages == 8

@@ -75,7 +75,7 @@ def compile_record(compiled: "CompiledPipeline", options: Any, world: dict[str, 
             "stages": len(compiled.programs),
             "microbatches": options.microbatches,
             "options": {
-                "schedule": options.schedule,
+                "schedule": options.schedule if isinstance(options.schedule, str) else options.schedule.name,
                 "memory_limit": options.memory_limit,
                 "objective": options.objective,
                 "profile": options.profile,

@@ -18,12 +18,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from zbcompile import auto_recompute
 from zbcompile.compiler import CompiledPipeline, compile_pipeline
 from zbcompile.inspect.write import CompileDump, start_dump
+from zbcompile.passes.graph_cost import FLOPS_PER_BYTE
 from zbcompile.runtime import batch, placement, profile
 from zbcompile.runtime.distributed import DistributedRunner, Layout, make_layout
 from zbcompile.runtime.local import LocalRunner
 from zbcompile.runtime.p2p import device_for
 from zbcompile.runtime.runner import Runner
-from zbcompile.schedules import Costs, Schedule, make_schedule, schedule_spec
+from zbcompile.schedules import Costs, Schedule, make_schedule, pipeline_ranks, schedule_label, schedule_spec
 from zbcompile.schedules.costs import ResolvedCosts, resolve_costs
 from zbcompile.schedules.memory_limit import (
     DEFAULT_LIMIT_RULE,
@@ -86,8 +87,8 @@ class Builder:
         ranks of `process_group`, the world by default)."""
         if self._layout is None:
             o = self.options
-            pp_size = schedule_spec(o.schedule).ranks(o.stages)
-            self._layout = make_layout(pp_size, self.device(), f"schedule {o.schedule!r} with stages={o.stages}", o.process_group)
+            pp_size = pipeline_ranks(o.schedule, o.stages)
+            self._layout = make_layout(pp_size, self.device(), f"schedule {schedule_label(o.schedule)} with stages={o.stages}", o.process_group)
         return self._layout
 
     def device(self) -> torch.device:
@@ -120,10 +121,10 @@ class Builder:
             raise RuntimeError("the pipeline compiles on the first step() or compile(); call one of them first")
         return self.builds[self._last_key]
 
-    def reschedule(self, schedule: str, memory_limit: Any) -> None:
-        """Run `schedule` under `memory_limit` from the next step on in every compile. With
-        recompute="auto" the recomputation chosen at compile stays, and so does the limit where
-        `memory_limit` is None."""
+    def reschedule(self, schedule: str | Schedule, memory_limit: Any) -> None:
+        """Run `schedule` (a name, or a `Schedule` checked against each compile) under
+        `memory_limit` from the next step on in every compile. With recompute="auto" the
+        recomputation chosen at compile stays, and so does the limit where `memory_limit` is None."""
         if memory_limit is None and self.options.recompute == "auto":
             memory_limit = self.options.memory_limit
         self.options = replace(self.options, schedule=schedule, memory_limit=memory_limit)
@@ -131,7 +132,7 @@ class Builder:
             new = self.schedule(built.compiled)
             if new.stages != len(built.compiled.programs):
                 raise ValueError(
-                    f"schedule {schedule!r} runs {new.stages} stages, but this pipeline was compiled in "
+                    f"schedule {schedule_label(schedule)} runs {new.stages} stages, but this pipeline was compiled in "
                     f"{len(built.compiled.programs)} (zb-auto chose a V of two chunks per rank under its memory_limit); "
                     "build a new pipeline for it"
                 )
@@ -139,24 +140,10 @@ class Builder:
             self.builds[key] = replace(built, tuner=self.tuner(built.compiled))
 
     def build(self, example: tuple, example_target: Any) -> Build:
-        """Compile for microbatches like `example` ((args, kwargs)) and `example_target`. Where
-        zb-auto puts two chunks per rank in a V (a memory limit below 1F1B's), the model is
-        compiled again in twice the stages, its memory still counted in the first compile's unit,
-        and the V schedule re-solved on the chunks' own costs."""
+        """Compile for microbatches like `example` ((args, kwargs)) and `example_target`, in the
+        placement zb-auto chooses (`_placed`)."""
         o = self.options
-        compiled = self._compile(example, example_target, o.stages)
-        # a V answers a memory limit the user set; recompute="auto" and split points fix one stage per rank
-        offer_v = o.memory_limit is not None and o.recompute != "auto" and o.split_points is None
-        schedule = self.schedule(compiled, PLACEMENTS if offer_v else ("in-line",))
-        if schedule.stages != len(compiled.programs):
-            compiled = self._compile(example, example_target, schedule.stages, memory_unit_bytes=compiled.memory_unit())
-            try:
-                schedule = self.schedule(compiled)
-            except ValueError as error:
-                raise ValueError(
-                    f"zb-auto chose a V of {schedule.stages} chunks under memory_limit {o.memory_limit!r} with each chunk "
-                    f"estimated as half a stage, but the chunks as compiled do not fit it ({error}); raise the limit"
-                ) from error
+        compiled, schedule = self._placed(self._compile(example, example_target, o.stages), example, example_target)
         compiled = compile_stage_programs(compiled, o.compiler)
         device = self.device() if self.distributed else None
         if self.distributed:
@@ -166,6 +153,33 @@ class Builder:
             runner = LocalRunner(compiled, schedule, self.state())
         tuner = self.tuner(compiled)
         return Build(compiled, runner, tuner, start_dump(o.dump_dir, compiled, schedule, o, runner))
+
+    def _placed(self, compiled: CompiledPipeline, example: tuple, example_target: Any) -> tuple[CompiledPipeline, Schedule]:
+        """`compiled` (one stage per rank) and its schedule; or, where zb-auto predicts a V of two
+        chunks per rank faster by its objective with each chunk estimated as half a stage (or the
+        V alone fits the memory limit), the model compiled again in twice the stages, its memory
+        still counted in the first compile's unit, with the V solved on the chunks' own costs, if
+        it is still faster than one stage per rank. recompute="auto" and split points keep one
+        stage per rank; so does a model that does not cut into twice the stages."""
+        o = self.options
+        offer_v = o.recompute != "auto" and o.split_points is None
+        schedule = self.schedule(compiled, PLACEMENTS if offer_v else ("in-line",))
+        if schedule.stages == len(compiled.programs):
+            return compiled, schedule
+        in_line_value = schedule.info.get("in_line_value")  # None: no schedule of one stage per rank fits
+        try:
+            chunks = self._compile(example, example_target, schedule.stages, memory_unit_bytes=compiled.memory_unit())
+            v_schedule = self.schedule(chunks)
+        except ValueError as error:
+            if in_line_value is not None:  # the model does not cut into 2p chunks, or they do not fit
+                return compiled, self.schedule(compiled)
+            raise ValueError(
+                f"zb-auto chose a V of {schedule.stages} chunks under memory_limit {o.memory_limit!r} with each chunk "
+                f"estimated as half a stage, but the chunks as compiled do not fit it ({error}); raise the limit"
+            ) from error
+        if in_line_value is not None and v_schedule.info["value"] >= in_line_value:
+            return compiled, self.schedule(compiled).with_info(v_value=v_schedule.info["value"])
+        return chunks, v_schedule.with_info(in_line_value=in_line_value)
 
     def _compile(self, example: tuple, example_target: Any, stages: int, memory_unit_bytes: int | None = None) -> CompiledPipeline:
         """The model cut into `stages` stages (recompute="auto" applied), before the stage
@@ -190,7 +204,7 @@ class Builder:
         def solve() -> Schedule:
             given = self.options.costs
             try:
-                costs = compiled.schedule_costs() if given is None else self._per_compiled_stage(given, compiled)
+                costs = static_costs(compiled) if given is None else self._per_compiled_stage(given, compiled)
                 arguments = self.solve_arguments(costs, compiled, placements)
                 schedule = make_schedule(**arguments)
             except ValueError as error:
@@ -238,7 +252,11 @@ class Builder:
             name=o.schedule, stages=o.stages, microbatches=o.microbatches, costs=costs, memory_limit=limit,
             time_budget=o.solver_time_budget, objective=o.objective, placements=placements,
         )
-        if self._is_v_compile(compiled):
+        if isinstance(o.schedule, Schedule):  # run as given: checked against the compiled stages
+            arguments["stages"] = len(compiled.programs)
+        elif "v" in placements and o.costs is None:  # on the compiler's costs, zb-auto weighs the V by time
+            arguments["v_always"] = True
+        if self._is_v_compile(compiled) and not isinstance(o.schedule, Schedule):
             chunks = resolve_costs(costs, len(compiled.programs))
             arguments.update(costs=chunks.merged(2), chunk_costs=chunks, placements=("v",))
         if limit is None:
@@ -261,7 +279,8 @@ class Builder:
         the schedule table says the schedule measures them, without given costs)."""
         wanted = self.options.profile
         if wanted is None:
-            wanted = schedule_spec(self.options.schedule).measures_costs and self.options.costs is None
+            given = isinstance(self.options.schedule, Schedule)  # nothing to re-solve
+            wanted = not given and schedule_spec(self.options.schedule).measures_costs and self.options.costs is None
         if not wanted or not self.distributed:
             return None
         solve_arguments = functools.partial(self.solve_arguments, compiled=compiled)
@@ -365,7 +384,7 @@ class Builder:
         layout = self.layout()
         if schedule.ranks != layout.pp_size:
             raise ValueError(
-                f"schedule {schedule.name!r} runs on {schedule.ranks} ranks per pipeline, but this pipeline was laid "
+                f"schedule {schedule_label(schedule)} runs on {schedule.ranks} ranks per pipeline, but this pipeline was laid "
                 f"out for {layout.pp_size}; build a new pipeline for it"
             )
         local_stages = schedule.stages_on(layout.pp_rank)
@@ -394,3 +413,12 @@ class Builder:
         if move_others:
             self.held = set(held)
         return result
+
+
+def static_costs(compiled: CompiledPipeline) -> Costs:
+    """The compiler's estimates (`CompiledPipeline.schedule_costs`) with a message's time: the
+    largest boundary's bytes, written once by the sender and once by the receiver, in the same
+    FLOP-equivalents (`graph_cost.FLOPS_PER_BYTE`), so that the V's extra messages count."""
+    costs = compiled.schedule_costs()
+    largest = max(compiled.partition.boundary_bytes, default=0)
+    return replace(costs, comm=2 * FLOPS_PER_BYTE * largest)

@@ -17,7 +17,10 @@ from .registry import (
     SCHEDULE_NAMES,
     SCHEDULES,
     ScheduleSpec,
+    check_schedule_sizes,
     make_schedule,
+    pipeline_ranks,
+    schedule_label,
     schedule_spec,
 )
 from .simulate import SimResult, simulate
@@ -37,7 +40,10 @@ __all__ = [
     "ScheduleSpec",
     "SimResult",
     "lower",
+    "check_schedule_sizes",
     "make_schedule",
+    "pipeline_ranks",
+    "schedule_label",
     "schedule_spec",
     "simulate",
     "validate",

@@ -8,7 +8,8 @@ stage 2p-1-r. Each rank runs eight phases (p ranks, m microbatches, rank r):
 1. 2(p-r-1) forwards of chunk 0;
 2. r+1 pairs (F chunk 0, F chunk 1);
 3. p-r-1 triples (I chunk 1, the oldest pending W, F chunk 1);
-4. m-2p+r+1 steps of two overlapped pairs (F chunk 0 with B chunk 1, F chunk 1 with B chunk 0);
+4. m-2p+r+1 steps of two overlapped pairs (F chunk 0 with B chunk 1, F chunk 1 with B chunk 0;
+   the last rank runs its first F chunk 0 and B chunk 1 apart, not overlapped);
 5. p-r-1 pairs (B chunk 1, then F chunk 1 overlapped with B chunk 0);
 6. r+1 pairs (backward chunk 1, backward chunk 0), fused B for the first half and I from the
    middle on (the W are deferred to fill the drain);
@@ -16,9 +17,9 @@ stage 2p-1-r. Each rank runs eight phases (p ranks, m microbatches, rank r):
 8. the remaining W.
 
 An overlapped pair is one microbatch's forward computed while another's backward runs (DeepSeek
-overlaps their communication with the other's computation). The schedule IR has no such fused
-action, so a pair is written as its two actions back to back, forward first, in the order torch's
-runtime runs the sub-actions. DualPipeV needs m >= 2p; for fewer microbatches the order for 2p is
+overlaps their communication with the other's computation). A pair is its two actions back to
+back, forward first, in the order torch's runtime runs the sub-actions, and is recorded in
+``Schedule.overlapped``, so ``to_csv`` writes it as torch does, ``(0F7;7B3)OVERLAP_F_B``. DualPipeV needs m >= 2p; for fewer microbatches the order for 2p is
 built and the extra microbatches are dropped (removing whole microbatches keeps an order free of
 deadlock, as in ``handcrafted.zb_v``).
 
@@ -50,6 +51,7 @@ class _RankProgram:
         self.actions: list[Action] = []
         self.next: dict[tuple[int, str], int] = {}
         self.pending_w: list[Action] = []
+        self.overlapped: list[tuple[Action, Action]] = []
 
     def put(self, stage: int, kind: str) -> None:
         """The next ``kind`` on ``stage``; B and I share one count (a microbatch gets one of them)."""
@@ -60,13 +62,20 @@ class _RankProgram:
         if kind == "I":
             self.pending_w.append(Action(stage, "W", k))
 
+    def put_overlapped(self, forward_stage: int, backward_stage: int) -> None:
+        """A forward of ``forward_stage`` beside a fused backward of ``backward_stage``, F first."""
+        self.put(forward_stage, "F")
+        self.put(backward_stage, "B")
+        self.overlapped.append((self.actions[-2], self.actions[-1]))
+
     def put_w(self) -> None:
         """The oldest pending W, if any."""
         if self.pending_w:
             self.actions.append(self.pending_w.pop(0))
 
 
-def _rank_actions(ranks: int, microbatches: int, rank: int) -> list[Action]:
+def _rank_actions(ranks: int, microbatches: int, rank: int) -> tuple[list[Action], list[tuple[Action, Action]]]:
+    """Rank ``rank``'s actions and its overlapped (F, B) pairs."""
     p, r, m = ranks, rank, microbatches
     down, up = r, 2 * p - 1 - r
     prog = _RankProgram()
@@ -79,15 +88,16 @@ def _rank_actions(ranks: int, microbatches: int, rank: int) -> list[Action]:
         prog.put(up, "I")
         prog.put_w()
         prog.put(up, "F")
-    for _ in range(m - 2 * p + r + 1):
-        prog.put(down, "F")  # overlapped with the next: F chunk 0 | B chunk 1
-        prog.put(up, "B")
-        prog.put(up, "F")  # F chunk 1 | B chunk 0
-        prog.put(down, "B")
+    for i in range(m - 2 * p + r + 1):
+        if i == 0 and r == p - 1:  # the last rank's first pair runs apart (a smaller bubble, as DeepSeek does)
+            prog.put(down, "F")
+            prog.put(up, "B")
+        else:
+            prog.put_overlapped(down, up)
+        prog.put_overlapped(up, down)
     for _ in range(p - r - 1):
         prog.put(up, "B")
-        prog.put(up, "F")  # F chunk 1 | B chunk 0
-        prog.put(down, "B")
+        prog.put_overlapped(up, down)
     split = False
     for i in range(r + 1):
         if i == (r + 1) // 2 and r % 2 == 1:
@@ -101,7 +111,7 @@ def _rank_actions(ranks: int, microbatches: int, rank: int) -> list[Action]:
         prog.put(down, "I" if split else "B")
     for _ in range(r + 1):
         prog.put_w()
-    return prog.actions + prog.pending_w
+    return prog.actions + prog.pending_w, prog.overlapped
 
 
 def dualpipev(stages: int, microbatches: int) -> Schedule:
@@ -110,10 +120,12 @@ def dualpipev(stages: int, microbatches: int) -> Schedule:
         raise ValueError(f"dualpipev puts two chunks on each rank: stages (chunks) must be even and >= 2, got {stages}")
     ranks = stages // 2
     built = max(microbatches, 2 * ranks)
-    rows = tuple(
-        tuple(a for a in _rank_actions(ranks, built, r) if a.microbatch < microbatches) for r in range(ranks)
-    )
-    return Schedule("dualpipev", stages, microbatches, v_placement(stages), rows)
+    rows, overlapped = [], []
+    for r in range(ranks):
+        actions, pairs = _rank_actions(ranks, built, r)
+        rows.append(tuple(a for a in actions if a.microbatch < microbatches))
+        overlapped += [pair for pair in pairs if all(a.microbatch < microbatches for a in pair)]
+    return Schedule("dualpipev", stages, microbatches, v_placement(stages), tuple(rows), overlapped=tuple(overlapped))
 
 
 def dualpipe(stages: int, microbatches: int) -> Schedule:
@@ -132,7 +144,7 @@ def dualpipe(stages: int, microbatches: int) -> Schedule:
     rows = []
     for rank in range(stages):
         row = []
-        for a in _rank_actions(stages // 2, built, min(rank, stages - 1 - rank)):
+        for a in _rank_actions(stages // 2, built, min(rank, stages - 1 - rank))[0]:
             copy = 0 if a.stage == rank else 1  # copy 0 runs stage s on rank s
             if a.microbatch < shares[copy]:
                 row.append(Action(a.stage, a.kind, a.microbatch + copy * down))

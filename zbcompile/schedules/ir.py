@@ -3,8 +3,12 @@
 The text form is torch.distributed.pipelining's: ``"<stage><kind><microbatch>"``, e.g. ``"0F3"``
 (forward of microbatch 3 on stage 0), ``"2I1"`` (input-gradient backward), ``"2W1"`` (weight-gradient
 backward), ``"1B0"`` (fused backward), ``"1SEND_F3"`` / ``"2RECV_F3"`` (communication). A SEND names the
-stage that sends, a RECV the stage that receives. The CSV form is torch's "compute_only" format:
-one row per rank, one cell per action, in execution order.
+stage that sends, a RECV the stage that receives. The CSV form is torch's: one row per rank, one
+cell per action, in execution order. Its composite cell ``"(0F7;7B3)OVERLAP_F_B"`` (DualPipeV's
+forward of one microbatch computed while another's backward runs) is read as its actions in
+order, remembered in ``Schedule.overlapped`` and written back as one cell. Cells for what this
+project's runtime decides itself are read and left out (``IGNORED_KINDS``: FSDP's
+``UNSHARD``/``RESHARD``, data parallelism's ``REDUCE_GRAD``), counted in ``info["ignored_actions"]``.
 """
 
 from __future__ import annotations
@@ -20,6 +24,11 @@ COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 KINDS = COMPUTE_KINDS + COMM_KINDS
 
 _ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|I|W|B)(\d+)$")
+# torch's kinds for parameter sharding and gradient reduction: the runtime places those itself
+IGNORED_KINDS = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
+_IGNORED_RE = re.compile(r"^\d+(UNSHARD|RESHARD|REDUCE_GRAD)\d*$")
+OVERLAP_KIND = "OVERLAP_F_B"  # torch's composite: its sub-actions may run at once
+_COMPOSITE_RE = re.compile(r"^\((.*)\)(\w+)$")
 
 
 @dataclass(frozen=True, order=True)
@@ -73,6 +82,11 @@ class Schedule:
     ``mirrored_from`` (None: a single copy): the pipeline exists twice, and microbatches from
     that index on run on the mirrored copy, which puts stage s on rank ``ranks - 1 -
     stage_to_rank[s]`` (DualPipe). ``rank_of(stage, microbatch)`` is where an action runs.
+
+    ``overlapped``: groups of compute actions that follow each other on a rank and that torch's
+    format writes as one ``OVERLAP_F_B`` cell (DualPipeV: a forward beside another microbatch's
+    backward). The runtime runs a group's actions one after the other, in order; the groups
+    only change how ``to_csv`` writes them.
     """
 
     name: str
@@ -82,6 +96,7 @@ class Schedule:
     actions: tuple[tuple[Action, ...], ...]
     info: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
     mirrored_from: int | None = None
+    overlapped: tuple[tuple[Action, ...], ...] = field(default=(), compare=False, hash=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage_to_rank", tuple(int(r) for r in self.stage_to_rank))
@@ -91,6 +106,9 @@ class Schedule:
             tuple(tuple(a if isinstance(a, Action) else Action.parse(a) for a in row) for row in self.actions),
         )
         object.__setattr__(self, "info", dict(self.info))
+        object.__setattr__(
+            self, "overlapped", tuple(tuple(a if isinstance(a, Action) else Action.parse(a) for a in g) for g in self.overlapped)
+        )
         if len(self.stage_to_rank) != self.stages:
             raise ValueError(
                 f"schedule {self.name!r}: stage_to_rank has {len(self.stage_to_rank)} entries "
@@ -150,11 +168,22 @@ class Schedule:
         return format_grid(self.rows_as_text())
 
     def to_csv(self) -> str:
-        """torch's compute-only CSV: one row per rank (load with ``_load_csv``)."""
+        """torch's CSV: one row per rank (torch loads it with ``_load_csv``); an ``overlapped``
+        group whose actions follow each other in a row is one ``(a;b)OVERLAP_F_B`` cell."""
+        starts = {group[0]: group for group in self.overlapped}
         buffer = io.StringIO()
         writer = csv.writer(buffer, lineterminator="\n")
-        for row in self.rows_as_text():
-            writer.writerow(row)
+        for row in self.actions:
+            cells, i = [], 0
+            while i < len(row):
+                group = starts.get(row[i])
+                if group is not None and tuple(row[i : i + len(group)]) == group:
+                    cells.append(f"({';'.join(map(str, group))}){OVERLAP_KIND}")
+                    i += len(group)
+                else:
+                    cells.append(str(row[i]))
+                    i += 1
+            writer.writerow(cells)
         return buffer.getvalue()
 
     @classmethod
@@ -165,9 +194,27 @@ class Schedule:
         stages: int | None = None,
         microbatches: int | None = None,
     ) -> "Schedule":
-        """Parse torch's CSV form; stage count, microbatch count and placement are inferred."""
-        rows = [[Action.parse(cell) for cell in row if cell.strip()] for row in csv.reader(io.StringIO(text))]
-        return cls.from_rows(rows, name=name, stages=stages, microbatches=microbatches)
+        """Parse torch's CSV form, compute-only or with communication (every cell torch writes:
+        see the module docstring); stage count, microbatch count and placement are inferred
+        unless given. A cell that is none of these raises ValueError naming its rank and column."""
+        rows: list[list[Action]] = []
+        overlapped: list[tuple[Action, ...]] = []
+        ignored: dict[str, int] = {}
+        for rank, row in enumerate(csv.reader(io.StringIO(text))):
+            actions: list[Action] = []
+            for column, cell in enumerate(row):
+                try:
+                    parsed, overlap, skipped = _parse_cell(cell)
+                except ValueError as error:
+                    raise ValueError(f"schedule {name!r}, rank {rank} (row {rank + 1}), column {column + 1}: {error}") from None
+                actions += parsed
+                if overlap:
+                    overlapped.append(tuple(parsed))
+                if skipped:
+                    ignored[skipped] = ignored.get(skipped, 0) + 1
+            rows.append(actions)
+        schedule = cls.from_rows(rows, name=name, stages=stages, microbatches=microbatches, overlapped=overlapped)
+        return schedule.with_info(ignored_actions=ignored) if ignored else schedule
 
     @classmethod
     def from_rows(
@@ -176,6 +223,7 @@ class Schedule:
         name: str = "custom",
         stages: int | None = None,
         microbatches: int | None = None,
+        overlapped: Sequence[Sequence[Action]] = (),
     ) -> "Schedule":
         """Build a schedule from per-rank action lists (Actions or their text)."""
         parsed = [tuple(a if isinstance(a, Action) else Action.parse(a) for a in row) for row in rows]
@@ -196,7 +244,29 @@ class Schedule:
         missing = [s for s in range(stages) if s not in placement]
         if missing:
             raise ValueError(f"stages {missing} have no compute action, so their rank is unknown")
-        return cls(name, stages, microbatches, tuple(placement[s] for s in range(stages)), tuple(parsed))
+        groups = tuple(tuple(group) for group in overlapped)
+        return cls(name, stages, microbatches, tuple(placement[s] for s in range(stages)), tuple(parsed), overlapped=groups)
+
+
+def _parse_cell(cell: str) -> tuple[list[Action], bool, str | None]:
+    """One cell of torch's CSV: (its actions, whether they are an OVERLAP_F_B group, the kind of
+    an ignored cell or None). Empty cells have no action."""
+    text = cell.strip()
+    if not text:
+        return [], False, None
+    ignored = _IGNORED_RE.match(text)
+    if ignored:
+        return [], False, ignored.group(1)
+    composite = _COMPOSITE_RE.match(text)
+    if composite is None:
+        return [Action.parse(text)], False, None
+    inner, kind = composite.groups()
+    if kind != OVERLAP_KIND:
+        raise ValueError(f"cannot parse action {text!r}: the only composite action is '(<action>;<action>){OVERLAP_KIND}'")
+    parts = [Action.parse(part) for part in inner.split(";") if part.strip()]
+    if len(parts) < 2 or not all(a.is_compute for a in parts):
+        raise ValueError(f"cannot parse action {text!r}: {OVERLAP_KIND} groups two or more compute actions, such as '(0F7;7B3){OVERLAP_KIND}'")
+    return parts, True, None
 
 
 def format_grid(rows: Sequence[Sequence[str]], title: str = "Rank") -> str:

@@ -12,6 +12,7 @@ import re
 from typing import Sequence, Union
 
 from .costs import Costs
+from .ir import Schedule
 from .registry import make_schedule, schedule_spec
 from .simulate import simulate
 
@@ -86,7 +87,7 @@ def limit_in_words(limit: Limit, unit_bytes: float) -> str:
 DEFAULT_LIMIT_RULE = "none given, the model checkpoints: 1F1B's peak on each rank"
 
 
-def default_limit(schedule: str, stages: int, microbatches: int, costs: Costs, checkpointed: bool) -> list[float] | None:
+def default_limit(schedule: str | Schedule, stages: int, microbatches: int, costs: Costs, checkpointed: bool) -> list[float] | None:
     """The limit (per rank, in the schedule's unit) a pipeline runs `schedule` under when it was
     given none. None (a solved schedule then uses all the memory it gains time with), except for a
     model with checkpointed regions (`checkpointed`) under a solved schedule of one stage per rank
@@ -95,7 +96,9 @@ def default_limit(schedule: str, stages: int, microbatches: int, costs: Costs, c
     allows (a rank whose W stash is small next to 1F1B's peak), instead of spending the memory
     checkpointing saved on pending W. 1F1B's own order fits by construction, so a schedule
     exists. Fixed schedules (1f1b, zb-h1, zb-h2, ...) and zbv (1F1B's memory already) are left
-    as they are."""
+    as they are, and so is a given `Schedule`."""
+    if isinstance(schedule, Schedule):
+        return None
     spec = schedule_spec(schedule)
     if not checkpointed or not spec.solved or spec.chunks_per_rank != 1:
         return None

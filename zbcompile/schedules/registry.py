@@ -50,6 +50,7 @@ class BuildRequest:
     started: float
     placements: tuple[str, ...] = ("in-line",)
     chunk_costs: ResolvedCosts | None = None  # a V result's chunks (None: ``costs.chunked(2)``)
+    v_always: bool = False  # zb-auto weighs the V by time under any limit, not only below 1F1B's memory
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,9 @@ def _build_zb_auto(r: BuildRequest) -> Schedule:
     def in_line() -> Schedule:
         return zb_auto(r.stages, r.microbatches, r.costs, r.limits, r.objective, r.time_budget, r.deterministic, r.started)
 
-    return choose_placement(in_line, r.stages, r.microbatches, r.costs, r.limits, r.objective, r.placements, r.chunk_costs)
+    return choose_placement(
+        in_line, r.stages, r.microbatches, r.costs, r.limits, r.objective, r.placements, r.chunk_costs, r.v_always
+    )
 
 
 SCHEDULES: Mapping[str, ScheduleSpec] = MappingProxyType({
@@ -143,8 +146,52 @@ def _check_sizes(spec: ScheduleSpec, stages: int, microbatches: int) -> None:
         )
 
 
+def pipeline_ranks(schedule: str | Schedule, stages: int) -> int:
+    """Ranks one pipeline of ``stages`` stages occupies under ``schedule`` (a name, or a given
+    ``Schedule``: its own rank count)."""
+    return schedule.ranks if isinstance(schedule, Schedule) else schedule_spec(schedule).ranks(stages)
+
+
+def schedule_label(schedule: str | Schedule) -> str:
+    """How messages name ``schedule``: its name, or a given Schedule's name and shape."""
+    if isinstance(schedule, Schedule):
+        return f"{schedule.name!r} (a Schedule of {schedule.stages} stages, {schedule.microbatches} microbatches on {schedule.ranks} ranks)"
+    return repr(schedule)
+
+
+def check_schedule_sizes(schedule: Schedule, stages: int, microbatches: int, what: str = "the pipeline") -> None:
+    """ValueError unless the given ``schedule`` runs ``stages`` stages and ``microbatches``
+    microbatches, and every one of its ranks runs a stage."""
+    label = schedule_label(schedule)
+    if schedule.stages != stages:
+        raise ValueError(
+            f"schedule {label} runs {schedule.stages} stages (chunks), but {what} has {stages}; "
+            f"pass stages={schedule.stages} to pipeline(), or a schedule of {stages} stages"
+        )
+    if schedule.microbatches != microbatches:
+        raise ValueError(
+            f"schedule {label} runs {schedule.microbatches} microbatches, but {what} splits the batch in "
+            f"{microbatches}; pass microbatches={schedule.microbatches} to pipeline(), or a schedule of {microbatches}"
+        )
+    idle = [r for r in range(schedule.ranks) if not schedule.stages_on(r)]
+    if idle:
+        raise ValueError(f"schedule {label}: ranks {idle} run no stage; every rank of a pipeline must run one")
+
+
+def _given(schedule: Schedule, stages: int, microbatches: int, costs, memory_limit: MemoryLimit, check: bool) -> Schedule:
+    """A schedule given as such: checked against the sizes and, with ``check``, validated under
+    the costs and the limit (a fixed order, which a limit only checks)."""
+    check_schedule_sizes(schedule, stages, microbatches)
+    if check:
+        try:
+            validate(schedule, resolve_costs(costs, stages), memory_limit)
+        except ValueError as error:
+            raise type(error)(f"schedule {schedule_label(schedule)} cannot run: {error}") from None
+    return schedule
+
+
 def make_schedule(
-    name: str,
+    name: str | Schedule,
     stages: int,
     microbatches: int,
     costs: Costs | ResolvedCosts | None = None,
@@ -157,8 +204,11 @@ def make_schedule(
     check: bool = True,
     placements: Sequence[str] = PLACEMENTS,
     chunk_costs: Costs | ResolvedCosts | None = None,
+    v_always: bool = False,
 ) -> Schedule:
-    """Build, validate and return the schedule ``name`` (one of ``SCHEDULE_NAMES``).
+    """Build, validate and return the schedule ``name`` (one of ``SCHEDULE_NAMES``). ``name`` may
+    also be a ``Schedule`` (e.g. ``Schedule.from_csv(text)``): it is checked against ``stages``,
+    ``microbatches``, ``costs`` and ``memory_limit`` and returned as it is.
 
     ``stages`` counts chunks for multi-chunk schedules ("interleaved-1f1b", "looped-bfs": ``ranks``
     ranks, default two chunks each; "zbv", "v-min", "v-half", "v-zb", "dualpipev": two chunks per
@@ -173,8 +223,11 @@ def make_schedule(
     ``stages`` ranks (``v_choice.choose_placement``; check ``sched.stages``); ``("in-line",)``
     keeps one stage per rank, the stages the caller compiled.
     ``chunk_costs``: the costs of those 2 x ``stages`` chunks where the caller compiled them
-    (default: ``costs`` cut in two, ``ResolvedCosts.chunked``).
+    (default: ``costs`` cut in two, ``ResolvedCosts.chunked``). ``v_always``: zb-auto weighs the V
+    against one stage per rank by the objective under any limit, or none (a pipeline's default).
     """
+    if isinstance(name, Schedule):
+        return _given(name, stages, microbatches, costs, memory_limit, check)
     spec = schedule_spec(name)
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}; use 'span' or 'makespan'")
@@ -183,7 +236,9 @@ def make_schedule(
     started = time.perf_counter()
     limits = rank_limits(memory_limit, spec.ranks(stages)) if spec.solved else None
     chunks = None if chunk_costs is None else resolve_costs(chunk_costs, 2 * stages)
-    request = BuildRequest(stages, microbatches, sc, limits, objective, time_budget, deterministic, ranks, started, tuple(placements), chunks)
+    request = BuildRequest(
+        stages, microbatches, sc, limits, objective, time_budget, deterministic, ranks, started, tuple(placements), chunks, v_always
+    )
     sched = spec.build(request)
     sched = sched.with_info(solve_time_s=time.perf_counter() - started)
     if sched.stages != stages:  # zb-auto chose two chunks per rank: per-chunk costs

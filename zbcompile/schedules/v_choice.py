@@ -1,9 +1,12 @@
-"""zb-auto over V placement: when a memory limit is below 1F1B's, the same model cut into two
-chunks per rank in a V (``handcrafted.v_placement``, per-chunk costs ``ResolvedCosts.chunked``)
-needs less memory for the same bubble (Qi et al., "Pipeline Parallelism with Controllable
-Memory"). ``best_v_schedule`` builds the V schedules, keeps those within the limit and returns the
-best under the objective with the V placement's lower bound; ``choose_placement`` compares it with
-zb-auto's one-stage-per-rank result."""
+"""zb-auto over V placement: the same model cut into two chunks per rank in a V
+(``handcrafted.v_placement``, per-chunk costs ``ResolvedCosts.chunked``) needs less memory for
+the same bubble (Qi et al., "Pipeline Parallelism with Controllable Memory"), and half-size
+chunks shorten the fill and drain where there are few microbatches per rank, at the price of
+twice the messages (the chunks' costs carry ``comm`` for each). ``best_v_schedule`` builds the V
+schedules (the building blocks, ZB-V solved under the limit, DualPipeV), keeps those within the
+limit and returns the best under the objective with the V placement's lower bound;
+``choose_placement`` compares it with zb-auto's one-stage-per-rank result by the same objective,
+under a limit below 1F1B's or, with ``v_always``, whatever the limit."""
 
 from __future__ import annotations
 
@@ -12,13 +15,14 @@ from typing import Callable, Sequence
 
 from .building_block import v_half, v_min, v_zb
 from .costs import ResolvedCosts
+from .dualpipe import dualpipev
 from .handcrafted import v_placement
 from .heuristic import analytic_lower_bound, best_of, fits, one_f_one_b_peaks, zbv
 from .ir import Schedule
 
 PLACEMENTS = ("in-line", "v")  # one stage per rank; two chunks per rank in a V
 # the fixed V orders, least memory first; zbv is solved under the limit itself
-V_BUILDERS: dict[str, Callable[[int, int], Schedule]] = {"v-min": v_min, "v-half": v_half, "v-zb": v_zb}
+V_BUILDERS: dict[str, Callable[[int, int], Schedule]] = {"v-min": v_min, "v-half": v_half, "v-zb": v_zb, "dualpipev": dualpipev}
 
 
 def below_one_f_one_b(stages: int, costs: ResolvedCosts, limits: Sequence[float] | None) -> bool:
@@ -64,16 +68,18 @@ def choose_placement(
     objective: str,
     placements: Sequence[str],
     chunk_costs: ResolvedCosts | None = None,
+    v_always: bool = False,
 ) -> Schedule:
     """zb-auto's result over ``placements`` (see ``PLACEMENTS``): ``solve_in_line()`` (zb-auto with
-    one stage per rank) and, with "v" allowed and a limit below 1F1B's, the best V schedule; the
-    better one under ``objective``, ``info["placement"]`` saying which. A V result has 2 x
-    ``stages`` chunks (costs ``chunk_costs``, by default ``costs.chunked(2)``); ``lower_bound`` is
-    then the smaller of both placements' bounds. With "v" alone, the V is built under any limit."""
+    one stage per rank) and, with "v" allowed and a limit below 1F1B's (with ``v_always``: under
+    any limit, or none), the best V schedule; the better one under ``objective`` (the V only when
+    strictly better), ``info["placement"]`` saying which. A V result has 2 x ``stages`` chunks
+    (costs ``chunk_costs``, by default ``costs.chunked(2)``); ``lower_bound`` is then the smaller
+    of both placements' bounds. With "v" alone, the V is built under any limit."""
     unknown = set(placements) - set(PLACEMENTS)
     if unknown or not placements:
         raise ValueError(f"zb-auto: placements must be among {PLACEMENTS}, got {tuple(placements)}")
-    v_allowed = "v" in placements and ("in-line" not in placements or below_one_f_one_b(stages, costs, limits))
+    v_allowed = "v" in placements and ("in-line" not in placements or v_always or below_one_f_one_b(stages, costs, limits))
     v = best_v_schedule(stages, microbatches, costs, limits, objective, chunk_costs) if v_allowed else None
     in_line = None
     try:
