@@ -22,7 +22,7 @@ from zbcompile import _torch_internals as ti
 from zbcompile.passes import _fx
 from zbcompile.passes.partition import Stage, StagePartition
 from zbcompile.passes.recompute import checkpointed_nodes, recompute_closure, recompute_when_needed
-from zbcompile.passes.trace import first_line, same_kind, source_line
+from zbcompile.passes.trace import first_line, node_location, same_kind
 from zbcompile.program import Program, Signature
 from zbcompile.value_names import (
     GRAD,
@@ -125,10 +125,7 @@ def _backward_error(stage: Stage, error: Exception) -> Exception:
     of the op it names (e.g. a custom op without an autograd formula)."""
     text = str(error)
     culprit = next((n for n in stage.module.graph.nodes if n.op == "call_function" and _names_op(text, n.target)), None)
-    where = ""
-    if culprit is not None:
-        module = culprit.meta.get("custom", {}).get("module", "<root>")
-        where = f" at module '{module}' ({source_line(culprit) or 'unknown source line'})"
+    where = "" if culprit is None else f" at {node_location(culprit)}"
     message = (
         f"zbcompile could not derive the backward of stage {stage.index}{where}: {type(error).__name__}: "
         f"{first_line(error)}"
