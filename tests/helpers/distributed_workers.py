@@ -148,13 +148,15 @@ def dies_mid_step(victim: int) -> tuple[str, float]:
     return "no error", time.monotonic() - started
 
 
-def profiled(max_steps: int, memory_limit: float | None = None) -> dict:
-    """Default options (zb-auto measures its costs) but `memory_limit`, until the schedule solved
-    with measured costs is in use (every rank switches after the same step), then one more step;
-    returns the costs, the steps run, this rank's gradients and the schedule."""
+def profiled(max_steps: int, memory_limit: float | None = None, recompute: str | None = None) -> dict:
+    """Default options (zb-auto measures its costs) but `memory_limit` and `recompute`, until the
+    schedule solved with measured costs is in use (every rank switches after the same step), then
+    one more step; returns the costs, the steps run, this rank's gradients, the schedule and the
+    recompute levels."""
     case = build("gpt")
     pipe = zbcompile.pipeline(
-        case.model, stages=2, microbatches=4, loss_fn=case.loss_fn, timeout=60, solver_time_budget=0, memory_limit=memory_limit
+        case.model, stages=2, microbatches=4, loss_fn=case.loss_fn, timeout=60, solver_time_budget=0, memory_limit=memory_limit,
+        recompute=recompute,
     )
     steps = 0
     while pipe.measured_costs is None and steps < max_steps:
@@ -170,6 +172,8 @@ def profiled(max_steps: int, memory_limit: float | None = None) -> dict:
         "placement": pipe.schedule.info.get("placement"),
         "cost_source": pipe.schedule.info.get("cost_source"),
         "history": pipe.tuner.history,
+        "levels": pipe.compiled.recompute_levels,
+        "stage_programs": [id(e.program) == id(pipe.compiled.programs[s]) for s, e in pipe.runner.executors.items()],
     }
 
 

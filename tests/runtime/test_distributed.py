@@ -252,6 +252,20 @@ def test_zb_auto_under_a_limit_below_one_f_one_b_runs_a_v_on_the_same_ranks():
     _assert_eager_grads_after_steps(per_rank)
 
 
+def test_auto_recompute_is_chosen_again_with_the_measured_costs_on_every_rank():
+    """recompute="auto" under a limit: when zb-auto re-solves with measured costs, rank 0 chooses
+    the levels again with them and every rank switches to those levels' programs with the new
+    schedule; the gradients stay eager's."""
+    per_rank = run_ranks(2, workers.profiled, 400, 1.5, "auto")
+    assert per_rank[0]["cost_source"] == "measured", per_rank[0]["history"]
+    events = [[e["event"] for e in r["history"]] for r in per_rank]
+    assert events[0] == events[1] and events[0][1].startswith("recompute levels"), events
+    assert events[0][1].endswith(f"-> {list(per_rank[0]['levels'])} (measured costs)"), events
+    assert per_rank[0]["levels"] == per_rank[1]["levels"] and all(all(r["stage_programs"]) for r in per_rank)
+    assert per_rank[0]["schedule"] == per_rank[1]["schedule"]
+    _assert_eager_grads_after_steps(per_rank)
+
+
 def _assert_eager_grads_after_steps(per_rank: list[dict]) -> None:
     """The ranks' gradients are eager's, accumulated over the steps they ran (no zero_grad)."""
     reference = build("gpt")

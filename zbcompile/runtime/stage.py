@@ -73,6 +73,15 @@ class StageExecutor:
         self._weight_param_grads = [f for f in joint.param_grads if f not in split.input_param_grads]
         self._layouts = {**_placeholder_layouts(joint.forward), **_placeholder_layouts(joint.backward)}
 
+    def running(self, program: StageProgram) -> "StageExecutor":
+        """An executor of the same stage and state running `program` (the stage at another
+        recompute level), measuring as this one does. Between steps only."""
+        if self.envs:
+            raise RuntimeError(f"stage {self.program.index}: microbatches {sorted(self.envs)} are in flight; change programs between steps")
+        executor = StageExecutor(program, self.state)
+        executor.measure_transients = self.measure_transients
+        return executor
+
     # --- actions ---------------------------------------------------------------------------
 
     def forward(self, microbatch: int, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
