@@ -101,6 +101,21 @@ def boxed_copy(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return boxed
 
 
+def failing_node(graph_module: torch.fx.GraphModule, error: BaseException) -> torch.fx.Node | None:
+    """The node of `graph_module` whose line of the generated code was running when `error` was
+    raised (through the code's line-to-node map, as torch.fx's own error message finds the line),
+    or None when the error did not pass through that code."""
+    code = type(graph_module).forward.__code__
+    line_to_node = getattr(graph_module, "_lineno_map", None) or {}
+    frame = error.__traceback__
+    while frame is not None and frame.tb_frame.f_code is not code:
+        frame = frame.tb_next
+    if frame is None:
+        return None
+    index = line_to_node.get(frame.tb_lineno - getattr(graph_module, "_prologue_start", 0))
+    return None if index is None else list(graph_module.graph.nodes)[index]
+
+
 def traced_like_export() -> contextlib.AbstractContextManager:
     """While active, `torch.compiler.is_compiling()` and `is_exporting()` answer True, as they do
     while non-strict `torch.export` traces: library code that asks whether it is being traced

@@ -12,11 +12,15 @@ candidate's schedule is solved and simulated (`evaluate_memory`) with the limit 
 of the pipeline before recomputation, which the candidates keep. A rank fits when its peak with
 each action's own transients (`CompiledPipeline.peak_memory_with_transients`: the values a
 backward recomputes live inside it) is within the limit: the memory the runtime measures.
+
+At compile the candidates are weighed with static costs; `MeasuredRecomputation` weighs them
+again with measured ones when zb-auto re-solves with those (`profile.CostTuner`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Sequence
 
 from zbcompile.compiler import CompiledPipeline
@@ -37,12 +41,15 @@ class Evaluation:
 
 
 def evaluate_memory(
-    compiled: CompiledPipeline, solve_arguments: Callable[[Costs, CompiledPipeline], dict[str, Any]]
+    compiled: CompiledPipeline,
+    solve_arguments: Callable[[Costs, CompiledPipeline], dict[str, Any]],
+    costs_of: Callable[[CompiledPipeline], Costs] = CompiledPipeline.schedule_costs,
 ) -> Evaluation:
-    """The schedule for `compiled`'s static costs (`solve_arguments(costs, compiled)`: the limit in
-    `compiled`'s memory unit; zb-auto: its heuristic, no solver time), evaluated: the stages
-    whose rank exceeds its limit, each stage's rank peak in bytes, the simulated makespan."""
-    costs = compiled.schedule_costs()
+    """The schedule for `compiled`'s costs (`costs_of(compiled)`: by default the static ones;
+    `solve_arguments(costs, compiled)`: the limit in `compiled`'s memory unit; zb-auto: its
+    heuristic, no solver time), evaluated: the stages whose rank exceeds its limit, each stage's
+    rank peak in bytes, the simulated makespan."""
+    costs = costs_of(compiled)
     arguments = {**solve_arguments(costs, compiled), "time_budget": 0}
     try:
         schedule = make_schedule(**arguments)
@@ -112,3 +119,68 @@ def _best_level(compiled: CompiledPipeline, levels: list[int], stage: int, curre
         elif trial.stage_peaks[stage] < lowest[0]:
             lowest = (trial.stage_peaks[stage], level)
     return fitting[1] if fitting is not None else lowest[1]
+
+
+def calibrated_costs(running: CompiledPipeline, measured: Costs, candidate: CompiledPipeline) -> Costs:
+    """`candidate`'s costs (the same compile at other levels) predicted from `measured`, the costs
+    measured running `running`'s levels: a stage at its running level keeps its measured times;
+    at another level, its static estimates scaled by its measured / static ratio, one for F and
+    one for the backward (I + W together: levels move work between I and W). Memory: the
+    candidate's static estimates; comm: measured."""
+    static, predicted = running.schedule_costs(), candidate.schedule_costs()
+    times = {"f": [], "i": [], "w": []}
+    for s, (ran, level) in enumerate(zip(running.recompute_levels, candidate.recompute_levels)):
+        if ran == level:
+            for kind in times:
+                times[kind].append(getattr(measured, kind)[s])
+            continue
+        forward = _ratio([measured.f[s]], [static.f[s]])
+        backward = _ratio([measured.i[s], measured.w[s]], [static.i[s], static.w[s]])
+        times["f"].append(predicted.f[s] * forward)
+        times["i"].append(predicted.i[s] * backward)
+        times["w"].append(predicted.w[s] * backward)
+    return Costs(**times, comm=measured.comm, mem_b=predicted.mem_b, mem_w=predicted.mem_w)
+
+
+def _ratio(measured: Sequence[float], static: Sequence[float]) -> float:
+    return sum(measured) / sum(static) if sum(static) > 0 else 1.0
+
+
+class MeasuredRecomputation:
+    """recompute="auto" chosen again with measured costs (`profile.CostTuner`, when zb-auto
+    re-solves with them): `choose(measured)` runs `choose_recomputation` under the same limit
+    (`solve_arguments`) with every candidate's costs calibrated from `measured`
+    (`calibrated_costs`); `use(levels)` makes those levels the running ones and returns the
+    pipeline to run (`finish`: its stage programs compiled as the options say)."""
+
+    def __init__(
+        self,
+        running: CompiledPipeline,
+        solve_arguments: Callable[[Costs, CompiledPipeline], dict[str, Any]],
+        finish: Callable[[CompiledPipeline], CompiledPipeline] = lambda compiled: compiled,
+    ) -> None:
+        self.running = running
+        self.solve_arguments = solve_arguments
+        self.finish = finish
+
+    @property
+    def levels(self) -> tuple[int, ...]:
+        return self.running.recompute_levels
+
+    def choose(self, measured: Costs) -> tuple[tuple[int, ...], Costs]:
+        """The levels under which the schedule fits the limit in the least simulated time with
+        `measured` (the running levels' costs), and their calibrated costs. Raises ValueError
+        where no level fits."""
+
+        def costs_of(candidate: CompiledPipeline) -> Costs:
+            return calibrated_costs(self.running, measured, candidate)
+
+        evaluate = functools.partial(evaluate_memory, solve_arguments=self.solve_arguments, costs_of=costs_of)
+        chosen = choose_recomputation(self.running, evaluate)
+        return chosen.recompute_levels, costs_of(chosen)
+
+    def use(self, levels: Sequence[int]) -> CompiledPipeline:
+        """The running pipeline at `levels` (its stage programs finished), from now on."""
+        if tuple(levels) != self.levels:
+            self.running = self.finish(with_levels(self.running, levels))
+        return self.running

@@ -51,6 +51,14 @@ class Program:
         """The graph's inputs in order; those named in `consumed` taken out of `env`."""
         return [env.pop(n) if n in consumed else env[n] if n in env else state[n] for n in self.signature.inputs]
 
+    def failing_node(self, error: BaseException) -> fx.Node | None:
+        """The node whose op raised `error` during `run` (None where it did not come from one)."""
+        for graph in (self.graph, *self._boxed.values()):
+            node = ti.failing_node(graph, error)
+            if node is not None:
+                return node
+        return None
+
     def _boxed_graph(self) -> fx.GraphModule:
         if "graph" not in self._boxed:
             self._boxed["graph"] = ti.boxed_copy(self.graph)

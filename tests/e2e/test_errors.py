@@ -187,6 +187,59 @@ def test_op_without_a_derivative_names_stage_module_and_line():
     assert f"{__file__}:{lineno}" in message and line in message and "register_autograd" in message, message
 
 
+def test_integer_tokens_into_a_linear_name_the_action_module_and_line():
+    """Tracing computes with fake kernels, which let a Long input into a float Linear pass; the
+    real kernel's refusal on the first step names the action, the module and the user's line."""
+    lineno, line = _source_line(Encoder.forward, "self.fc(x)")
+    pipe = zbcompile.pipeline(GatedNet(nn.Identity()), stages=2, microbatches=2, loss_fn=F.mse_loss)
+    with pytest.raises(RuntimeError) as info:
+        pipe.step(torch.randint(0, 4, (BATCH, 4)), target=torch.randn(BATCH, 2))
+    message = str(info.value)
+    assert "action 0F0" in message and "'encoder.fc'" in message, message
+    assert f"{__file__}:{lineno}" in message and line in message and "Long and Float" in message, message
+
+
+@torch.library.custom_op("zbcompile_tests::picky_grad", mutates_args=())
+def _picky_grad(grad: torch.Tensor) -> torch.Tensor:
+    raise ValueError("picky_grad refuses every gradient")
+
+
+@_picky_grad.register_fake
+def _(grad: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(grad)
+
+
+@torch.library.custom_op("zbcompile_tests::triple", mutates_args=())
+def _triple(x: torch.Tensor) -> torch.Tensor:
+    return x * 3
+
+
+@_triple.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+_triple.register_autograd(lambda ctx, grad: _picky_grad(grad))
+
+
+class BackwardRefuses(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _triple(x)
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "1f1b"])
+def test_an_op_failing_in_the_backward_names_the_action_module_and_line(schedule):
+    """Any op's error while a stage program runs keeps its type and names where it was traced:
+    here a backward op (I, W or the fused B) that only the real kernel refuses."""
+    lineno, line = _source_line(BackwardRefuses.forward, "_triple(x)")
+    pipe = zbcompile.pipeline(GatedNet(BackwardRefuses()), stages=2, microbatches=2, loss_fn=F.mse_loss, schedule=schedule)
+    with pytest.raises(ValueError) as info:
+        pipe.step(torch.randn(BATCH, 4), target=torch.randn(BATCH, 2))
+    message = str(info.value)
+    assert re.search(r"action \d[IWB]\d", message) and "picky_grad" in message, message
+    assert "'encoder.gate'" in message and f"{__file__}:{lineno}" in message and line in message, message
+
+
 # --- stages and microbatches ---------------------------------------------------------------------
 
 

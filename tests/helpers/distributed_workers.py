@@ -195,7 +195,8 @@ def profiled_runs(runs: list[tuple[int, dict]]) -> list[dict]:
 def profiled(max_steps: int, **options) -> dict:
     """Default options (zb-auto measures its costs) but `options`, until the schedule solved
     with measured costs is in use (every rank switches after the same step) or `max_steps`,
-    then one more step; returns the costs, the steps run, this rank's gradients and the schedule."""
+    then one more step; returns the costs, the steps run, this rank's gradients, the schedule and
+    the recompute levels."""
     case = build("gpt")
     pipe = zbcompile.pipeline(case.model, stages=2, microbatches=4, loss_fn=case.loss_fn, timeout=60, solver_time_budget=0, **options)
     steps = 0
@@ -213,6 +214,8 @@ def profiled(max_steps: int, **options) -> dict:
         "cost_source": pipe.schedule.info.get("cost_source"),
         "history": None if pipe.tuner is None else pipe.tuner.history,
         "name": pipe.schedule.name,
+        "levels": pipe.compiled.recompute_levels,
+        "stage_programs": [id(e.program) == id(pipe.compiled.programs[s]) for s, e in pipe.runner.executors.items()],
     }
 
 

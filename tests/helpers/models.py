@@ -97,6 +97,71 @@ class MaskedSharedMLP(nn.Module):
         return self.out(h * mask)
 
 
+class RMSNorm(nn.Module):
+    """`x * rsqrt(mean(x^2) + eps) * weight`, written out (no fused op)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+class LlamaBlock(nn.Module):
+    """Pre-norm attention with rotary embeddings computed in the forward from `arange`, and a
+    SwiGLU MLP."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.attn_norm = RMSNorm(hidden)
+        self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden, bias=False) for _ in range(4))
+        self.mlp_norm = RMSNorm(hidden)
+        self.gate = nn.Linear(hidden, 2 * hidden, bias=False)
+        self.up = nn.Linear(hidden, 2 * hidden, bias=False)
+        self.down = nn.Linear(2 * hidden, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, hidden = x.shape
+        head_dim = hidden // self.heads
+        inverse = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=x.device) / head_dim))
+        angles = torch.outer(torch.arange(seq, dtype=torch.float32, device=x.device), inverse)
+        angles = torch.cat((angles, angles), dim=-1)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        h = self.attn_norm(x)
+        q, k, v = (proj(h).view(batch, seq, self.heads, head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        causal = torch.triu(torch.full((seq, seq), float("-inf"), dtype=x.dtype, device=x.device), 1)
+        weights = torch.softmax(q @ k.transpose(-1, -2) / head_dim**0.5 + causal, dim=-1)
+        x = x + self.o((weights @ v).transpose(1, 2).reshape(batch, seq, hidden))
+        h = self.mlp_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class LlamaStyle(nn.Module):
+    """A plain nn.Module Llama: embedding, `LlamaBlock`s, a final RMSNorm and an untied head."""
+
+    def __init__(self, vocab: int = 64, hidden: int = 16, heads: int = 2, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(LlamaBlock(hidden, heads) for _ in range(layers))
+        self.norm = RMSNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
 GPT_CONFIG = GPTConfig(vocab_size=64, seq_len=8, hidden=16, heads=4, layers=2)
 
 
@@ -147,6 +212,13 @@ def _masked(generator: torch.Generator, batch: int) -> Case:
     return Case("masked", model, (x,), {"mask": mask, "scale": 0.5}, target, F.mse_loss)
 
 
+def _llama(generator: torch.Generator, batch: int) -> Case:
+    model = LlamaStyle()
+    tokens = torch.randint(0, 64, (batch, 8), generator=generator)
+    target = torch.randint(0, 64, (batch, 8), generator=generator)
+    return Case("llama", model, (tokens,), {}, target, lm_loss)
+
+
 BUILDERS: dict[str, Callable[[torch.Generator, int], Case]] = {
     "mlp": _mlp,
     "gpt": _gpt,
@@ -154,13 +226,16 @@ BUILDERS: dict[str, Callable[[torch.Generator, int], Case]] = {
     "masked": _masked,
 }
 NAMES = tuple(BUILDERS)
+# models outside the zoo (built by `build` too, not run by every zoo test)
+EXTRA_BUILDERS: dict[str, Callable[[torch.Generator, int], Case]] = {"llama": _llama}
 
 
 def build(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, batch: int = BATCH) -> Case:
-    """The zoo entry `name` (one of `NAMES`) with a batch of `batch` rows, the same for the same seed and dtype."""
+    """The zoo entry `name` (one of `NAMES`, or of `EXTRA_BUILDERS`) with `batch` rows, the same
+    for the same seed and dtype."""
     torch.manual_seed(seed)  # parameter initialisation
     generator = torch.Generator().manual_seed(seed + 1)  # data
-    return _finish(BUILDERS[name](generator, batch), dtype)
+    return _finish({**BUILDERS, **EXTRA_BUILDERS}[name](generator, batch), dtype)
 
 
 # --- models whose forward updates buffers (outside the zoo: eager reference runs microbatch by

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import fx
 
 from helpers.grads import FP32, assert_grads_close
 from helpers.passes import traced_mlp, traced_tied
-from zbcompile.passes.joint import StageJoint, export_stage_joints
+from zbcompile.passes.joint import StageJoint, export_stage_joints, extract_program
 from zbcompile.passes.partition import StagePartition, partition_stages
 from zbcompile.value_names import (
     OUTPUT,
@@ -104,3 +105,21 @@ def test_tied_weight_gradient_is_the_sum_over_its_stages():
     eager_loss, eager_grads = _eager(case)
     torch.testing.assert_close(loss, eager_loss, **FP32)
     assert_grads_close({f: grads[f] for f in eager_grads}, eager_grads, "tied weight over 3 stages", **FP32)
+
+
+def test_extracted_programs_keep_their_nodes_names_when_an_input_is_named_like_one():
+    """An input whose environment name reads like a body node's name (`in:add`, a stage input
+    that the previous stage's graph called `add`) takes another name: the node keeps its own, by
+    which later passes find it (the values a backward recomputes), and the graph compiles."""
+    graph = fx.Graph()
+    x, y = graph.placeholder("x"), graph.placeholder("y")
+    add = graph.call_function(torch.ops.aten.add.Tensor, (x, y), name="add")
+    add_1 = graph.call_function(torch.ops.aten.mul.Tensor, (add, y), name="add_1")
+    graph.output((add_1,))
+    program = extract_program(graph, {add, add_1}, [x, y], [(add_1, "out:z")], {x: "in:add", y: "in:add_1"}, "P")
+    nodes = {n.name: n.op for n in program.graph.graph.nodes}
+    assert nodes["add"] == nodes["add_1"] == "call_function", nodes
+    assert program.signature.inputs == ("in:add", "in:add_1")
+    env = {"in:add": torch.tensor([1.0]), "in:add_1": torch.tensor([3.0])}
+    program.run(env, {})
+    assert env["out:z"].item() == 12.0

@@ -1,9 +1,11 @@
 """The measured-cost tuner's decisions, on a pipeline of one rank (no collectives): a first
 solve after the warm-up and profiled steps, the switch once the background solver is done,
-calibration, and a re-solve when the measured step drifts from the prediction."""
+calibration, and a re-solve when the measured step drifts from the prediction; under
+recompute="auto", the recompute levels chosen again with the measured costs."""
 
 from __future__ import annotations
 
+import functools
 import time
 from datetime import timedelta
 from types import SimpleNamespace
@@ -11,6 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import zbcompile
+from helpers.models import build
+from zbcompile.auto_recompute import MeasuredRecomputation, calibrated_costs, evaluate_memory, with_levels
 from zbcompile.runtime import profile
 from zbcompile.schedules import Costs, make_schedule
 
@@ -75,3 +80,99 @@ def test_first_solve_switch_calibration_and_drift():
     assert tuner.history[-1]["event"] == "switched"
     _run(tuner, runner, 2.0, profile.DRIFT_WINDOW)
     assert tuner.history[-1]["event"] == "calibrated"
+
+
+# --- recompute="auto" chosen again with measured costs ------------------------------------------
+
+
+def _auto_recompute_gpt(limit: float = 1.5):
+    """The zoo GPT in one process, recompute="auto" under `limit` (static costs choose levels
+    (4, 0): stage 0 recomputes everything, W recomputing too)."""
+    case = build("gpt")
+    pipe = zbcompile.pipeline(case.model, stages=2, microbatches=4, loss_fn=case.loss_fn, recompute="auto", memory_limit=limit)
+    pipe.compile(*case.args, target=case.target, **case.kwargs)
+    return case, pipe
+
+
+def _skewed(costs: Costs, backward: tuple[float, float]) -> Costs:
+    """`costs` with each stage's I and W times multiplied by its factor in `backward`."""
+    return Costs(
+        f=list(costs.f), i=[t * k for t, k in zip(costs.i, backward)], w=[t * k for t, k in zip(costs.w, backward)],
+        mem_b=costs.mem_b, mem_w=costs.mem_w,
+    )
+
+
+def test_measured_recomputation_keeps_the_static_choice_for_proportional_costs_and_fits_the_limit():
+    _, pipe = _auto_recompute_gpt()
+    compiled = pipe.compiled
+    choice = MeasuredRecomputation(compiled, pipe._builder.solve_arguments)
+    static = compiled.schedule_costs()
+    measured = Costs(f=[t * 1e-9 for t in static.f], i=[t * 1e-9 for t in static.i], w=[t * 1e-9 for t in static.w], comm=1e-6)
+    assert calibrated_costs(compiled, measured, compiled).f == measured.f  # the running levels: as measured
+    levels, costs = choice.choose(measured)
+    assert levels == compiled.recompute_levels and costs.i == measured.i
+    levels, costs = choice.choose(_skewed(static, (20.0, 1.0)))  # stage 0's backward 20 times slower than estimated
+    assert levels != compiled.recompute_levels
+    evaluation = evaluate_memory(with_levels(compiled, levels), pipe._builder.solve_arguments, lambda _: costs)
+    assert not evaluation.over, evaluation
+
+
+class _OneRank:
+    """A LocalRunner seen as the tuner sees a rank's runner: the only rank of its pipeline; the
+    step's timeline is set by the test."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.layout = SimpleNamespace(pp_group=None, pp_rank=0, pipeline_ranks=(0,))
+        self.device = torch.device("cpu")
+        self.transport = SimpleNamespace(timeout=timedelta(seconds=60))
+        self.timeline: list = []
+        self.schedule = runner.schedule
+
+    @property
+    def compiled(self):
+        return self.runner.compiled
+
+    def use_programs(self, compiled) -> None:
+        self.runner.use_programs(compiled)
+
+
+def test_the_tuner_chooses_recomputation_again_with_measured_costs_and_the_runner_follows():
+    """Measured times with stage 0's backward 20x its estimate: the first solve chooses other
+    levels, the switch runs their programs, and the gradients stay bitwise those without
+    recomputation."""
+    case, pipe = _auto_recompute_gpt()
+    before = pipe.compiled.recompute_levels
+    static = pipe.compiled.schedule_costs()
+    skewed = _skewed(static, (20.0, 1.0))
+    seconds = {(s, kind): getattr(skewed, kind.lower())[s] * 1e-9 for s in range(2) for kind in "FIW"}
+    recompute = MeasuredRecomputation(pipe.compiled, pipe._builder.solve_arguments)
+    tuner = profile.CostTuner(2, functools.partial(pipe._builder.solve_arguments, compiled=pipe.compiled), static, recompute)
+    rank = _OneRank(pipe.runner)
+    for _ in range(400):
+        clock, rank.timeline = 0.0, []
+        for action in (a for row in rank.schedule.actions for a in row):
+            rank.timeline.append((str(action), clock, clock + seconds[(action.stage, action.kind)]))
+            clock += seconds[(action.stage, action.kind)]
+        new = tuner.after_step(rank)
+        if new is not None:
+            pipe.runner.reschedule(new)
+            break
+        time.sleep(0.01)
+    else:
+        raise AssertionError(f"no switch: {tuner.history}")
+    events = [e["event"] for e in tuner.history]
+    assert events[-2:] == [f"recompute levels {list(before)} -> {list(recompute.levels)} (measured costs)", "switched"], events
+    assert recompute.levels != before and pipe.compiled.recompute_levels == recompute.levels
+    assert [e.program for e in pipe.runner.executors.values()] == list(pipe.compiled.programs)
+    assert tuner.static.mem_b == pipe.compiled.schedule_costs().mem_b
+    pipe.zero_grad()
+    case.step(pipe)
+    grads = {n: p.grad.clone() for n, p in case.model.named_parameters()}
+    plain = build("gpt")
+    plain_pipe = zbcompile.pipeline(plain.model, stages=2, microbatches=4, loss_fn=plain.loss_fn)
+    plain_pipe.set_schedule("zb-auto").compile(*plain.args, target=plain.target)
+    plain_pipe.runner.reschedule(pipe.schedule)
+    plain.step(plain_pipe)
+    for fqn, p in plain.model.named_parameters():
+        assert torch.equal(grads[fqn], p.grad), fqn

@@ -39,6 +39,7 @@ PROFILED = {
     "below 1f1b": (400, {"memory_limit": 1.5}),
     "profile=False": (5, {"profile": False}),
     "profile=True": (400, {"schedule": "zb-h1", "profile": True, "profile_steps": 3}),
+    "recompute auto": (400, {"memory_limit": 1.5, "recompute": "auto"}),
 }
 
 
@@ -314,6 +315,20 @@ def test_profile_false_keeps_the_static_schedule_and_profile_true_measures_any_s
     assert measured[0]["steps"] > 4
     for name in ("profile=False", "profile=True"):
         _assert_eager_grads_after_steps(profiled[name])
+
+
+def test_auto_recompute_is_chosen_again_with_the_measured_costs_on_every_rank(profiled):
+    """recompute="auto" under a limit: when zb-auto re-solves with measured costs, rank 0 chooses
+    the levels again with them and every rank switches to those levels' programs with the new
+    schedule; the gradients stay eager's."""
+    per_rank = profiled["recompute auto"]
+    assert per_rank[0]["cost_source"] == "measured", per_rank[0]["history"]
+    events = [[e["event"] for e in r["history"]] for r in per_rank]
+    assert events[0] == events[1] and events[0][1].startswith("recompute levels"), events
+    assert events[0][1].endswith(f"-> {list(per_rank[0]['levels'])} (measured costs)"), events
+    assert per_rank[0]["levels"] == per_rank[1]["levels"] and all(all(r["stage_programs"]) for r in per_rank)
+    assert per_rank[0]["schedule"] == per_rank[1]["schedule"]
+    _assert_eager_grads_after_steps(per_rank)
 
 
 def _assert_eager_grads_after_steps(per_rank: list[dict]) -> None:

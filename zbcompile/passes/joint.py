@@ -22,7 +22,7 @@ from zbcompile import _torch_internals as ti
 from zbcompile.passes import _fx
 from zbcompile.passes.partition import Stage, StagePartition
 from zbcompile.passes.recompute import checkpointed_nodes, recompute_closure, recompute_when_needed
-from zbcompile.passes.trace import first_line, same_kind, source_line
+from zbcompile.passes.trace import first_line, node_location, same_kind
 from zbcompile.program import Program, Signature
 from zbcompile.value_names import (
     GRAD,
@@ -125,10 +125,7 @@ def _backward_error(stage: Stage, error: Exception) -> Exception:
     of the op it names (e.g. a custom op without an autograd formula)."""
     text = str(error)
     culprit = next((n for n in stage.module.graph.nodes if n.op == "call_function" and _names_op(text, n.target)), None)
-    where = ""
-    if culprit is not None:
-        module = culprit.meta.get("custom", {}).get("module", "<root>")
-        where = f" at module '{module}' ({source_line(culprit) or 'unknown source line'})"
+    where = "" if culprit is None else f" at {node_location(culprit)}"
     message = (
         f"zbcompile could not derive the backward of stage {stage.index}{where}: {type(error).__name__}: "
         f"{first_line(error)}"
@@ -335,6 +332,15 @@ def _safe(name: str) -> str:
     return f"_{identifier}" if identifier[0].isdigit() else identifier
 
 
+def _fresh(candidate: str, taken: set[str]) -> str:
+    """`candidate`, or the first of `<candidate>_input`, `<candidate>_input2`, ... not in `taken`."""
+    name, number = candidate, 1
+    while name in taken:
+        name = f"{candidate}_input{number if number > 1 else ''}"
+        number += 1
+    return name
+
+
 def extract_program(
     graph: fx.Graph,
     body: set[fx.Node],
@@ -344,13 +350,21 @@ def extract_program(
     class_name: str,
 ) -> Program:
     """A Program computing `outputs` (node, environment name) from `inputs` by running the
-    `body` nodes (in graph order). Inputs are named by `names`."""
+    `body` nodes (in graph order). Inputs are named by `names`; the body's nodes keep their
+    names (a placeholder never takes one), so that later passes can find a node of `graph`
+    (`StageJoint.recomputed`) in the program by its name."""
     new_graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
+    copied = [n for n in graph.nodes if n in body and n not in inputs]
+    taken = {n.name for n in copied}
     for node in inputs:
-        env[node] = new_graph.placeholder(_safe(names[node]))
+        env[node] = new_graph.placeholder(_fresh(_safe(names[node]), taken))
         env[node].meta = dict(node.meta)
-    _fx.copy_nodes(new_graph, [n for n in graph.nodes if n in body and n not in env], env)
+        taken.add(env[node].name)
+    _fx.copy_nodes(new_graph, copied, env)
+    renamed = [n.name for n in copied if env[n].name != n.name]
+    if renamed:
+        raise RuntimeError(f"{class_name}: extracting the program renamed nodes {renamed[:4]}")
     new_graph.output(tuple(env[n] for n, _ in outputs))
     module = _fx.finish(new_graph, graph.owning_module, name=class_name)  # holds the tensor constants
     return Program(module, Signature(tuple(names[n] for n in inputs), tuple(name for _, name in outputs)))

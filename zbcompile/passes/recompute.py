@@ -124,7 +124,7 @@ def recompute_when_needed(graph_module: fx.GraphModule, recomputed: Iterable[str
     checkpointing does: it holds one region's recomputed values at a time, not every region's.
     Only the order changes (each node computes what it did), so every result is the same."""
     graph, names = graph_module.graph, set(recomputed)
-    pending = {n for n in graph.nodes if n.name in names}
+    pending = {n for n in graph.nodes if n.op == "call_function" and n.name in names}
     for node in list(graph.nodes):
         if node in pending:
             continue

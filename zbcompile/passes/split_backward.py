@@ -143,7 +143,7 @@ def _partition(backward: Program, in_input: frozenset[str], weight_recomputes: f
     recompute = _fx.state_only_nodes(graph, state)
     input_body = _fx.ancestors([n for n, _ in input_grads]) - set(placeholders)
     weight_body = _fx.ancestors([n for n, _ in param_grads], stop=input_body) - set(placeholders) - input_body
-    recompute |= {n for n in graph.nodes if n.name in weight_recomputes}
+    recompute |= {n for n in graph.nodes if n.op == "call_function" and n.name in weight_recomputes}
     weight_body = _fx.with_state_ancestors(weight_body, recompute)
     # W's elements of a tuple that I computes (a recomputed forward op's): taken in I, stashed
     from_input = {

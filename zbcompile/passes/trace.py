@@ -361,6 +361,12 @@ def source_line(node: fx.Node) -> str | None:
     return _innermost_user_frame(traceback.StackSummary.from_list(frames))
 
 
+def node_location(node: fx.Node) -> str:
+    """"module '<fqn>' (<file>:<line>: <code>)": where the user's code created a traced node."""
+    module = node.meta.get("custom", {}).get("module", "<root>")
+    return f"module '{module}' ({source_line(node) or 'unknown source line'})"
+
+
 def _raised_here(error: BaseException) -> bool:
     """Whether zbcompile raised `error` itself (a refusal that names its culprit already)."""
     frames = traceback.extract_tb(error.__traceback__)

@@ -40,13 +40,18 @@ from zbcompile.value_names import buffer_name, param_name
 
 @dataclass(frozen=True)
 class Build:
-    """One compile: `runner.schedule` is the schedule it runs; `tuner` measures costs and
-    re-solves (None where costs are not measured); `dump` its files (None when not dumping)."""
+    """One compile: `runner.schedule` is the schedule it runs and `compiled` its stages (the
+    runner's: recompute="auto" may choose other levels with measured costs); `tuner` measures
+    costs and re-solves (None where costs are not measured); `dump` its files (None when not
+    dumping)."""
 
-    compiled: CompiledPipeline
     runner: Runner
     tuner: profile.CostTuner | None = None
     dump: CompileDump | None = None
+
+    @property
+    def compiled(self) -> CompiledPipeline:
+        return self.runner.compiled
 
     def after_step(self, measured: Costs | None) -> Costs | None:
         """After a step (its gradients reduced): record it in the dump, and where the tuner
@@ -152,7 +157,7 @@ class Builder:
             self._place(set(placement.canonical_names(self.module).values()), batch.device_of((example, example_target)), move_others=False)
             runner = LocalRunner(compiled, schedule, self.state())
         tuner = self.tuner(compiled)
-        return Build(compiled, runner, tuner, start_dump(o.dump_dir, compiled, schedule, o, runner))
+        return Build(runner, tuner, start_dump(o.dump_dir, compiled, schedule, o, runner))
 
     def _placed(self, compiled: CompiledPipeline, example: tuple, example_target: Any) -> tuple[CompiledPipeline, Schedule]:
         """`compiled` (one stage per rank) and its schedule; or, where zb-auto predicts a V of two
@@ -284,7 +289,11 @@ class Builder:
         if not wanted or not self.distributed:
             return None
         solve_arguments = functools.partial(self.solve_arguments, compiled=compiled)
-        return profile.CostTuner(self.options.profile_steps, solve_arguments, compiled.schedule_costs())
+        recompute = None
+        if self.options.recompute == "auto":
+            finish = functools.partial(compile_stage_programs, compiler=self.options.compiler)
+            recompute = auto_recompute.MeasuredRecomputation(compiled, self.solve_arguments, finish)
+        return profile.CostTuner(self.options.profile_steps, solve_arguments, compiled.schedule_costs(), recompute)
 
     def state(self) -> dict[str, torch.Tensor]:
         """The module's current parameters and buffers, as the runtime names them."""

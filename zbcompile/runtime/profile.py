@@ -9,7 +9,9 @@ times `profile_steps` steps, gathers their costs (one collective), and rank 0 so
 schedule with them in a child process (`background_solve`) while the steps go on with the old
 one. After each of those steps rank 0 broadcasts one number, whether the solver has finished;
 the step after which it has is the switch, on every rank, with one broadcast of the new
-schedule. From then on it compares the measured step (the longest rank's span of actions,
+schedule. Under recompute="auto", rank 0 first chooses the recompute levels again with the
+measured costs (under the same limit), and the switch broadcasts them with the schedule: every
+rank then runs those levels' stage programs. From then on it compares the measured step (the longest rank's span of actions,
 median over a window of steps, gathered) with the simulator's span of the running schedule
 under the costs it was solved with: when their ratio moves more than `DRIFT_THRESHOLD` away
 from the ratio measured in the first window after the switch, it re-solves with the window's
@@ -117,12 +119,19 @@ class CostTuner:
     take every decision at the same step, from the same gathered numbers.
 
     `solve_arguments(costs)` gives `make_schedule`'s keyword arguments for a schedule solved
-    with `costs`; `static` are the compiler's estimates (memory, and how a fused backward splits)."""
+    with `costs`; `static` are the compiler's estimates (memory, and how a fused backward splits).
+    `recompute` (recompute="auto": `auto_recompute.MeasuredRecomputation`): every solve first
+    chooses the recompute levels again with the measured costs, on rank 0; the switch takes
+    rank 0's levels with its schedule on every rank, whose runner then runs those levels'
+    programs (`Runner.use_programs`)."""
 
-    def __init__(self, profile_steps: int, solve_arguments: Callable[[Costs], dict[str, Any]], static: Costs) -> None:
+    def __init__(
+        self, profile_steps: int, solve_arguments: Callable[[Costs], dict[str, Any]], static: Costs, recompute: Any = None
+    ) -> None:
         self.profile_steps = profile_steps
         self.solve_arguments = solve_arguments
         self.static = static
+        self.recompute = recompute
         self.measured: Costs | None = None  # the costs of the latest solve
         self.predicted_span: float | None = None  # of the running schedule, under `measured`
         self.reference: float | None = None  # measured / predicted span right after the switch
@@ -131,7 +140,8 @@ class CostTuner:
         self.history: list[dict[str, Any]] = []  # one entry per decision, for people
         self._steps = 0
         self._window: list[Timeline] = []
-        self._solving: tuple[BackgroundSolve | None, Costs] | None = None
+        # the solve under way: rank 0's child process (None elsewhere), the costs and levels it solves for
+        self._solving: tuple[BackgroundSolve | None, Costs, tuple[int, ...] | None] | None = None
 
     @property
     def solving(self) -> bool:
@@ -189,15 +199,28 @@ class CostTuner:
                 return
             self.drift_resolves += 1
             reason = f"drift {drift:+.0%}"
-        solve = BackgroundSolve(self.solve_arguments(costs)) if runner.layout.pp_rank == 0 else None
-        self._solving = (solve, costs)
+        levels, solve = None, None
+        if runner.layout.pp_rank == 0:
+            levels, costs = self._recompute_levels(costs)
+            solve = BackgroundSolve(self.solve_arguments(costs))
+        self._solving = (solve, costs, levels)
         self.resolves += 1
         self.history.append({"step": step, "event": f"solving ({reason})", "measured_span_s": span})
+
+    def _recompute_levels(self, measured: Costs) -> tuple[tuple[int, ...] | None, Costs]:
+        """With `recompute`: the levels chosen with `measured` and their costs (the running
+        levels where none fits the limit under them); else (None, `measured`)."""
+        if self.recompute is None:
+            return None, measured
+        try:
+            return self.recompute.choose(measured)
+        except ValueError:
+            return self.recompute.levels, measured
 
     def _switch_if_solved(self, runner: DistributedRunner, step: int) -> Schedule | None:
         """While rank 0 solves: one broadcast per step says whether it has finished (or given up
         after the pipeline's timeout); the step after which it has is the switch, everywhere."""
-        solve, costs = self._solving
+        solve, costs, levels = self._solving
         self._window.clear()  # the old schedule's steps tell nothing about the new one
         limit = runner.transport.timeout.total_seconds()
         finished = solve is None or solve.done() or time.perf_counter() - solve.started > limit
@@ -214,13 +237,18 @@ class CostTuner:
                 schedule = solve.result(timeout=0.0)
             except RuntimeError as failure:
                 error = str(failure)
-        box = [(schedule, error)]
+        box = [(schedule, error, levels, costs)]
         if runner.layout.pp_group is not None:
             dist.broadcast_object_list(box, group=runner.layout.pp_group, group_src=0)
-        schedule, error = box[0]
+        schedule, error, levels, costs = box[0]
         if schedule is None:
             self.history.append({"step": step, "event": f"kept the schedule: {error}"})
             return None
+        if levels is not None:
+            before = self.recompute.levels
+            runner.use_programs(self.recompute.use(levels))
+            self.static = runner.compiled.schedule_costs()
+            self.history.append({"step": step, "event": f"recompute levels {list(before)} -> {list(levels)} (measured costs)"})
         self.measured = costs
         self.predicted_span = simulate(schedule, costs).span
         self.reference = None

@@ -60,6 +60,17 @@ class Runner(ABC):
         """Run `schedule` from the next step on."""
         self._load(schedule)
 
+    def use_programs(self, compiled: CompiledPipeline) -> None:
+        """Run `compiled`'s stage programs from the next step on: the same stages, cut and
+        messages, other programs (recompute="auto"'s levels chosen again). Between steps only."""
+        if compiled is self.compiled:
+            return
+        for executors in (self.executors, self.copies):
+            for stage, executor in executors.items():
+                executors[stage] = executor.running(compiled.programs[stage])
+        self.compiled = compiled
+        self._load(self._schedule)
+
     def _load(self, schedule: Schedule) -> None:
         _check_copies(schedule, self.compiled)
         self._schedule = schedule

@@ -9,6 +9,7 @@ from typing import Collection, Mapping, Sequence
 import torch
 
 from zbcompile.compiler import StageProgram
+from zbcompile.passes.trace import first_line, node_location, same_kind
 from zbcompile.program import Program
 from zbcompile.runtime.live_memory import held_bytes, peak_inside
 from zbcompile.value_names import (
@@ -72,6 +73,15 @@ class StageExecutor:
         self._weight_param_grads = [f for f in joint.param_grads if f not in split.input_param_grads]
         self._layouts = {**_placeholder_layouts(joint.forward), **_placeholder_layouts(joint.backward)}
 
+    def running(self, program: StageProgram) -> "StageExecutor":
+        """An executor of the same stage and state running `program` (the stage at another
+        recompute level), measuring as this one does. Between steps only."""
+        if self.envs:
+            raise RuntimeError(f"stage {self.program.index}: microbatches {sorted(self.envs)} are in flight; change programs between steps")
+        executor = StageExecutor(program, self.state)
+        executor.measure_transients = self.measure_transients
+        return executor
+
     # --- actions ---------------------------------------------------------------------------
 
     def forward(self, microbatch: int, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -80,7 +90,7 @@ class StageExecutor:
         stage = self.program.stage
         self._check_forward_order(microbatch)
         env = {input_name(name): self._as_traced(input_name(name), value) for name, value in inputs.items()}
-        self._run(self.program.forward, env, microbatch, keep=self._forward_keeps)
+        self._run("F", self.program.forward, env, microbatch, keep=self._forward_keeps)
         self._update_buffers(env)
         if stage.outputs:
             outputs = {v: env[output_name(v)] if output_name(v) in env else env[input_name(v)] for v in stage.outputs}
@@ -112,7 +122,7 @@ class StageExecutor:
         stage). Returns the gradients of the stage inputs that carry one."""
         env = self.envs[microbatch]
         self._receive_tangents(env, output_grads)
-        self._run(self.program.input_backward, env, microbatch, keep=self._weight_reads)
+        self._run("I", self.program.input_backward, env, microbatch, keep=self._weight_reads)
         self._accumulate(self.program.split.input_param_grads, env)
         self.envs[microbatch] = {k: v for k, v in env.items() if k in self._weight_reads}
         self._note_memory(microbatch, "I")
@@ -121,7 +131,7 @@ class StageExecutor:
     def weight_backward(self, microbatch: int) -> None:
         """W: parameter gradients of `microbatch`, accumulated; the microbatch's values freed."""
         env = self.envs.pop(microbatch)
-        self._run(self.program.weight_backward, env, microbatch, keep=frozenset())
+        self._run("W", self.program.weight_backward, env, microbatch, keep=frozenset())
         self._accumulate(self._weight_param_grads, env)
         self._note_memory(microbatch)
 
@@ -143,24 +153,30 @@ class StageExecutor:
         exactly what I and W compute, with no stash handed between them."""
         env = self.envs.pop(microbatch)
         self._receive_tangents(env, output_grads)
-        self._run(self.program.joint.backward, env, microbatch, keep=frozenset())
+        self._run("B", self.program.joint.backward, env, microbatch, keep=frozenset())
         self._accumulate(self.program.joint.param_grads, env)
         self._note_memory(microbatch)
         return self._input_grads(env, output_grads)
 
-    def _run(self, program: Program, env: dict[str, torch.Tensor], microbatch: int, keep: Collection[str]) -> None:
-        """Run `program` on `microbatch`'s `env` (what the action took in). The values the
-        microbatch does not `keep` after this action leave `env` and the graph frees each at its
-        last use. While `measure_transients`, note the most bytes alive meanwhile (see the class
-        docstring)."""
+    def _run(self, kind: str, program: Program, env: dict[str, torch.Tensor], microbatch: int, keep: Collection[str]) -> None:
+        """Run `program` (the action `kind`: F, I, W or B) on `microbatch`'s `env` (what the
+        action took in). The values the microbatch does not `keep` after this action leave `env`
+        and the graph frees each at its last use. While `measure_transients`, note the most bytes
+        alive meanwhile (see the class docstring). An op that fails raises `op_error`'s error."""
         consumed = [name for name in env if name not in keep]
-        if not self.measure_transients:
-            program.run(env, self.state, consumed)
-            return
-        others = sum(b for k, b in self._env_bytes.items() if k != microbatch)
-        device = next((v.device for v in env.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
-        inside = peak_inside(lambda: program.run(env, self.state, consumed), env.values(), device)
-        self.peak_activation_bytes = max(self.peak_activation_bytes, others + inside)
+        try:
+            if not self.measure_transients:
+                program.run(env, self.state, consumed)
+                return
+            others = sum(b for k, b in self._env_bytes.items() if k != microbatch)
+            device = next((v.device for v in env.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
+            inside = peak_inside(lambda: program.run(env, self.state, consumed), env.values(), device)
+            self.peak_activation_bytes = max(self.peak_activation_bytes, others + inside)
+        except Exception as error:  # noqa: BLE001 - re-raised, naming the module and line of the op
+            node = program.failing_node(error)
+            if node is None:
+                raise
+            raise op_error(f"{self.program.index}{kind}{microbatch}", node, error) from error
 
     def _receive_tangents(self, env: dict[str, torch.Tensor], output_grads: Mapping[str, torch.Tensor]) -> None:
         for name in self.program.joint.tangents:
@@ -229,6 +245,20 @@ def accumulation_dtype(param: torch.Tensor) -> torch.dtype | None:
 def mean_grad(loss: torch.Tensor, microbatches: int) -> torch.Tensor:
     """d(mean of the microbatch losses)/d(one microbatch's loss): the last stage's tangent."""
     return torch.full((), 1.0 / microbatches, dtype=loss.dtype, device=loss.device)
+
+
+def op_error(action: str, node, error: Exception) -> Exception:
+    """`error`, raised by the op of `node` while running `action` ("0F3": stage 0's F of
+    microbatch 3), as an error of its type naming the action, and the module and source line the
+    op was traced from. Tracing computes shapes and
+    dtypes with torch's fake kernels, which do not check everything the real kernels do (a
+    Linear fed integer tokens traces, then fails here)."""
+    return same_kind(
+        error,
+        f"zbcompile could not run action {action}: the op {node.target} traced at {node_location(node)} failed: "
+        f"{type(error).__name__}: {first_line(error)}. Check the dtypes, devices and shapes of what that line "
+        "receives (the model's inputs included)",
+    )
 
 
 def _placeholder_layouts(program) -> dict[str, tuple[int, ...]]:
