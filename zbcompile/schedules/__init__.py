@@ -9,6 +9,7 @@ Pure Python; importing this package never imports torch (ortools and matplotlib 
 """
 
 from .costs import Costs, ResolvedCosts
+from .forward_only import forward_only
 from .ir import Action, Schedule
 from .lower import lower
 from .registry import (
@@ -36,6 +37,7 @@ __all__ = [
     "ScheduleError",
     "ScheduleSpec",
     "SimResult",
+    "forward_only",
     "lower",
     "make_schedule",
     "schedule_spec",
