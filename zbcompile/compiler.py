@@ -232,11 +232,17 @@ def compile_forward_only(
         last = len(partition.stages) - 1
         result_names = ("loss",) if not outputs else tuple(f"output_{i}" for i in range(traced.results))
         programs = tuple(forward_program(s, result_names if s.index == last else None) for s in partition.stages)
+        # kept to the end: what the stage relays, and the batch's tensors (the caller holds the batch)
         peaks = tuple(
-            peak_bytes(program, {n for n in program.signature.inputs if n.removeprefix(INPUT) in stage.relays})
+            peak_bytes(program, {n for n in program.signature.inputs if n.removeprefix(INPUT) in stage.relays or _of_batch(n)})
             for program, stage in zip(programs, partition.stages)
         )
     return CompiledForward(traced, partition, programs, peaks, result_names)
+
+
+def _of_batch(name: str) -> bool:
+    """Whether the value `name` is one of the batch's tensors (a model input or a target)."""
+    return name.startswith((f"{INPUT}input_", f"{INPUT}target_"))
 
 
 def _stage_program(stage: Stage, joint: StageJoint, level: RecomputeLevel, min_deferral_intensity: float) -> StageProgram:

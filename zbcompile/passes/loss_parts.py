@@ -90,9 +90,11 @@ def cut_out_count(graph_module: fx.GraphModule, count: Any, role_of: dict[fx.Nod
 @dataclass(frozen=True)
 class OutputStructure:
     """Where the traced tensor leaves of a model's output go: `spec` of the whole output and,
-    per leaf, None for a traced tensor or the constant the output held there."""
+    per leaf, whether it is a traced tensor (`traced`) or else the constant the output held there
+    (`constants`)."""
 
     spec: pytree.TreeSpec
+    traced: tuple[bool, ...]
     constants: tuple[Any, ...]
 
     @staticmethod
@@ -107,7 +109,8 @@ class OutputStructure:
                     "return; ask the model for tensors only (for a transformers model, pass use_cache=False)"
                 )
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        return OutputStructure(spec, tuple(None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves)), tensors
+        traced = tuple(isinstance(leaf, torch.Tensor) for leaf in leaves)
+        return OutputStructure(spec, traced, tuple(None if t else leaf for t, leaf in zip(traced, leaves))), tensors
 
     def rebuild(self, per_microbatch: Sequence[Sequence[torch.Tensor]]) -> Any:
         """The model's output for the whole batch from each microbatch's tensor leaves: a leaf
@@ -116,4 +119,4 @@ class OutputStructure:
         merged = iter([
             torch.cat(parts) if parts[0].dim() else torch.stack(parts) for parts in zip(*per_microbatch)
         ])
-        return pytree.tree_unflatten([next(merged) if c is None else c for c in self.constants], self.spec)
+        return pytree.tree_unflatten([next(merged) if t else c for t, c in zip(self.traced, self.constants)], self.spec)

@@ -42,10 +42,12 @@ class ForwardStage:
         self._relayed = {input_name(v) for v in stage.relays}
         self._layouts = placeholder_layouts(program)
 
-    def forward(self, microbatch: int, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """F of `microbatch`: `inputs` by value name; returns the stage's outputs by value name
-        (the last stage's results by their names: `loss`, or `output_<i>`)."""
+    def forward(self, microbatch: int, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """F of `microbatch`: `inputs` by value name, taken (the dict is emptied, so that each
+        value is freed at its last use); returns the stage's outputs by value name (the last
+        stage's results by their names: `loss`, or `output_<i>`)."""
         env = {input_name(n): as_traced(v, self._layouts.get(input_name(n))) for n, v in inputs.items()}
+        inputs.clear()
         consumed = [name for name in env if name not in self._relayed]
         if self.measure_transients:
             with TransientTracker() as tracker:
