@@ -17,6 +17,7 @@ from zbcompile.inspect.text import summary_text
 from zbcompile.inspect.write import live_dump
 from zbcompile.runtime import batch, profile
 from zbcompile.runtime.build import Builder
+from zbcompile.runtime.forward_only import ForwardRunner
 from zbcompile.runtime.runner import Runner
 from zbcompile.runtime.stage import StageExecutor, accumulate_grads
 from zbcompile.schedules import DEFAULT_SCHEDULE, SCHEDULE_NAMES, Costs, Schedule
@@ -215,6 +216,12 @@ class PipelinedModule:
         return self._builder.latest().compiled
 
     @property
+    def forward_runner(self) -> ForwardRunner | None:
+        """What ran the latest `evaluate()` (its forward-only compile and schedule, and the memory
+        it measures with `measure_transients()`); None before the first."""
+        return self._builder.latest_forward
+
+    @property
     def schedule(self) -> Schedule:
         return self.runner.schedule
 
@@ -269,6 +276,7 @@ class PipelinedModule:
         self.module.train(mode)
         self._builder.builds.clear()  # dropout and friends trace differently
         self._builder.forward_builds.clear()
+        self._builder.latest_forward = None
         return self
 
     def eval(self) -> "PipelinedModule":

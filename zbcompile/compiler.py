@@ -232,17 +232,18 @@ def compile_forward_only(
         last = len(partition.stages) - 1
         result_names = ("loss",) if not outputs else tuple(f"output_{i}" for i in range(traced.results))
         programs = tuple(forward_program(s, result_names if s.index == last else None) for s in partition.stages)
-        # kept to the end: what the stage relays, and the batch's tensors (the caller holds the batch)
-        peaks = tuple(
-            peak_bytes(program, {n for n in program.signature.inputs if n.removeprefix(INPUT) in stage.relays or _of_batch(n)})
-            for program, stage in zip(programs, partition.stages)
-        )
+        peaks = tuple(_forward_peak(program, stage, partition) for program, stage in zip(programs, partition.stages))
     return CompiledForward(traced, partition, programs, peaks, result_names)
 
 
-def _of_batch(name: str) -> bool:
-    """Whether the value `name` is one of the batch's tensors (a model input or a target)."""
-    return name.startswith((f"{INPUT}input_", f"{INPUT}target_"))
+def _forward_peak(program: Program, stage: Stage, partition: StagePartition) -> int:
+    """The most bytes alive while a forward-only stage program runs: what it reads, freed at its
+    last use except what it relays and the batch's tensors (the caller holds the batch), plus
+    the relayed values it does not read, held throughout."""
+    inputs = set(program.signature.inputs)
+    kept = {n for n in inputs if n.removeprefix(INPUT) in stage.relays or n.startswith((f"{INPUT}input_", f"{INPUT}target_"))}
+    passing = sum(partition.values[v].nbytes for v in stage.relays if f"{INPUT}{v}" not in inputs)
+    return peak_bytes(program, kept, passing)
 
 
 def _stage_program(stage: Stage, joint: StageJoint, level: RecomputeLevel, min_deferral_intensity: float) -> StageProgram:

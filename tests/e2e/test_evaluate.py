@@ -85,7 +85,7 @@ def test_activation_memory_is_the_microbatches_in_flight_not_their_number():
         x, y = _batch(4 * microbatches)
         pipe.compile(x, target=y)
         pipe.evaluate(x, target=y)  # compiles the forward
-        runner = pipe._builder.forward_builds[next(iter(pipe._builder.forward_builds))]
+        runner = pipe.forward_runner
         runner.measure_transients()
         pipe.evaluate(x, target=y)
         per_stage = [e.peak_activation_bytes for e in runner.executors.values()]

@@ -75,6 +75,7 @@ class Builder:
         self.unfilled: set[str] = set()
         self.builds: dict[Any, Build] = {}  # by compile key (`batch.split`)
         self.forward_builds: dict[Any, ForwardRunner] = {}  # evaluation's, by compile key, results and placement
+        self.latest_forward: ForwardRunner | None = None
         self._last_key: Any = None
         self._batch = batch.LocalBatch()
         self._layout: Layout | None = None
@@ -134,7 +135,8 @@ class Builder:
         full_key = (key, outputs, stage_to_rank, self.module.training)
         if full_key not in self.forward_builds:
             self.forward_builds[full_key] = self._forward_runner(train, micro_inputs[0], micro_targets[0], outputs)
-        return self.forward_builds[full_key], micro_inputs, micro_targets, absent
+        self.latest_forward = self.forward_builds[full_key]
+        return self.latest_forward, micro_inputs, micro_targets, absent
 
     def _forward_runner(self, train: Build, example: tuple, example_target: Any, outputs: bool) -> ForwardRunner:
         """Compile the forward alone for microbatches like `example`, each stage reading only what
