@@ -123,11 +123,11 @@ class Builder:
         this batch (its loss, or with `outputs` the model's outputs), compiled where the latest
         training compile placed the stages."""
         train = self.latest()
-        if outputs:
-            target = None
         absent: tuple[str, ...] = ()
         if self.distributed:
             inputs, kwargs, target, absent = self._batch.of(inputs, kwargs, target, self.layout().pp_group, self.device())
+        if outputs:  # no loss: nothing reads a target
+            target, absent = None, tuple(part for part in absent if part != "target")
         micro_inputs, micro_targets, key = batch.split(inputs, kwargs, target, self.options.microbatches, *self.replica())
         if not outputs:
             micro_inputs = batch_loss.with_item_count(self.module, self.options.loss_fn, micro_inputs)
