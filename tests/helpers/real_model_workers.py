@@ -42,7 +42,10 @@ def meta_train(runs: list[tuple[str, int, str]]) -> dict:
                 first = {"loss": loss, "grads": {n: p.grad.clone() for n, p in pipe.named_parameters()}}
             optimizer.step()
         state = {k: v.clone() for k, v in pipe.state_dict().items()}
-        results[(name, stages, schedule)] = {**first, "state": state, "evaluation": _evaluate(pipe, case)}
+        evaluation = _evaluate(pipe, case)
+        if schedule == "zb-h1":  # the model's outputs, once per model
+            evaluation["logits"] = _logits(pipe.evaluate(*case.args, return_outputs=True, use_cache=False, **case.kwargs))
+        results[(name, stages, schedule)] = {**first, "state": state, "evaluation": evaluation}
     return results
 
 
@@ -61,6 +64,18 @@ def _evaluate(pipe, case) -> dict:
         "peak": runner.peak_activation_bytes,
         "predicted": runner.predicted_peak_bytes()[pipe.runner.layout.pp_rank],
     }
+
+
+def _logits(output) -> torch.Tensor | None:
+    return None if output is None else output.logits
+
+
+def eager_logits(name: str, state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The logits of the model holding `state` on the whole batch, in eval mode."""
+    case = build(name)
+    case.model.load_state_dict(state)
+    with torch.no_grad():
+        return case.model.eval()(*case.args, **case.kwargs).logits
 
 
 def eager_evaluation(name: str, state: dict[str, torch.Tensor]) -> torch.Tensor:
