@@ -3,6 +3,7 @@ forward + backward over all microbatches, compiled again when microbatch shapes,
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from datetime import timedelta
@@ -16,6 +17,7 @@ from zbcompile.inspect.text import summary_text
 from zbcompile.inspect.write import live_dump
 from zbcompile.runtime import batch, profile
 from zbcompile.runtime.build import Builder
+from zbcompile.runtime.forward_only import ForwardRunner
 from zbcompile.runtime.runner import Runner
 from zbcompile.runtime.stage import StageExecutor, accumulate_grads
 from zbcompile.schedules import DEFAULT_SCHEDULE, SCHEDULE_NAMES, Costs, Schedule, check_schedule_sizes, schedule_label
@@ -31,7 +33,8 @@ class PipelineOptions:
 
     stages: int
     microbatches: int
-    loss_fn: Callable[..., torch.Tensor] | None = None  # (output, target) -> a microbatch's mean loss; None: forward returns it
+    # (output, target) -> a microbatch's mean loss, or (loss_sum, count) for the whole batch's; None: forward returns it
+    loss_fn: Callable[..., Any] | None = None
     schedule: str | Schedule = DEFAULT_SCHEDULE  # one of SCHEDULE_NAMES (docs/schedules.md), or a Schedule to run as given
     split_points: tuple[str, ...] | None = None  # module FQNs where a stage begins; None: stages balanced by cost
     memory_limit: float | str | Sequence[float | str] | None = None  # per stage, in microbatches' activations, or bytes ("12GiB")
@@ -162,21 +165,49 @@ class PipelinedModule:
     def step(self, *inputs: Any, target: Any = None, **kwargs: Any) -> torch.Tensor | None:
         """One pipelined forward + backward over the batch: splits every tensor in `inputs`,
         `kwargs` and `target` into `microbatches` equal parts along dim 0, runs the schedule,
-        accumulates the gradient of the mean microbatch loss into each parameter's `.grad`, and
-        returns that mean loss (None on ranks without the last stage)."""
+        accumulates the gradient of the batch's loss into each parameter's `.grad`, and returns
+        that loss (None on ranks without the last stage): the mean of the microbatch losses, or
+        the whole batch's sum(loss_sum) / sum(count) (`runtime/batch_loss.py`)."""
         built, micro_inputs, micro_targets, absent = self._builder.prepare(inputs, kwargs, target)
         runner = built.runner
         batch.check_given(absent, runner.schedule.stages, runner.executors)
         self._builder.check_filled()
         runner.set_state(self._builder.state())  # the module's current tensors, even if reassigned
         feeds, targets = batch.feeds(built.compiled, micro_inputs, micro_targets)
+        reduction = self._builder.loss_reduction(built.compiled.traced, micro_inputs, feeds, targets, runner.executors, runner.schedule.stages)
         for hook in self.pre_step_hooks:
             hook()
-        losses = runner.step(feeds, targets)
+        losses = runner.step(feeds, targets, reduction.tangent)
         accumulate_grads(self.module, runner.reduce_grads())
         self.measured_costs = built.after_step(self.measured_costs)
         self.step_count += 1
-        return torch.stack(losses).mean().detach() if losses is not None else None
+        return reduction.loss(losses)
+
+    def evaluate(self, *inputs: Any, target: Any = None, return_outputs: bool = False, **kwargs: Any) -> Any:
+        """The batch's loss computed forward only through the pipeline, with every module in eval
+        mode for the call (dropout off, BatchNorm reading its running statistics): F of every
+        microbatch in a forward-only schedule, nothing kept for a backward, gradients untouched.
+        Returns the loss as `step()` makes it, or with `return_outputs` the model's output with
+        every tensor concatenated over the microbatches (a 0-dim one, such as a loss the model
+        computes, stacked: one per microbatch); None on ranks without the last stage. The stages
+        sit where the latest training compile put them (call `compile()` or `step()` first)."""
+        for hook in self.pre_step_hooks:  # a post-validated optimizer's last step is final
+            hook()
+        with _eval_mode(self.module):
+            runner, micro_inputs, micro_targets, absent = self._builder.prepare_forward(inputs, kwargs, target, return_outputs)
+            stages = len(runner.compiled.programs)
+            batch.check_given(absent, stages, runner.executors)
+            self._builder.check_filled()
+            runner.set_state(self._builder.state())
+            feeds, targets = batch.feeds(runner.compiled, micro_inputs, micro_targets)
+            if return_outputs:
+                results = runner.run(feeds, targets)
+                names = runner.compiled.result_names
+                structure = runner.compiled.traced.output_structure
+                return None if results is None else structure.rebuild([[r[n] for n in names] for r in results])
+            reduction = self._builder.loss_reduction(runner.compiled.traced, micro_inputs, feeds, targets, runner.executors, stages)
+            results = runner.run(feeds, targets)
+            return reduction.loss([r["loss"] for r in results] if results is not None else None)
 
     def compile(self, *inputs: Any, target: Any = None, **kwargs: Any) -> "PipelinedModule":
         """Compile for batches shaped like this one without a step (distributed: before building the optimizer)."""
@@ -199,6 +230,12 @@ class PipelinedModule:
     def compiled(self) -> CompiledPipeline:
         """The compiler's result for the latest step's shapes."""
         return self._builder.latest().compiled
+
+    @property
+    def forward_runner(self) -> ForwardRunner | None:
+        """What ran the latest `evaluate()` (its forward-only compile and schedule, and the memory
+        it measures with `measure_transients()`); None before the first."""
+        return self._builder.latest_forward
 
     @property
     def schedule(self) -> Schedule:
@@ -259,6 +296,8 @@ class PipelinedModule:
     def train(self, mode: bool = True) -> "PipelinedModule":
         self.module.train(mode)
         self._builder.builds.clear()  # dropout and friends trace differently
+        self._builder.forward_builds.clear()
+        self._builder.latest_forward = None
         return self
 
     def eval(self) -> "PipelinedModule":
@@ -267,3 +306,15 @@ class PipelinedModule:
     def __repr__(self) -> str:
         o = self.options
         return f"PipelinedModule(stages={o.stages}, microbatches={o.microbatches}, schedule={schedule_label(o.schedule)}, module={self.module!r})"
+
+
+@contextlib.contextmanager
+def _eval_mode(module: nn.Module) -> Iterator[None]:
+    """Every submodule in eval mode, then each back in the mode it had."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training

@@ -1,6 +1,7 @@
 """Runs the passes in order; the only place that knows the order.
 
-    trace_model -> partition_stages -> export_stage_joints -> split_backward -> costs
+    training:        trace_model -> partition_stages -> export_stage_joints -> split_backward -> costs
+    forward only:    trace_model -> held_cuts -> partition_stages -> forward_program -> peak bytes
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from torch import nn
 from zbcompile import _torch_internals as ti
 from zbcompile._torch_internals import pytree
 from zbcompile.passes import _fx
+from zbcompile.passes.forward_only import forward_program
 from zbcompile.passes.graph_cost import GraphCost, graph_cost, peak_bytes
+from zbcompile.passes.held_cuts import held_cuts
 from zbcompile.passes.joint import StageJoint, export_stage_joint, export_stage_joints
 from zbcompile.passes.partition import Stage, StagePartition, partition_stages
 from zbcompile.passes.recompute import RECOMPUTE_LEVELS, RecomputeLevel
@@ -291,6 +294,54 @@ def _programs_with_reuse(
         grads_from_next = set(joint.input_grads) | {v for v in stage.relays if v in grads_from_next}
     order = range(len(partition.stages))
     return tuple(programs[s] for s in order), tuple(representative[s] for s in order)
+
+
+@dataclass(frozen=True)
+class CompiledForward:
+    """A forward-only compile (evaluation): the traced model (its loss, or its outputs), its
+    partition, one forward program per stage, and the most bytes each program holds at once
+    while it runs (`graph_cost.peak_bytes`: what it took in, what it creates)."""
+
+    traced: TracedModel
+    partition: StagePartition
+    programs: tuple[Program, ...]
+    peak_bytes: tuple[int, ...]
+    result_names: tuple[str, ...]  # the last stage's results: `loss`, or `output_<i>` per output tensor
+
+
+def compile_forward_only(
+    model: nn.Module,
+    loss_fn: Callable[..., torch.Tensor] | None,
+    args: tuple,
+    kwargs: dict[str, Any],
+    target: Any,
+    held: Sequence[frozenset[str]],
+    device: torch.device | None = None,
+    outputs: bool = False,
+) -> CompiledForward:
+    """Compile one microbatch's forward (with its loss, or with `outputs` the model's output) in
+    the module's current mode (eval mode: dropout off, BatchNorm's running statistics), cut into
+    `len(held)` stages of which stage k reads only the parameters and buffers in `held[k]` (what
+    its rank holds, `held_cuts`)."""
+    with ti.quiet_torch_logs():
+        traced = trace_model(model, loss_fn, args, kwargs, target, device, outputs=outputs)
+    with ti.quiet_torch_logs(warnings_too=True):
+        partition = partition_stages(traced, len(held), cuts=held_cuts(traced, held))
+        last = len(partition.stages) - 1
+        result_names = ("loss",) if not outputs else tuple(f"output_{i}" for i in range(traced.results))
+        programs = tuple(forward_program(s, result_names if s.index == last else None) for s in partition.stages)
+        peaks = tuple(_forward_peak(program, stage, partition) for program, stage in zip(programs, partition.stages))
+    return CompiledForward(traced, partition, programs, peaks, result_names)
+
+
+def _forward_peak(program: Program, stage: Stage, partition: StagePartition) -> int:
+    """The most bytes alive while a forward-only stage program runs: what it reads, freed at its
+    last use except what it relays and the batch's tensors (the caller holds the batch), plus
+    the relayed values it does not read, held throughout."""
+    inputs = set(program.signature.inputs)
+    kept = {n for n in inputs if n.removeprefix(INPUT) in stage.relays or n.startswith((f"{INPUT}input_", f"{INPUT}target_"))}
+    passing = sum(partition.values[v].nbytes for v in stage.relays if f"{INPUT}{v}" not in inputs)
+    return peak_bytes(program, kept, passing)
 
 
 def _stage_program(stage: Stage, joint: StageJoint, level: RecomputeLevel, min_deferral_intensity: float) -> StageProgram:

@@ -57,9 +57,13 @@ def test_pipelined_step_matches_eager_under_every_schedule(name, stages):
 
 @pytest.mark.xdist_group("distributed")
 def test_meta_models_loaded_from_a_full_state_dict_train_on_two_ranks():
-    """Every library family (GPT-2 and Llama under three schedules) built on the meta device on
-    each of 2 ranks (gloo), filled from the eager model's full state dict: the first step's loss and gradients equal eager's (bitwise
-    across schedules), and after 2 AdamW steps the gathered state dict equals eager's."""
+    """Every library family (GPT-2 and Llama under three schedules, the others under zb-h1) built
+    on the meta device on each of 2 ranks (gloo), filled from the eager model's full state dict:
+    the first step's loss and gradients equal eager's (bitwise across schedules), and after 2 AdamW
+    steps the gathered state dict equals eager's. Then `evaluate()`: its loss equals eager
+    torch.no_grad() in eval mode over the microbatches of the trained model, gradients are
+    untouched, and each rank's measured peak activation bytes stay within what the forward-only
+    schedule predicts; `return_outputs=True` gives eager's eval-mode logits for the whole batch."""
     runs = workers.RUNS
     per_rank = run_ranks(2, workers.meta_train, runs)
     for name, stages, schedule in runs:
@@ -75,6 +79,16 @@ def test_meta_models_loaded_from_a_full_state_dict_train_on_two_ranks():
         assert state.keys() == expected.keys(), key
         for k, v in expected.items():
             torch.testing.assert_close(state[k], v, **FP32, msg=lambda m, k=k: f"{key} {k}: {m}")
+        evaluations = [r[key]["evaluation"] for r in per_rank]
+        assert all(e["grads_kept"] for e in evaluations), key
+        assert all(0 < e["peak"] <= e["predicted"] for e in evaluations), (key, evaluations)
+        eval_losses = [e["loss"] for e in evaluations if e["loss"] is not None]
+        assert len(eval_losses) == 1, key
+        torch.testing.assert_close(eval_losses[0], workers.eager_evaluation(name, state), rtol=1e-6, atol=0.0)
+        logits = [e["logits"] for e in evaluations if e.get("logits") is not None]
+        if key[2] == "zb-h1":
+            assert len(logits) == 1, key
+            torch.testing.assert_close(logits[0], workers.eager_logits(name, state), rtol=1e-6, atol=1e-6)
     for name in {name for name, _, _ in runs}:
         keys = [k for k in runs if k[0] == name and k[1] == 2]
         first = {k: v for r in per_rank for k, v in r[keys[0]]["grads"].items()}

@@ -41,8 +41,9 @@ def battery_runs(ranks: int) -> list[tuple[str, str, int, int]]:
     return runs
 
 
-# 2 data-parallel replicas x 2 stages on 4 ranks: zb-h1, and dualpipe (each replica's two copies summed)
-REPLICA_RUNS = [("gpt", "zb-h1", 2, 2), (SMALLEST, "dualpipe", 2, 2)]
+# 2 data-parallel replicas x 2 stages on 4 ranks: zb-h1, dualpipe (each replica's two copies summed), and
+# a (loss_sum, count) loss over padded targets
+REPLICA_RUNS = [("gpt", "zb-h1", 2, 2), (SMALLEST, "dualpipe", 2, 2), ("padded-gpt", "zb-h1", 2, 2)]
 
 
 def _placement(schedule: str | Schedule, stages: int) -> tuple:

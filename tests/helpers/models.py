@@ -35,8 +35,10 @@ class Case:
     loss_fn: Callable[..., torch.Tensor]
 
     def eager_loss(self, model: nn.Module | None = None) -> torch.Tensor:
-        """The unpipelined loss of the whole batch (on `model`, default the case's own)."""
-        return self.loss_fn((model or self.model)(*self.args, **self.kwargs), self.target)
+        """The unpipelined loss of the whole batch (on `model`, default the case's own); for a
+        loss_fn returning (loss_sum, count), sum / count."""
+        loss = self.loss_fn((model or self.model)(*self.args, **self.kwargs), self.target)
+        return loss[0] / loss[1] if isinstance(loss, tuple) else loss
 
     def step(self, pipe: Any) -> torch.Tensor:
         """One pipelined step on this batch."""
@@ -197,6 +199,20 @@ def _gpt(generator: torch.Generator, batch: int) -> Case:
     return Case("gpt", model, (tokens,), {}, target, lm_loss)
 
 
+def summed_lm_loss(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of the token losses, count of tokens) over the targets other than -100."""
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum"), (target != -100).sum()
+
+
+def _padded_gpt(generator: torch.Generator, batch: int) -> Case:
+    """The GPT with targets padded (-100) to a different length in every row: each half and each
+    quarter of the batch holds a different number of tokens."""
+    case = _gpt(generator, batch)
+    for row, valid in enumerate((1, 8, 2, 7, 3, 3, 5, 0)):
+        case.target[row, valid:] = -100
+    return Case("padded-gpt", case.model, case.args, {}, case.target, summed_lm_loss)
+
+
 def _convnet(generator: torch.Generator, batch: int) -> Case:
     model = ResidualConvNet()
     x = torch.randn(batch, 3, 8, 8, generator=generator)
@@ -226,8 +242,9 @@ BUILDERS: dict[str, Callable[[torch.Generator, int], Case]] = {
     "masked": _masked,
 }
 NAMES = tuple(BUILDERS)
-# models outside the zoo (built by `build` too, not run by every zoo test)
-EXTRA_BUILDERS: dict[str, Callable[[torch.Generator, int], Case]] = {"llama": _llama}
+# models outside the zoo (built by `build` too, not run by every zoo test); padded-gpt: a
+# (loss_sum, count) loss over padded targets
+EXTRA_BUILDERS: dict[str, Callable[[torch.Generator, int], Case]] = {"llama": _llama, "padded-gpt": _padded_gpt}
 
 
 def build(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, batch: int = BATCH) -> Case:

@@ -44,8 +44,58 @@ def meta_train(runs: list[tuple[str, int, str]]) -> dict:
             if step == 0:
                 first = {"loss": loss, "grads": {n: p.grad.clone() for n, p in pipe.named_parameters()}}
             optimizer.step()
-        results[(name, stages, schedule)] = {**first, "state": {k: v.clone() for k, v in pipe.state_dict().items()}}
+        state = {k: v.clone() for k, v in pipe.state_dict().items()}
+        evaluation = _evaluate(pipe, case)
+        if schedule == "zb-h1":  # the model's outputs, once per model
+            evaluation["logits"] = _logits(pipe.evaluate(*case.args, return_outputs=True, use_cache=False, **case.kwargs))
+        results[(name, stages, schedule)] = {**first, "state": state, "evaluation": evaluation}
     return results
+
+
+def _evaluate(pipe, case) -> dict:
+    """`pipe.evaluate()` on the case's batch, twice (the second measuring activation memory):
+    the loss (None off the last stage), whether every gradient was left as it was, and this
+    rank's measured and predicted peak activation bytes."""
+    grads = {n: p.grad.clone() for n, p in pipe.named_parameters()}
+    pipe.evaluate(*case.args, target=case.target, **case.kwargs)
+    pipe.forward_runner.measure_transients()
+    loss = pipe.evaluate(*case.args, target=case.target, **case.kwargs)
+    runner = pipe.forward_runner
+    return {
+        "loss": loss,
+        "grads_kept": all(torch.equal(p.grad, grads[n]) for n, p in pipe.named_parameters()),
+        "peak": runner.peak_activation_bytes,
+        "predicted": runner.predicted_peak_bytes()[pipe.runner.layout.pp_rank],
+    }
+
+
+def _logits(output) -> torch.Tensor | None:
+    return None if output is None else output.logits
+
+
+def eager_logits(name: str, state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The logits of the model holding `state` on the whole batch, in eval mode."""
+    case = build(name)
+    case.model.load_state_dict(state)
+    with torch.no_grad():
+        return case.model.eval()(*case.args, **case.kwargs).logits
+
+
+def eager_evaluation(name: str, state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The loss of the model holding `state`, in eval mode under torch.no_grad(), over the
+    microbatches: the mean of their losses, or, for a model that reads `num_items_in_batch`,
+    the sum of their shares of the batch's (its count of shifted labels other than -100)."""
+    case = build(name)
+    case.model.load_state_dict(state)
+    case.model.eval()
+    chunks = lambda value: value.chunk(MICROBATCHES) if value is not None else [None] * MICROBATCHES  # noqa: E731
+    args = list(zip(*[chunks(a) for a in case.args]))
+    kwargs = [dict(zip(case.kwargs, values)) for values in zip(*[chunks(v) for v in case.kwargs.values()])]
+    with torch.no_grad():
+        if case.loss_fn is not None:
+            return torch.stack([case.loss_fn(case.model(*a, **k), t) for a, k, t in zip(args, kwargs, chunks(case.target))]).mean()
+        items = (case.kwargs["labels"][..., 1:] != -100).sum()
+        return sum(case.model(*a, **k, num_items_in_batch=items).loss for a, k in zip(args, kwargs))
 
 
 def eager_training(name: str) -> dict[str, torch.Tensor]:

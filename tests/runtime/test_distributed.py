@@ -238,13 +238,18 @@ def test_three_optimizer_steps_match_eager():
 
 
 def test_two_data_parallel_replicas_of_a_two_stage_pipeline():
-    """zb-h1, and dualpipe (each replica's two copies summed, then the replicas averaged)."""
+    """zb-h1, and dualpipe (each replica's two copies summed, then the replicas averaged); a
+    (loss_sum, count) loss over targets padded so that the replicas hold different numbers of
+    tokens: both replicas return the whole batch's loss, and the averaged gradient is eager
+    full-batch training's (the count is summed over the replicas)."""
     per_rank = [r["replicas"] for r in launches.four_ranks()]
     for key in workers.REPLICA_RUNS:
         case, loss = _reference(key[0])
         losses = [r[key]["loss"] for r in per_rank if r[key]["loss"] is not None]
         assert len(losses) == 2, key  # one per replica, each its half of the batch
         torch.testing.assert_close(sum(losses) / 2, loss.detach(), rtol=1e-5, atol=1e-6)
+        if key[0] == "padded-gpt":
+            assert all(torch.allclose(each, loss.detach(), rtol=1e-5, atol=1e-6) for each in losses), (losses, loss)
         for replica in (per_rank[:2], per_rank[2:]):
             grads = _merged(replica, key, "grads")
             for fqn, p in case.model.named_parameters():

@@ -232,7 +232,7 @@ def _buffer_updates(traced: TracedModel, anchors: list[fx.Node]) -> list[_Buffer
     on the inputs (BatchNorm statistics, an EMA of activations); otherwise (a counter) with the
     nodes that read the buffer, or, read by none, where the update was traced."""
     graph = traced.graph_module.graph
-    values = graph.output_node().args[0][1:]
+    values = graph.output_node().args[0][traced.results :]
     placeholders = {n.meta["zb_name"]: n for n in graph.find_nodes(op="placeholder") if _role(n) == BUFFER}
     position = {n: i for i, n in enumerate(anchors)}
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -277,11 +277,13 @@ def _positions_reading(node: fx.Node, position: dict[fx.Node, int], unanchored: 
 # --- choosing the cuts -------------------------------------------------------------------------
 
 
-def _boundary_values(anchors: list[fx.Node], graph: fx.Graph) -> list[tuple[fx.Node, int, int]]:
+def _boundary_values(anchors: list[fx.Node], graph: fx.Graph, results: Sequence[fx.Node] = ()) -> list[tuple[fx.Node, int, int]]:
     """(value, first position it can cross, last position that reads it) for every tensor
-    value an anchored node reads from an earlier position. Inputs live from position 0;
-    targets never cross (they enter the last stage directly)."""
+    value an anchored node reads from an earlier position, and every one of the graph's
+    `results` (which the last stage returns: read at the last position). Inputs live from
+    position 0; targets never cross (they enter the last stage directly)."""
     position = {n: i for i, n in enumerate(anchors)}
+    returned = set(results)
     result = []
     for node in graph.nodes:
         if _role(node) == INPUT:
@@ -290,7 +292,7 @@ def _boundary_values(anchors: list[fx.Node], graph: fx.Graph) -> list[tuple[fx.N
             start = position[node] + 1
         else:
             continue
-        uses = [position[u] for u in node.users if u in position]
+        uses = [position[u] for u in node.users if u in position] + ([len(anchors) - 1] if node in returned else [])
         if uses and max(uses) >= start:
             result.append((node, start, max(uses)))
     return result
@@ -471,15 +473,15 @@ def _build_stages(
     root = _state_module(traced, paths)
     stages_count = len(bounds) - 1
     differentiable = _requires_grad(graph)
-    output_value = graph.output_node().args[0][0]
+    results = list(graph.output_node().args[0][: traced.results])  # the loss, or the model's outputs
 
     def producer_stage(node: fx.Node) -> int:
         return 0 if _role(node) == INPUT else stage_of[node]
 
     # boundary: stage k receives every value produced before it and read by a later stage
     crossing: list[list[fx.Node]] = [[] for _ in range(stages_count)]
-    for node, _, _ in _boundary_values(anchors, graph):
-        readers = [stage_of[u] for u in node.users if u in stage_of]
+    for node, _, _ in _boundary_values(anchors, graph, results):
+        readers = [stage_of[u] for u in node.users if u in stage_of] + ([stages_count - 1] if node in results else [])
         for k in range(producer_stage(node) + 1, max(readers) + 1):
             crossing[k].append(node)
 
@@ -492,8 +494,12 @@ def _build_stages(
         own_set = set(own)
         mine = [u for u in updates if bounds[k] <= u.position < bounds[k + 1] or (k == 0 and not anchors)]
         computed_here = [u.value for u in mine if u.value not in own_set]  # an update not anchored
+        if k == stages_count - 1:  # a result that reads no input (a parameter's value, say) is computed where returned
+            computed_here += [n for n in results if n.op == "call_function" and n not in stage_of]
         free = _free_ancestors([*own, *computed_here], dependencies, anchored) | set(computed_here)
         reads = {a for n in own for a in n.all_input_nodes} - own_set - free
+        if k == stages_count - 1:  # results computed upstream arrive to be returned
+            reads |= {n for n in results if n not in own_set and n not in free}
         read_inputs = [n for n in graph.nodes if n in reads]  # graph order
         stage_inputs = [n for n in crossing[k]] if k > 0 else [n for n in graph.nodes if _role(n) == INPUT]
         boundary_reads = [n for n in read_inputs if _role(n) != TARGET]
@@ -503,7 +509,7 @@ def _build_stages(
         next_inputs = crossing[k + 1] if k + 1 < stages_count else []
         produced_out = [n for n in next_inputs if n in own_set]
         relays = [n for n in next_inputs if n not in own_set]
-        graph_outputs = produced_out if k + 1 < stages_count else [output_value]
+        graph_outputs = produced_out if k + 1 < stages_count else results
 
         params = [n for n in graph.nodes if n in free and _role(n) == PARAM]
         buffers = [n for n in graph.nodes if n in free and _role(n) == BUFFER]

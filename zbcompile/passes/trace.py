@@ -36,6 +36,7 @@ from zbcompile import _torch_internals as ti
 from zbcompile._torch_internals import FakeTensorMode, pytree
 from zbcompile.passes import _fx
 from zbcompile.passes.autograd_in_forward import detach_no_grad_results, watching_autograd
+from zbcompile.passes.loss_parts import ItemCount, OutputStructure, cut_out_count, sum_and_count
 
 # meta["zb_role"] of placeholders
 PARAM, BUFFER, INPUT, TARGET = "param", "buffer", "input", "target"
@@ -62,6 +63,10 @@ class TracedModel:
     buffer_updates: FQNs of the buffers the forward updates in place, in the order of their new
         values among the graph's outputs. The runtime writes each new value into its buffer after
         the forward of every microbatch, as an eager run microbatch by microbatch would.
+    count: a `(loss_sum, count)` loss's count (`loss_parts.ItemCount`; the loss output is then
+        loss_sum); None for a loss that is a microbatch's mean.
+    results: how many outputs come before the buffers' new values: 1 (the loss), or with
+        `outputs` the model output's tensor leaves, which `output_structure` puts together.
     """
 
     graph_module: fx.GraphModule
@@ -74,6 +79,9 @@ class TracedModel:
     constants: tuple[Any, ...]
     target_spec: pytree.TreeSpec | None
     buffer_updates: tuple[str, ...] = ()
+    count: ItemCount | None = None
+    results: int = 1
+    output_structure: OutputStructure | None = None
 
     def placeholders(self, role: str) -> list[fx.Node]:
         return [n for n in self.graph_module.graph.find_nodes(op="placeholder") if n.meta["zb_role"] == role]
@@ -87,9 +95,12 @@ def trace_model(
     target: Any = None,
     device: torch.device | None = None,
     record_stack_traces: bool = True,
+    outputs: bool = False,
 ) -> TracedModel:
     """Trace `loss_fn(model(*args, **kwargs), target)` (or `model(...)` itself when loss_fn is
-    None, which must then return the loss, see `_loss_of_output`) with `torch.compiler`'s
+    None, which must then return the loss, see `_loss_of_output`; `loss_fn` may return
+    `(loss_sum, count)`, see `loss_parts`), or with `outputs` the model's output (its tensor
+    leaves; no loss), with `torch.compiler`'s
     compiling and exporting flags set, as non-strict `torch.export` does. `model` is left as it
     was. Raises ValueError naming the module and the source line for data-dependent control
     flow, and naming the parameter or input for a forward that writes one in place (buffer
@@ -103,7 +114,8 @@ def trace_model(
     input_leaves, input_spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
     input_tensors = [x for x in input_leaves if isinstance(x, torch.Tensor)]
     constants = tuple(None if isinstance(x, torch.Tensor) else x for x in input_leaves)
-    target_leaves, target_spec = pytree.tree_flatten(target) if loss_fn is not None and target is not None else ([], None)
+    with_target = loss_fn is not None and target is not None and not outputs
+    target_leaves, target_spec = pytree.tree_flatten(target) if with_target else ([], None)
     if any(not isinstance(t, torch.Tensor) for t in target_leaves):
         raise TypeError("target must be a tensor or a pytree (tuple/list/dict) of tensors")
 
@@ -115,12 +127,19 @@ def trace_model(
         target_value = pytree.tree_unflatten(list(targets), target_spec) if target_spec is not None else None
         with watching_autograd(module_stack.current), _substituted(model, state):
             output = model(*call_args, **call_kwargs)
+            if outputs:
+                structure[0], tensors = OutputStructure.of(output)
+                return tuple(tensors)
             module_stack.in_loss_fn = True
             loss = _loss_of_output(output) if loss_fn is None else loss_fn(output, target_value)
+        loss, count[0] = sum_and_count(loss) if loss_fn is not None else (loss, None)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
             what = "the model" if loss_fn is None else "loss_fn"
             raise TypeError(f"{what} must return a scalar floating-point loss tensor; got {_describe(loss)}")
-        return loss
+        return (loss, count[0]) if isinstance(count[0], torch.Tensor) else loss
+
+    structure: list[OutputStructure | None] = [None]  # what the traced function saw, for afterwards
+    count: list[Any] = [None]
 
     tensors = [*input_tensors, *target_leaves]
     device = device or (tensors[0].device if tensors else torch.device("cpu"))
@@ -157,6 +176,8 @@ def trace_model(
     placeholders = list(graph_module.graph.find_nodes(op="placeholder"))
     for node, (role, name) in zip(placeholders, roles, strict=True):
         node.meta["zb_role"], node.meta["zb_name"] = role, name
+    item_count = None if count[0] is None else cut_out_count(graph_module, count[0], {n: n.meta["zb_role"] for n in placeholders})
+    results = len(graph_module.graph.output_node().args[0]) if outputs else 1
     buffer_updates = _buffer_updates_as_outputs(graph_module.graph, fake_mode)
     detach_no_grad_results(graph_module.graph)
     _differentiable_copies(graph_module.graph, fake_mode)
@@ -173,6 +194,9 @@ def trace_model(
         constants=constants,
         target_spec=target_spec,
         buffer_updates=buffer_updates,
+        count=item_count,
+        results=results,
+        output_structure=structure[0],
     )
 
 

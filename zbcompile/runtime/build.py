@@ -16,12 +16,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from zbcompile import auto_recompute
-from zbcompile.compiler import CompiledPipeline, compile_pipeline
+from zbcompile.compiler import CompiledPipeline, compile_forward_only, compile_pipeline
 from zbcompile.inspect.write import CompileDump, start_dump
 from zbcompile.passes.graph_cost import FLOPS_PER_BYTE
-from zbcompile.runtime import batch, placement, profile
+from zbcompile.runtime import batch, batch_loss, placement, profile
 from zbcompile.runtime.distributed import DistributedRunner, Layout, make_layout
-from zbcompile.runtime.local import LocalRunner
+from zbcompile.runtime.forward_only import ForwardRunner
+from zbcompile.runtime.local import InProcessTransport, LocalRunner
 from zbcompile.runtime.p2p import device_for
 from zbcompile.runtime.runner import Runner
 from zbcompile.schedules import Costs, Schedule, make_schedule, pipeline_ranks, schedule_label, schedule_spec
@@ -79,6 +80,8 @@ class Builder:
         self.held: set[str] | None = None
         self.unfilled: set[str] = set()
         self.builds: dict[Any, Build] = {}  # by compile key (`batch.split`)
+        self.forward_builds: dict[Any, ForwardRunner] = {}  # evaluation's, by compile key, results and placement
+        self.latest_forward: ForwardRunner | None = None
         self._last_key: Any = None
         self._batch = batch.LocalBatch()
         self._layout: Layout | None = None
@@ -114,11 +117,63 @@ class Builder:
         if self.distributed:
             inputs, kwargs, target, absent = self._batch.of(inputs, kwargs, target, self.layout().pp_group, self.device())
         micro_inputs, micro_targets, key = batch.split(inputs, kwargs, target, self.options.microbatches, *self.replica())
+        micro_inputs = batch_loss.with_item_count(self.module, self.options.loss_fn, micro_inputs)
         if key not in self.builds:
             self.builds[key] = self.build(micro_inputs[0], micro_targets[0])
         self._last_key = key
         self._set_grad_dtype()
         return self.builds[key], micro_inputs, micro_targets, absent
+
+    def prepare_forward(self, inputs: tuple, kwargs: dict, target: Any, outputs: bool) -> tuple[ForwardRunner, list, list, tuple[str, ...]]:
+        """As `prepare`, for evaluation in the module's current mode: the forward-only runner for
+        this batch (its loss, or with `outputs` the model's outputs), compiled where the latest
+        training compile placed the stages."""
+        train = self.latest()
+        absent: tuple[str, ...] = ()
+        if self.distributed:
+            inputs, kwargs, target, absent = self._batch.of(inputs, kwargs, target, self.layout().pp_group, self.device())
+        if outputs:  # no loss: nothing reads a target
+            target, absent = None, tuple(part for part in absent if part != "target")
+        micro_inputs, micro_targets, key = batch.split(inputs, kwargs, target, self.options.microbatches, *self.replica())
+        if not outputs:
+            micro_inputs = batch_loss.with_item_count(self.module, self.options.loss_fn, micro_inputs)
+        stage_to_rank = train.runner.schedule.stage_to_rank
+        full_key = (key, outputs, stage_to_rank, self.module.training)
+        if full_key not in self.forward_builds:
+            self.forward_builds[full_key] = self._forward_runner(train, micro_inputs[0], micro_targets[0], outputs)
+        self.latest_forward = self.forward_builds[full_key]
+        return self.latest_forward, micro_inputs, micro_targets, absent
+
+    def _forward_runner(self, train: Build, example: tuple, example_target: Any, outputs: bool) -> ForwardRunner:
+        """Compile the forward alone for microbatches like `example`, each stage reading only what
+        its rank holds under `train`'s placement, and the runner of its forward-only schedule."""
+        schedule = train.runner.schedule
+        stages = train.compiled.partition.stages
+        on_rank: dict[int, frozenset[str]] = {}
+        for s, stage in enumerate(stages):
+            for rank in schedule.ranks_of(s):
+                on_rank[rank] = on_rank.get(rank, frozenset()) | set(stage.param_fqns) | set(stage.buffer_fqns)
+        held = [on_rank[rank] for rank in schedule.stage_to_rank]
+        args, kwargs = example
+        loss_fn = None if outputs else self.options.loss_fn
+        device = self.device() if self.distributed else None
+        compiled = compile_forward_only(self.module, loss_fn, args, kwargs, example_target, held, device, outputs)
+        microbatches = self.options.microbatches
+        if not self.distributed:
+            stage_to_rank = schedule.stage_to_rank
+            return ForwardRunner(compiled, stage_to_rank, microbatches, range(len(stages)), self.state(), InProcessTransport(), None)
+        runner, layout = train.runner, self.layout()
+        mine = [s for s, rank in enumerate(schedule.stage_to_rank) if rank == layout.pp_rank]
+        position = (layout.pp_rank, lambda stage, microbatch: layout.pipeline_ranks[schedule.stage_to_rank[stage]])
+        return ForwardRunner(compiled, schedule.stage_to_rank, microbatches, mine, self.state(), runner.transport, runner.device, position)
+
+    def loss_reduction(self, traced: Any, micro_inputs: list, feeds: list, targets: list, held: Any, stages: int) -> batch_loss.LossReduction:
+        """How this step's microbatch losses make its loss (`batch_loss.reduction`); `held`: the
+        stages this process runs."""
+        layout = self.layout() if self.distributed else None
+        replicas, group = (layout.dp_size, layout.dp_group) if layout is not None else (1, None)
+        holds = (0 in held, stages - 1 in held)
+        return batch_loss.reduction(traced, micro_inputs, feeds, targets, self.module, holds, replicas, group)
 
     def latest(self) -> Build:
         """The compile of the latest step's batch."""

@@ -5,8 +5,10 @@ program over point-to-point messages, or every rank's in one process over an in-
 transport (`runtime/runner.py`).
 
 F takes the microbatch's inputs (first stage) or the values that came from the previous stage
-(and the targets on the last stage); I and B take the gradient of the mean loss (last stage) or
-the gradients that came from the next stage; W takes nothing. What F, I and B produce for a
+(and the targets on the last stage); I and B take the gradient of the step's loss with respect
+to the microbatch's loss (last stage: `loss_tangent`, 1/m for the mean of the microbatch losses,
+see `runtime/batch_loss.py`) or the gradients that came from the next stage; W takes nothing.
+A forward-only program (evaluation) has F and its messages alone. What F, I and B produce for a
 stage on the same rank stays here until that stage takes it; for another rank it waits for the
 SEND that follows. Receives are posted ahead (`readiness.ReceivesAhead`) and waited for only
 when a computation needs their data.
@@ -32,7 +34,7 @@ from zbcompile.runtime.action_clock import ActionClock, HostClock
 from zbcompile.runtime.p2p import MessageTransport
 from zbcompile.runtime.program import RankProgram
 from zbcompile.runtime.readiness import ReceivesAhead, WaitForecast, WeightQueue
-from zbcompile.runtime.stage import StageExecutor, mean_grad
+from zbcompile.runtime.stage import StageExecutor, loss_grad
 from zbcompile.schedules import Action, Schedule
 
 Values = dict[str, torch.Tensor]
@@ -93,13 +95,17 @@ class Interpreter:
         self.early_w = ()
         self.forecast = WaitForecast()
 
-    def step(self, inputs: Sequence[Mapping[str, torch.Tensor]], targets: Sequence[Mapping[str, torch.Tensor]]) -> list[torch.Tensor] | None:
-        """One step over `len(inputs)` microbatches; returns the losses of the microbatches this
-        process ran the last stage for, in microbatch order, where it holds the last stage (else
-        None). Parameter gradients stay in the executors."""
+    def step(
+        self, inputs: Sequence[Mapping[str, torch.Tensor]], targets: Sequence[Mapping[str, torch.Tensor]], loss_tangent: float | None = None
+    ) -> list[Values] | None:
+        """One step over `len(inputs)` microbatches; returns what the last stage's F returned
+        (`{"loss": ...}` in training) for the microbatches this process ran it for, in microbatch
+        order, where it holds the last stage (else None). `loss_tangent`: the gradient each
+        microbatch's loss gets (None: 1/m). Parameter gradients stay in the executors."""
         program = self.program
         self.inputs, self.targets = inputs, targets
-        self.losses: dict[int, torch.Tensor] = {}
+        self.loss_tangent = 1.0 / len(inputs) if loss_tangent is None else loss_tangent
+        self.results: dict[int, Values] = {}
         self.held: dict[Key, Values] = {}  # for a stage on this rank, until it takes them
         self.outgoing: dict[Key, Values] = {}  # for another rank, until their SEND
         self.receives = ReceivesAhead(program, self.transport, self.receive_device, self._watch)
@@ -114,10 +120,10 @@ class Interpreter:
         intervals = self.clock.end_step(self.step_timeout_s)
         self.timeline, self.comm_timeline, self.early_w = intervals["compute"], intervals["comm"], tuple(self._early)
         self.forecast.end_step(self.timeline, intervals["wait"])
-        losses = [self.losses[k] for k in sorted(self.losses)] if self.last in self.executors else None
+        results = [self.results[k] for k in sorted(self.results)] if self.last in self.executors else None
         self.inputs = self.targets = ()
-        self.losses, self.held, self.outgoing = {}, {}, {}
-        return losses
+        self.results, self.held, self.outgoing = {}, {}, {}
+        return results
 
     # --- handlers: (position in the program, action) ---------------------------------------
 
@@ -130,7 +136,7 @@ class Interpreter:
         started = self.clock.mark()
         outputs = self._executor(s, k).forward(k, feed)
         if s == self.last:
-            self.losses[k] = outputs["loss"]
+            self.results[k] = outputs
         else:
             (self.outgoing if self.forward_sent[s] else self.held)[("F", s + 1, k)] = outputs
         self._ran(text, started)
@@ -170,7 +176,7 @@ class Interpreter:
         s, k = action.stage, action.microbatch
         text = self.program.texts[index]
         if s == self.last:
-            grads_in = {"loss": mean_grad(self.losses[k], len(self.inputs))}
+            grads_in = {"loss": loss_grad(self.results[k]["loss"], self.loss_tangent)}
         else:
             grads_in = self._fetch(("B", s, k), text)
         started = self.clock.mark()

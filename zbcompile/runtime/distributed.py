@@ -204,10 +204,10 @@ class DistributedRunner(Runner):
         """The global rank running `stage` for `microbatch`."""
         return self.layout.pipeline_ranks[self.schedule.rank_of(stage, microbatch)]
 
-    def step(self, inputs, targets) -> list[torch.Tensor] | None:
+    def step(self, inputs, targets, loss_tangent: float | None = None) -> list[torch.Tensor] | None:
         """One step; returns every microbatch's loss on the rank of the last stage (of copy 0,
         under a mirrored schedule), else None."""
-        losses = super().step(inputs, targets)
+        losses = super().step(inputs, targets, loss_tangent)
         schedule = self.schedule
         if schedule.mirrored_from is None:
             return losses

@@ -84,10 +84,14 @@ class Runner(ABC):
     def reduce_grads(self) -> dict[str, torch.Tensor]:
         """The step's parameter gradients this process holds, by FQN."""
 
-    def step(self, inputs: Sequence[Mapping[str, torch.Tensor]], targets: Sequence[Mapping[str, torch.Tensor]]) -> list[torch.Tensor] | None:
+    def step(
+        self, inputs: Sequence[Mapping[str, torch.Tensor]], targets: Sequence[Mapping[str, torch.Tensor]], loss_tangent: float | None = None
+    ) -> list[torch.Tensor] | None:
         """One step; returns the microbatch losses where this process holds the last stage, else
-        None. Parameter gradients stay in the executors until `reduce_grads()`."""
-        return self.interpreter.step(inputs, targets)
+        None. `loss_tangent`: the gradient each microbatch loss gets (None: 1/m, the mean's;
+        `runtime/batch_loss.py`). Parameter gradients stay in the executors until `reduce_grads()`."""
+        results = self.interpreter.step(inputs, targets, loss_tangent)
+        return [r["loss"] for r in results] if results is not None else None
 
     def set_state(self, state: Mapping[str, torch.Tensor]) -> None:
         """Parameters and buffers (`param:<fqn>`, `buffer:<fqn>`) the next step computes with."""

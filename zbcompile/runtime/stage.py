@@ -71,7 +71,7 @@ class StageExecutor:
         self._forward_keeps = self._backward_reads | {input_name(v) for v in program.stage.outputs}
         self._weight_reads = set(split.weight_reads)
         self._weight_param_grads = [f for f in joint.param_grads if f not in split.input_param_grads]
-        self._layouts = {**_placeholder_layouts(joint.forward), **_placeholder_layouts(joint.backward)}
+        self._layouts = {**placeholder_layouts(joint.forward), **placeholder_layouts(joint.backward)}
 
     def running(self, program: StageProgram) -> "StageExecutor":
         """An executor of the same stage and state running `program` (the stage at another
@@ -196,12 +196,7 @@ class StageExecutor:
         return grads
 
     def _as_traced(self, name: str, value: torch.Tensor) -> torch.Tensor:
-        """`value` with the strides the graphs were traced with (a received tensor arrives
-        contiguous; the graph may expect, say, a transposed attention output)."""
-        stride = self._layouts.get(name)
-        if stride is None or value.stride() == stride or value.numel() <= 1:
-            return value
-        return torch.empty_strided(value.shape, stride, dtype=value.dtype, device=value.device).copy_(value)
+        return as_traced(value, self._layouts.get(name))
 
     # --- bookkeeping -----------------------------------------------------------------------
 
@@ -242,9 +237,10 @@ def accumulation_dtype(param: torch.Tensor) -> torch.dtype | None:
     return param.grad_dtype if param.is_leaf else param.dtype
 
 
-def mean_grad(loss: torch.Tensor, microbatches: int) -> torch.Tensor:
-    """d(mean of the microbatch losses)/d(one microbatch's loss): the last stage's tangent."""
-    return torch.full((), 1.0 / microbatches, dtype=loss.dtype, device=loss.device)
+def loss_grad(loss: torch.Tensor, tangent: float) -> torch.Tensor:
+    """d(the step's loss)/d(one microbatch's loss) as the last stage's tangent: `tangent` in the
+    loss's dtype (1/m for the mean of the microbatch losses, `runtime/batch_loss.py`)."""
+    return torch.full((), tangent, dtype=loss.dtype, device=loss.device)
 
 
 def op_error(action: str, node, error: Exception) -> Exception:
@@ -261,7 +257,16 @@ def op_error(action: str, node, error: Exception) -> Exception:
     )
 
 
-def _placeholder_layouts(program) -> dict[str, tuple[int, ...]]:
+def as_traced(value: torch.Tensor, stride: tuple[int, ...] | None) -> torch.Tensor:
+    """`value` with the strides a graph was traced with (None: any); a received tensor arrives
+    contiguous, and the graph may expect, say, a transposed attention output."""
+    if stride is None or value.stride() == stride or value.numel() <= 1:
+        return value
+    return torch.empty_strided(value.shape, stride, dtype=value.dtype, device=value.device).copy_(value)
+
+
+def placeholder_layouts(program) -> dict[str, tuple[int, ...]]:
+    """The strides of each of `program`'s inputs as traced, by environment name."""
     placeholders = program.graph.graph.find_nodes(op="placeholder")
     return {name: tuple(node.meta["val"].stride()) for node, name in zip(placeholders, program.signature.inputs)}
 

@@ -9,6 +9,7 @@ Pure Python; importing this package never imports torch (ortools and matplotlib 
 """
 
 from .costs import Costs, ResolvedCosts
+from .forward_only import forward_only
 from .ir import Action, Schedule
 from .lower import lower
 from .registry import (
@@ -39,6 +40,7 @@ __all__ = [
     "ScheduleError",
     "ScheduleSpec",
     "SimResult",
+    "forward_only",
     "lower",
     "check_schedule_sizes",
     "make_schedule",
