@@ -124,9 +124,10 @@ def _wrap(model: nn.Module | type, options: PipelineOptions):
 class PipelinedModule:
     """A model trained with a pipeline schedule: `step()` runs one; calling it, the unpipelined
     forward. In one process, parameters, buffers and `state_dict()` are the module's own. Under
-    torch.distributed (README.md, "Many processes") every rank calls `step()` with the full batch
-    (ranks without the first or last stage may pass None) and keeps only its stages' parameters:
-    build the optimizer after `compile(batch)`; `state_dict()` is this rank's share."""
+    torch.distributed (README.md, "Many processes") every rank of a pipeline calls `step()` with
+    that pipeline's batch (with data-parallel replicas, its replica's own, as with DDP; ranks
+    without the first or last stage may pass None) and keeps only its stages' parameters: build
+    the optimizer after `compile(batch)`; `state_dict()` is this rank's share."""
 
     def __init__(self, module: nn.Module, options: PipelineOptions) -> None:
         self.module = module
@@ -150,7 +151,10 @@ class PipelinedModule:
         """One pipelined forward + backward over the batch: splits every tensor in `inputs`,
         `kwargs` and `target` into `microbatches` equal parts along dim 0, runs the schedule,
         accumulates the gradient of the mean microbatch loss into each parameter's `.grad`, and
-        returns that mean loss (None on ranks without the last stage)."""
+        returns that mean loss (None on ranks without the last stage). With data-parallel
+        replicas, the batch is this replica's own, the loss returned is this replica's, and the
+        gradient every replica accumulates is the mean of the replicas' (for a mean loss, that of
+        their batches concatenated)."""
         built, micro_inputs, micro_targets, absent = self._builder.prepare(inputs, kwargs, target)
         runner = built.runner
         batch.check_given(absent, runner.schedule.stages, runner.executors)

@@ -94,20 +94,13 @@ class Builder:
         group = self.options.process_group
         return device_for(group.get_group("pp") if isinstance(group, DeviceMesh) else group)
 
-    def replica(self) -> tuple[int, int]:
-        """(data-parallel replicas, this rank's replica)."""
-        if not self.distributed:
-            return 1, 0
-        layout = self.layout()
-        return layout.dp_size, layout.dp_rank
-
     def prepare(self, inputs: tuple, kwargs: dict, target: Any) -> tuple[Build, list, list, tuple[str, ...]]:
         """The compile for this batch (built if its shapes are new), its microbatches and
         targets, and the parts of the batch this rank was not given (`batch.LocalBatch`)."""
         absent: tuple[str, ...] = ()
         if self.distributed:
             inputs, kwargs, target, absent = self._batch.of(inputs, kwargs, target, self.layout().pp_group, self.device())
-        micro_inputs, micro_targets, key = batch.split(inputs, kwargs, target, self.options.microbatches, *self.replica())
+        micro_inputs, micro_targets, key = batch.split(inputs, kwargs, target, self.options.microbatches)
         if key not in self.builds:
             self.builds[key] = self.build(micro_inputs[0], micro_targets[0])
         self._last_key = key

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from zbcompile.compiler import CompiledPipeline
+from zbcompile.runtime.batch_agreement import ReplicaBatches
 from zbcompile.runtime.p2p import Transport
 from zbcompile.runtime.program import RankProgram, rank_program
 from zbcompile.runtime.runner import Runner
@@ -187,7 +188,12 @@ class DistributedRunner(Runner):
 
     def step(self, inputs, targets) -> list[torch.Tensor] | None:
         """One step; returns every microbatch's loss on the rank of the last stage (of copy 0,
-        under a mirrored schedule), else None."""
+        under a mirrored schedule), else None. With data-parallel replicas, the check that they
+        all got batches of one size starts here and ends before the gradients are reduced."""
+        if self.layout.dp_group is not None:
+            first = next(iter([*inputs[0].values(), *targets[0].values()]))
+            size = len(inputs) * first.shape[0]
+            self._replica_batches = ReplicaBatches(size, self.layout.dp_group, self.layout.replica_ranks, self.device)
         losses = super().step(inputs, targets)
         schedule = self.schedule
         if schedule.mirrored_from is None:
@@ -211,6 +217,7 @@ class DistributedRunner(Runner):
         grads = self._stage_grads()
         sum_gradients(self.tied_weights, grads, self.executors[self.local_stages[0]].state, self.transport)
         if self.layout.dp_group is not None:
+            self._replica_batches.check(self.transport.timeout)
             for fqn in sorted(grads):
                 dist.all_reduce(grads[fqn], group=self.layout.dp_group)
                 grads[fqn].div_(self.layout.dp_size)
