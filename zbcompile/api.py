@@ -16,6 +16,7 @@ from zbcompile.inspect.text import summary_text
 from zbcompile.inspect.write import live_dump
 from zbcompile.runtime import batch, profile
 from zbcompile.runtime.build import Builder
+from zbcompile.runtime.distributed import DATA_PARALLEL_MODES
 from zbcompile.runtime.runner import Runner
 from zbcompile.runtime.stage import StageExecutor, accumulate_grads
 from zbcompile.schedules import DEFAULT_SCHEDULE, SCHEDULE_NAMES, Costs, Schedule
@@ -48,9 +49,17 @@ class PipelineOptions:
     follow_readiness: bool = True  # W run in waits and past sends, in order (runtime/dispatch.py)
     grad_dtype: torch.dtype | None = None  # dtype `.grad` accumulates in (torch's param.grad_dtype); None: as set
     recompute: str | None = None  # "auto": recompute forward values per stage to fit memory_limit (auto_recompute.py)
+    data_parallel: str = "replicate"  # replicas keep parameters whole, or "shard": DTensors over "dp" (runtime/sharding.py)
 
     def __post_init__(self) -> None:
         check_compiler(self.compiler)
+        if self.data_parallel not in DATA_PARALLEL_MODES:
+            raise ValueError(f"pipeline(): data_parallel must be one of {DATA_PARALLEL_MODES}, got {self.data_parallel!r}")
+        if self.data_parallel == "shard" and self.grad_dtype is not None:
+            raise ValueError(
+                "pipeline(): grad_dtype is not supported with data_parallel='shard' (gradients accumulate in the "
+                "parameters' dtype there); use data_parallel='replicate' for a separate accumulation dtype"
+            )
         if self.recompute not in (None, "auto"):
             raise ValueError(f"pipeline(): recompute must be None or 'auto', got {self.recompute!r}")
         if self.recompute == "auto" and self.memory_limit is None:
@@ -92,6 +101,7 @@ def pipeline(
     follow_readiness: bool = True,
     grad_dtype: torch.dtype | None = None,
     recompute: str | None = None,
+    data_parallel: str = "replicate",
 ):
     """Make `model` a pipelined model: `pipeline(model, stages=4, microbatches=8, loss_fn=F.mse_loss)`;
     as a class decorator (`@pipeline(stages=4, ...)` on an `nn.Module` subclass) its constructor
@@ -101,7 +111,7 @@ def pipeline(
         stages, microbatches, loss_fn, schedule, tuple(split_points) if split_points is not None else None,
         memory_limit, process_group, timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout),
         solver_time_budget, profile, profile_steps, objective, compiler, dump_dir, init_fn, costs, follow_readiness,
-        grad_dtype, recompute,
+        grad_dtype, recompute, data_parallel,
     )
     if model is None:
         return functools.partial(_wrap, options=options)

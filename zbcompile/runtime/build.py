@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from zbcompile import auto_recompute
 from zbcompile.compiler import CompiledPipeline, compile_pipeline
 from zbcompile.inspect.write import CompileDump, start_dump
-from zbcompile.runtime import batch, placement, profile
+from zbcompile.runtime import batch, placement, profile, sharding
 from zbcompile.runtime.distributed import DistributedRunner, Layout, make_layout
 from zbcompile.runtime.local import LocalRunner
 from zbcompile.runtime.p2p import device_for
@@ -333,6 +333,8 @@ class Builder:
                 self._require_placed()
             return self.module.load_state_dict(state_dict, strict=strict)
         held = self.held if self.held is not None else set(placement.canonical_names(self.module).values())
+        if self.options.data_parallel == "shard":
+            state_dict = sharding.as_shards(state_dict, self.module)
         result, loaded = placement.load_held(self.module, state_dict, held, strict)
         self.unfilled -= loaded
         return result
@@ -357,7 +359,7 @@ class Builder:
 
         def runner() -> DistributedRunner:
             o = self.options
-            return DistributedRunner(compiled, schedule, layout, self.state(), device, o.timeout, o.follow_readiness)
+            return DistributedRunner(compiled, schedule, layout, self.state(), device, o.timeout, o.follow_readiness, o.data_parallel)
 
         if self.held is not None:
             if used - self.held:
@@ -366,8 +368,25 @@ class Builder:
                     f"hold {sorted(used - self.held)[:4]}; pass split_points=[...] to pipeline() to fix the cut"
                 )
             return runner()
+        self._check_shardable(layout)
         # the runner shares tied weights' values between ranks: after placement, undone if it fails
-        return self._place(used, device, move_others=True, then=runner)
+        built = self._place(used, device, move_others=True, then=runner)
+        if self.options.data_parallel == "shard":  # the replicas' values are equal now: each keeps its shard
+            sharding.shard_parameters(self.module, self.held, layout.mesh["dp"])
+        return built
+
+    def _check_shardable(self, layout: Layout) -> None:
+        """data_parallel="shard" needs replicas on a DeviceMesh with a "dp" dimension."""
+        if self.options.data_parallel != "shard":
+            return
+        if layout.dp_size < 2 or layout.mesh is None:
+            raise ValueError(
+                f"data_parallel='shard' shards parameters over data-parallel replicas, but this pipeline has "
+                f"{layout.dp_size} replica{'s' if layout.dp_size > 1 else ''}"
+                f"{'' if layout.mesh is not None else ' and no DeviceMesh'}; launch a multiple of {layout.pp_size} "
+                "processes (the default ('dp', 'pp') mesh) or pass process_group=<DeviceMesh with 'dp' and 'pp'>, "
+                "or use data_parallel='replicate'"
+            )
 
     def _place(self, held: set[str], device: torch.device, move_others: bool, then: Callable[[], Any] = lambda: None) -> Any:
         """Materialise and fill what this process holds (`placement.placed`), then run `then()`;

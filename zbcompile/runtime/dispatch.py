@@ -73,6 +73,8 @@ class Interpreter:
         self.timeline: list[tuple[str, float, float]] = []
         self.comm_timeline: list[tuple[str, float, float]] = []
         self.early_w: tuple[str, ...] = ()
+        # called with the stage after every W and B (the actions that accumulate parameter gradients)
+        self.grads_accumulated: Callable[[int], None] = _ignore
 
     def load(self, program: RankProgram, schedule: Schedule) -> None:
         """Follow `program` (this process's part of `schedule`) from the next step on."""
@@ -134,6 +136,7 @@ class Interpreter:
 
     def _backward(self, index: int, action: Action) -> None:
         self._run_backward(index, action, self._executor(action.stage, action.microbatch).backward)
+        self.grads_accumulated(action.stage)
 
     def _weight(self, index: int, action: Action) -> None:
         if self.weights.planned():  # else it ran early, in a wait
@@ -179,6 +182,7 @@ class Interpreter:
         ended = clock()
         self._timeline.append((text, started, ended))
         self.forecast.note_weight(action.stage, ended - started)
+        self.grads_accumulated(action.stage)
 
     def _ran(self, text: str, started: float) -> None:
         self.synchronize()
@@ -218,4 +222,8 @@ class Interpreter:
 
 
 def _nothing() -> None:
+    pass
+
+
+def _ignore(stage: int) -> None:
     pass
