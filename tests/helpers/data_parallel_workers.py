@@ -20,7 +20,7 @@ MICROBATCHES = 4  # one row each: the replica's half of the 8-row batch
 
 def case_of(name: str, meta: bool = False):
     """The zoo's or the library's case `name`, with this replica's half of the batch."""
-    case = real_models.build(name, meta=meta) if name in ("llama", "gpt2") else models.build(name)
+    case = real_models.build(name, meta=meta) if name in real_models.MODELS else models.build(name)
     replicas, replica = replica_of(PP)
     case.args = tuple(models.share(a, replicas, replica) for a in case.args)
     case.kwargs = {k: models.share(v, replicas, replica) for k, v in case.kwargs.items()}
@@ -42,13 +42,14 @@ def local_bytes(tensors) -> int:
     return total
 
 
-def train(runs: list[tuple[str, str, int, str, str]]) -> dict:
+def train(runs: list[tuple[str, str, int, str, str]], checkpoint_dir: str) -> dict:
     """For each (model, schedule, stages, data_parallel, optimizer variant: "foreach" or
     "fused"): `STEPS` AdamW steps on this replica's half of the batch. Consecutive runs of one
     (model, stages, data_parallel) share a compile, reloading the initial state dict. Returns
     per run the losses, the whole parameters and optimizer state by FQN, this rank's bytes of
     parameters, gradients and optimizer state, the last step's timelines and the state dict's
-    kinds of value."""
+    kinds of value; then a checkpoint round trip of the last run's pipeline through
+    `checkpoint_dir`, post-validation and errors."""
     results, pipe, previous = {}, None, None
     for name, schedule, stages, mode, variant in runs:
         initial = case_of(name).model.state_dict()
@@ -87,9 +88,26 @@ def train(runs: list[tuple[str, str, int, str, str]]) -> dict:
             "comm_timeline": list(pipe.runner.comm_timeline),
             "explain": pipe.explain(),
         }
+    results["checkpoint"] = checkpoint_round_trip(pipe, checkpoint_dir)
     results["post_validation"] = post_validation()
     results["errors"] = errors()
     return results
+
+
+def checkpoint_round_trip(pipe, path: str) -> dict:
+    """torch.distributed.checkpoint saves `pipe`'s state dict (DTensors under "shard") to `path`,
+    the parameters are zeroed, and DCP loads it back: whether every parameter is as saved."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = {n: whole(p) for n, p in pipe.named_parameters()}
+    dcp.save(pipe.state_dict(), checkpoint_id=path)
+    with torch.no_grad():
+        for p in pipe.parameters():
+            p.zero_()
+    state = pipe.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    pipe.load_state_dict(state, strict=False)
+    return {n: torch.equal(whole(p), saved[n]) for n, p in pipe.named_parameters()}
 
 
 def post_validation(steps: int = 5, fault_step: int = 2) -> dict:

@@ -123,6 +123,20 @@ def format_stages(rows: Sequence[dict[str, Any]], shared: dict[str, Sequence[int
     return "\n".join(lines + ([tied] if tied else []))
 
 
+def format_state_memory(rows: Sequence[dict[str, int]], mode: str, replicas: int) -> str:
+    """Per pipeline rank, the bytes of parameters, gradients and optimizer state it holds outside a
+    step (`sharding.state_bytes`), under data-parallel `mode` over `replicas`."""
+    how = f"data_parallel={mode!r} over {replicas} replica{'s' if replicas > 1 else ''}"
+    lines = [f"state per rank outside a step ({how}; optimizer state as Adam(W)'s two moments):"]
+    for row in rows:
+        total = row["params"] + row["grads"] + row["optimizer"]
+        lines.append(
+            f"  rank {row['rank']}: parameters {si(row['params'], 'B')}, gradients {si(row['grads'], 'B')}, "
+            f"optimizer {si(row['optimizer'], 'B')}, total {si(total, 'B')}"
+        )
+    return "\n".join(lines)
+
+
 def format_phases(seconds: dict[str, float]) -> str:
     return "compile: " + ", ".join(f"{k} {v:.2f}s" for k, v in seconds.items())
 

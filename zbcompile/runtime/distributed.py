@@ -17,7 +17,7 @@ plan, and a message on time is not held up by a W the plan put before it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Mapping
 
@@ -174,6 +174,7 @@ class DistributedRunner(Runner):
         self.device = device
         self.rank = dist.get_rank()
         self.data_parallel = data_parallel
+        self.overlap_reduction = True  # False: every gradient reduced after the drain (for measurements)
         self._state: Mapping[str, torch.Tensor] = state
         executors = {s: StageExecutor(compiled.programs[s], state) for s in schedule.stages_on(layout.pp_rank)}
         synchronize = torch.cuda.synchronize if device.type == "cuda" else None
@@ -261,6 +262,8 @@ class DistributedRunner(Runner):
             self.program.actions, {s: partition.stages[s].param_fqns for s in self.local_stages},
             [t.fqn for t in self.tied_weights],
         )
+        if not self.overlap_reduction:
+            plan = replace(plan, overlapped={s: frozenset() for s in plan.overlapped})
         grads_of = lambda stage: self.executors[stage].grads  # noqa: E731
         reduction = GradReduction(plan, self.layout.dp_group, self.layout.dp_size, grads_of, self.transport.timeout)
         if gathered is not None:
