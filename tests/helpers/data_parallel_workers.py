@@ -3,6 +3,8 @@ each replica given its own half of the batch (importable by spawned processes)."
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -42,14 +44,14 @@ def local_bytes(tensors) -> int:
     return total
 
 
-def train(runs: list[tuple[str, str, int, str, str]], checkpoint_dir: str) -> dict:
+def train(runs: list[tuple[str, str, int, str, str]], directory: str) -> dict:
     """For each (model, schedule, stages, data_parallel, optimizer variant: "foreach" or
     "fused"): `STEPS` AdamW steps on this replica's half of the batch. Consecutive runs of one
     (model, stages, data_parallel) share a compile, reloading the initial state dict. Returns
     per run the losses, the whole parameters and optimizer state by FQN, this rank's bytes of
     parameters, gradients and optimizer state, the last step's timelines and the state dict's
-    kinds of value; then a checkpoint round trip of the last run's pipeline through
-    `checkpoint_dir`, post-validation and errors."""
+    kinds of value; the last run's pipeline dumps into `directory`/dump and goes through a
+    checkpoint round trip in `directory`/dcp; then post-validation and errors."""
     results, pipe, previous = {}, None, None
     for name, schedule, stages, mode, variant in runs:
         initial = case_of(name).model.state_dict()
@@ -57,7 +59,7 @@ def train(runs: list[tuple[str, str, int, str, str]], checkpoint_dir: str) -> di
             case = case_of(name)
             pipe = zbcompile.pipeline(
                 case.model, stages=stages, microbatches=MICROBATCHES, loss_fn=case.loss_fn, schedule=schedule, timeout=120, solver_time_budget=0.2, data_parallel=mode,
-                profile=False,
+                profile=False, dump_dir=os.path.join(directory, "dump") if (name, schedule, stages, mode, variant) == runs[-1] else None,
             )
             pipe.compile(*case.args, target=case.target, **case.kwargs)
             previous = (name, stages, mode)
@@ -83,12 +85,13 @@ def train(runs: list[tuple[str, str, int, str, str]], checkpoint_dir: str) -> di
                 "optimizer": local_bytes(v for s in optimizer.state.values() for v in s.values() if v.dim()),
             },
             "dtensor": {n: isinstance(p, DTensor) for n, p in pipe.named_parameters()},
+            "local_rows": {n: p.to_local().shape[0] for n, p in pipe.named_parameters() if isinstance(p, DTensor)},
             "state_dict": {k: type(v).__name__ for k, v in pipe.state_dict().items()},
             "timeline": list(pipe.runner.timeline),
             "comm_timeline": list(pipe.runner.comm_timeline),
             "explain": pipe.explain(),
         }
-    results["checkpoint"] = checkpoint_round_trip(pipe, checkpoint_dir)
+    results["checkpoint"] = checkpoint_round_trip(pipe, os.path.join(directory, "dcp"))
     results["post_validation"] = post_validation()
     results["errors"] = errors()
     return results

@@ -7,6 +7,8 @@ and errors under "shard". One launch for all of it."""
 from __future__ import annotations
 
 import functools
+import json
+import os
 
 import pytest
 import torch
@@ -15,6 +17,8 @@ from helpers import data_parallel_workers as workers
 from helpers import models, real_models
 from helpers.distributed_workers import make_optimizer
 from helpers.multiprocess import run_ranks
+from zbcompile.inspect.read import SCHEDULE_FILE
+from zbcompile.inspect.trace import action_events, load_trace, reduction_events, validate_trace
 
 pytestmark = pytest.mark.xdist_group("distributed")
 
@@ -22,7 +26,10 @@ RUNS = [
     *[("gpt", s, 2, "replicate", "foreach") for s in ("1f1b", "zb-h1", "zb-auto")],
     *[("gpt", s, 2, "shard", "foreach") for s in ("1f1b", "zb-h1", "zb-auto")],
     ("gpt", "zb-h1", 2, "shard", "fused"),
-    ("mlp", "dualpipe", 2, "shard", "foreach"),
+    # dualpipe: every parameter on two ranks of a pipeline, reduced after the drain; the masked
+    # model's output layer has 3 rows, which 2 replicas do not divide (padded in the collectives)
+    ("masked", "dualpipe", 2, "replicate", "foreach"),
+    ("masked", "dualpipe", 2, "shard", "foreach"),
     ("llama", "zb-h1", 2, "replicate", "foreach"),
     ("llama", "zb-h1", 2, "shard", "foreach"),
     ("gpt", "zbv", 4, "replicate", "foreach"),
@@ -32,9 +39,16 @@ CLOSE = dict(rtol=1e-5, atol=1e-6)
 
 
 @pytest.fixture(scope="module")
-def per_rank(tmp_path_factory):
-    """Every rank's results of `RUNS` and the checks after them: the one 4-process launch."""
-    return run_ranks(4, workers.train, RUNS, str(tmp_path_factory.mktemp("dcp")))
+def launch(tmp_path_factory):
+    """(the directory of the last run's dump and checkpoint, every rank's results of `RUNS` and
+    of the checks after them): the one 4-process launch."""
+    directory = str(tmp_path_factory.mktemp("data_parallel"))
+    return directory, run_ranks(4, workers.train, RUNS, directory)
+
+
+@pytest.fixture(scope="module")
+def per_rank(launch):
+    return launch[1]
 
 
 @functools.cache
@@ -87,7 +101,7 @@ def test_shard_equals_replicate_bitwise(per_rank):
     """The same schedule and optimizer, gradients reduce-scattered instead of all-reduced: with
     two replicas every element is the same sum (a + b), so the same bits."""
     pairs = [(k, (*k[:3], "shard", k[4])) for k in RUNS if k[3] == "replicate"]
-    assert len(pairs) == 5
+    assert len(pairs) == 6
     for replicate, shard in pairs:
         for result in per_rank:
             for fqn, value in result[replicate]["params"].items():
@@ -112,6 +126,30 @@ def test_gradient_reduction_starts_before_the_ranks_last_action(per_rank):
             last = max(end for _, _, end in result[key]["timeline"])
             reductions = [(label, start) for label, start, _ in result[key]["comm_timeline"] if label.startswith("REDUCE")]
             assert any(start < last for _, start in reductions), (key, rank, reductions, last)
+
+
+def test_a_leading_dimension_the_replicas_do_not_divide_is_sharded_unevenly(per_rank):
+    """The masked model's `out.weight` (3 x 12): replica 0 holds 2 rows, replica 1 one."""
+    key = ("masked", "dualpipe", 2, "shard", "foreach")
+    held = [r[key]["local_rows"]["out.weight"] for r in per_rank if "out.weight" in r[key]["local_rows"]]
+    assert sorted(held) == [1, 1, 2, 2], held  # both ranks of each replica hold it under dualpipe
+
+
+def test_the_trace_shows_reductions_under_the_ranks_remaining_work(launch):
+    """The dump's trace of the last run (zbv, shard): every step, every rank posts a stage's
+    reduction before its last action ends; the actions are the schedule's, once each."""
+    directory, _ = launch
+    compiled = os.path.join(directory, "dump", "compile-0")
+    trace = load_trace(compiled)
+    with open(os.path.join(compiled, SCHEDULE_FILE)) as f:
+        versions = json.load(f)["versions"]
+    assert validate_trace(trace, [v["lowered"] for v in versions]) == []
+    reductions = reduction_events(trace)
+    for step in range(workers.STEPS):
+        for rank in range(4):
+            ends = [e["ts"] + e["dur"] for e in action_events(trace) if e["pid"] == rank and e["args"]["step"] == step]
+            posted = [e["ts"] for e in reductions if e["pid"] == rank and e["args"]["step"] == step]
+            assert posted and min(posted) < max(ends), (step, rank)
 
 
 def test_checkpoint_round_trip_under_shard(per_rank):

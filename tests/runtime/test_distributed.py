@@ -187,21 +187,6 @@ def test_three_optimizer_steps_match_eager():
             assert torch.equal(value, copies[1][fqn]), f"dualpipe {optimizer}: {fqn}"
 
 
-def test_two_data_parallel_replicas_of_a_two_stage_pipeline():
-    """zb-h1, and dualpipe (each replica's two copies summed, then the replicas averaged)."""
-    runs = [("gpt", "zb-h1", 2, 2), (SMALLEST, "dualpipe", 2, 2)]
-    per_rank = run_ranks(4, workers.one_step, runs)
-    for key in runs:
-        case, loss = _reference(key[0])
-        losses = [r[key]["loss"] for r in per_rank if r[key]["loss"] is not None]
-        assert len(losses) == 2, key  # one per replica, each its half of the batch
-        torch.testing.assert_close(sum(losses) / 2, loss.detach(), rtol=1e-5, atol=1e-6)
-        for replica in (per_rank[:2], per_rank[2:]):
-            grads = _merged(replica, key, "grads")
-            for fqn, p in case.model.named_parameters():
-                torch.testing.assert_close(grads[fqn], p.grad, rtol=1e-5, atol=1e-6, msg=f"{key} {fqn}")
-
-
 def test_meta_device_model_materialises_only_local_parameters():
     per_rank = run_ranks(2, workers.meta_init, 2)
     case, loss = _reference("gpt")

@@ -1,8 +1,11 @@
 """Runs this rank's part of a pipeline step with torch.distributed: the interpreter
 (`runtime/dispatch.py`) follows its program (`runtime/program.py`: the lowered action list of F,
-I, W, B and SEND/RECV) over point-to-point messages (`runtime/p2p.py`), and after the last W the
-runner sums tied weights' gradients between the ranks that hold them and averages gradients over
-data-parallel replicas. Where stages sit: `Layout`, `make_layout`.
+I, W, B and SEND/RECV) over point-to-point messages (`runtime/p2p.py`); each stage's gradients
+are averaged over data-parallel replicas from its last W or B on, in the background
+(`runtime/grad_reduction.py`), and after the step the runner sums tied weights' gradients
+between the ranks that hold them and averages those over the replicas too. With
+data_parallel="shard" the parameters are DTensor shards gathered for the step
+(`runtime/sharding.py`). Where stages sit: `Layout`, `make_layout`.
 
 A mirrored schedule (dualpipe, `Schedule.mirrored_from`) runs every stage on two ranks, one per
 copy of the pipeline, each for its share of the microbatches: both ranks hold the stage's
@@ -207,8 +210,10 @@ class DistributedRunner(Runner):
 
     def step(self, inputs, targets) -> list[torch.Tensor] | None:
         """One step; returns every microbatch's loss on the rank of the last stage (of copy 0,
-        under a mirrored schedule), else None. With data-parallel replicas, the check that they
-        all got batches of one size starts here and ends before the gradients are reduced."""
+        under a mirrored schedule), else None. With data-parallel replicas, three things start
+        here that `reduce_grads()` (which must follow) finishes: the check that every replica got
+        a batch of one size, the gathering of sharded parameters ("shard"), and the gradient
+        reduction that each stage's last W or B posts."""
         if self.layout.dp_group is not None:
             first = next(iter([*inputs[0].values(), *targets[0].values()]))
             size = len(inputs) * first.shape[0]
