@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from zbcompile.compiler import CompiledPipeline
-from zbcompile.inspect.text import format_state_memory, summary_text
+from zbcompile.inspect.text import summary_text
 from zbcompile.inspect.write import live_dump
-from zbcompile.runtime import batch, profile, sharding
+from zbcompile.runtime import batch, profile
 from zbcompile.runtime.build import Builder
 from zbcompile.runtime.distributed import DATA_PARALLEL_MODES
 from zbcompile.runtime.runner import Runner
@@ -190,13 +190,9 @@ class PipelinedModule:
         return self
 
     def explain(self) -> str:
-        """What `zbcompile inspect` prints for the latest compile: stages, balance, costs, predicted and measured times;
-        then each pipeline rank's bytes of parameters, gradients and optimizer state under `data_parallel`."""
-        layout = self.runner.layout
-        replicas = layout.dp_size if layout is not None else 1
-        mode = self.options.data_parallel if replicas > 1 else "replicate"
-        state = sharding.state_bytes(self.compiled, self.schedule, replicas, mode)
-        return summary_text(live_dump(self, self._builder.latest().dump)) + "\n" + format_state_memory(state, mode, replicas)
+        """What `zbcompile inspect` prints for the latest compile: stages, balance, costs, predicted and measured
+        times, and each pipeline rank's bytes of parameters, gradients and optimizer state under `data_parallel`."""
+        return summary_text(live_dump(self, self._builder.latest().dump))
 
     @property
     def compiled(self) -> CompiledPipeline:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,8 @@ from zbcompile.value_names import param_name
 @dataclass(frozen=True)
 class Rows:
     """How a parameter of leading dimension `total` is cut over `dp` replicas: `padded` rows per
-    replica in the collectives; replica d holds rows [d * padded, d * padded + local(d))."""
+    replica in the collectives; replica d holds rows [d * padded, d * padded + local(d)).
+    (`inspect.text.state_rows` counts memory with the same `padded`.)"""
 
     total: int
     dp: int
@@ -195,23 +196,6 @@ class ReduceScatterLayout:
             result.append(DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride))
             offset += width
         return result
-
-
-def state_bytes(compiled: Any, schedule: Any, dp: int, mode: str) -> list[dict[str, int]]:
-    """Per pipeline rank: the bytes of parameters, gradients and Adam(W)'s two moments it holds
-    outside a step under `mode` ("replicate", or "shard" over `dp` replicas: a replica's padded
-    rows, the most any replica holds), counting a tied weight on every rank that holds it."""
-    params = dict(compiled.traced.model.named_parameters())
-    rows = []
-    for rank in range(schedule.ranks):
-        fqns = {f for s in schedule.stages_on(rank) for f in compiled.partition.stages[s].param_fqns}
-        held = 0
-        for fqn in fqns:
-            p = params[fqn]
-            numel = p.numel() if mode == "replicate" or p.dim() == 0 else Rows(p.shape[0], dp).padded * math.prod(p.shape[1:])
-            held += numel * p.element_size()
-        rows.append({"rank": rank, "params": held, "grads": held, "optimizer": 2 * held})
-    return rows
 
 
 def wait(work: dist.Work, timeout: timedelta, what: str) -> None:
