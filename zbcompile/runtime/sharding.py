@@ -9,8 +9,8 @@ dimension dp does not divide gives the last replicas fewer rows, down to none). 
 `state_dict()` and torch.distributed.checkpoint see FSDP2's representation, with its gradients
 `param.grad` as DTensors of the same sharding.
 
-A step gathers each stage's parameters with one asynchronous all-gather per stage (posted when
-the step starts, all stages at once; `Gathered` waits for a stage's when one of its parameters is
+A step gathers each stage's parameters with one asynchronous all-gather per stage (and dtype;
+posted when the step starts, all stages at once; `Gathered` waits for a stage's when one of its parameters is
 first read, that is before the stage's first action), keeps them whole for the step (what
 torchtitan does under pipelining: reshard_after_forward=False) and drops them after the stage's
 last W or B (`Gathered.release`). Gradients are reduce-scattered (`ReduceScatterLayout`). Both
@@ -96,7 +96,7 @@ def as_shards(state_dict: Mapping[str, torch.Tensor], module: nn.Module) -> dict
 
 
 class _StageGather:
-    """One stage's parameters, gathered by one asynchronous all-gather of their padded shards."""
+    """Parameters of one stage and dtype, gathered by one asynchronous all-gather of their padded shards."""
 
     def __init__(self, names: Sequence[str], params: Sequence[DTensor], group: dist.ProcessGroup) -> None:
         self.names, self.params = list(names), list(params)
@@ -135,9 +135,9 @@ class Gathered(Mapping):
         self._timeout = timeout
         for names in stage_params.values():
             mine = [n for n in names if n in self._sharded and n not in self._pending]
-            if mine:
-                gather = _StageGather(mine, [state[n] for n in mine], group)
-                self._pending.update(dict.fromkeys(mine, gather))
+            for dtype in dict.fromkeys(state[n].dtype for n in mine):  # one gather per stage and dtype
+                same = [n for n in mine if state[n].dtype == dtype]
+                self._pending.update(dict.fromkeys(same, _StageGather(same, [state[n] for n in same], group)))
 
     def __getitem__(self, name: str) -> torch.Tensor:
         value = self._values.get(name)
