@@ -5,7 +5,8 @@
 
 Every rank runs this same script: the model is built on the meta device, each rank materialises
 only its own stages' parameters, the schedule (zb-auto) is re-solved from costs measured over
-the first steps, and the rank holding the last stage prints the loss."""
+the first steps, each data-parallel replica reads its own batches, and the rank holding the last
+stage of each replica prints that replica's loss."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import zbcompile
 from zbcompile.demo import text_batches
 from zbcompile.models import GPT, GPTConfig
 from zbcompile.models.gpt import lm_loss
+from zbcompile.schedules import schedule_spec
 
 
 def main() -> None:
@@ -43,7 +45,9 @@ def main() -> None:
         model, stages=args.stages, microbatches=args.microbatches, loss_fn=lm_loss,
         schedule=args.schedule, profile=True,
     )
-    batches = text_batches(batch=16, seq_len=64)
+    # each data-parallel replica trains on its own batches (DDP's convention), the same on its pipeline's ranks
+    replica = dist.get_rank() // schedule_spec(args.schedule).ranks(args.stages)
+    batches = text_batches(batch=16, seq_len=64, seed=replica)
     tokens, targets = next(batches)
     pipe.compile(tokens.to(device), target=targets.to(device))  # before the optimizer: local parameters only
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=3e-3)

@@ -17,6 +17,7 @@ from zbcompile.inspect.text import summary_text
 from zbcompile.inspect.write import live_dump
 from zbcompile.runtime import batch, profile
 from zbcompile.runtime.build import Builder
+from zbcompile.runtime.distributed import DATA_PARALLEL_MODES
 from zbcompile.runtime.forward_only import ForwardRunner
 from zbcompile.runtime.runner import Runner
 from zbcompile.runtime.stage import StageExecutor, accumulate_grads
@@ -51,9 +52,17 @@ class PipelineOptions:
     follow_readiness: bool = True  # W run in waits and past sends, in order (runtime/dispatch.py)
     grad_dtype: torch.dtype | None = None  # dtype `.grad` accumulates in (torch's param.grad_dtype); None: as set
     recompute: str | None = None  # "auto": recompute forward values per stage to fit memory_limit (auto_recompute.py)
+    data_parallel: str = "replicate"  # replicas keep parameters whole, or "shard": DTensors over "dp" (runtime/sharding.py)
 
     def __post_init__(self) -> None:
         check_compiler(self.compiler)
+        if self.data_parallel not in DATA_PARALLEL_MODES:
+            raise ValueError(f"pipeline(): data_parallel must be one of {DATA_PARALLEL_MODES}, got {self.data_parallel!r}")
+        if self.data_parallel == "shard" and self.grad_dtype is not None:
+            raise ValueError(
+                "pipeline(): grad_dtype is not supported with data_parallel='shard' (gradients accumulate in the "
+                "parameters' dtype there); use data_parallel='replicate' for a separate accumulation dtype"
+            )
         if self.recompute not in (None, "auto"):
             raise ValueError(f"pipeline(): recompute must be None or 'auto', got {self.recompute!r}")
         if self.recompute == "auto" and self.memory_limit is None:
@@ -107,6 +116,7 @@ def pipeline(
     follow_readiness: bool = True,
     grad_dtype: torch.dtype | None = None,
     recompute: str | None = None,
+    data_parallel: str = "replicate",
 ):
     """Make `model` a pipelined model: `pipeline(model, stages=4, microbatches=8, loss_fn=F.mse_loss)`;
     as a class decorator (`@pipeline(stages=4, ...)` on an `nn.Module` subclass) its constructor
@@ -116,7 +126,7 @@ def pipeline(
         stages, microbatches, loss_fn, schedule, tuple(split_points) if split_points is not None else None,
         memory_limit, process_group, timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout),
         solver_time_budget, profile, profile_steps, objective, compiler, dump_dir, init_fn, costs, follow_readiness,
-        grad_dtype, recompute,
+        grad_dtype, recompute, data_parallel,
     )
     if model is None:
         return functools.partial(_wrap, options=options)
@@ -139,9 +149,10 @@ def _wrap(model: nn.Module | type, options: PipelineOptions):
 class PipelinedModule:
     """A model trained with a pipeline schedule: `step()` runs one; calling it, the unpipelined
     forward. In one process, parameters, buffers and `state_dict()` are the module's own. Under
-    torch.distributed (README.md, "Many processes") every rank calls `step()` with the full batch
-    (ranks without the first or last stage may pass None) and keeps only its stages' parameters:
-    build the optimizer after `compile(batch)`; `state_dict()` is this rank's share."""
+    torch.distributed (README.md, "Many processes") every rank of a pipeline calls `step()` with
+    that pipeline's batch (with data-parallel replicas, its replica's own, as with DDP; ranks
+    without the first or last stage may pass None) and keeps only its stages' parameters: build
+    the optimizer after `compile(batch)`; `state_dict()` is this rank's share."""
 
     def __init__(self, module: nn.Module, options: PipelineOptions) -> None:
         self.module = module
@@ -167,7 +178,11 @@ class PipelinedModule:
         `kwargs` and `target` into `microbatches` equal parts along dim 0, runs the schedule,
         accumulates the gradient of the batch's loss into each parameter's `.grad`, and returns
         that loss (None on ranks without the last stage): the mean of the microbatch losses, or
-        the whole batch's sum(loss_sum) / sum(count) (`runtime/batch_loss.py`)."""
+        the whole batch's sum(loss_sum) / sum(count) (`runtime/batch_loss.py`). With data-parallel
+        replicas, the batch is this replica's own and the gradient every replica accumulates is the
+        mean of the replicas' (for a mean loss, that of their batches concatenated); the loss
+        returned is this replica's mean, or with (loss_sum, count) the whole batch's over every
+        replica."""
         built, micro_inputs, micro_targets, absent = self._builder.prepare(inputs, kwargs, target)
         runner = built.runner
         batch.check_given(absent, runner.schedule.stages, runner.executors)
@@ -223,7 +238,8 @@ class PipelinedModule:
         return self
 
     def explain(self) -> str:
-        """What `zbcompile inspect` prints for the latest compile: stages, balance, costs, predicted and measured times."""
+        """What `zbcompile inspect` prints for the latest compile: stages, balance, costs, predicted and measured
+        times, and each pipeline rank's bytes of parameters, gradients and optimizer state under `data_parallel`."""
         return summary_text(live_dump(self, self._builder.latest().dump))
 
     @property

@@ -103,7 +103,10 @@ stage       F       I       W    M_B    M_W
     1  2.96 k  3.46 k  6.72 k  576 B  416 B
 predicted: makespan 55.49 k, span 53.65 k, bubble 7.4% (stage bubble 4.3%); peak activations per rank 480 B, 992 B
 measured: none (per-action times are recorded in distributed runs with pipeline(dump_dir=...) or ZBCOMPILE_DUMP)
-bubble = 1 - busy / (ranks x makespan); stage bubble = 1 - busy / (ranks x span), the paper's""",
+bubble = 1 - busy / (ranks x makespan); stage bubble = 1 - busy / (ranks x span), the paper's
+state per rank outside a step (data_parallel='replicate' over 1 replica; optimizer state as Adam(W)'s two moments):
+  rank 0: parameters 1.54 kB, gradients 1.54 kB, optimizer 3.07 kB, total 6.14 kB
+  rank 1: parameters 1.36 kB, gradients 1.36 kB, optimizer 2.72 kB, total 5.44 kB""",
         )
 
     def test_printed_stage_graph(self):

@@ -10,8 +10,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import zbcompile
-from helpers.models import NAMES, BatchNormConvNet, batch_for, build, image_batch
-from zbcompile.schedules import Schedule, schedule_spec
+from helpers.models import NAMES, BatchNormConvNet, batch_for, build, image_batch, share
+from helpers.multiprocess import replica_of
+from zbcompile.schedules import Schedule, pipeline_ranks, schedule_spec
 
 SINGLE_CHUNK = ("gpipe", "1f1b", "zb-h1", "zb-h2", "zb-auto")
 TWO_CHUNK = ("interleaved-1f1b", "zbv")  # two stages per rank
@@ -64,7 +65,7 @@ def one_step(runs: list[tuple[str, str | Schedule, int, int]]) -> dict:
     for name, schedule, stages, microbatches in runs:
         placement = (name, stages, microbatches, *_placement(schedule, stages))
         if placement != previous:
-            case = build(name, batch=batch_for(microbatches))
+            case = build(name, batch=batch_for(microbatches)).share(*replica_of(pipeline_ranks(schedule, stages)))  # each replica its share
             pipe = zbcompile.pipeline(
                 case.model, stages=stages, microbatches=microbatches, loss_fn=case.loss_fn,
                 schedule=schedule, timeout=60, solver_time_budget=0.5,
@@ -116,7 +117,8 @@ def buffer_update_steps(runs: list[tuple[int, str]], microbatches: int, steps: i
     for stages, schedule in runs:
         torch.manual_seed(0)
         model = BatchNormConvNet()
-        x, target = image_batch()
+        replicas = replica_of(schedule_spec(schedule).ranks(stages))
+        x, target = (share(t, *replicas) for t in image_batch())
         pipe = zbcompile.pipeline(
             model, stages=stages, microbatches=microbatches, loss_fn=F.cross_entropy, schedule=schedule, timeout=60,
             solver_time_budget=0.5,
@@ -267,7 +269,9 @@ def partial_batches(runs: list[tuple[str, str, int]], steps: int = 2) -> dict:
 
 
 def misplaced_batches() -> dict:
-    """Two mistakes, each rank's error message: ranks passing batches of different sizes, then
+    """Mistakes, each rank's error message: ranks of one pipeline passing batches of different
+    sizes (both parts, then the inputs on the first stage's rank and the target on the last's),
+    two data-parallel replicas (of a one-stage pipeline) passing batches of different sizes, and
     the first stage's rank passing None for the inputs (its peer waits for them until its 5 s
     timeout)."""
     rank = dist.get_rank()
@@ -281,11 +285,14 @@ def misplaced_batches() -> dict:
         except Exception as error:  # noqa: BLE001 - the test inspects the message
             errors[label] = f"{type(error).__name__}: {error}"
 
-    def fresh(timeout: float):
-        return zbcompile.pipeline(case.model, stages=2, microbatches=2, loss_fn=case.loss_fn, schedule="1f1b", timeout=timeout)
+    def fresh(timeout: float, stages: int = 2):
+        return zbcompile.pipeline(case.model, stages=stages, microbatches=2, loss_fn=case.loss_fn, schedule="1f1b", timeout=timeout)
 
     rows = 4 if rank == 0 else 8
     attempt("different sizes", fresh(30), case.args[0][:rows], target=case.target[:rows])
+    # the first stage's rank passes only the inputs, the last stage's only a target of another size
+    attempt("first and last differ", fresh(30), case.args[0][:4] if rank == 0 else None, target=None if rank == 0 else case.target)
+    attempt("replicas differ", fresh(30, stages=1), case.args[0][:rows], target=case.target[:rows])  # 2 replicas of one stage
     inputs = (None,) if rank == 0 else case.args
     attempt("first stage without inputs", fresh(5), *inputs, target=case.target)
     return errors
@@ -306,7 +313,7 @@ def pipelines_in_process_groups() -> dict:
         ("mesh", "gpt", init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp")), 2),
         ("slice", "gpt", init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "pp"))["pp"], 2),
     ):
-        case = build(name)
+        case = build(name) if label == "group" else build(name).share(2, rank // 2)  # mesh: each replica its share
         pipe = zbcompile.pipeline(
             case.model, stages=2, microbatches=microbatches, loss_fn=case.loss_fn, schedule="zb-h1", timeout=60,
             process_group=process_group,

@@ -5,7 +5,7 @@ function, all made deterministically from `seed`; floating-point parameters and 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -43,6 +43,20 @@ class Case:
     def step(self, pipe: Any) -> torch.Tensor:
         """One pipelined step on this batch."""
         return pipe.step(*self.args, target=self.target, **self.kwargs)
+
+    def share(self, replicas: int, replica: int) -> "Case":
+        """The case with data-parallel replica `replica`'s share of the batch (the `replica`-th of
+        `replicas` equal slices along dim 0, as a DistributedSampler without shuffling gives)."""
+        return replace(
+            self, args=tuple(share(a, replicas, replica) for a in self.args),
+            kwargs={k: share(v, replicas, replica) for k, v in self.kwargs.items()},
+            target=share(self.target, replicas, replica),
+        )
+
+
+def share(value: Any, replicas: int, replica: int) -> Any:
+    """A tensor's `replica`-th of `replicas` equal slices along dim 0; anything else as it is."""
+    return value.chunk(replicas)[replica] if isinstance(value, torch.Tensor) else value
 
 
 # --- models --------------------------------------------------------------------------------------

@@ -47,6 +47,12 @@ def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: t
         dist.destroy_process_group()
 
 
+def replica_of(ranks_per_pipeline: int) -> tuple[int, int]:
+    """(data-parallel replicas, this rank's replica) when pipelines of `ranks_per_pipeline`
+    ranks span the world (the default ("dp", "pp") mesh: consecutive ranks form a pipeline)."""
+    return dist.get_world_size() // ranks_per_pipeline, dist.get_rank() // ranks_per_pipeline
+
+
 def run_ranks(world: int, fn: Callable, *args: Any, allow_failures: bool = False, timeout: float = 600) -> list[Any]:
     """`fn(*args)` on `world` processes; rank r's result at index r. A rank that raised or died
     gives a `Failed`; unless `allow_failures`, any failure raises RuntimeError with the traces."""

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 import zbcompile
-from helpers.models import BATCH, GPT_CONFIG, build
+from helpers.models import BATCH, GPT_CONFIG, build, share
+from helpers.multiprocess import replica_of
 from zbcompile.runtime.optimizer import (
     PostValidatedOptimizer,
     StepRecord,
@@ -37,12 +38,13 @@ def make_optimizer(name: str, params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1, eps=1e-4)
 
 
-def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One batch per step, the same on every rank."""
+def batches(replicas: int = 1, replica: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One batch per step: data-parallel replica `replica`'s share (of `replicas`) of the same
+    global batches."""
     generator = torch.Generator().manual_seed(1234)
     shape = (BATCH, GPT_CONFIG.seq_len)
     return [
-        (torch.randint(0, GPT_CONFIG.vocab_size, shape, generator=generator), torch.randint(0, GPT_CONFIG.vocab_size, shape, generator=generator))
+        tuple(share(torch.randint(0, GPT_CONFIG.vocab_size, shape, generator=generator), replicas, replica) for _ in range(2))
         for _ in range(STEPS)
     ]
 
@@ -118,7 +120,7 @@ def train_case(pipe, initial: dict, optimizer_name: str, mode: str, max_norm: fl
     else:
         opt = TorchClipReference(inner, pipe, max_norm)
     around_fault = []
-    for step, (tokens, target) in enumerate(batches()):
+    for step, (tokens, target) in enumerate(batches(*replica_of(pipe.runner.layout.pp_size))):
         pipe.step(tokens, target=target)
         if fault_rank is not None and step == FAULT_STEP and pipe.runner.layout.pp_rank == fault_rank:
             grad = next(p.grad for p in pipe.parameters() if p.grad is not None)
@@ -147,7 +149,8 @@ def train_all(pipelines: list[tuple[int, tuple[str, ...]]]) -> dict:
         started = time.perf_counter()
         case = build("gpt")
         pipe = zbcompile.pipeline(case.model, stages=stages, microbatches=MICROBATCHES, loss_fn=case.loss_fn, schedule="zb-h1", timeout=60)
-        pipe.compile(*batches()[0][:1], target=batches()[0][1])
+        tokens, target = batches(*replica_of(stages))[0]
+        pipe.compile(tokens, target=target)
         initial = {n: p.detach().clone() for n, p in pipe.named_parameters()}
         fault_rank = stages // 2 - 1
         for name in optimizers:

@@ -397,6 +397,12 @@ def test_batches_the_ranks_disagree_on_are_clear_errors():
         message = errors["different sizes"]
         assert message.startswith("ValueError") and "rank 0" in message and "rank 1" in message, message
         assert "[4, 6]" in message and "[8, 6]" in message, message
+        message = errors["first and last differ"]
+        assert message.startswith("ValueError") and "first stage and the last stage" in message, message
+        assert "rank 0 passed inputs of 4 samples" in message and "rank 1 a target of 8" in message, message
+        message = errors["replicas differ"]
+        assert message.startswith("ValueError") and "data-parallel replicas" in message, message
+        assert "rank 0: 4, rank 1: 8" in message, message
     message = first["first stage without inputs"]
     assert message.startswith("ValueError") and "holds stage 0" in message and "pass the inputs" in message, message
     assert second["first stage without inputs"].startswith("PeerError"), second

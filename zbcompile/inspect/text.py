@@ -10,6 +10,7 @@ through it, so the table reads the same live and from a dump. Pure Python; no to
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -149,6 +150,39 @@ def format_stages(rows: Sequence[dict[str, Any]], shared: dict[str, Sequence[int
     tied = format_tied(shared)
     lines = [format_stage_table(rows), "boundaries (values sent to the next stage):", format_boundaries(rows)]
     return "\n".join(lines + ([tied] if tied else []))
+
+
+def state_rows(compiled: "CompiledPipeline", stages_on: Sequence[Sequence[int]], replicas: int, mode: str) -> list[dict[str, int]]:
+    """Per pipeline rank (holding stages `stages_on[rank]`): the bytes of parameters, gradients and
+    Adam(W)'s two moments it holds outside a step under data-parallel `mode` ("replicate", or
+    "shard" over `replicas`: a replica's rows padded as `runtime.sharding.Rows` pads them, the most
+    any replica holds), a tied weight counted on every rank that holds it."""
+    params = dict(compiled.traced.model.named_parameters())
+    rows = []
+    for rank, stages in enumerate(stages_on):
+        held = 0
+        for fqn in {f for s in stages for f in compiled.partition.stages[s].param_fqns}:
+            p = params[fqn]
+            numel = p.numel()
+            if mode == "shard" and p.dim() > 0:
+                numel = math.ceil(p.shape[0] / replicas) * math.prod(p.shape[1:])
+            held += numel * p.element_size()
+        rows.append({"rank": rank, "params": held, "grads": held, "optimizer": 2 * held})
+    return rows
+
+
+def format_state_memory(rows: Sequence[dict[str, int]], mode: str, replicas: int) -> str:
+    """Per pipeline rank, the bytes of parameters, gradients and optimizer state it holds outside a
+    step (`state_rows`), under data-parallel `mode` over `replicas`."""
+    how = f"data_parallel={mode!r} over {replicas} replica{'s' if replicas > 1 else ''}"
+    lines = [f"state per rank outside a step ({how}; optimizer state as Adam(W)'s two moments):"]
+    for row in rows:
+        total = row["params"] + row["grads"] + row["optimizer"]
+        lines.append(
+            f"  rank {row['rank']}: parameters {si(row['params'], 'B')}, gradients {si(row['grads'], 'B')}, "
+            f"optimizer {si(row['optimizer'], 'B')}, total {si(total, 'B')}"
+        )
+    return "\n".join(lines)
 
 
 def format_phases(seconds: dict[str, float]) -> str:
@@ -373,6 +407,8 @@ def summary_text(dump: Dump) -> str:
         format_measured(version, dump.trace),
         "bubble = 1 - busy / (ranks x makespan); stage bubble = 1 - busy / (ranks x span), the paper's",
     ]
+    if "state_bytes" in world:  # dumps from before data-parallel modes have none
+        lines.append(format_state_memory(world["state_bytes"], world["data_parallel"], world["replicas"]))
     return "\n".join(lines)
 
 

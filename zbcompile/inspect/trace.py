@@ -15,7 +15,10 @@ wait for its data when a computation needed it, zero when it had already arrived
 ("X") event per action of every step, named by the schedule's action text
 (`<stage><kind><microbatch>`: `2F3`, `2I3` (the paper's B, the input-gradient backward), `2W3`,
 `1SEND_F3`, `2RECV_F3`), with `args` {step, stage, microbatch, schedule_version} and, for a W
-that ran elsewhere than the schedule put it, `moved` ("past a send" or "into a wait").
+that ran elsewhere than the schedule put it, `moved` ("past a send" or "into a wait"). With
+data-parallel replicas the communication thread also shows the gradient reductions (category
+"REDUCE", named "REDUCE <stage>" from the post at the stage's last W or B to when the step had the
+result, and "REDUCE (after the step)" for the gradients reduced after the drain).
 
 Clock: `perf_counter` is CLOCK_MONOTONIC, one clock for every process of a host, so ranks on one
 host line up exactly. Ranks on several hosts are aligned through each host's wall clock (the
@@ -38,6 +41,7 @@ TRACE_FILE = "trace.json"
 _TIMELINE = "timeline-rank{}.jsonl"
 _TIMELINE_RE = re.compile(r"timeline-rank(\d+)\.jsonl$")
 COMPUTE_THREAD, COMM_THREAD = 0, 1
+REDUCE = "REDUCE"  # the category (and name prefix) of gradient reductions over replicas
 MOVED = {"past_send": "past a send", "into_wait": "into a wait"}  # a step's moved_w -> event args
 
 
@@ -106,22 +110,17 @@ def chrome_trace(timelines: dict[int, tuple[dict, list[dict]]]) -> dict[str, Any
         for step in steps:
             moved = {w: how for key, how in MOVED.items() for w in step.get("moved_w", {}).get(key, [])}
             for text, start, end in step["events"]:
+                timing = {"ts": round((start + offsets[rank] - origin) * 1e6, 3), "dur": round(max(end - start, 0.0) * 1e6, 3)}
+                if text.startswith(REDUCE):  # a gradient reduction over the replicas: no action of the schedule
+                    args = {"step": step["step"], "schedule_version": step["schedule_version"]}
+                    events.append({"ph": "X", "name": text, "cat": REDUCE, "pid": rank, "tid": COMM_THREAD, **timing, "args": args})
+                    continue
                 action = Action.parse(text)
                 args = {"step": step["step"], "stage": action.stage, "microbatch": action.microbatch, "schedule_version": step["schedule_version"]}
                 if text in moved:
                     args["moved"] = moved[text]
-                events.append(
-                    {
-                        "ph": "X",
-                        "name": text,
-                        "cat": action.kind,
-                        "pid": rank,
-                        "tid": COMPUTE_THREAD if action.is_compute else COMM_THREAD,
-                        "ts": round((start + offsets[rank] - origin) * 1e6, 3),
-                        "dur": round(max(end - start, 0.0) * 1e6, 3),
-                        "args": args,
-                    }
-                )
+                tid = COMPUTE_THREAD if action.is_compute else COMM_THREAD
+                events.append({"ph": "X", "name": text, "cat": action.kind, "pid": rank, "tid": tid, **timing, "args": args})
         ranks[str(rank)] = {
             "pp_rank": header.get("pp_rank"),
             "dp_rank": header.get("dp_rank"),
@@ -162,7 +161,14 @@ def load_trace(directory: str) -> dict[str, Any] | None:
 
 
 def action_events(trace: dict[str, Any]) -> list[dict[str, Any]]:
-    return [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    """The events of the schedule's actions (not the gradient reductions)."""
+    return [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") != REDUCE]
+
+
+def reduction_events(trace: dict[str, Any]) -> list[dict[str, Any]]:
+    """The gradient reductions over data-parallel replicas ("REDUCE <stage>": posted at the
+    stage's last W or B, to when the step had them; "REDUCE (after the step)": the rest)."""
+    return [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") == REDUCE]
 
 
 def validate_trace(trace: dict[str, Any], lowered: Sequence[Sequence[Sequence[str]]]) -> list[str]:

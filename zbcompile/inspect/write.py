@@ -36,7 +36,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from zbcompile.inspect.read import COMPILE_FILE, FORWARD_FILE, GRAPH_FILES, SCHEDULE_FILE, Dump
-from zbcompile.inspect.text import format_schedule, format_stages, stage_rows
+from zbcompile.inspect.text import format_schedule, format_stages, stage_rows, state_rows
 from zbcompile.inspect.trace import append_step, chrome_trace, read_timelines, start_timeline
 from zbcompile.schedules import Costs, Schedule, lower, simulate
 from zbcompile.schedules.costs import resolve_costs
@@ -300,11 +300,17 @@ def start_dump(dump_dir: str | os.PathLike | None, compiled: "CompiledPipeline",
 
 
 def world_of(runner: Any, schedule: Schedule) -> dict[str, Any]:
-    """How the pipeline runs: distributed or in one process, world size, ranks per pipeline."""
+    """How the pipeline runs: distributed or in one process, world size, ranks per pipeline,
+    data-parallel replicas and mode, and each pipeline rank's bytes of parameters, gradients and
+    optimizer state (`text.state_rows`)."""
     layout = getattr(runner, "layout", None)
+    replicas = 1 if layout is None else layout.dp_size
+    mode = getattr(runner, "data_parallel", "replicate") if replicas > 1 else "replicate"
+    stages_on = [schedule.stages_on(rank) for rank in range(schedule.ranks)]
+    data_parallel = {"replicas": replicas, "data_parallel": mode, "state_bytes": state_rows(runner.compiled, stages_on, replicas, mode)}
     if layout is None:
-        return {"distributed": False, "world_size": 1, "ranks_per_pipeline": schedule.ranks}
-    return {"distributed": True, "world_size": layout.pp_size * layout.dp_size, "ranks_per_pipeline": layout.pp_size}
+        return {"distributed": False, "world_size": 1, "ranks_per_pipeline": schedule.ranks, **data_parallel}
+    return {"distributed": True, "world_size": layout.pp_size * layout.dp_size, "ranks_per_pipeline": layout.pp_size, **data_parallel}
 
 
 def live_dump(pipe: Any, compile_dump: CompileDump | None = None) -> Dump:

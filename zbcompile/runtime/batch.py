@@ -65,9 +65,9 @@ def check_given(absent: tuple[str, ...], stages: int, held: Collection[int]) -> 
             )
 
 
-def split(inputs: tuple, kwargs: dict, target: Any, microbatches: int, replicas: int = 1, replica: int = 0):
-    """Every tensor of the batch split along dim 0: this replica's slice (of `replicas`) in
-    `microbatches` equal parts. Returns (per microbatch (args, kwargs), per microbatch target,
+def split(inputs: tuple, kwargs: dict, target: Any, microbatches: int):
+    """Every tensor of the batch split along dim 0 in `microbatches` equal parts (under data
+    parallelism, the batch is this replica's own, as with DDP). Returns (per microbatch (args, kwargs), per microbatch target,
     the compile key: the batch's structure, tensor shapes, dtypes and devices, and constants)."""
     m = microbatches
     leaves, spec = pytree.tree_flatten((tuple(inputs), dict(kwargs)))
@@ -83,16 +83,14 @@ def split(inputs: tuple, kwargs: dict, target: Any, microbatches: int, replicas:
                 f"same batch size; got shapes {[tuple(t.shape) for t in tensors]}. Pass per-model constants "
                 "as buffers of the model instead."
             )
-    if batch % (m * replicas):
-        across = f" across {replicas} data-parallel replicas" if replicas > 1 else ""
+    if batch % m:
         raise ValueError(
-            f"the batch of {batch} samples does not split into microbatches={m} equal microbatches{across}; "
-            f"use a batch size divisible by {m * replicas}"
+            f"the batch of {batch} samples does not split into microbatches={m} equal microbatches; "
+            f"use a batch size divisible by {m}"
         )
 
     def chunks(values: list) -> list[list]:
-        mine = [v.chunk(replicas)[replica] if isinstance(v, torch.Tensor) else v for v in values]
-        return [[v.chunk(m)[i] if isinstance(v, torch.Tensor) else v for v in mine] for i in range(m)]
+        return [[v.chunk(m)[i] if isinstance(v, torch.Tensor) else v for v in values] for i in range(m)]
 
     micro_inputs = [pytree.tree_unflatten(c, spec) for c in chunks(leaves)]
     micro_targets = (

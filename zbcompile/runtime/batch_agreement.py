@@ -10,11 +10,17 @@ which its stages never read.
 
 Between compiles nothing is exchanged: a rank that passes None follows the latest agreed
 description, so a step with new batch shapes needs the batch on every rank (each rank then
-compiles, and the ranks agree again)."""
+compiles, and the ranks agree again).
+
+Under data parallelism each replica's ranks pass that replica's own batch (DDP's convention):
+the agreement runs within one pipeline, and `ReplicaBatches` checks, every step, that the
+replicas' batches have one size (the mean of their gradients is the gradient of their
+concatenation only then)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -50,6 +56,11 @@ class Part:
         ]
         spec = pytree.treespec_loads(self.spec) if isinstance(self.spec, str) else self.spec
         return pytree.tree_unflatten(leaves, spec)
+
+    @property
+    def batch_size(self) -> int | None:
+        """The leading dimension of the first tensor with one (None when no tensor has one)."""
+        return next((leaf[1][0] for leaf in self.leaves if leaf[0] == "tensor" and leaf[1]), None)
 
     def __str__(self) -> str:
         shown = [f"{leaf[2]}{list(leaf[1])}" if leaf[0] == "tensor" else repr(leaf[1]) for leaf in self.leaves]
@@ -88,24 +99,62 @@ def agree(mine: BatchDescription, group: dist.ProcessGroup | None) -> BatchDescr
             "passes None follows the latest compiled shapes: pass the batch on every rank for a step with new shapes."
         ) from error
     gathered = dict(zip(ranks, gathered))
-    inputs = _common(gathered, "inputs")
+    inputs, target = _common(gathered, "inputs"), _common(gathered, "target")
     if inputs is None:
         raise ValueError(
             "no rank passed the model's inputs to step(); the rank holding the first stage needs them "
-            "(passing the whole batch on every rank always works)"
+            "(passing the replica's whole batch on every rank of its pipeline always works)"
         )
-    return BatchDescription(inputs, _common(gathered, "target"))
+    if target is not None and inputs[1].batch_size != target[1].batch_size:
+        raise ValueError(
+            f"the first stage and the last stage would compute with batches of different sizes: rank {inputs[0]} passed "
+            f"inputs of {inputs[1].batch_size} samples {inputs[1]}, rank {target[0]} a target of {target[1].batch_size} "
+            f"{target[1]}; every rank of a pipeline passes the same batch (its replica's own under data parallelism)"
+        )
+    return BatchDescription(inputs[1], target[1] if target is not None else None)
 
 
-def _common(gathered: dict[int, BatchDescription], field: str) -> Part | None:
+def _common(gathered: dict[int, BatchDescription], field: str) -> tuple[int, Part] | None:
+    """(the first rank given `field`, what it was given), checking that every rank given it got the same."""
     given = [(rank, getattr(d, field)) for rank, d in gathered.items() if getattr(d, field) is not None]
     for rank, part in given[1:]:
         if part != given[0][1]:
             raise ValueError(
                 f"ranks passed different {field} to step(): rank {given[0][0]} {given[0][1]}, rank {rank} {part}; "
-                f"pass the same batch on every rank (or None on ranks whose stages do not read the {field})"
+                f"every rank of a pipeline passes the same batch (or None on ranks whose stages do not read the {field})"
             )
-    return given[0][1] if given else None
+    return given[0] if given else None
+
+
+class ReplicaBatches:
+    """The check that every data-parallel replica computes a step with a batch of one size: an
+    all-gather of `size` over the replicas' `group` (global ranks `replica_ranks`, in group
+    order), started asynchronously when made, so that it costs no wait; `check` waits for it
+    (every wait has a timeout) and raises ValueError naming the replicas that differ."""
+
+    def __init__(self, size: int, group: dist.ProcessGroup, replica_ranks: tuple[int, ...], device: torch.device) -> None:
+        self.size, self.replica_ranks = size, replica_ranks
+        self.sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in replica_ranks]
+        mine = torch.tensor([size], dtype=torch.int64, device=device)
+        self.work = dist.all_gather(self.sizes, mine, group=group, async_op=True)
+
+    def check(self, timeout: timedelta) -> None:
+        failure = f"rank {dist.get_rank()}: the data-parallel replicas' batch sizes did not arrive within {timeout}"
+        advice = "every replica must call step() the same number of times"
+        try:
+            completed = self.work.wait(timeout)
+        except RuntimeError as error:
+            raise RuntimeError(f"{failure} ({str(error).splitlines()[0]}); {advice}") from error
+        if completed is False:
+            raise RuntimeError(f"{failure}; {advice}")
+        sizes = [int(s.item()) for s in self.sizes]
+        if len(set(sizes)) > 1:
+            shown = ", ".join(f"rank {r}: {n}" for r, n in zip(self.replica_ranks, sizes))
+            raise ValueError(
+                f"data-parallel replicas passed batches of different sizes to step() ({shown} samples); each replica's "
+                "ranks pass that replica's own batch, and all replicas need batches of one size (a DistributedSampler "
+                "with drop_last=True gives them)"
+            )
 
 
 def _serialised(spec: pytree.TreeSpec) -> str | pytree.TreeSpec:

@@ -19,7 +19,7 @@ from zbcompile import auto_recompute
 from zbcompile.compiler import CompiledPipeline, compile_forward_only, compile_pipeline
 from zbcompile.inspect.write import CompileDump, start_dump
 from zbcompile.passes.graph_cost import FLOPS_PER_BYTE
-from zbcompile.runtime import batch, batch_loss, placement, profile
+from zbcompile.runtime import batch, batch_loss, placement, profile, sharding
 from zbcompile.runtime.distributed import DistributedRunner, Layout, make_layout
 from zbcompile.runtime.forward_only import ForwardRunner
 from zbcompile.runtime.local import InProcessTransport, LocalRunner
@@ -103,20 +103,13 @@ class Builder:
         group = self.options.process_group
         return device_for(group.get_group("pp") if isinstance(group, DeviceMesh) else group)
 
-    def replica(self) -> tuple[int, int]:
-        """(data-parallel replicas, this rank's replica)."""
-        if not self.distributed:
-            return 1, 0
-        layout = self.layout()
-        return layout.dp_size, layout.dp_rank
-
     def prepare(self, inputs: tuple, kwargs: dict, target: Any) -> tuple[Build, list, list, tuple[str, ...]]:
         """The compile for this batch (built if its shapes are new), its microbatches and
         targets, and the parts of the batch this rank was not given (`batch.LocalBatch`)."""
         absent: tuple[str, ...] = ()
         if self.distributed:
             inputs, kwargs, target, absent = self._batch.of(inputs, kwargs, target, self.layout().pp_group, self.device())
-        micro_inputs, micro_targets, key = batch.split(inputs, kwargs, target, self.options.microbatches, *self.replica())
+        micro_inputs, micro_targets, key = batch.split(inputs, kwargs, target, self.options.microbatches)
         micro_inputs = batch_loss.with_item_count(self.module, self.options.loss_fn, micro_inputs)
         if key not in self.builds:
             self.builds[key] = self.build(micro_inputs[0], micro_targets[0])
@@ -134,7 +127,7 @@ class Builder:
             inputs, kwargs, target, absent = self._batch.of(inputs, kwargs, target, self.layout().pp_group, self.device())
         if outputs:  # no loss: nothing reads a target
             target, absent = None, tuple(part for part in absent if part != "target")
-        micro_inputs, micro_targets, key = batch.split(inputs, kwargs, target, self.options.microbatches, *self.replica())
+        micro_inputs, micro_targets, key = batch.split(inputs, kwargs, target, self.options.microbatches)
         if not outputs:
             micro_inputs = batch_loss.with_item_count(self.module, self.options.loss_fn, micro_inputs)
         stage_to_rank = train.runner.schedule.stage_to_rank
@@ -432,6 +425,8 @@ class Builder:
                 self._require_placed()
             return self.module.load_state_dict(state_dict, strict=strict)
         held = self.held if self.held is not None else set(placement.canonical_names(self.module).values())
+        if self.options.data_parallel == "shard":
+            state_dict = sharding.as_shards(state_dict, self.module)
         result, loaded = placement.load_held(self.module, state_dict, held, strict)
         self.unfilled -= loaded
         return result
@@ -456,7 +451,7 @@ class Builder:
 
         def runner() -> DistributedRunner:
             o = self.options
-            return DistributedRunner(compiled, schedule, layout, self.state(), device, o.timeout, o.follow_readiness)
+            return DistributedRunner(compiled, schedule, layout, self.state(), device, o.timeout, o.follow_readiness, o.data_parallel)
 
         if self.held is not None:
             if used - self.held:
@@ -465,8 +460,25 @@ class Builder:
                     f"hold {sorted(used - self.held)[:4]}; pass split_points=[...] to pipeline() to fix the cut"
                 )
             return runner()
+        self._check_shardable(layout)
         # the runner shares tied weights' values between ranks: after placement, undone if it fails
-        return self._place(used, device, move_others=True, then=runner)
+        built = self._place(used, device, move_others=True, then=runner)
+        if self.options.data_parallel == "shard":  # the replicas' values are equal now: each keeps its shard
+            sharding.shard_parameters(self.module, self.held, layout.mesh["dp"])
+        return built
+
+    def _check_shardable(self, layout: Layout) -> None:
+        """data_parallel="shard" needs replicas on a DeviceMesh with a "dp" dimension."""
+        if self.options.data_parallel != "shard":
+            return
+        if layout.dp_size < 2 or layout.mesh is None:
+            raise ValueError(
+                f"data_parallel='shard' shards parameters over data-parallel replicas, but this pipeline has "
+                f"{layout.dp_size} replica{'s' if layout.dp_size > 1 else ''}"
+                f"{'' if layout.mesh is not None else ' and no DeviceMesh'}; launch a multiple of {layout.pp_size} "
+                "processes (the default ('dp', 'pp') mesh) or pass process_group=<DeviceMesh with 'dp' and 'pp'>, "
+                "or use data_parallel='replicate'"
+            )
 
     def _place(self, held: set[str], device: torch.device, move_others: bool, then: Callable[[], Any] = lambda: None) -> Any:
         """Materialise and fill what this process holds (`placement.placed`), then run `then()`;

@@ -82,6 +82,8 @@ class Interpreter:
         self.timeline: list[tuple[str, float, float]] = []
         self.comm_timeline: list[tuple[str, float, float]] = []
         self.early_w: tuple[str, ...] = ()
+        # called with the stage after every W and B (the actions that accumulate parameter gradients)
+        self.grads_accumulated: Callable[[int], None] = _ignore
 
     def load(self, program: RankProgram, schedule: Schedule) -> None:
         """Follow `program` (this process's part of `schedule`) from the next step on."""
@@ -147,6 +149,7 @@ class Interpreter:
 
     def _backward(self, index: int, action: Action) -> None:
         self._run_backward(index, action, self._executor(action.stage, action.microbatch).backward)
+        self.grads_accumulated(action.stage)
 
     def _weight(self, index: int, action: Action) -> None:
         if self.weights.planned():  # else it ran early, in a wait
@@ -189,6 +192,7 @@ class Interpreter:
         started = self.clock.mark()
         self._executor(action.stage, action.microbatch).weight_backward(action.microbatch)
         self.clock.record("compute", text, started)
+        self.grads_accumulated(action.stage)
 
     def _ran(self, text: str, started) -> None:
         self.clock.record("compute", text, started)
@@ -230,3 +234,6 @@ class Interpreter:
         program = self.program
         return self.follow_readiness and (key in program.overtaken or (bool(program.weight_order) and self.forecast.worth_watching(key)))
 
+
+def _ignore(stage: int) -> None:
+    pass

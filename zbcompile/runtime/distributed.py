@@ -1,8 +1,11 @@
 """Runs this rank's part of a pipeline step with torch.distributed: the interpreter
 (`runtime/dispatch.py`) follows its program (`runtime/program.py`: the lowered action list of F,
-I, W, B and SEND/RECV) over point-to-point messages (`runtime/p2p.py`), and after the last W the
-runner sums tied weights' gradients between the ranks that hold them and averages gradients over
-data-parallel replicas. Where stages sit: `Layout`, `make_layout`.
+I, W, B and SEND/RECV) over point-to-point messages (`runtime/p2p.py`); each stage's gradients
+are averaged over data-parallel replicas from its last W or B on, in the background
+(`runtime/grad_reduction.py`), and after the step the runner sums tied weights' gradients
+between the ranks that hold them and averages those over the replicas too. With
+data_parallel="shard" the parameters are DTensor shards gathered for the step
+(`runtime/sharding.py`). Where stages sit: `Layout`, `make_layout`.
 
 A mirrored schedule (dualpipe, `Schedule.mirrored_from`) runs every stage on two ranks, one per
 copy of the pipeline, each for its share of the microbatches: both ranks hold the stage's
@@ -17,21 +20,25 @@ plan, and a message on time is not held up by a W the plan put before it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Mapping
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from zbcompile._torch_internals import default_store
 from zbcompile.compiler import CompiledPipeline
 from zbcompile.runtime.action_clock import EventClock, HostClock
+from zbcompile.runtime.batch_agreement import ReplicaBatches
 from zbcompile.runtime.cuda_device import claim_device
+from zbcompile.runtime.grad_reduction import GradReduction, ReductionPlan
 from zbcompile.runtime.p2p import Transport
 from zbcompile.runtime.program import RankProgram, rank_program
 from zbcompile.runtime.runner import Runner
+from zbcompile.runtime.sharding import Gathered
 from zbcompile.runtime.stage import StageExecutor
 from zbcompile.runtime.tied_weights import TIED_TAG, parameter_users, share_owner_values, sum_gradients, tied_weights
 from zbcompile.schedules import Costs, Schedule
@@ -162,10 +169,15 @@ def _placement_text(schedule: Schedule) -> str:
     return f"{schedule.stage_to_rank} and, from microbatch {schedule.mirrored_from} on, {mirrored}"
 
 
+DATA_PARALLEL_MODES = ("replicate", "shard")
+
+
 class DistributedRunner(Runner):
     """Executes one rank's stages of a compiled pipeline, step after step. With
     `follow_readiness` (see the module docstring) W may run elsewhere than the plan says, in the
-    plan's order per rank; `moved_w` tells which did in the last step."""
+    plan's order per rank; `moved_w` tells which did in the last step. `data_parallel`: how
+    replicas keep parameters, "replicate" (whole on every replica) or "shard" (DTensors sharded
+    over "dp", `runtime/sharding.py`: gathered for each step, gradients reduce-scattered)."""
 
     def __init__(
         self,
@@ -176,10 +188,14 @@ class DistributedRunner(Runner):
         device: torch.device,
         timeout: timedelta,
         follow_readiness: bool = True,
+        data_parallel: str = "replicate",
     ) -> None:
         self.layout = layout
         self.device = device
         self.rank = dist.get_rank()
+        self.data_parallel = data_parallel
+        self.overlap_reduction = True  # False: every gradient reduced after the drain (for measurements)
+        self._state: Mapping[str, torch.Tensor] = state
         executors = {s: StageExecutor(compiled.programs[s], state) for s in schedule.stages_on(layout.pp_rank)}
         clock = EventClock() if device.type == "cuda" else HostClock()
         transport = Transport(self.rank, timeout, layout.pp_group)
@@ -191,14 +207,21 @@ class DistributedRunner(Runner):
     def _synchronize_state(self, state: Mapping[str, torch.Tensor]) -> None:
         """Start every copy of a parameter equal: a tied weight's copies take its owner's value,
         and replicas take replica 0's (each rank may have initialised its own)."""
+        whole = [t for t in self.tied_weights if not isinstance(state[param_name(t.fqn)], DTensor)]  # shards: kept equal
         with torch.no_grad():
-            share_owner_values(self.tied_weights, state, self.transport)
+            share_owner_values(whole, state, self.transport)
             if self.layout.dp_group is not None:
                 source = self.layout.replica_ranks[0]
                 for s in self.local_stages:
                     stage = self.compiled.partition.stages[s]
                     for name in [*map(param_name, stage.param_fqns), *map(buffer_name, stage.buffer_fqns)]:
-                        dist.broadcast(state[name], src=source, group=self.layout.dp_group)
+                        if not isinstance(state[name], DTensor):
+                            dist.broadcast(state[name], src=source, group=self.layout.dp_group)
+
+    def set_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Parameters and buffers the next step computes with (sharded ones gathered in the step)."""
+        self._state = state
+        super().set_state(state)
 
     def rank_of(self, stage: int, microbatch: int) -> int:
         """The global rank running `stage` for `microbatch`."""
@@ -206,7 +229,20 @@ class DistributedRunner(Runner):
 
     def step(self, inputs, targets, loss_tangent: float | None = None) -> list[torch.Tensor] | None:
         """One step; returns every microbatch's loss on the rank of the last stage (of copy 0,
-        under a mirrored schedule), else None."""
+        under a mirrored schedule), else None. With data-parallel replicas, three things start
+        here that `reduce_grads()` (which must follow) finishes: the check that every replica got
+        a batch of one size, the gathering of sharded parameters ("shard"), and the gradient
+        reduction that each stage's last W or B posts."""
+        if self.layout.dp_group is not None:
+            first = next(iter([*inputs[0].values(), *targets[0].values()]))
+            size = len(inputs) * first.shape[0]
+            self._replica_batches = ReplicaBatches(size, self.layout.dp_group, self.layout.replica_ranks, self.device)
+            gathered = None
+            if self.data_parallel == "shard":
+                gathered = Gathered(self._state, self._stage_params(), self.layout.dp_group, self.transport.timeout)
+                super().set_state(gathered)
+            self._reduction = self._grad_reduction(gathered)
+            self.interpreter.grads_accumulated = self._reduction.ran
         losses = super().step(inputs, targets, loss_tangent)
         schedule = self.schedule
         if schedule.mirrored_from is None:
@@ -226,14 +262,46 @@ class DistributedRunner(Runner):
 
     def reduce_grads(self) -> dict[str, torch.Tensor]:
         """This rank's parameter gradients for the step: its stages' parts summed in stage order,
-        tied weights summed with the other ranks that hold them, then averaged over replicas."""
+        tied weights summed with the other ranks that hold them, then averaged over replicas (a
+        stage's own gradients in the background since its last W or B, `runtime/grad_reduction.py`;
+        the others now)."""
         grads = self._stage_grads()
         sum_gradients(self.tied_weights, grads, self.executors[self.local_stages[0]].state, self.transport)
         if self.layout.dp_group is not None:
-            for fqn in sorted(grads):
-                dist.all_reduce(grads[fqn], group=self.layout.dp_group)
-                grads[fqn].div_(self.layout.dp_size)
+            self._replica_batches.check(self.transport.timeout)
+            reduction, self._reduction = self._reduction, None
+            self.interpreter.grads_accumulated = lambda stage: None
+            reduced = reduction.finish()
+            reduced.update(reduction.reduce_now([f for f in sorted(grads) if f not in reduced], grads, "REDUCE (after the step)"))
+            grads.update(reduced)
+            self.interpreter.comm_timeline = [*self.interpreter.comm_timeline, *reduction.timeline]
+            super().set_state(self._state)  # sharded: the gathered parameters are freed
         return grads
+
+    def _grad_reduction(self, gathered: Gathered | None) -> GradReduction:
+        """This step's reduction over the replicas, following this rank's program (reduce-scatter
+        into DTensor shards, releasing the gathered parameters, where `gathered`)."""
+        partition = self.compiled.partition
+        plan = ReductionPlan.of(
+            self.program.actions, {s: partition.stages[s].param_fqns for s in self.local_stages},
+            [t.fqn for t in self.tied_weights],
+        )
+        if not self.overlap_reduction:
+            plan = replace(plan, overlapped={s: frozenset() for s in plan.overlapped})
+        grads_of = lambda stage: self.executors[stage].grads  # noqa: E731
+        reduction = GradReduction(plan, self.layout.dp_group, self.layout.dp_size, grads_of, self.transport.timeout)
+        if gathered is not None:
+            reduction.mesh, reduction.released = self.layout.mesh["dp"], gathered.release
+        return reduction
+
+    def _stage_params(self) -> dict[int, list[str]]:
+        """This rank's stages' parameters (runtime names), stages in the order they first act."""
+        first: dict[int, int] = {}
+        for index, action in enumerate(self.program.actions):
+            if action.is_compute:
+                first.setdefault(action.stage, index)
+        stages = self.compiled.partition.stages
+        return {s: [param_name(f) for f in stages[s].param_fqns] for s in sorted(self.local_stages, key=lambda s: first.get(s, 0))}
 
     def reschedule(self, schedule: Schedule) -> None:
         """Run `schedule` from the next step on (same stages on the same ranks)."""

@@ -6,7 +6,8 @@ pipeline-wide synchronisation before the optimizer step (optimizer post-validati
 
 1. `opt.step()`: the rank computes the squared norm of its gradients (float64; a tied weight
    counts on its owner rank only; a data-parallel replica counts its own pipeline, its
-   gradients being the replicas' average), adds the partial sum received from rank r+1 (the
+   gradients being the replicas' average; with data_parallel="shard", each replica's shards
+   summed over the replicas by an all-reduce), adds the partial sum received from rank r+1 (the
    last stage finishes its backward first) and sends the result to rank r-1. Unless that
    partial state already demands a clip or a skip, the rank steps at once (optimistically,
    after `prepare()` of its rollback); otherwise it defers its step. Rank 0 ends with the
@@ -33,6 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from zbcompile.runtime.distributed import DistributedRunner
 from zbcompile.runtime.p2p import Transport
@@ -119,6 +121,7 @@ class _Position:
     pipeline_size: int = 1
     rank: int = 0
     counted: Callable[[torch.Tensor], bool] = field(default=lambda p: True)
+    replica_group: Any = None  # the data-parallel replicas of this pipeline rank (None: one)
 
 
 class _PipelineOptimizer:
@@ -173,7 +176,16 @@ class _PipelineOptimizer:
         return {p: p.grad for p in self._params() if p.grad is not None}
 
     def _own_state(self, position: _Position, grads: dict[torch.Tensor, torch.Tensor]) -> NormState:
-        return squared_norm(g for p, g in grads.items() if position.counted(p))
+        """This pipeline rank's squared norm; gradients sharded over the replicas (DTensors,
+        data_parallel="shard") count their local shards, summed over the replicas."""
+        counted = [g for p, g in grads.items() if position.counted(p)]
+        if not any(isinstance(g, DTensor) for g in counted):
+            return squared_norm(counted)
+        local = squared_norm(g.to_local() if isinstance(g, DTensor) else g for g in counted)
+        total = torch.tensor([local.sumsq], dtype=torch.float64, device=self.pipe.runner.device)
+        dist.all_reduce(total, group=position.replica_group)
+        value = total.item()
+        return NormState(value, not math.isfinite(value))
 
     def _verdict(self, state: NormState) -> tuple[bool, torch.Tensor | None]:
         """(skip, clip coefficient or None) for a global state."""
@@ -221,6 +233,7 @@ class _PipelineOptimizer:
             pipeline_size=layout.pp_size,
             rank=runner.rank,
             counted=lambda p: names.get(p) not in foreign,
+            replica_group=layout.dp_group,
         )
 
 

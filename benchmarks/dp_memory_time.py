@@ -1,0 +1,155 @@
+"""Data parallelism: per-rank state memory of "replicate" and "shard", and step times with the
+gradient reduction overlapped against reduced after the drain.
+
+Four gloo ranks (one thread each) run 2 replicas x a 2-rank pipeline of a GPT, each replica its
+own batch, AdamW. Per `data_parallel` mode: the bytes each rank holds of parameters, gradients and
+AdamW state outside a step (a DTensor's local shard only), measured after a step; then rounds
+alternating the overlapped reduction (a stage's gradients posted at its last W or B) and the
+reduction after the drain (`DistributedRunner.overlap_reduction = False`), `steps_per_round`
+steps each between barriers: seconds per step, and the paired ratio per round (after the drain /
+overlapped). On this machine the 4 processes share 2 cores, so a collective running "in the
+background" competes with the computation for a core: the overlap gains less than on hardware
+where the network moves the bytes.
+
+    python benchmarks/dp_memory_time.py           # ~3 minutes on 2 cores
+    python benchmarks/dp_memory_time.py --quick   # a smoke run, writes nothing
+
+Writes benchmarks/results/dp_memory_time.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
+
+import _launch  # noqa: E402
+
+MODES = ("replicate", "shard")
+
+
+@dataclass(frozen=True)
+class Settings:
+    vocab: int = 256
+    seq_len: int = 64
+    hidden: int = 128
+    heads: int = 4
+    layers: int = 4
+    rows: int = 2  # sequences per microbatch
+    microbatches: int = 4
+    schedule: str = "zb-h1"
+    rounds: int = 5
+    steps_per_round: int = 3
+    timeout_s: float = 300.0
+
+
+def rank_main(settings: Settings) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    import zbcompile
+    from zbcompile.models import GPT, GPTConfig
+    from zbcompile.models.gpt import lm_loss
+
+    replica = dist.get_rank() // 2
+    generator = torch.Generator().manual_seed(replica)  # each replica its own batch
+    shape = (settings.rows * settings.microbatches, settings.seq_len)
+    tokens = torch.randint(0, settings.vocab, shape, generator=generator)
+    target = torch.randint(0, settings.vocab, shape, generator=generator)
+
+    def local_bytes(tensors) -> int:
+        return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
+
+    result = {}
+    for mode in MODES:
+        torch.manual_seed(0)
+        config = GPTConfig(vocab_size=settings.vocab, seq_len=settings.seq_len, hidden=settings.hidden, heads=settings.heads, layers=settings.layers)
+        pipe = zbcompile.pipeline(
+            GPT(config), stages=2, microbatches=settings.microbatches, loss_fn=lm_loss, schedule=settings.schedule,
+            data_parallel=mode, profile=False, timeout=settings.timeout_s,
+        )
+        pipe.compile(tokens, target=target)
+        optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+
+        def step() -> None:
+            pipe.step(tokens, target=target)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+
+        step()  # warm-up; AdamW's state exists from here on
+        memory = {
+            "params": local_bytes(pipe.parameters()),
+            "grads": local_bytes(p.grad for p in pipe.parameters() if p.grad is not None),
+            "optimizer": local_bytes(v for s in optimizer.state.values() for v in s.values() if v.dim()),
+        }
+        times = {"overlapped": [], "after drain": []}
+        for _ in range(settings.rounds):
+            for variant, overlap in (("overlapped", True), ("after drain", False)):
+                pipe.runner.overlap_reduction = overlap
+                dist.barrier()
+                started = time.perf_counter()
+                for _ in range(settings.steps_per_round):
+                    step()
+                dist.barrier()
+                times[variant].append((time.perf_counter() - started) / settings.steps_per_round)
+        result[mode] = {"memory": memory, "times": times}
+    return result
+
+
+def analyse(per_rank: list[dict], settings: Settings, before: dict, after: dict, seconds: float) -> dict:
+    modes = {}
+    for mode in MODES:
+        memory = [r[mode]["memory"] for r in per_rank]
+        times = per_rank[0][mode]["times"]  # barriers: every rank's round times are the same span
+        ratios = [a / o for a, o in zip(times["after drain"], times["overlapped"])]
+        modes[mode] = {
+            "bytes_per_rank": [sum(m.values()) for m in memory],
+            "memory_per_rank": memory,
+            "step_s": {k: statistics.median(v) for k, v in times.items()},
+            "after_drain_over_overlapped": statistics.median(ratios),
+            "ratios": ratios,
+        }
+    shard_over_replicate = [s / r for s, r in zip(modes["shard"]["bytes_per_rank"], modes["replicate"]["bytes_per_rank"])]
+    return {
+        "settings": asdict(settings), "machine_before": before, "machine_after": after, "wall_s": seconds,
+        "modes": modes, "shard_over_replicate_bytes": shard_over_replicate,
+    }
+
+
+def report(data: dict) -> str:
+    rows = []
+    for mode, m in data["modes"].items():
+        rows.append([
+            mode, ", ".join(f"{b / 1e6:.2f} MB" for b in m["bytes_per_rank"]),
+            f"{m['step_s']['overlapped'] * 1e3:.1f}", f"{m['step_s']['after drain'] * 1e3:.1f}",
+            f"{m['after_drain_over_overlapped']:.3f}",
+        ])
+    header = ["data_parallel", "params+grads+AdamW per rank", "step ms (overlapped)", "step ms (after drain)", "after drain / overlapped"]
+    s = data["settings"]
+    return "\n".join([
+        "# Data parallelism: state memory and overlapped gradient reduction\n",
+        f"4 gloo ranks (2 replicas x 2 pipeline ranks, {s['schedule']}, {s['microbatches']} microbatches of {s['rows']} "
+        f"sequences), GPT hidden {s['hidden']}, {s['layers']} layers; machine {_launch.load_line(data['machine_before'])}. "
+        "The 4 processes share the machine's cores, so a reduction 'in the background' competes with computation for them.\n",
+        _launch.table(header, rows),
+        "",
+        "shard / replicate bytes per rank: " + ", ".join(f"{r:.3f}" for r in data["shard_over_replicate_bytes"]),
+        "step-time ratio: median over rounds of (after drain / overlapped), each round the two variants back to back",
+    ])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke run (writes nothing)")
+    args = parser.parse_args()
+    settings = Settings(rounds=1, steps_per_round=1, layers=2, hidden=32, seq_len=16) if args.quick else Settings()
+    _launch.run_and_report("dp_memory_time", 4, rank_main, settings, analyse, report, write=not args.quick)
+
+
+if __name__ == "__main__":
+    main()

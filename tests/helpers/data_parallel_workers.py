@@ -1,0 +1,161 @@
+"""What each rank runs in the data-parallel test: 4 ranks as 2 replicas x a 2-rank pipeline,
+each replica given its own half of the batch (importable by spawned processes)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import zbcompile
+from helpers import models, real_models
+from helpers.distributed_workers import make_optimizer
+from helpers.multiprocess import replica_of
+from zbcompile.runtime.optimizer import PostValidatedOptimizer, SynchronousClipOptimizer
+
+STEPS = 3
+PP = 2
+MICROBATCHES = 4  # one row each: the replica's half of the 8-row batch
+
+
+def case_of(name: str, meta: bool = False):
+    """The zoo's or the library's case `name`, with this replica's half of the batch."""
+    case = real_models.build(name, meta=meta) if name in real_models.MODELS else models.build(name)
+    replicas, replica = replica_of(PP)
+    case.args = tuple(models.share(a, replicas, replica) for a in case.args)
+    case.kwargs = {k: models.share(v, replicas, replica) for k, v in case.kwargs.items()}
+    case.target = models.share(case.target, replicas, replica)
+    return case
+
+
+def whole(value: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (a collective over its mesh), a tensor as it is; detached copies."""
+    return (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
+
+
+def local_bytes(tensors) -> int:
+    """Bytes this rank holds of `tensors` (a DTensor's local shard only)."""
+    total = 0
+    for t in tensors:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        total += local.numel() * local.element_size()
+    return total
+
+
+def train(runs: list[tuple[str, str, int, str, str]], directory: str) -> dict:
+    """For each (model, schedule, stages, data_parallel, optimizer variant: "foreach" or
+    "fused"): `STEPS` AdamW steps on this replica's half of the batch. Consecutive runs of one
+    (model, stages, data_parallel) share a compile, reloading the initial state dict. Returns
+    per run the losses, the whole parameters and optimizer state by FQN, this rank's bytes of
+    parameters, gradients and optimizer state, the last step's timelines and the state dict's
+    kinds of value; the last run's pipeline dumps into `directory`/dump and goes through a
+    checkpoint round trip in `directory`/dcp; then post-validation and errors."""
+    results, pipe, previous = {}, None, None
+    for name, schedule, stages, mode, variant in runs:
+        initial = case_of(name).model.state_dict()
+        if (name, stages, mode) != previous:
+            case = case_of(name)
+            pipe = zbcompile.pipeline(
+                case.model, stages=stages, microbatches=MICROBATCHES, loss_fn=case.loss_fn, schedule=schedule, timeout=120, solver_time_budget=0.2, data_parallel=mode,
+                profile=False, dump_dir=os.path.join(directory, "dump") if (name, schedule, stages, mode, variant) == runs[-1] else None,
+            )
+            pipe.compile(*case.args, target=case.target, **case.kwargs)
+            previous = (name, stages, mode)
+        else:
+            pipe.set_schedule(schedule)
+        pipe.load_state_dict(initial, strict=False)
+        optimizer = make_optimizer("adamw", pipe.parameters()) if variant == "foreach" else torch.optim.AdamW(
+            pipe.parameters(), lr=0.01, weight_decay=0.1, eps=1e-4, fused=True
+        )
+        losses = []
+        for _ in range(STEPS):
+            optimizer.zero_grad()
+            losses.append(case.step(pipe))
+            optimizer.step()
+        names = {p: n for n, p in pipe.named_parameters()}
+        results[(name, schedule, stages, mode, variant)] = {
+            "losses": losses,
+            "params": {n: whole(p) for n, p in pipe.named_parameters()},
+            "optimizer": {names[p]: {k: whole(v) for k, v in s.items()} for p, s in optimizer.state.items()},
+            "bytes": {
+                "params": local_bytes(pipe.parameters()),
+                "grads": local_bytes(p.grad for p in pipe.parameters() if p.grad is not None),
+                "optimizer": local_bytes(v for s in optimizer.state.values() for v in s.values() if v.dim()),
+            },
+            "dtensor": {n: isinstance(p, DTensor) for n, p in pipe.named_parameters()},
+            "local_rows": {n: p.to_local().shape[0] for n, p in pipe.named_parameters() if isinstance(p, DTensor)},
+            "state_dict": {k: type(v).__name__ for k, v in pipe.state_dict().items()},
+            "timeline": list(pipe.runner.timeline),
+            "comm_timeline": list(pipe.runner.comm_timeline),
+            "explain": pipe.explain(),
+        }
+    results["checkpoint"] = checkpoint_round_trip(pipe, os.path.join(directory, "dcp"))
+    results["post_validation"] = post_validation()
+    results["errors"] = errors()
+    return results
+
+
+def checkpoint_round_trip(pipe, path: str) -> dict:
+    """torch.distributed.checkpoint saves `pipe`'s state dict (DTensors under "shard") to `path`,
+    the parameters are zeroed, and DCP loads it back: whether every parameter is as saved."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = {n: whole(p) for n, p in pipe.named_parameters()}
+    dcp.save(pipe.state_dict(), checkpoint_id=path)
+    with torch.no_grad():
+        for p in pipe.parameters():
+            p.zero_()
+    state = pipe.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    pipe.load_state_dict(state, strict=False)
+    return {n: torch.equal(whole(p), saved[n]) for n, p in pipe.named_parameters()}
+
+
+def post_validation(steps: int = 5, fault_step: int = 2) -> dict:
+    """The GPT under zb-h1 with data_parallel="shard": 5 AdamW steps clipped at max_norm 0.5,
+    an Inf in pipeline rank 0's first gradient at `fault_step`, post-validated ("exact") and
+    synchronously; this rank's whole parameters and optimizer state after each."""
+    case = case_of("gpt")
+    pipe = zbcompile.pipeline(case.model, stages=PP, microbatches=MICROBATCHES, loss_fn=case.loss_fn, schedule="zb-h1", timeout=120, data_parallel="shard", profile=False)
+    pipe.compile(*case.args, target=case.target)
+    initial = models.build("gpt").model.state_dict()
+    result = {}
+    for label, wrap in (("post", lambda o: PostValidatedOptimizer(o, pipe, max_norm=0.5)), ("sync", lambda o: SynchronousClipOptimizer(o, pipe, max_norm=0.5))):
+        pipe.load_state_dict(initial, strict=False)
+        pipe.zero_grad()
+        optimizer = wrap(make_optimizer("adamw", pipe.parameters()))
+        for step in range(steps):
+            case.step(pipe)
+            if step == fault_step and pipe.runner.layout.pp_rank == 0:
+                grad = next(p.grad for p in pipe.parameters() if p.grad is not None)
+                grad.to_local().view(-1)[0] = float("inf")
+            optimizer.step()
+            optimizer.zero_grad()
+        optimizer.finish()
+        names = {p: n for n, p in pipe.named_parameters()}
+        result[label] = {
+            "params": {n: whole(p) for n, p in pipe.named_parameters()},
+            "optimizer": {names[p]: {k: whole(v) for k, v in s.items()} for p, s in optimizer.state.items()},
+            "history": [(r.total_norm, r.clipped, r.skipped) for r in optimizer.history],
+        }
+        if label == "post":
+            optimizer.close()
+    return result
+
+
+def errors() -> dict:
+    """Each mistake's error message on this rank: data_parallel="shard" without replicas (a
+    process group of one pipeline), and an unknown data_parallel mode."""
+    result = {}
+    case = case_of("mlp")
+    group = dist.new_group(list(range(dist.get_rank() // PP * PP, dist.get_rank() // PP * PP + PP)), use_local_synchronization=True)
+    for label, kwargs in (("no replicas", dict(process_group=group, data_parallel="shard")), ("unknown", dict(data_parallel="fsdp"))):
+        try:
+            pipe = zbcompile.pipeline(case.model, stages=PP, microbatches=2, loss_fn=case.loss_fn, timeout=60, **kwargs)
+            case.step(pipe)
+            result[label] = "no error"
+        except (ValueError, TypeError) as error:
+            result[label] = f"{type(error).__name__}: {error}"
+    return result

@@ -1,0 +1,177 @@
+"""Data parallelism on 4 gloo ranks, 2 replicas x a 2-rank pipeline, each replica given its own
+half of the batch (DDP's convention): "replicate" and "shard" (DTensors over "dp") under in-line,
+V and mirrored schedules, a zoo model and a transformers Llama, 3 AdamW steps against eager over
+the whole batch; the gradient reduction overlapped with the step; post-validation, checkpoints
+and errors under "shard". One launch for all of it."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import pytest
+import torch
+
+from helpers import data_parallel_workers as workers
+from helpers import models, real_models
+from helpers.distributed_workers import make_optimizer
+from helpers.multiprocess import run_ranks
+from zbcompile.inspect.read import SCHEDULE_FILE
+from zbcompile.inspect.trace import action_events, load_trace, reduction_events, validate_trace
+
+pytestmark = pytest.mark.xdist_group("distributed")
+
+RUNS = [
+    *[("gpt", s, 2, "replicate", "foreach") for s in ("1f1b", "zb-h1", "zb-auto")],
+    *[("gpt", s, 2, "shard", "foreach") for s in ("1f1b", "zb-h1", "zb-auto")],
+    ("gpt", "zb-h1", 2, "shard", "fused"),
+    # dualpipe: every parameter on two ranks of a pipeline, reduced after the drain; the masked
+    # model's output layer has 3 rows, which 2 replicas do not divide (padded in the collectives)
+    ("masked", "dualpipe", 2, "replicate", "foreach"),
+    ("masked", "dualpipe", 2, "shard", "foreach"),
+    ("llama", "zb-h1", 2, "replicate", "foreach"),
+    ("llama", "zb-h1", 2, "shard", "foreach"),
+    ("gpt", "zbv", 4, "replicate", "foreach"),
+    ("gpt", "zbv", 4, "shard", "foreach"),  # last: its pipeline goes through a checkpoint round trip
+]
+CLOSE = dict(rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory):
+    """(the directory of the last run's dump and checkpoint, every rank's results of `RUNS` and
+    of the checks after them): the one 4-process launch."""
+    directory = str(tmp_path_factory.mktemp("data_parallel"))
+    return directory, run_ranks(4, workers.train, RUNS, directory)
+
+
+@pytest.fixture(scope="module")
+def per_rank(launch):
+    return launch[1]
+
+
+@functools.cache
+def _eager(name: str) -> tuple[list[torch.Tensor], dict, dict]:
+    """The first step's loss, then the parameters and AdamW state after `STEPS` eager steps over
+    the whole batch."""
+    case = real_models.build(name) if name in real_models.MODELS else models.build(name)
+    optimizer = make_optimizer("adamw", case.model.parameters())
+    losses = []
+    for _ in range(workers.STEPS):
+        optimizer.zero_grad()
+        loss = case.eager_loss()
+        loss.backward()
+        losses.append(loss.detach())
+        optimizer.step()
+    params = dict(case.model.named_parameters())
+    state = {n: optimizer.state[p] for n, p in params.items()}
+    return losses, {n: p.detach() for n, p in params.items()}, state
+
+
+def _replica(per_rank: list[dict], key: tuple, replica: int, field: str) -> dict:
+    merged = {}
+    for result in per_rank[replica * workers.PP : (replica + 1) * workers.PP]:
+        merged.update(result[key][field])
+    return merged
+
+
+def test_every_run_equals_eager_over_the_whole_batch(per_rank):
+    """Gathered parameters and AdamW state after 3 steps equal eager's over the concatenated
+    batch; both replicas hold the same bits; each replica's loss is its half's."""
+    for key in RUNS:
+        losses, params, state = _eager(key[0])
+        replica_losses = [r[key]["losses"] for r in per_rank if r[key]["losses"][0] is not None]
+        assert len(replica_losses) == 2, key  # one per replica
+        torch.testing.assert_close((replica_losses[0][0] + replica_losses[1][0]) / 2, losses[0], **CLOSE)
+        for field in ("params", "optimizer"):
+            first, second = _replica(per_rank, key, 0, field), _replica(per_rank, key, 1, field)
+            assert first.keys() == params.keys(), (key, field)
+            for fqn in params:
+                if field == "params":
+                    assert torch.equal(first[fqn], second[fqn]), f"{key}: replicas differ on {fqn}"
+                    torch.testing.assert_close(first[fqn], params[fqn], **CLOSE, msg=f"{key} {fqn}")
+                    continue
+                for k, v in state[fqn].items():
+                    assert torch.equal(first[fqn][k], second[fqn][k]), f"{key}: replicas differ on {fqn}.{k}"
+                    torch.testing.assert_close(first[fqn][k], v, **CLOSE, msg=f"{key} {fqn}.{k}")
+
+
+def test_shard_equals_replicate_bitwise(per_rank):
+    """The same schedule and optimizer, gradients reduce-scattered instead of all-reduced: with
+    two replicas every element is the same sum (a + b), so the same bits."""
+    pairs = [(k, (*k[:3], "shard", k[4])) for k in RUNS if k[3] == "replicate"]
+    assert len(pairs) == 6
+    for replicate, shard in pairs:
+        for result in per_rank:
+            for fqn, value in result[replicate]["params"].items():
+                assert torch.equal(value, result[shard]["params"][fqn]), f"{shard}: {fqn}"
+
+
+def test_shard_holds_dtensors_and_at_most_0_55_of_replicate_bytes(per_rank):
+    for result in per_rank:
+        replicate, shard = result[("gpt", "zb-h1", 2, "replicate", "foreach")], result[("gpt", "zb-h1", 2, "shard", "foreach")]
+        assert all(shard["dtensor"].values()) and not any(replicate["dtensor"].values())
+        assert set(shard["state_dict"].values()) == {"DTensor"}, shard["state_dict"]
+        total = {label: sum(run["bytes"].values()) for label, run in (("replicate", replicate), ("shard", shard))}
+        assert 0 < total["shard"] <= 0.55 * total["replicate"], total
+        assert "data_parallel='shard' over 2 replicas" in shard["explain"], shard["explain"]
+
+
+def test_gradient_reduction_starts_before_the_ranks_last_action(per_rank):
+    """Under zbv each rank holds two stages; the one whose last W comes first has its gradients
+    on their way while the rank still computes."""
+    for key in (("gpt", "zbv", 4, "replicate", "foreach"), ("gpt", "zbv", 4, "shard", "foreach")):
+        for rank, result in enumerate(per_rank):
+            last = max(end for _, _, end in result[key]["timeline"])
+            reductions = [(label, start) for label, start, _ in result[key]["comm_timeline"] if label.startswith("REDUCE")]
+            assert any(start < last for _, start in reductions), (key, rank, reductions, last)
+
+
+def test_a_leading_dimension_the_replicas_do_not_divide_is_sharded_unevenly(per_rank):
+    """The masked model's `out.weight` (3 x 12): replica 0 holds 2 rows, replica 1 one."""
+    key = ("masked", "dualpipe", 2, "shard", "foreach")
+    held = [r[key]["local_rows"]["out.weight"] for r in per_rank if "out.weight" in r[key]["local_rows"]]
+    assert sorted(held) == [1, 1, 2, 2], held  # both ranks of each replica hold it under dualpipe
+
+
+def test_the_trace_shows_reductions_under_the_ranks_remaining_work(launch):
+    """The dump's trace of the last run (zbv, shard): every step, every rank posts a stage's
+    reduction before its last action ends; the actions are the schedule's, once each."""
+    directory, _ = launch
+    compiled = os.path.join(directory, "dump", "compile-0")
+    trace = load_trace(compiled)
+    with open(os.path.join(compiled, SCHEDULE_FILE)) as f:
+        versions = json.load(f)["versions"]
+    assert validate_trace(trace, [v["lowered"] for v in versions]) == []
+    reductions = reduction_events(trace)
+    for step in range(workers.STEPS):
+        for rank in range(4):
+            ends = [e["ts"] + e["dur"] for e in action_events(trace) if e["pid"] == rank and e["args"]["step"] == step]
+            posted = [e["ts"] for e in reductions if e["pid"] == rank and e["args"]["step"] == step]
+            assert posted and min(posted) < max(ends), (step, rank)
+
+
+def test_checkpoint_round_trip_under_shard(per_rank):
+    for result in per_rank:
+        assert result["checkpoint"] and all(result["checkpoint"].values()), result["checkpoint"]
+
+
+def test_post_validation_under_shard_equals_the_synchronous_reference_bitwise(per_rank):
+    """5 steps clipped at max_norm 0.5, an Inf at step 2 (skipped everywhere)."""
+    for result in per_rank:
+        post, sync = result["post_validation"]["post"], result["post_validation"]["sync"]
+        assert post["history"] == sync["history"]
+        assert [skipped for _, _, skipped in post["history"]] == [False, False, True, False, False]
+        assert any(clipped for _, clipped, _ in post["history"])
+        for fqn, value in sync["params"].items():
+            assert torch.equal(post["params"][fqn], value), fqn
+            for k, v in sync["optimizer"][fqn].items():
+                assert torch.equal(post["optimizer"][fqn][k], v), f"{fqn}.{k}"
+
+
+def test_data_parallel_mistakes_are_clear_errors(per_rank):
+    for result in per_rank:
+        errors = result["errors"]
+        assert errors["no replicas"].startswith("ValueError") and "1 replica" in errors["no replicas"], errors
+        assert "data_parallel must be one of" in errors["unknown"], errors
