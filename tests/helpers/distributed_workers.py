@@ -313,7 +313,7 @@ def pipelines_in_process_groups() -> dict:
         ("mesh", "gpt", init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp")), 2),
         ("slice", "gpt", init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "pp"))["pp"], 2),
     ):
-        case = build(name) if label == "group" else build(name).share(2, rank // 2)  # mesh: each replica its share
+        case = build(name).share(2, rank // 2) if label == "mesh" else build(name)  # mesh: each replica its share
         pipe = zbcompile.pipeline(
             case.model, stages=2, microbatches=microbatches, loss_fn=case.loss_fn, schedule="zb-h1", timeout=60,
             process_group=process_group,

@@ -153,7 +153,8 @@ def _counted_labels(module: nn.Module, kwargs: dict) -> torch.Tensor:
 
 
 def _loss_shifts_labels(module: nn.Module) -> bool:
-    """Whether `module` is a transformers model whose loss function is the causal-LM loss (its
+    """Whether `module`, or the outermost transformers model it wraps (an autocast or other
+    wrapper that passes its keyword arguments on), computes its loss with the causal-LM loss (its
     `loss_function` property, read without its warning for an unknown `loss_type`)."""
     import sys
 
@@ -162,7 +163,8 @@ def _loss_shifts_labels(module: nn.Module) -> bool:
     from transformers import PreTrainedModel
     from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 
-    if not isinstance(module, PreTrainedModel):
+    module = next((m for m in module.modules() if isinstance(m, PreTrainedModel)), None)
+    if module is None:
         return False
     chosen = module.__dict__.get("_loss_function") or LOSS_MAPPING.get(getattr(module, "loss_type", None)) or ForCausalLMLoss
     return chosen is ForCausalLMLoss and not getattr(module.config, "is_encoder_decoder", False)

@@ -259,7 +259,7 @@ class Transport:
     def post_recv(self, buffers: Sequence[torch.Tensor], peer: int, tag: int, action: str, watch: bool = False) -> Pending:
         """Receive a message shaped like `buffers`: one tensor is received into; several only
         give the layout of the flat buffer received into (`torch.empty(..., device="meta")`
-        allocates nothing), and `wait` returns views of it."""
+        allocates nothing), and `wait` returns copies of its parts (each freed at its own last use)."""
         layouts = [(b.shape, b.dtype) for b in buffers]
         flat = buffers[0] if len(buffers) == 1 else flat_message.empty(layouts, self.device)
         works = self._post(dist.irecv, flat, peer, tag, action)
@@ -303,6 +303,8 @@ class Transport:
             self._device_waited.append(Pending(pending.works, [], pending.peer, waiting))
             self._release_sent()
         tensors, pending.tensors = pending.tensors, []
+        if len(tensors) > 1:  # out of the flat buffer (after its wait, on the stream that waited):
+            tensors = [t.clone() for t in tensors]  # each freed at its own last use, as the memory model counts
         return tensors
 
     def arrival_time(self, pending: Pending) -> float | None:
