@@ -95,6 +95,44 @@ def test_activation_memory_is_the_microbatches_in_flight_not_their_number():
     assert peaks[2] == peaks[8]
 
 
+class MeanLossIgnoringItemCount(nn.Module):
+    """Computes its own mean loss from `labels` and takes any keyword (as transformers'
+    classifiers do, so the pipeline passes `num_items_in_batch`), reading neither the count nor
+    `unused`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor, unused: torch.Tensor, labels: torch.Tensor, **kwargs) -> dict:
+        logits = self.b(torch.tanh(self.a(x)))
+        return {"loss": F.cross_entropy(logits, labels), "logits": logits}
+
+
+def test_a_model_loss_that_ignores_the_item_count_is_the_mean_and_unread_inputs_cost_nothing():
+    """The model's own loss ignores `num_items_in_batch`: evaluate() gives the mean of the
+    microbatch losses, as step() does and as eager computes it; a batch input no stage reads
+    (`unused`, and the count) is not held by a stage, so the measured peak stays within the
+    prediction."""
+    model = MeanLossIgnoringItemCount()
+    g = torch.Generator().manual_seed(1)
+    x, unused, labels = torch.randn(16, 8, generator=g), torch.randn(16, 64, generator=g), torch.randint(0, 3, (16,), generator=g)
+    pipe = zbcompile.pipeline(model, stages=2, microbatches=4)
+    trained = pipe.step(x, unused=unused, labels=labels)
+    pipe.evaluate(x, unused=unused, labels=labels)
+    runner = pipe.forward_runner
+    runner.measure_transients()
+    loss = pipe.evaluate(x, unused=unused, labels=labels)
+    with torch.no_grad():
+        expected = torch.stack([F.cross_entropy(model.b(torch.tanh(model.a(a))), b) for a, b in zip(x.chunk(4), labels.chunk(4))]).mean()
+    torch.testing.assert_close(loss, expected, **EXACT)
+    torch.testing.assert_close(trained, expected, **EXACT)
+    per_stage = [e.peak_activation_bytes for e in runner.executors.values()]
+    predicted = runner.predicted_peak_bytes()
+    assert all(0 < measured <= predicted[s] for s, measured in enumerate(per_stage)), (per_stage, predicted)
+
+
 def test_evaluate_before_any_compile_says_what_to_do():
     pipe = zbcompile.pipeline(_model(), stages=2, microbatches=4, loss_fn=F.mse_loss)
     with pytest.raises(RuntimeError, match=r"compiles on the first step\(\) or compile\(\)"):

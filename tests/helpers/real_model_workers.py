@@ -83,19 +83,25 @@ def eager_logits(name: str, state: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def eager_evaluation(name: str, state: dict[str, torch.Tensor]) -> torch.Tensor:
     """The loss of the model holding `state`, in eval mode under torch.no_grad(), over the
-    microbatches: the mean of their losses, or, for a model that reads `num_items_in_batch`,
-    the sum of their shares of the batch's (its count of shifted labels other than -100)."""
+    microbatches: for a model whose loss reads `num_items_in_batch` (its loss on a microbatch
+    changes when given the batch's count of labels other than -100, shifted in a decoder-only model), the sum of the
+    microbatches' shares of the batch's loss; for any other, the mean of their losses."""
     case = build(name)
     case.model.load_state_dict(state)
     case.model.eval()
     chunks = lambda value: value.chunk(MICROBATCHES) if value is not None else [None] * MICROBATCHES  # noqa: E731
-    args = list(zip(*[chunks(a) for a in case.args]))
-    kwargs = [dict(zip(case.kwargs, values)) for values in zip(*[chunks(v) for v in case.kwargs.values()])]
+    args = list(zip(*[chunks(a) for a in case.args])) or [()] * MICROBATCHES
+    kwargs = [dict(zip(case.kwargs, values)) for values in zip(*[chunks(v) for v in case.kwargs.values()])] or [{}] * MICROBATCHES
     with torch.no_grad():
         if case.loss_fn is not None:
             return torch.stack([case.loss_fn(case.model(*a, **k), t) for a, k, t in zip(args, kwargs, chunks(case.target))]).mean()
-        items = (case.kwargs["labels"][..., 1:] != -100).sum()
-        return sum(case.model(*a, **k, num_items_in_batch=items).loss for a, k in zip(args, kwargs))
+        labels = case.kwargs["labels"]
+        items = ((labels if case.model.config.is_encoder_decoder else labels[..., 1:]) != -100).sum()
+        means = [case.model(*a, **k).loss for a, k in zip(args, kwargs)]
+        shares = [case.model(*a, **k, num_items_in_batch=items).loss for a, k in zip(args, kwargs)]
+        if torch.equal(torch.stack(means), torch.stack(shares)):  # the model's loss ignores the count
+            return torch.stack(means).mean()
+        return sum(shares)
 
 
 def eager_training(name: str) -> dict[str, torch.Tensor]:

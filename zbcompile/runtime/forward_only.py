@@ -40,13 +40,19 @@ class ForwardStage:
         self.measure_transients = False
         self.peak_activation_bytes = 0
         self._relayed = {input_name(v) for v in stage.relays}
+        self._reads = set(program.signature.inputs)
         self._layouts = placeholder_layouts(program)
 
     def forward(self, microbatch: int, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """F of `microbatch`: `inputs` by value name, taken (the dict is emptied, so that each
-        value is freed at its last use); returns the stage's outputs by value name (the last
+        value is freed at its last use; a value the stage neither reads nor relays, such as a
+        batch input no stage reads, is dropped at once); returns the stage's outputs by value name (the last
         stage's results by their names: `loss`, or `output_<i>`)."""
-        env = {input_name(n): as_traced(v, self._layouts.get(input_name(n))) for n, v in inputs.items()}
+        env = {
+            input_name(n): as_traced(v, self._layouts.get(input_name(n)))
+            for n, v in inputs.items()
+            if input_name(n) in self._reads or input_name(n) in self._relayed
+        }
         inputs.clear()
         consumed = [name for name in env if name not in self._relayed]
         if self.measure_transients:
