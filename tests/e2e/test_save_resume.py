@@ -1,7 +1,8 @@
 """zbcompile.checkpoint on torch.distributed.checkpoint: a run saved at 2 ranks loads with every
 parameter and optimizer state equal in one process, at 2 ranks under another schedule or cut and
-at 4 ranks; resumed, it is bitwise the uninterrupted run; a checkpoint whose writing was
-interrupted by a dead rank is never taken as the latest. One 2-rank launch (`saved_run`) feeds
+at 4 ranks, and across data_parallel="replicate" and "shard" at pp=2 x dp=2; resumed, it is
+bitwise the uninterrupted run; a checkpoint whose writing was interrupted by a dead rank is
+never taken as the latest. One 2-rank launch (`saved_run`) feeds
 most of these; `test_torchrun_restart.py` kills a rank mid-step under torchrun."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 import zbcompile
+from helpers import launches
 from helpers import save_resume_workers as workers
 from helpers.models import build
 from helpers.multiprocess import Failed, run_ranks
@@ -126,6 +128,29 @@ def test_a_checkpoint_interrupted_while_written_is_never_the_latest(saved_run):
     assert not os.path.exists(os.path.join(directory, "b" + checkpoint.PARTIAL, ".metadata"))
     with pytest.raises(ValueError, match="not a complete checkpoint"):
         checkpoint.load(os.path.join(directory, "b" + checkpoint.PARTIAL), _mlp_run(0)[1])
+
+
+@pytest.mark.xdist_group("distributed")
+def test_loads_across_replicate_and_shard_at_pp2_dp2():
+    """At pp=2 x dp=2 (the shared four-rank launch): what "replicate" or "shard" saved loads
+    under "shard", and what "shard" saved under "replicate": every parameter and optimizer
+    state bitwise the saved run's, and the 3 steps after it bitwise the uninterrupted run's."""
+    per_rank = [r["dp_checkpoints"] for r in launches.four_ranks()]
+    for saved, loading in workers.DP_LOADS:
+        for r, result in enumerate(per_rank):
+            what = f"rank {r}: saved under {saved!r}, loaded under {loading!r}"
+            _assert_equal(result[(saved, loading, "loaded")], result[(saved, "saved")], what)
+            _assert_equal(result[(saved, loading, "resumed")], result[(saved, "uninterrupted")], f"{what}, resumed")
+            assert result[(saved, loading, "extra")] == {"next_step": workers.SAVED_AT}, what
+            assert (result[(saved, loading, "dtensors")] > 0) == (loading == "shard"), what
+            moved = [n for n, p in result[(saved, "uninterrupted")]["params"].items() if not torch.equal(p, result[(saved, "saved")]["params"][n])]
+            assert moved, f"{what}: the steps after the save changed nothing"
+        for part in ("params", "optimizer"):  # each pipeline rank's entries, whole
+            for pp_rank in range(2):
+                keys = [set(per_rank[pp_rank + 2 * d][(saved, loading, "loaded")][part]) for d in range(2)]
+                assert keys[0] == keys[1] and keys[0], (saved, loading, part, pp_rank)
+        merged = set().union(*(r[(saved, loading, "loaded")]["params"] for r in per_rank))
+        assert merged == set(per_rank[0][(saved, "saved")]["params"]) | set(per_rank[1][(saved, "saved")]["params"])
 
 
 def _mlp_run(seed: int) -> tuple[Any, Any, Any]:

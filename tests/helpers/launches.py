@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-from helpers import distributed_workers, post_validation_workers
+from helpers import distributed_workers, post_validation_workers, save_resume_workers
 from helpers.multiprocess import run_ranks
 
 # post-validation on 4 ranks: a 4-stage pipeline, then 2 replicas x 2 stages
@@ -21,12 +21,14 @@ def several(calls: list[tuple[str, Callable, tuple]]) -> dict[str, Any]:
 
 
 # what each of the four ranks runs: the battery of every model and schedule, the data-parallel
-# replicas, pipelines over process groups and DeviceMeshes, post-validation
+# replicas, pipelines over process groups and DeviceMeshes, post-validation, checkpoints across
+# data_parallel modes
 FOUR_RANK_CALLS = [
     ("battery", distributed_workers.one_step, (distributed_workers.battery_runs(4),)),
     ("replicas", distributed_workers.one_step, (distributed_workers.REPLICA_RUNS,)),
     ("groups", distributed_workers.pipelines_in_process_groups, ()),
     ("post_validation", post_validation_workers.train_all, (POST_VALIDATION_PIPELINES,)),
+    ("dp_checkpoints", save_resume_workers.dp_checkpoints, ()),
 ]
 
 

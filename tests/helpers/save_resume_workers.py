@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import signal
+import tempfile
 import time
 from typing import Any
 
@@ -15,7 +17,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 import zbcompile
-from helpers.models import BATCH, GPT_CONFIG
+from helpers.data_parallel_workers import whole
+from helpers.models import BATCH, GPT_CONFIG, share
+from helpers.multiprocess import replica_of
 from zbcompile import checkpoint
 from zbcompile.models import GPT
 from zbcompile.models.gpt import lm_loss
@@ -123,4 +127,79 @@ def load_on_four(directory: str) -> dict:
     result = {"loaded": snapshot(pipe, opt), "extra": extra, "step_count": pipe.step_count}
     train(pipe, opt, SAVED_AT, 1)
     opt.close()  # validates the step; its last messages have left before the process group goes
+    return result
+
+
+# --- pp=2 x dp=2: checkpoints across data_parallel="replicate" and "shard" ------------------------
+
+# (saved under, loaded under): "shard" loads what either mode saved, "replicate" what "shard" saved
+DP_LOADS = (("replicate", "shard"), ("shard", "shard"), ("shard", "replicate"))
+
+
+def replica_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This data-parallel replica's half of `batch(step)` (2-rank pipelines over the world)."""
+    replicas, replica = replica_of(2)
+    return tuple(share(t, replicas, replica) for t in batch(step))
+
+
+def make_dp_run(seed: int, data_parallel: str) -> tuple[Any, Any]:
+    """As `make_run`, at 2 stages over every rank (pp=2 x dp=world/2) with `data_parallel`,
+    compiled for this replica's half of the batch."""
+    torch.manual_seed(seed)
+    pipe = zbcompile.pipeline(
+        GPT(CONFIG), stages=2, microbatches=4, loss_fn=lm_loss, timeout=60, solver_time_budget=0, data_parallel=data_parallel
+    )
+    tokens, target = replica_batch(0)
+    pipe.compile(tokens, target=target)
+    inner = torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1)
+    return pipe, zbcompile.PostValidatedOptimizer(inner, pipe, max_norm=0.5)
+
+
+def train_dp(pipe: Any, optimizer: Any, first: int, count: int) -> None:
+    for step in range(first, first + count):
+        tokens, target = replica_batch(step)
+        pipe.step(tokens, target=target)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def whole_snapshot(pipe: Any, optimizer: Any) -> dict[str, dict[str, Any]]:
+    """`snapshot` with every DTensor gathered whole (a collective over the replicas)."""
+    taken = snapshot(pipe, optimizer)
+    return {part: {k: whole(v) if isinstance(v, torch.Tensor) else v for k, v in values.items()} for part, values in taken.items()}
+
+
+def dp_checkpoints() -> dict:
+    """At pp=2 x dp=2, one run per mode (initialised alike): SAVED_AT steps, a checkpoint, its
+    state then, and after RESUMED more steps uninterrupted. Then per `DP_LOADS` entry, the
+    loading mode's run (moved on since its own save, its RNG elsewhere) loads the checkpoint and
+    runs the same RESUMED steps. Whole parameters and optimizer state by FQN; the checkpoints
+    live in a temporary directory removed after."""
+    shared = [tempfile.mkdtemp(prefix="zb-dp-checkpoints-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(shared, src=0)
+    directory = shared[0]
+    result: dict[Any, Any] = {}
+    runs = {}
+    try:
+        for mode in ("replicate", "shard"):
+            pipe, opt = runs[mode] = make_dp_run(0, mode)
+            train_dp(pipe, opt, 0, SAVED_AT)
+            checkpoint.save(os.path.join(directory, mode), pipe, opt, next_step=SAVED_AT)
+            result[(mode, "saved")] = whole_snapshot(pipe, opt)
+            train_dp(pipe, opt, SAVED_AT, RESUMED)
+            result[(mode, "uninterrupted")] = whole_snapshot(pipe, opt)
+        for saved, loading in DP_LOADS:
+            pipe, opt = runs[loading]
+            torch.manual_seed(99)
+            result[(saved, loading, "extra")] = checkpoint.load(os.path.join(directory, saved), pipe, opt)
+            result[(saved, loading, "dtensors")] = sum(isinstance(p, torch.distributed.tensor.DTensor) for p in pipe.parameters())
+            result[(saved, loading, "loaded")] = whole_snapshot(pipe, opt)
+            train_dp(pipe, opt, SAVED_AT, RESUMED)
+            result[(saved, loading, "resumed")] = whole_snapshot(pipe, opt)
+    finally:
+        for _, opt in runs.values():
+            opt.close()  # validates the last step; its messages leave before the process group goes
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(directory, ignore_errors=True)
     return result
