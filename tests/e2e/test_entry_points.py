@@ -1,14 +1,17 @@
 """The commands and scripts a user starts first, run end to end as a user runs them: `zbcompile
-demo` (one short round; its report and picture) and `examples/train_gpt.py` under torchrun."""
+demo` (one short round; its report and picture), `examples/train_gpt.py` and
+`examples/finetune_llama.py` (stopped, then resumed) under torchrun."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -51,3 +54,32 @@ def test_train_gpt_example_runs_a_few_steps_under_torchrun(tmp_path):
     losses = [float(x) for x in re.findall(r"rank \d step +\d+ loss (\d+\.\d+)", stdout)]  # the last stage's rank
     assert len(losses) == 4, stdout
     assert all(0 < loss < 10 for loss in losses) and losses[-1] < losses[0], losses
+
+
+@pytest.mark.xdist_group("distributed")
+def test_finetune_llama_example_resumes_and_matches_eager(tmp_path):
+    """4 steps with a checkpoint every 2, then `--resume` to 6: the resumed run starts at step 4
+    with the history the checkpoint kept, and the picture's numbers (training loss every step,
+    held-out loss every 2 steps) equal the eager run's on the same batches."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    script = os.path.join(ROOT, "examples", "finetune_llama.py")
+    out = tmp_path / "losses.png"
+    common = ["--eval-every", "2", "--checkpoint-every", "2", "--checkpoint-dir", str(tmp_path / "ckpt"), "--out", str(out)]
+    first = _run([torchrun, "--nproc-per-node", "2", script, "--steps", "4", *common], str(tmp_path), 300)
+    second = _run([torchrun, "--nproc-per-node", "2", script, "--steps", "6", "--resume", *common], str(tmp_path), 300)
+    assert re.search(r"rank 0: resumed from \S+step_000004 at step 4", second), second
+    before = {int(s): float(v) for s, v in re.findall(r"rank \d step +(\d+) loss (\d+\.\d+)", first)}
+    after = {int(s): float(v) for s, v in re.findall(r"rank \d step +(\d+) loss (\d+\.\d+)", second)}
+    assert sorted(before) == [0, 1, 2, 3] and sorted(after) == [4, 5], (first, second)
+    with open(out, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    with open(out.with_suffix(".json")) as f:
+        numbers = json.load(f)
+    pipelined, eager = numbers["pipelined"], numbers["eager"]
+    assert sorted(map(int, pipelined["train"])) == list(range(6)) and sorted(map(int, pipelined["eval"])) == [1, 3, 5]
+    for step, loss in {**before, **after}.items():  # printed with 6 decimals
+        assert abs(pipelined["train"][str(step)] - loss) < 1e-6, (step, loss, pipelined["train"])
+    for kind in ("train", "eval"):
+        assert pipelined[kind].keys() == eager[kind].keys(), kind
+        got, expected = (torch.tensor([run[kind][s] for s in sorted(run[kind], key=int)]) for run in (pipelined, eager))
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=0, msg=lambda m, kind=kind: f"{kind}: {m}")
