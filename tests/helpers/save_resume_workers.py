@@ -15,9 +15,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+from torch.distributed.tensor import DTensor
 
 import zbcompile
-from helpers.data_parallel_workers import whole
 from helpers.models import BATCH, GPT_CONFIG, share
 from helpers.multiprocess import replica_of
 from zbcompile import checkpoint
@@ -166,7 +166,7 @@ def train_dp(pipe: Any, optimizer: Any, first: int, count: int) -> None:
 def whole_snapshot(pipe: Any, optimizer: Any) -> dict[str, dict[str, Any]]:
     """`snapshot` with every DTensor gathered whole (a collective over the replicas)."""
     taken = snapshot(pipe, optimizer)
-    return {part: {k: whole(v) if isinstance(v, torch.Tensor) else v for k, v in values.items()} for part, values in taken.items()}
+    return {part: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in values.items()} for part, values in taken.items()}
 
 
 def dp_checkpoints() -> dict:
@@ -192,7 +192,7 @@ def dp_checkpoints() -> dict:
             pipe, opt = runs[loading]
             torch.manual_seed(99)
             result[(saved, loading, "extra")] = checkpoint.load(os.path.join(directory, saved), pipe, opt)
-            result[(saved, loading, "dtensors")] = sum(isinstance(p, torch.distributed.tensor.DTensor) for p in pipe.parameters())
+            result[(saved, loading, "dtensors")] = sum(isinstance(p, DTensor) for p in pipe.parameters())
             result[(saved, loading, "loaded")] = whole_snapshot(pipe, opt)
             train_dp(pipe, opt, SAVED_AT, RESUMED)
             result[(saved, loading, "resumed")] = whole_snapshot(pipe, opt)
