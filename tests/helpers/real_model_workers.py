@@ -84,8 +84,9 @@ def eager_logits(name: str, state: dict[str, torch.Tensor]) -> torch.Tensor:
 def eager_evaluation(name: str, state: dict[str, torch.Tensor]) -> torch.Tensor:
     """The loss of the model holding `state`, in eval mode under torch.no_grad(), over the
     microbatches: for a model whose loss reads `num_items_in_batch` (its loss on a microbatch
-    changes when given the batch's count of labels other than -100, shifted in a decoder-only model), the sum of the
-    microbatches' shares of the batch's loss; for any other, the mean of their losses."""
+    changes when given the batch's count of labels other than -100, shifted in a decoder-only
+    model), the sum of the microbatches' shares of the batch's loss; for any other, the mean of
+    their losses."""
     case = build(name)
     case.model.load_state_dict(state)
     case.model.eval()

@@ -46,8 +46,8 @@ class ForwardStage:
     def forward(self, microbatch: int, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """F of `microbatch`: `inputs` by value name, taken (the dict is emptied, so that each
         value is freed at its last use; a value the stage neither reads nor relays, such as a
-        batch input no stage reads, is dropped at once); returns the stage's outputs by value name (the last
-        stage's results by their names: `loss`, or `output_<i>`)."""
+        batch input no stage reads, is dropped at once); returns the stage's outputs by value
+        name (the last stage's results by their names: `loss`, or `output_<i>`)."""
         env = {
             input_name(n): as_traced(v, self._layouts.get(input_name(n)))
             for n, v in inputs.items()
