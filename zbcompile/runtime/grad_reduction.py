@@ -29,9 +29,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from zbcompile.runtime.sharding import ReduceScatterLayout, wait
 from zbcompile.schedules import Action
+from zbcompile.schedules.simulate import GRAD_KINDS
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
-GRAD_KINDS = ("W", "B")  # the actions that accumulate parameter gradients
 
 
 @dataclass(frozen=True)
