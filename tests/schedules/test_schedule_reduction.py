@@ -81,7 +81,7 @@ def test_without_replicas_nothing_changes(name):
 
 def test_with_reduction_scales_the_message_time_and_keeps_given_times():
     costs = Costs(f=1.0, i=1.0, w=1.0, comm=0.5)
-    assert with_reduction(costs, [2.0, 0.0]).reduce == [1.0, 0.0]
+    assert with_reduction(costs, [2.0, 0.0]).reduce == (1.0, 0.0)
     assert with_reduction(Costs(comm=0.5, reduce=3.0), [2.0, 2.0]).reduce == 3.0
     assert with_reduction(Costs(comm=0.0), [2.0, 2.0]).reduce == 0.0
     with pytest.raises(ValueError, match="reduce"):

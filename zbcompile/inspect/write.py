@@ -39,7 +39,7 @@ from zbcompile.inspect.read import COMPILE_FILE, FORWARD_FILE, GRAPH_FILES, SCHE
 from zbcompile.inspect.text import format_schedule, format_stages, stage_rows, state_rows
 from zbcompile.inspect.trace import append_step, chrome_trace, read_timelines, start_timeline
 from zbcompile.schedules import Costs, Schedule, lower, simulate
-from zbcompile.schedules.costs import resolve_costs
+from zbcompile.schedules.costs import resolve_costs, with_reduction
 from zbcompile.schedules.validate import rank_limits
 
 if TYPE_CHECKING:
@@ -94,13 +94,15 @@ def compile_record(compiled: "CompiledPipeline", options: Any, world: dict[str, 
 def schedule_costs_used(schedule: Schedule, compiled: "CompiledPipeline", measured: Costs | None) -> tuple[Costs, str]:
     """The costs `schedule` was made with and where they came from ("measured": seconds the
     pipeline measured; "given": `pipeline(costs=...)`; "static": the compiler's FLOP-equivalent
-    estimates)."""
+    estimates), with each stage's gradient reduction where the pipeline has replicas."""
     source = schedule.info.get("cost_source")
     if source == "measured" and measured is not None:
-        return measured, "measured"
-    if source == "given" and isinstance(schedule.info.get("costs"), Costs):
-        return schedule.info["costs"], "given"
-    return compiled.schedule_costs(), "static"
+        costs, source = measured, "measured"
+    elif source == "given" and isinstance(schedule.info.get("costs"), Costs):
+        costs, source = schedule.info["costs"], "given"
+    else:
+        costs, source = compiled.schedule_costs(), "static"
+    return with_reduction(costs, schedule.info.get("reduction_per_message", ())), source
 
 
 def schedule_record(schedule: Schedule, costs: Costs, cost_source: str, memory_unit: int, version: int) -> dict[str, Any]:
@@ -122,7 +124,7 @@ def schedule_record(schedule: Schedule, costs: Costs, cost_source: str, memory_u
             "lowered": lower(schedule).rows_as_text(),
             "cost_source": cost_source,
             "time_unit": {"measured": "s", "static": "FLOP-eq"}.get(cost_source, "given unit"),
-            "costs": {k: getattr(resolved, k) for k in ("f", "i", "w", "comm", "mem_b", "mem_w")},
+            "costs": {k: getattr(resolved, k) for k in ("f", "i", "w", "comm", "mem_b", "mem_w", "reduce")},
             "memory_limit": limits,
             "prediction": {
                 "makespan": result.makespan,
@@ -295,19 +297,19 @@ def start_dump(dump_dir: str | os.PathLike | None, compiled: "CompiledPipeline",
             }
         )
     if dump.writes_compile:
-        dump.write_compile(options, world_of(runner, schedule))
+        dump.write_compile(options, world_of(runner, schedule, options.grad_dtype))
     return dump
 
 
-def world_of(runner: Any, schedule: Schedule) -> dict[str, Any]:
+def world_of(runner: Any, schedule: Schedule, grad_dtype: Any = None) -> dict[str, Any]:
     """How the pipeline runs: distributed or in one process, world size, ranks per pipeline,
-    data-parallel replicas and mode, and each pipeline rank's bytes of parameters, gradients and
-    optimizer state (`text.state_rows`)."""
+    data-parallel replicas and mode, and each pipeline rank's bytes of parameters, gradients (in
+    `grad_dtype` where given) and optimizer state (`text.state_rows`)."""
     layout = getattr(runner, "layout", None)
     replicas = 1 if layout is None else layout.dp_size
     mode = getattr(runner, "data_parallel", "replicate") if replicas > 1 else "replicate"
     stages_on = [schedule.stages_on(rank) for rank in range(schedule.ranks)]
-    data_parallel = {"replicas": replicas, "data_parallel": mode, "state_bytes": state_rows(runner.compiled, stages_on, replicas, mode)}
+    data_parallel = {"replicas": replicas, "data_parallel": mode, "state_bytes": state_rows(runner.compiled, stages_on, replicas, mode, grad_dtype)}
     if layout is None:
         return {"distributed": False, "world_size": 1, "ranks_per_pipeline": schedule.ranks, **data_parallel}
     return {"distributed": True, "world_size": layout.pp_size * layout.dp_size, "ranks_per_pipeline": layout.pp_size, **data_parallel}
@@ -318,7 +320,7 @@ def live_dump(pipe: Any, compile_dump: CompileDump | None = None) -> Dump:
     schedule versions (`compile_dump`'s, else the current schedule's) and the trace merged from
     `compile_dump`'s rank timelines (every rank's that has written)."""
     compiled, schedule = pipe.compiled, pipe.schedule
-    record = compile_record(compiled, pipe.options, world_of(pipe.runner, schedule))
+    record = compile_record(compiled, pipe.options, world_of(pipe.runner, schedule, pipe.options.grad_dtype))
     if compile_dump is None:
         costs, source = schedule_costs_used(schedule, compiled, pipe.measured_costs)
         return Dump(None, record, [schedule_record(schedule, costs, source, compiled.memory_unit(), 0)], None)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Sequence, Union
+from typing import Sequence, TypeVar, Union
 
 Number = Union[int, float]
 PerStage = Union[Number, Sequence[Number]]
@@ -201,14 +201,17 @@ def warmup_windows(stage_to_rank: Sequence[int], costs: ResolvedCosts) -> list[f
     return [back - first for first, back in zip(first_f, grad_back)]
 
 
-def with_reduction(costs: Costs, per_comm: Sequence[float]) -> Costs:
+CostsLike = TypeVar("CostsLike", Costs, ResolvedCosts)
+
+
+def with_reduction(costs: CostsLike, per_comm: Sequence[float]) -> CostsLike:
     """``costs`` with each stage's reduction time ``per_comm[s] x costs.comm``: a reduction that
     moves ``per_comm[s]`` times the bytes of the message ``comm`` times, over the same link. Costs
     that already give a reduction time keep it."""
     given = costs.reduce if isinstance(costs.reduce, (int, float)) else any(costs.reduce)
     if given or not any(per_comm) or not costs.comm:
         return costs
-    return replace(costs, reduce=[float(costs.comm) * r for r in per_comm])
+    return replace(costs, reduce=tuple(float(costs.comm) * r for r in per_comm))
 
 
 def resolve_costs(costs: Costs | ResolvedCosts | None, stages: int) -> ResolvedCosts:
