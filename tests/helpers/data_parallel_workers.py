@@ -93,7 +93,7 @@ def train(runs: list[tuple[str, str, int, str, str]], directory: str) -> dict:
             "comm_timeline": list(pipe.runner.comm_timeline),
             "explain": pipe.explain(),
             "state_rows": live_dump(pipe).record["world"]["state_bytes"][pipe.runner.layout.pp_rank],
-            "reduction_per_message": pipe.schedule.info.get("reduction_per_message"),
+            "reduction": pipe.schedule.info.get("reduction"),
         }
     results["checkpoint"] = checkpoint_round_trip(pipe, os.path.join(directory, "dcp"))
     results["post_validation"] = post_validation()

@@ -33,13 +33,14 @@ import os
 import re
 import socket
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from zbcompile.inspect.read import COMPILE_FILE, FORWARD_FILE, GRAPH_FILES, SCHEDULE_FILE, Dump
 from zbcompile.inspect.text import format_schedule, format_stages, stage_rows, state_rows
 from zbcompile.inspect.trace import append_step, chrome_trace, read_timelines, start_timeline
 from zbcompile.schedules import Costs, Schedule, lower, simulate
-from zbcompile.schedules.costs import resolve_costs, with_reduction
+from zbcompile.schedules.costs import resolve_costs
 from zbcompile.schedules.validate import rank_limits
 
 if TYPE_CHECKING:
@@ -94,7 +95,8 @@ def compile_record(compiled: "CompiledPipeline", options: Any, world: dict[str, 
 def schedule_costs_used(schedule: Schedule, compiled: "CompiledPipeline", measured: Costs | None) -> tuple[Costs, str]:
     """The costs `schedule` was made with and where they came from ("measured": seconds the
     pipeline measured; "given": `pipeline(costs=...)`; "static": the compiler's FLOP-equivalent
-    estimates), with each stage's gradient reduction where the pipeline has replicas."""
+    estimates), with each stage's gradient reduction time the schedule was solved with where the
+    pipeline has replicas (`info["reduction"]`, in the static or given costs' unit)."""
     source = schedule.info.get("cost_source")
     if source == "measured" and measured is not None:
         costs, source = measured, "measured"
@@ -102,7 +104,9 @@ def schedule_costs_used(schedule: Schedule, compiled: "CompiledPipeline", measur
         costs, source = schedule.info["costs"], "given"
     else:
         costs, source = compiled.schedule_costs(), "static"
-    return with_reduction(costs, schedule.info.get("reduction_per_message", ())), source
+    if source != "measured" and "reduction" in schedule.info and not any(resolve_costs(costs, schedule.stages).reduce):
+        costs = replace(costs, reduce=tuple(schedule.info["reduction"]))
+    return costs, source
 
 
 def schedule_record(schedule: Schedule, costs: Costs, cost_source: str, memory_unit: int, version: int) -> dict[str, Any]:

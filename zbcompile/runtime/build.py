@@ -265,10 +265,10 @@ class Builder:
                     raise
                 raise ValueError(f"{limit_in_words(self.options.memory_limit, compiled.memory_unit())}: {error}") from error
             limit = arguments["memory_limit"]
-            reductions = self.reduction_per_message(compiled)
+            reduction = with_reduction(costs, self.reduction_per_message(compiled)).reduce  # as solve_arguments counts it
             return schedule.with_info(
                 **({"cost_source": "given", "costs": given} if given is not None else {"cost_source": "static"}),
-                **({"reduction_per_message": reductions} if any(reductions) else {}),
+                **({"reduction": tuple(reduction)} if not isinstance(reduction, (int, float)) and any(reduction) else {}),
                 **({"memory_limit": limit, "memory_limit_rule": self._limit_rule()} if limit is not None else {}),
             )
 
