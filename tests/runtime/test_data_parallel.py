@@ -1,8 +1,9 @@
 """Data parallelism on 4 gloo ranks, 2 replicas x a 2-rank pipeline, each replica given its own
 half of the batch (DDP's convention): "replicate" and "shard" (DTensors over "dp") under in-line,
 V and mirrored schedules, a zoo model and a transformers Llama, 3 AdamW steps against eager over
-the whole batch; the gradient reduction overlapped with the step; post-validation, checkpoints
-and errors under "shard". One launch for all of it."""
+the whole batch; the gradient reduction overlapped with the step and counted by zb-auto;
+explain()'s bytes against the tensors'; grad_dtype under "shard"; post-validation, checkpoints
+and errors. One launch for all of it."""
 
 from __future__ import annotations
 
