@@ -4,14 +4,15 @@ gradient reduction overlapped against reduced after the drain.
 Four gloo ranks (one thread each) run 2 replicas x a 2-rank pipeline of a GPT, each replica its
 own batch, AdamW. Per `data_parallel` mode: the bytes each rank holds of parameters, gradients and
 AdamW state outside a step (a DTensor's local shard only), measured after a step; then rounds
-alternating the overlapped reduction (a stage's gradients posted at its last W or B) and the
-reduction after the drain (`DistributedRunner.overlap_reduction = False`), `steps_per_round`
-steps each between barriers: seconds per step, and the paired ratio per round (after the drain /
-overlapped). On this machine the 4 processes share 2 cores, so a collective running "in the
+in which both modes' pipelines run the overlapped reduction (a stage's gradients posted at its last
+W or B) and the reduction after the drain (`DistributedRunner.overlap_reduction = False`),
+`steps_per_round` steps each between barriers, the four variants in a rotating order: seconds per
+step and the paired ratios per round (after the drain / overlapped; shard / replicate). On this
+machine the 4 processes share 2 cores, so a collective running "in the
 background" competes with the computation for a core: the overlap gains less than on hardware
 where the network moves the bytes.
 
-    python benchmarks/dp_memory_time.py           # ~3 minutes on 2 cores
+    python benchmarks/dp_memory_time.py           # ~4 minutes on 2 cores
     python benchmarks/dp_memory_time.py --quick   # a smoke run, writes nothing
 
 Writes benchmarks/results/dp_memory_time.{json,md}.
@@ -42,7 +43,7 @@ class Settings:
     rows: int = 2  # sequences per microbatch
     microbatches: int = 4
     schedule: str = "zb-h1"
-    rounds: int = 5
+    rounds: int = 8  # a multiple of 4: each variant takes each place in the order equally often
     steps_per_round: int = 3
     timeout_s: float = 300.0
 
@@ -65,40 +66,40 @@ def rank_main(settings: Settings) -> dict:
     def local_bytes(tensors) -> int:
         return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
 
-    result = {}
+    def step(pipe, optimizer) -> None:
+        pipe.step(tokens, target=target)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+
+    pipes, optimizers, memory = {}, {}, {}
     for mode in MODES:
         torch.manual_seed(0)
         config = GPTConfig(vocab_size=settings.vocab, seq_len=settings.seq_len, hidden=settings.hidden, heads=settings.heads, layers=settings.layers)
-        pipe = zbcompile.pipeline(
+        pipes[mode] = pipe = zbcompile.pipeline(
             GPT(config), stages=2, microbatches=settings.microbatches, loss_fn=lm_loss, schedule=settings.schedule,
             data_parallel=mode, profile=False, timeout=settings.timeout_s,
         )
         pipe.compile(tokens, target=target)
-        optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
-
-        def step() -> None:
-            pipe.step(tokens, target=target)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=False)
-
-        step()  # warm-up; AdamW's state exists from here on
-        memory = {
+        optimizers[mode] = optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+        step(pipe, optimizer)  # warm-up; AdamW's state exists from here on
+        memory[mode] = {
             "params": local_bytes(pipe.parameters()),
             "grads": local_bytes(p.grad for p in pipe.parameters() if p.grad is not None),
             "optimizer": local_bytes(v for s in optimizer.state.values() for v in s.values() if v.dim()),
         }
-        times = {"overlapped": [], "after drain": []}
-        for _ in range(settings.rounds):
-            for variant, overlap in (("overlapped", True), ("after drain", False)):
-                pipe.runner.overlap_reduction = overlap
-                dist.barrier()
-                started = time.perf_counter()
-                for _ in range(settings.steps_per_round):
-                    step()
-                dist.barrier()
-                times[variant].append((time.perf_counter() - started) / settings.steps_per_round)
-        result[mode] = {"memory": memory, "times": times}
-    return result
+    # every round times all four (mode, reduction) variants back to back, in a rotating order
+    variants = [(mode, name, overlap) for mode in MODES for name, overlap in (("overlapped", True), ("after drain", False))]
+    times = {mode: {"overlapped": [], "after drain": []} for mode in MODES}
+    for round_ in range(settings.rounds):
+        for mode, name, overlap in variants[round_ % 4 :] + variants[: round_ % 4]:
+            pipes[mode].runner.overlap_reduction = overlap
+            dist.barrier()
+            started = time.perf_counter()
+            for _ in range(settings.steps_per_round):
+                step(pipes[mode], optimizers[mode])
+            dist.barrier()
+            times[mode][name].append((time.perf_counter() - started) / settings.steps_per_round)
+    return {mode: {"memory": memory[mode], "times": times[mode]} for mode in MODES}
 
 
 def analyse(per_rank: list[dict], settings: Settings, before: dict, after: dict, seconds: float) -> dict:
@@ -115,9 +116,12 @@ def analyse(per_rank: list[dict], settings: Settings, before: dict, after: dict,
             "ratios": ratios,
         }
     shard_over_replicate = [s / r for s, r in zip(modes["shard"]["bytes_per_rank"], modes["replicate"]["bytes_per_rank"])]
+    times = {mode: per_rank[0][mode]["times"]["overlapped"] for mode in MODES}
+    step_ratios = [s / r for s, r in zip(times["shard"], times["replicate"])]
     return {
         "settings": asdict(settings), "machine_before": before, "machine_after": after, "wall_s": seconds,
         "modes": modes, "shard_over_replicate_bytes": shard_over_replicate,
+        "shard_over_replicate_step": statistics.median(step_ratios), "shard_over_replicate_step_ratios": step_ratios,
     }
 
 
@@ -130,16 +134,23 @@ def report(data: dict) -> str:
             f"{m['after_drain_over_overlapped']:.3f}",
         ])
     header = ["data_parallel", "params+grads+AdamW per rank", "step ms (overlapped)", "step ms (after drain)", "after drain / overlapped"]
-    s = data["settings"]
+    s, cpus = data["settings"], data["machine_before"]["cpus"]
     return "\n".join([
         "# Data parallelism: state memory and overlapped gradient reduction\n",
         f"4 gloo ranks (2 replicas x 2 pipeline ranks, {s['schedule']}, {s['microbatches']} microbatches of {s['rows']} "
         f"sequences), GPT hidden {s['hidden']}, {s['layers']} layers; machine {_launch.load_line(data['machine_before'])}. "
-        "The 4 processes share the machine's cores, so a reduction 'in the background' competes with computation for them.\n",
+        f"**The 4 processes share {cpus} cores**, so a reduction 'in the background' competes with computation for "
+        "them (and with the other work on the machine, whose load is above): these are measurements under load, "
+        "not what a network that moves the bytes by itself gives.\n",
         _launch.table(header, rows),
         "",
         "shard / replicate bytes per rank: " + ", ".join(f"{r:.3f}" for r in data["shard_over_replicate_bytes"]),
-        "step-time ratio: median over rounds of (after drain / overlapped), each round the two variants back to back",
+        f"shard / replicate step time (overlapped, paired per round): median {data['shard_over_replicate_step']:.3f} "
+        f"(rounds: {', '.join(f'{r:.3f}' for r in data['shard_over_replicate_step_ratios'])})",
+        "after drain / overlapped: median over rounds, per mode; every round times the four variants back to back "
+        "in a rotating order (rounds: "
+        + "; ".join(f"{mode} {', '.join(f'{r:.3f}' for r in m['ratios'])}" for mode, m in data["modes"].items())
+        + ")",
     ])
 
 

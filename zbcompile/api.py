@@ -58,11 +58,6 @@ class PipelineOptions:
         check_compiler(self.compiler)
         if self.data_parallel not in DATA_PARALLEL_MODES:
             raise ValueError(f"pipeline(): data_parallel must be one of {DATA_PARALLEL_MODES}, got {self.data_parallel!r}")
-        if self.data_parallel == "shard" and self.grad_dtype is not None:
-            raise ValueError(
-                "pipeline(): grad_dtype is not supported with data_parallel='shard' (gradients accumulate in the "
-                "parameters' dtype there); use data_parallel='replicate' for a separate accumulation dtype"
-            )
         if self.recompute not in (None, "auto"):
             raise ValueError(f"pipeline(): recompute must be None or 'auto', got {self.recompute!r}")
         if self.recompute == "auto" and self.memory_limit is None:

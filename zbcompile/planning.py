@@ -150,9 +150,13 @@ def plan_compiled(costed: CostedPipeline, hardware: Hardware, options: PlanOptio
         row["seconds"] = {kind: hardware.pass_seconds(g, kind) for kind, g in pass_costs(cost).items()}
     unit = float(max([c.mem_b for c in costed.costs] + [1]))
     comm = hardware.link_seconds(max(costed.partition.boundary_bytes, default=0))
+    # each stage's gradient reduction over the replicas, after its last W: a ring all-reduce, or
+    # under "shard" a reduce-scatter (half its bytes)
+    share = 1.0 if o.data_parallel == "replicate" else 0.5
     costs = Costs(
         f=[r["seconds"]["F"] for r in rows], i=[r["seconds"]["I"] for r in rows], w=[r["seconds"]["W"] for r in rows],
         comm=comm, mem_b=[c.mem_b / unit for c in costed.costs], mem_w=[c.mem_w / unit for c in costed.costs],
+        reduce=[share * hardware.allreduce_seconds(r["param_bytes"] * o.grad_factor, o.dp) for r in rows],
     )
     state = tuple(r["state"]["total"] for r in rows)
     result = Plan(costed, hardware, costs, unit, state, {}, {}, o, microbatch)

@@ -5,6 +5,7 @@ hardware profiles by name, from JSON and calibrated from measured times."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -21,7 +22,7 @@ from zbcompile.models import GPT, GPTConfig
 from zbcompile.models.gpt import lm_loss
 from zbcompile.passes.graph_cost import GraphCost
 from zbcompile.planning import PlanOptions, plan_compiled
-from zbcompile.schedules import Costs
+from zbcompile.schedules import Costs, simulate
 
 
 class HardwareTest(unittest.TestCase):
@@ -93,6 +94,27 @@ class PlanTest(unittest.TestCase):
         cost = self.plan.costed.costs[1].forward
         hw = NAMED["A100-80GB"]
         self.assertAlmostEqual(row["seconds"]["F"], (cost.flops / hw.flops + cost.written_bytes / hw.memory_bandwidth) / hw.efficiency)
+
+    def test_each_stages_gradient_reduction_is_counted_after_its_last_w(self):
+        """dp=2: each stage's reduction is a ring all-reduce of its gradients over the link
+        (a reduce-scatter, half of it, under "shard"), and every schedule's predicted span
+        includes the tail; with dp=1 there is none."""
+        hw = NAMED["A100-80GB"]
+        rows = self.plan.record["stage_rows"]
+        expected = [hw.allreduce_seconds(r["param_bytes"], 2) for r in rows]
+        self.assertEqual(list(self.plan.costs.reduce), expected)
+        self.assertTrue(all(t > 0 for t in expected))
+        for entry in self.plan.record["schedules"]:
+            schedule = self.plan.schedules[entry["name"]]
+            with_tail = simulate(schedule, self.plan.costs)
+            without = simulate(schedule, dataclasses.replace(self.plan.costs, reduce=0.0))
+            self.assertEqual(entry["span"], with_tail.span)
+            self.assertGreater(with_tail.span, without.span)  # rank 0's last W ends its compute
+        self.assertIn("counted in the times above, after the stage's last W", str(self.plan))
+        shard = plan_compiled(self.plan.costed, hw, PlanOptions(microbatches=4, dp=2, data_parallel="shard", schedules=("1f1b",)))
+        self.assertEqual(list(shard.costs.reduce), [t / 2 for t in expected])
+        single = plan_compiled(self.plan.costed, hw, PlanOptions(microbatches=4, dp=1, schedules=("1f1b",)))
+        self.assertFalse(any(single.costs.reduce))
 
     def test_a_small_memory_limit_decides_what_fits(self):
         zb_h2 = next(e for e in self.plan.record["schedules"] if e["name"] == "zb-h2")

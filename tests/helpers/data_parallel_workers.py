@@ -7,12 +7,14 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 import zbcompile
 from helpers import models, real_models
 from helpers.distributed_workers import make_optimizer
 from helpers.multiprocess import replica_of
+from zbcompile.inspect.write import live_dump
 from zbcompile.runtime.optimizer import PostValidatedOptimizer, SynchronousClipOptimizer
 
 STEPS = 3
@@ -20,9 +22,9 @@ PP = 2
 MICROBATCHES = 4  # one row each: the replica's half of the 8-row batch
 
 
-def case_of(name: str, meta: bool = False):
-    """The zoo's or the library's case `name`, with this replica's half of the batch."""
-    case = real_models.build(name, meta=meta) if name in real_models.MODELS else models.build(name)
+def case_of(name: str, meta: bool = False, dtype: torch.dtype = torch.float32):
+    """The zoo's (in `dtype`) or the library's case `name`, with this replica's half of the batch."""
+    case = real_models.build(name, meta=meta) if name in real_models.MODELS else models.build(name, dtype=dtype)
     replicas, replica = replica_of(PP)
     case.args = tuple(models.share(a, replicas, replica) for a in case.args)
     case.kwargs = {k: models.share(v, replicas, replica) for k, v in case.kwargs.items()}
@@ -90,11 +92,33 @@ def train(runs: list[tuple[str, str, int, str, str]], directory: str) -> dict:
             "timeline": list(pipe.runner.timeline),
             "comm_timeline": list(pipe.runner.comm_timeline),
             "explain": pipe.explain(),
+            "state_rows": live_dump(pipe).record["world"]["state_bytes"][pipe.runner.layout.pp_rank],
+            "reduction": pipe.schedule.info.get("reduction"),
         }
     results["checkpoint"] = checkpoint_round_trip(pipe, os.path.join(directory, "dcp"))
     results["post_validation"] = post_validation()
+    results["grad_dtype"] = grad_dtype_runs()
     results["errors"] = errors()
     return results
+
+
+def grad_dtype_runs() -> dict:
+    """The bf16 GPT under zb-h1 with `grad_dtype=torch.float32`, "replicate" and "shard": one
+    step on this replica's half of the batch; this rank's whole gradients by FQN."""
+    result = {}
+    for mode in ("replicate", "shard"):
+        case = case_of("gpt", dtype=torch.bfloat16)
+        pipe = zbcompile.pipeline(
+            case.model, stages=PP, microbatches=MICROBATCHES, loss_fn=case.loss_fn, schedule="zb-h1", timeout=120,
+            data_parallel=mode, grad_dtype=torch.float32, profile=False,
+        )
+        case.step(pipe)
+        result[mode] = {
+            "grads": {n: whole(p.grad) for n, p in pipe.named_parameters() if p.grad is not None},
+            "param_dtypes": {p.dtype for p in pipe.parameters()},
+            "grad_types": {type(p.grad).__name__ for p in pipe.parameters() if p.grad is not None},
+        }
+    return result
 
 
 def checkpoint_round_trip(pipe, path: str) -> dict:
@@ -145,15 +169,41 @@ def post_validation(steps: int = 5, fault_step: int = 2) -> dict:
     return result
 
 
+class _Scaled(nn.Module):
+    """Two linear layers and a scalar parameter, which "shard" cannot cut along a first dimension."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.first(x))) * self.scale
+
+
 def errors() -> dict:
     """Each mistake's error message on this rank: data_parallel="shard" without replicas (a
-    process group of one pipeline), and an unknown data_parallel mode."""
+    process group of one pipeline), an unknown data_parallel mode, a world that pipelines of 3
+    ranks do not divide, a scalar parameter under "shard", and replica 1 passing twice the rows
+    replica 0 passes."""
     result = {}
-    case = case_of("mlp")
     group = dist.new_group(list(range(dist.get_rank() // PP * PP, dist.get_rank() // PP * PP + PP)), use_local_synchronization=True)
-    for label, kwargs in (("no replicas", dict(process_group=group, data_parallel="shard")), ("unknown", dict(data_parallel="fsdp"))):
+    uneven = case_of("mlp")
+    if replica_of(PP)[1] == 1:
+        uneven.args = tuple(torch.cat([a, a]) for a in uneven.args)
+        uneven.target = torch.cat([uneven.target, uneven.target])
+    scaled = models.Case("scaled", _Scaled(), (torch.randn(4, 4),), {}, torch.randn(4, 4), torch.nn.functional.mse_loss)
+    mistakes = (
+        ("no replicas", case_of("mlp"), dict(process_group=group, data_parallel="shard")),
+        ("unknown", case_of("mlp"), dict(data_parallel="fsdp")),
+        ("world", case_of("mlp"), dict(stages=3)),
+        ("scalar", scaled, dict(data_parallel="shard")),
+        ("batch sizes", uneven, dict(schedule="zb-h1")),
+    )
+    for label, case, kwargs in mistakes:
+        options = dict(stages=PP, microbatches=2, loss_fn=case.loss_fn, timeout=60, profile=False) | kwargs
         try:
-            pipe = zbcompile.pipeline(case.model, stages=PP, microbatches=2, loss_fn=case.loss_fn, timeout=60, **kwargs)
+            pipe = zbcompile.pipeline(case.model, **options)
             case.step(pipe)
             result[label] = "no error"
         except (ValueError, TypeError) as error:

@@ -1,8 +1,9 @@
 """Data parallelism on 4 gloo ranks, 2 replicas x a 2-rank pipeline, each replica given its own
 half of the batch (DDP's convention): "replicate" and "shard" (DTensors over "dp") under in-line,
 V and mirrored schedules, a zoo model and a transformers Llama, 3 AdamW steps against eager over
-the whole batch; the gradient reduction overlapped with the step; post-validation, checkpoints
-and errors under "shard". One launch for all of it."""
+the whole batch; the gradient reduction overlapped with the step and counted by zb-auto;
+explain()'s bytes against the tensors'; grad_dtype under "shard"; post-validation, checkpoints
+and errors. One launch for all of it."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from helpers import models, real_models
 from helpers.distributed_workers import make_optimizer
 from helpers.multiprocess import run_ranks
 from zbcompile.inspect.read import SCHEDULE_FILE
+from zbcompile.inspect.text import si
 from zbcompile.inspect.trace import action_events, load_trace, reduction_events, validate_trace
 
 pytestmark = pytest.mark.xdist_group("distributed")
@@ -30,8 +32,8 @@ RUNS = [
     # model's output layer has 3 rows, which 2 replicas do not divide (padded in the collectives)
     ("masked", "dualpipe", 2, "replicate", "foreach"),
     ("masked", "dualpipe", 2, "shard", "foreach"),
-    ("llama", "zb-h1", 2, "replicate", "foreach"),
-    ("llama", "zb-h1", 2, "shard", "foreach"),
+    *[("llama", s, 2, "replicate", "foreach") for s in ("zb-h1", "1f1b", "zb-auto")],
+    *[("llama", s, 2, "shard", "foreach") for s in ("zb-h1", "1f1b", "zb-auto")],
     ("gpt", "zbv", 4, "replicate", "foreach"),
     ("gpt", "zbv", 4, "shard", "foreach"),  # last: its pipeline goes through a checkpoint round trip
 ]
@@ -101,7 +103,7 @@ def test_shard_equals_replicate_bitwise(per_rank):
     """The same schedule and optimizer, gradients reduce-scattered instead of all-reduced: with
     two replicas every element is the same sum (a + b), so the same bits."""
     pairs = [(k, (*k[:3], "shard", k[4])) for k in RUNS if k[3] == "replicate"]
-    assert len(pairs) == 6
+    assert len(pairs) == 8
     for replicate, shard in pairs:
         for result in per_rank:
             for fqn, value in result[replicate]["params"].items():
@@ -116,6 +118,53 @@ def test_shard_holds_dtensors_and_at_most_0_55_of_replicate_bytes(per_rank):
         total = {label: sum(run["bytes"].values()) for label, run in (("replicate", replicate), ("shard", shard))}
         assert 0 < total["shard"] <= 0.55 * total["replicate"], total
         assert "data_parallel='shard' over 2 replicas" in shard["explain"], shard["explain"]
+
+
+def test_explain_counts_the_bytes_each_rank_holds(per_rank):
+    """explain()'s parameters, gradients and optimizer state per rank are the bytes of the
+    tensors the rank holds after the steps (whole under "replicate", its DTensor shards under
+    "shard"; every leading dimension of this model divides by 2), and it prints them."""
+    for mode in ("replicate", "shard"):
+        for rank, result in enumerate(per_rank):
+            run = result[("gpt", "zb-h1", 2, mode, "foreach")]
+            predicted, measured = run["state_rows"], run["bytes"]
+            assert predicted["rank"] == rank % workers.PP
+            assert {k: predicted[k] for k in measured} == measured, (mode, rank, predicted, measured)
+            line = (
+                f"rank {predicted['rank']}: parameters {si(predicted['params'], 'B')}, "
+                f"gradients {si(predicted['grads'], 'B')}, optimizer {si(predicted['optimizer'], 'B')}"
+            )
+            assert line in run["explain"], (line, run["explain"])
+            assert "peak activations per rank" in run["explain"]
+
+
+def test_zb_auto_counts_each_stages_reduction(per_rank):
+    """With 2 replicas zb-auto solves with each stage's reduction time (its gradient bytes over
+    the largest boundary message's, times that message's): an all-reduce moves twice a
+    reduce-scatter's bytes; explain() shows them. 1f1b (the same compile) records the same
+    times: its predicted step has the same tails, though nothing is solved with them."""
+    for name in ("gpt", "llama"):
+        replicate = per_rank[0][(name, "zb-auto", 2, "replicate", "foreach")]["reduction"]
+        shard = per_rank[0][(name, "zb-auto", 2, "shard", "foreach")]["reduction"]
+        assert len(replicate) == 2 and all(r > 0 for r in replicate), replicate
+        assert list(shard) == [r / 2 for r in replicate], (replicate, shard)
+        assert "gradient reduction over the replicas" in per_rank[0][(name, "zb-auto", 2, "shard", "foreach")]["explain"]
+        for result in per_rank:
+            assert result[(name, "zb-auto", 2, "shard", "foreach")]["reduction"] == shard
+            assert result[(name, "1f1b", 2, "shard", "foreach")]["reduction"] == shard
+
+
+def test_grad_dtype_under_shard_equals_replicate_bitwise(per_rank):
+    """A bf16 model with grad_dtype=float32: "shard" accumulates and reduce-scatters in float32,
+    the same bits as "replicate"'s all-reduce (two replicas: a + b)."""
+    for result in per_rank:
+        replicate, shard = result["grad_dtype"]["replicate"], result["grad_dtype"]["shard"]
+        assert replicate["param_dtypes"] == shard["param_dtypes"] == {torch.bfloat16}
+        assert shard["grad_types"] == {"DTensor"} and replicate["grad_types"] == {"Tensor"}
+        assert replicate["grads"].keys() == shard["grads"].keys() and replicate["grads"]
+        for fqn, grad in replicate["grads"].items():
+            assert grad.dtype == shard["grads"][fqn].dtype == torch.float32, fqn
+            assert torch.equal(grad, shard["grads"][fqn]), fqn
 
 
 def test_gradient_reduction_starts_before_the_ranks_last_action(per_rank):
@@ -171,7 +220,14 @@ def test_post_validation_under_shard_equals_the_synchronous_reference_bitwise(pe
 
 
 def test_data_parallel_mistakes_are_clear_errors(per_rank):
-    for result in per_rank:
+    for rank, result in enumerate(per_rank):
         errors = result["errors"]
         assert errors["no replicas"].startswith("ValueError") and "1 replica" in errors["no replicas"], errors
         assert "data_parallel must be one of" in errors["unknown"], errors
+        assert errors["world"].startswith("ValueError") and "world size 4" in errors["world"], errors
+        assert "3 ranks per pipeline" in errors["world"] and "launch a multiple of 3" in errors["world"], errors
+        assert errors["scalar"].startswith("ValueError") and "'scale' is a scalar" in errors["scalar"], errors
+        sizes = errors["batch sizes"]
+        assert sizes.startswith("ValueError") and "batches of different sizes" in sizes, errors
+        others = [r for r in range(4) if r % workers.PP == rank % workers.PP]
+        assert all(f"rank {r}: {n}" in sizes for r, n in zip(others, (4, 8))), sizes

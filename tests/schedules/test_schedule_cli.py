@@ -68,3 +68,12 @@ def test_memory_limit_spec():
     assert cli.memory_limit_for("2p", "zb-auto", 4, Costs(mem_b=[1, 2, 1, 1])) == [8, 16, 8, 8]
     assert cli.memory_limit_for("1p", "zbv", 4, Costs()) == [4, 4]
     assert cli.memory_limit_for("7.5", "zb-auto", 4, Costs()) == 7.5
+
+
+def test_cli_counts_each_stages_reduction(capsys):
+    """--reduce 3,0: 1F1B's span grows by stage 0's reduction, the tail after its last B."""
+    rows = []
+    for reduce in ("0", "3,0"):
+        _run(["schedule", "--stages", "2", "--microbatches", "4", "--reduce", reduce, "--schedule", "1f1b", "--no-grid"])
+        rows.append(capsys.readouterr().out.splitlines()[2].split())
+    assert float(rows[1][4]) == float(rows[0][4]) + 3.0  # span

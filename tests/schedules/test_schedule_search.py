@@ -29,9 +29,14 @@ TABLE5 = {  # (model, m, memory in units of p M_B) -> the paper's rate
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.integers(1, 6), st.integers(1, 12), st.sampled_from(["1f1b", "zb-h1", "zb-h2"]), st.floats(0.0, 1.0))
-def test_fast_evaluator_agrees_with_the_simulator(p, m, name, comm):
-    costs = Costs(f=[1.0 + 0.1 * s for s in range(p)], i=1.3, w=0.7, comm=comm)
+@given(
+    st.integers(1, 6), st.integers(1, 12), st.sampled_from(["1f1b", "zb-h1", "zb-h2"]), st.floats(0.0, 1.0),
+    st.sampled_from([0.0, 0.5, 6.0]),
+)
+def test_fast_evaluator_agrees_with_the_simulator(p, m, name, comm, reduce):
+    """Also with gradient reductions after each stage's last W (on the first and last stage)."""
+    reductions = [reduce if s in (0, p - 1) else 0.0 for s in range(p)]
+    costs = Costs(f=[1.0 + 0.1 * s for s in range(p)], i=1.3, w=0.7, comm=comm, reduce=reductions)
     sched = make_schedule(name, p, m, costs, check=False)
     if name == "1f1b":
         from zbcompile.schedules.heuristic import split_backward

@@ -54,9 +54,11 @@ def format_schedules(record: dict[str, Any]) -> str:
         "stage bubble = 1 - busy / (ranks x span)",
     ]
     if record.get("allreduce_seconds"):
+        how = "ring all-reduce" if record.get("data_parallel", "replicate") == "replicate" else "reduce-scatter"
         text.append(
-            f"plus the data-parallel gradient reduction after the step: {seconds_text(record['allreduce_seconds'])} "
-            f"(ring over dp={record['dp']}, largest rank's gradients, not overlapped)"
+            f"each stage's data-parallel gradient reduction ({how} over dp={record['dp']}, up to "
+            f"{seconds_text(record['allreduce_seconds'])} for the largest rank's gradients all-reduced) is counted "
+            "in the times above, after the stage's last W, on the link while the rank's other work goes on"
         )
     text.append(zb_auto_line(record))
     return "\n".join(text)

@@ -152,22 +152,26 @@ def format_stages(rows: Sequence[dict[str, Any]], shared: dict[str, Sequence[int
     return "\n".join(lines + ([tied] if tied else []))
 
 
-def state_rows(compiled: "CompiledPipeline", stages_on: Sequence[Sequence[int]], replicas: int, mode: str) -> list[dict[str, int]]:
-    """Per pipeline rank (holding stages `stages_on[rank]`): the bytes of parameters, gradients and
-    Adam(W)'s two moments it holds outside a step under data-parallel `mode` ("replicate", or
-    "shard" over `replicas`: a replica's rows padded as `runtime.sharding.Rows` pads them, the most
-    any replica holds), a tied weight counted on every rank that holds it."""
+def state_rows(
+    compiled: "CompiledPipeline", stages_on: Sequence[Sequence[int]], replicas: int, mode: str, grad_dtype: Any = None
+) -> list[dict[str, int]]:
+    """Per pipeline rank (holding stages `stages_on[rank]`): the bytes of parameters, gradients (in
+    `grad_dtype` where given, else the parameter's) and Adam(W)'s two moments it holds outside a
+    step under data-parallel `mode` ("replicate", or "shard" over `replicas`: a replica's rows
+    padded as `runtime.sharding.Rows` pads them, the most any replica holds), a tied weight
+    counted on every rank that holds it."""
     params = dict(compiled.traced.model.named_parameters())
     rows = []
     for rank, stages in enumerate(stages_on):
-        held = 0
+        held = grads = 0
         for fqn in {f for s in stages for f in compiled.partition.stages[s].param_fqns}:
             p = params[fqn]
             numel = p.numel()
             if mode == "shard" and p.dim() > 0:
                 numel = math.ceil(p.shape[0] / replicas) * math.prod(p.shape[1:])
             held += numel * p.element_size()
-        rows.append({"rank": rank, "params": held, "grads": held, "optimizer": 2 * held})
+            grads += numel * (grad_dtype.itemsize if grad_dtype is not None and p.is_floating_point() else p.element_size())
+        rows.append({"rank": rank, "params": held, "grads": grads, "optimizer": 2 * held})
     return rows
 
 
@@ -298,6 +302,9 @@ def format_schedule(version: dict[str, Any], count: int = 1, memory_unit: int | 
         for s in range(version["stages"])
     ]
     lines.append(format_table(("stage", "F", "I", "W", "M_B", "M_W"), rows))
+    if any(costs.get("reduce", ())):
+        shown = ", ".join(f"{s} {_time(t, unit)}" for s, t in enumerate(costs["reduce"]))
+        lines.append(f"gradient reduction over the replicas after each stage's last W (on the link, counted in the prediction): {shown}")
     if version.get("memory_limit"):
         shown = ", ".join(si(v * unit_bytes, "B") if memory_unit else f"{v:.2f}" for v in version["memory_limit"])
         rule = version.get("info", {}).get("memory_limit_rule", "the schedule's own")

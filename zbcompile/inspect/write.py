@@ -33,6 +33,7 @@ import os
 import re
 import socket
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from zbcompile.inspect.read import COMPILE_FILE, FORWARD_FILE, GRAPH_FILES, SCHEDULE_FILE, Dump
@@ -94,13 +95,18 @@ def compile_record(compiled: "CompiledPipeline", options: Any, world: dict[str, 
 def schedule_costs_used(schedule: Schedule, compiled: "CompiledPipeline", measured: Costs | None) -> tuple[Costs, str]:
     """The costs `schedule` was made with and where they came from ("measured": seconds the
     pipeline measured; "given": `pipeline(costs=...)`; "static": the compiler's FLOP-equivalent
-    estimates)."""
+    estimates), with each stage's gradient reduction time the schedule was solved with where the
+    pipeline has replicas (`info["reduction"]`, in the static or given costs' unit)."""
     source = schedule.info.get("cost_source")
     if source == "measured" and measured is not None:
-        return measured, "measured"
-    if source == "given" and isinstance(schedule.info.get("costs"), Costs):
-        return schedule.info["costs"], "given"
-    return compiled.schedule_costs(), "static"
+        costs, source = measured, "measured"
+    elif source == "given" and isinstance(schedule.info.get("costs"), Costs):
+        costs, source = schedule.info["costs"], "given"
+    else:
+        costs, source = compiled.schedule_costs(), "static"
+    if source != "measured" and "reduction" in schedule.info and not any(resolve_costs(costs, schedule.stages).reduce):
+        costs = replace(costs, reduce=tuple(schedule.info["reduction"]))
+    return costs, source
 
 
 def schedule_record(schedule: Schedule, costs: Costs, cost_source: str, memory_unit: int, version: int) -> dict[str, Any]:
@@ -122,7 +128,7 @@ def schedule_record(schedule: Schedule, costs: Costs, cost_source: str, memory_u
             "lowered": lower(schedule).rows_as_text(),
             "cost_source": cost_source,
             "time_unit": {"measured": "s", "static": "FLOP-eq"}.get(cost_source, "given unit"),
-            "costs": {k: getattr(resolved, k) for k in ("f", "i", "w", "comm", "mem_b", "mem_w")},
+            "costs": {k: getattr(resolved, k) for k in ("f", "i", "w", "comm", "mem_b", "mem_w", "reduce")},
             "memory_limit": limits,
             "prediction": {
                 "makespan": result.makespan,
@@ -295,19 +301,19 @@ def start_dump(dump_dir: str | os.PathLike | None, compiled: "CompiledPipeline",
             }
         )
     if dump.writes_compile:
-        dump.write_compile(options, world_of(runner, schedule))
+        dump.write_compile(options, world_of(runner, schedule, options.grad_dtype))
     return dump
 
 
-def world_of(runner: Any, schedule: Schedule) -> dict[str, Any]:
+def world_of(runner: Any, schedule: Schedule, grad_dtype: Any = None) -> dict[str, Any]:
     """How the pipeline runs: distributed or in one process, world size, ranks per pipeline,
-    data-parallel replicas and mode, and each pipeline rank's bytes of parameters, gradients and
-    optimizer state (`text.state_rows`)."""
+    data-parallel replicas and mode, and each pipeline rank's bytes of parameters, gradients (in
+    `grad_dtype` where given) and optimizer state (`text.state_rows`)."""
     layout = getattr(runner, "layout", None)
     replicas = 1 if layout is None else layout.dp_size
     mode = getattr(runner, "data_parallel", "replicate") if replicas > 1 else "replicate"
     stages_on = [schedule.stages_on(rank) for rank in range(schedule.ranks)]
-    data_parallel = {"replicas": replicas, "data_parallel": mode, "state_bytes": state_rows(runner.compiled, stages_on, replicas, mode)}
+    data_parallel = {"replicas": replicas, "data_parallel": mode, "state_bytes": state_rows(runner.compiled, stages_on, replicas, mode, grad_dtype)}
     if layout is None:
         return {"distributed": False, "world_size": 1, "ranks_per_pipeline": schedule.ranks, **data_parallel}
     return {"distributed": True, "world_size": layout.pp_size * layout.dp_size, "ranks_per_pipeline": layout.pp_size, **data_parallel}
@@ -318,7 +324,7 @@ def live_dump(pipe: Any, compile_dump: CompileDump | None = None) -> Dump:
     schedule versions (`compile_dump`'s, else the current schedule's) and the trace merged from
     `compile_dump`'s rank timelines (every rank's that has written)."""
     compiled, schedule = pipe.compiled, pipe.schedule
-    record = compile_record(compiled, pipe.options, world_of(pipe.runner, schedule))
+    record = compile_record(compiled, pipe.options, world_of(pipe.runner, schedule, pipe.options.grad_dtype))
     if compile_dump is None:
         costs, source = schedule_costs_used(schedule, compiled, pipe.measured_costs)
         return Dump(None, record, [schedule_record(schedule, costs, source, compiled.memory_unit(), 0)], None)

@@ -19,14 +19,14 @@ from zbcompile import auto_recompute
 from zbcompile.compiler import CompiledPipeline, compile_forward_only, compile_pipeline
 from zbcompile.inspect.write import CompileDump, start_dump
 from zbcompile.passes.graph_cost import FLOPS_PER_BYTE
-from zbcompile.runtime import batch, batch_loss, placement, profile, sharding
+from zbcompile.runtime import batch, batch_loss, grad_reduction, placement, profile, sharding
 from zbcompile.runtime.distributed import DistributedRunner, Layout, make_layout
 from zbcompile.runtime.forward_only import ForwardRunner
 from zbcompile.runtime.local import InProcessTransport, LocalRunner
 from zbcompile.runtime.p2p import device_for
 from zbcompile.runtime.runner import Runner
 from zbcompile.schedules import Costs, Schedule, make_schedule, pipeline_ranks, schedule_label, schedule_spec
-from zbcompile.schedules.costs import ResolvedCosts, resolve_costs
+from zbcompile.schedules.costs import ResolvedCosts, resolve_costs, with_reduction
 from zbcompile.schedules.memory_limit import (
     DEFAULT_LIMIT_RULE,
     default_limit,
@@ -265,8 +265,10 @@ class Builder:
                     raise
                 raise ValueError(f"{limit_in_words(self.options.memory_limit, compiled.memory_unit())}: {error}") from error
             limit = arguments["memory_limit"]
+            reduction = with_reduction(costs, self.reduction_per_message(compiled)).reduce  # as solve_arguments counts it
             return schedule.with_info(
                 **({"cost_source": "given", "costs": given} if given is not None else {"cost_source": "static"}),
+                **({"reduction": tuple(reduction)} if not isinstance(reduction, (int, float)) and any(reduction) else {}),
                 **({"memory_limit": limit, "memory_limit_rule": self._limit_rule()} if limit is not None else {}),
             )
 
@@ -301,6 +303,7 @@ class Builder:
         costs. Without a limit, `memory_limit.default_limit`'s rule on the costs solved with."""
         o = self.options
         limit = in_schedule_units(o.memory_limit, compiled.memory_unit())
+        costs = with_reduction(costs, self.reduction_per_message(compiled))
         arguments = dict(
             name=o.schedule, stages=o.stages, microbatches=o.microbatches, costs=costs, memory_limit=limit,
             time_budget=o.solver_time_budget, objective=o.objective, placements=placements,
@@ -315,6 +318,12 @@ class Builder:
         if limit is None:
             arguments["memory_limit"] = default_limit(o.schedule, o.stages, o.microbatches, arguments["costs"], compiled.checkpointed())
         return arguments
+
+    def reduction_per_message(self, compiled: CompiledPipeline) -> tuple[float, ...]:
+        """Per compiled stage, its gradient reduction over the replicas in boundary messages
+        (`grad_reduction.reduction_per_message`): what the schedule counts after its last W."""
+        replicas = self.layout().dp_size if self.distributed else 1
+        return grad_reduction.reduction_per_message(compiled, replicas, self.options.data_parallel, self.options.grad_dtype)
 
     def _is_v_compile(self, compiled: CompiledPipeline) -> bool:
         """Whether `compiled` is zb-auto's V: twice the stages the pipeline was given."""
@@ -468,9 +477,12 @@ class Builder:
         return built
 
     def _check_shardable(self, layout: Layout) -> None:
-        """data_parallel="shard" needs replicas on a DeviceMesh with a "dp" dimension."""
+        """data_parallel="shard" needs replicas on a DeviceMesh with a "dp" dimension, and every
+        parameter a leading dimension (checked on every rank, before any rank places its own)."""
         if self.options.data_parallel != "shard":
             return
+        for name, param in self.module.named_parameters():
+            sharding.check_shardable(name, param)
         if layout.dp_size < 2 or layout.mesh is None:
             raise ValueError(
                 f"data_parallel='shard' shards parameters over data-parallel replicas, but this pipeline has "

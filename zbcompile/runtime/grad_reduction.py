@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -29,9 +29,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from zbcompile.runtime.sharding import ReduceScatterLayout, wait
 from zbcompile.schedules import Action
+from zbcompile.schedules.simulate import GRAD_KINDS
+
+if TYPE_CHECKING:
+    from zbcompile.compiler import CompiledPipeline
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
-GRAD_KINDS = ("W", "B")  # the actions that accumulate parameter gradients
 
 
 @dataclass(frozen=True)
@@ -159,6 +162,30 @@ class GradReduction:
         self.timeline += [(label, start, end) for label, (start, end) in spans.items()]
         self._buckets = []
         return reduced
+
+
+def reduction_per_message(
+    compiled: "CompiledPipeline", replicas: int, mode: str, grad_dtype: torch.dtype | None = None
+) -> tuple[float, ...]:
+    """Per compiled stage, the bytes a rank moves to average the stage's gradients over
+    `replicas` (a ring all-reduce moves 2 (d-1)/d of them, "replicate"; a reduce-scatter (d-1)/d,
+    "shard"; in `grad_dtype` where given), in units of the largest boundary message, the one a
+    schedule's `comm` times: `schedules.costs.with_reduction` turns them into reduction times.
+    Zeros for one replica."""
+    largest = max(compiled.partition.boundary_bytes, default=0)
+    if replicas < 2 or largest == 0:
+        return (0.0,) * len(compiled.partition.stages)
+    share = (2 if mode == "replicate" else 1) * (replicas - 1) / replicas
+    params = dict(compiled.traced.model.named_parameters())
+    per_stage = []
+    for stage in compiled.partition.stages:
+        nbytes = 0
+        for fqn in stage.param_fqns:
+            p = params[fqn]
+            size = grad_dtype.itemsize if grad_dtype is not None and p.is_floating_point() else p.element_size()
+            nbytes += p.numel() * size
+        per_stage.append(share * nbytes / largest)
+    return tuple(per_stage)
 
 
 def _buckets(fqns: Sequence[str], grads: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[list[str]]:

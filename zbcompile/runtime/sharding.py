@@ -13,7 +13,9 @@ A step gathers each stage's parameters with one asynchronous all-gather per stag
 posted when the step starts, all stages at once; `Gathered` waits for a stage's when one of its parameters is
 first read, that is before the stage's first action), keeps them whole for the step (what
 torchtitan does under pipelining: reshard_after_forward=False) and drops them after the stage's
-last W or B (`Gathered.release`). Gradients are reduce-scattered (`ReduceScatterLayout`). Both
+last W or B (`Gathered.release`). A gathered tensor carries its parameter's `grad_dtype`, so a
+stage accumulates gradients in it and they are reduce-scattered in it (`ReduceScatterLayout`),
+as "replicate" all-reduces them. Both
 collectives work on rows padded to ceil(rows / dp) per replica, as FSDP2 pads; gloo and NCCL run
 them natively (`all_gather_single`, `reduce_scatter_single`), one code path."""
 
@@ -118,6 +120,7 @@ class _StageGather:
         for name, p, rows, width in zip(self.names, self.params, self.rows, self.widths):
             block = by_replica[:, offset : offset + width].reshape(-1, *p.shape[1:])
             result[name] = block[: rows.total].clone()
+            result[name].grad_dtype = p.grad_dtype  # gradients accumulate in the parameter's grad_dtype
             offset += width
         self.received = None
         return result

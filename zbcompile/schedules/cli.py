@@ -53,6 +53,10 @@ def register(subparsers) -> None:
     p.add_argument("--i", type=_floats, default=1.0, help="input-gradient backward time")
     p.add_argument("--w", type=_floats, default=1.0, help="weight-gradient backward time")
     p.add_argument("--comm", type=float, default=0.0, help="point-to-point delay between ranks")
+    p.add_argument(
+        "--reduce", type=_floats, default=0.0,
+        help="each stage's gradient reduction over data-parallel replicas, after its last W (0: one replica)",
+    )
     p.add_argument("--mem-b", type=_floats, default=1.0, help="activation memory of one microbatch (M_B)")
     p.add_argument("--mem-w", type=_floats, default=0.5, help="memory W still needs after I (M_W)")
     p.add_argument("--memory-limit", default=None, help="1p, 2p (multiples of 1F1B's peak) or a number")
@@ -96,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     unknown = [n for n in names if n not in SCHEDULE_NAMES]
     if unknown:
         raise SystemExit(f"unknown schedule(s) {unknown}; choose from {', '.join(SCHEDULE_NAMES)}")
-    costs = Costs(f=args.f, i=args.i, w=args.w, comm=args.comm, mem_b=args.mem_b, mem_w=args.mem_w)
+    costs = Costs(f=args.f, i=args.i, w=args.w, comm=args.comm, mem_b=args.mem_b, mem_w=args.mem_w, reduce=args.reduce)
     built = [_built(name, args, costs) for name in names]
     print(format_table([s for s, _ in built], [sc for _, sc in built]))
     for sched, sc in built:

@@ -6,6 +6,11 @@ weight-gradient backward W; a fused backward B costs ``i + w``. Memory follows t
 W frees ``mem_w`` (M_W), a fused B frees ``mem_b``. Every field is a scalar or one value per stage;
 for multi-chunk schedules a "stage" is a chunk.
 
+``reduce`` is the time of a stage's gradient reduction over data-parallel replicas (0 without
+replicas). It starts once the stage's last W (or fused B) has ended and the rank's link has
+finished the reductions posted before it; it occupies that link, not the rank's compute, and the
+rank's step ends when both its actions and its reductions have (``simulate``).
+
 ``mem_w`` may exceed ``mem_b``. On real stages it often does: I frees what only it needed
 (attention scores, MLP pre-activations) but allocates the output gradients every weight gradient
 needs, so W's inputs can outweigh F's saved activations. Then I *adds* ``mem_w - mem_b`` and a
@@ -16,8 +21,8 @@ rank's peak can occur right after an I. A fused B is I then W in one action: it 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Sequence, Union
+from dataclasses import dataclass, replace
+from typing import Sequence, TypeVar, Union
 
 Number = Union[int, float]
 PerStage = Union[Number, Sequence[Number]]
@@ -64,10 +69,20 @@ class ResolvedCosts:
     comm: float
     mem_b: tuple[float, ...]
     mem_w: tuple[float, ...]
+    reduce: tuple[float, ...] = ()  # () or zeros: no reduction
 
     @property
     def stages(self) -> int:
         return len(self.f)
+
+    @property
+    def reduces(self) -> bool:
+        """Whether any stage's gradient reduction takes time."""
+        return any(self.reduce)
+
+    def reduction(self, stage: int) -> float:
+        """Time of `stage`'s gradient reduction (0 without replicas)."""
+        return self.reduce[stage] if self.reduce else 0.0
 
     def duration(self, stage: int, kind: str) -> float:
         """Compute time of one action; communication actions take no compute time."""
@@ -115,7 +130,9 @@ class ResolvedCosts:
         def split(values: tuple[float, ...]) -> tuple[float, ...]:
             return tuple(v / chunks for v in values for _ in range(chunks))
 
-        return ResolvedCosts(split(self.f), split(self.i), split(self.w), self.comm, split(self.mem_b), split(self.mem_w))
+        return ResolvedCosts(
+            split(self.f), split(self.i), split(self.w), self.comm, split(self.mem_b), split(self.mem_w), split(self.reduce)
+        )
 
     def merged(self, chunks: int) -> "ResolvedCosts":
         """The inverse cut: every ``chunks`` consecutive chunks summed into one stage (times and
@@ -126,14 +143,17 @@ class ResolvedCosts:
         def merge(values: tuple[float, ...]) -> tuple[float, ...]:
             return tuple(sum(values[s : s + chunks]) for s in range(0, len(values), chunks))
 
-        return ResolvedCosts(merge(self.f), merge(self.i), merge(self.w), self.comm, merge(self.mem_b), merge(self.mem_w))
+        return ResolvedCosts(
+            merge(self.f), merge(self.i), merge(self.w), self.comm, merge(self.mem_b), merge(self.mem_w), merge(self.reduce)
+        )
 
 
 @dataclass(frozen=True)
 class Costs:
     """Costs of F/I/W per stage, communication delay and the memory of one microbatch.
 
-    Defaults are uniform unit costs with no communication, ``mem_b=1`` and ``mem_w=0.5``.
+    Defaults are uniform unit costs with no communication, ``mem_b=1`` and ``mem_w=0.5``, and no
+    gradient reduction (``reduce=0``: one replica).
     ``mem_w`` may exceed ``mem_b``: an I then adds ``mem_w - mem_b`` (see the module docstring).
     """
 
@@ -143,6 +163,7 @@ class Costs:
     comm: Number = 0.0
     mem_b: PerStage = 1.0
     mem_w: PerStage = 0.5
+    reduce: PerStage = 0.0
 
     def resolve(self, stages: int) -> ResolvedCosts:
         """One value per stage; raises ValueError on a length mismatch or a negative value."""
@@ -157,6 +178,7 @@ class Costs:
             comm=float(self.comm),
             mem_b=mem_b,
             mem_w=mem_w,
+            reduce=_per_stage("reduce", self.reduce, stages),
         )
 
 
@@ -177,6 +199,19 @@ def warmup_windows(stage_to_rank: Sequence[int], costs: ResolvedCosts) -> list[f
     for s in range(stages - 2, -1, -1):
         grad_back[s] = grad_back[s + 1] + costs.i[s + 1] + delay(s + 1, s)
     return [back - first for first, back in zip(first_f, grad_back)]
+
+
+CostsLike = TypeVar("CostsLike", Costs, ResolvedCosts)
+
+
+def with_reduction(costs: CostsLike, per_comm: Sequence[float]) -> CostsLike:
+    """``costs`` with each stage's reduction time ``per_comm[s] x costs.comm``: a reduction that
+    moves ``per_comm[s]`` times the bytes of the message ``comm`` times, over the same link. Costs
+    that already give a reduction time keep it."""
+    given = costs.reduce if isinstance(costs.reduce, (int, float)) else any(costs.reduce)
+    if given or not any(per_comm) or not costs.comm:
+        return costs
+    return replace(costs, reduce=tuple(float(costs.comm) * r for r in per_comm))
 
 
 def resolve_costs(costs: Costs | ResolvedCosts | None, stages: int) -> ResolvedCosts:

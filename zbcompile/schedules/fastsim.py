@@ -4,7 +4,8 @@ The search in ``search.py`` re-times thousands of candidate orders, so this modu
 lists of ints instead of ``Action`` objects. An action is ``(kind * S + stage) * M + microbatch``
 with kind 0 = F, 1 = I, 2 = W (split backward only), so every id from ``first_w`` on is a W. The timing rule is ``timing.asap_timing``'s:
 every action starts as soon as its rank is free and its inputs have arrived, in each rank's order,
-a cross-rank input delayed by ``comm``. ``tests/schedules/test_schedule_search.py`` checks that both agree.
+a cross-rank input delayed by ``comm``; a rank ends when its last action and its stages' gradient
+reductions (``costs.reduce``, ``simulate.reduction_ends``) have. ``tests/schedules/test_schedule_search.py`` checks that both agree.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class Evaluator:
         self.cross = [-1] * n  # producer on (possibly) another rank
         self.delay = [0.0] * n
         self.local = [-1] * n  # producer on the same stage
+        self.reduce = tuple(costs.reduction(s) for s in range(S)) if costs.reduces else None
+        self.stages_on = [[s for s in range(S) if stage_to_rank[s] == r] for r in range(self.ranks)]
         for s in range(S):
             here = stage_to_rank[s]
             for k in range(M):
@@ -125,7 +128,17 @@ class Evaluator:
                     progress = True
         if any(p < n for p, n in zip(pos, lengths)):
             return None
+        if self.reduce is not None:
+            free = [self._reduced(r, t, end) for r, t in enumerate(free)]
         return first, free
+
+    def _reduced(self, rank: int, last: float, end: Sequence[float]) -> float:
+        """When ``rank`` ends (its last action at ``last``) once its link has reduced its stages'
+        gradients, each from its last W's end on, in the order those end."""
+        link, first_w, M = 0.0, self.first_w, self.M
+        for done, s in sorted((max(end[first_w + s * M : first_w + (s + 1) * M]), s) for s in self.stages_on[rank]):
+            link = max(link, done) + self.reduce[s]
+        return max(last, link)
 
     def peak(self, row: Sequence[int]) -> float:
         mem = self.mem

@@ -467,7 +467,7 @@ def _costs_of(ev: Evaluator) -> ResolvedCosts:
     comm = max((ev.delay[ev.id(s, 0, 0)] for s in range(1, S)), default=0.0)
     mem_b = tuple(ev.mem[ev.id(s, 0, 0)] for s in range(S))
     mem_w = tuple(-ev.mem[ev.id(s, 2, 0)] for s in range(S))
-    return ResolvedCosts(f, i, w, comm, mem_b, mem_w)
+    return ResolvedCosts(f, i, w, comm, mem_b, mem_w, ev.reduce or ())
 
 
 def make_room(ev: Evaluator, rows: Sequence[Sequence[int]], limits: Sequence[float]) -> list[list[int]] | None:
