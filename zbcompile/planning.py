@@ -146,7 +146,7 @@ def plan_compiled(costed: CostedPipeline, hardware: Hardware, options: PlanOptio
     model = costed.traced.model
     rows = stage_rows_of(model.named_parameters(), costed.partition, costed.costs)
     for row, cost in zip(rows, costed.costs):
-        row["state"] = state_bytes(row["param_bytes"], o.dp, o.data_parallel, o.grad_factor, o.optimizer_factor)
+        row["state"] = state_bytes(row["held_param_bytes"], o.dp, o.data_parallel, o.grad_factor, o.optimizer_factor)
         row["seconds"] = {kind: hardware.pass_seconds(g, kind) for kind, g in pass_costs(cost).items()}
     unit = float(max([c.mem_b for c in costed.costs] + [1]))
     comm = hardware.link_seconds(max(costed.partition.boundary_bytes, default=0))

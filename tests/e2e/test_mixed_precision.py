@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import zbcompile
+from helpers import launches
 from helpers import precision_workers as workers
-from helpers.multiprocess import run_ranks
 from helpers.real_models import MICROBATCHES
 from zbcompile.schedules.registry import SCHEDULE_NAMES, schedule_spec
 
@@ -85,7 +85,7 @@ def test_grad_dtype_must_be_a_floating_dtype():
 
 @pytest.mark.xdist_group("distributed")
 def test_two_ranks_every_schedule_grad_dtype_and_post_validation_in_bf16():
-    per_rank = run_ranks(2, workers.train_all_schedules)
+    per_rank = launches.two_rank_results("precision")  # the shared two-rank launch
     references = {mode: workers.eager_microbatches(workers.llama(mode)) for mode in workers.MODES}
     keys = [k for k in per_rank[0] if isinstance(k, tuple)]
     assert {name for _, name in keys} == set(SCHEDULE_NAMES)

@@ -7,16 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import launches
 from helpers import pipelining_workers as workers
-from helpers.multiprocess import run_ranks
 
 pytestmark = pytest.mark.xdist_group("distributed")
 
-SCHEDULES = ["interleaved-zb", "zbv"]
+SCHEDULES = launches.PIPELINING_SCHEDULES
 
 
 def test_zero_bubble_schedules_over_compiled_stages_match_eager():
-    per_rank = run_ranks(2, workers.pipelined_steps, SCHEDULES)
+    per_rank = launches.two_rank_results("pipelining")  # the shared two-rank launch
     reference = workers.pipelining_interop.eager_grads()
     microbatches = workers.pipelining_interop.MICROBATCHES
     for schedule in SCHEDULES:

@@ -116,6 +116,27 @@ class PlanTest(unittest.TestCase):
         single = plan_compiled(self.plan.costed, hw, PlanOptions(microbatches=4, dp=1, schedules=("1f1b",)))
         self.assertFalse(any(single.costs.reduce))
 
+    def test_state_per_rank_is_what_torch_holds_after_an_adamw_step(self):
+        """Measured, not modelled: the same GPT materialised and compiled in one process (the same
+        cut), one step and one AdamW step; per stage, the bytes of its parameters, their .grad and
+        AdamW's two moments as torch holds them equal the plan's state (dp=2 "replicate": whole)."""
+        torch.manual_seed(0)
+        model = GPT(self.model.config)
+        pipe = zbcompile.pipeline(model, stages=3, microbatches=4, loss_fn=lm_loss, schedule="1f1b")
+        tokens = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
+        pipe.step(tokens, target=tokens)
+        optimizer = torch.optim.AdamW(pipe.parameters())
+        optimizer.step()
+        params = dict(model.named_parameters())
+        for stage, row in zip(pipe.compiled.partition.stages, self.plan.record["stage_rows"]):
+            self.assertEqual(sorted(stage.param_fqns), sorted(row["param_fqns"]))
+            held = 0
+            for fqn in stage.param_fqns:
+                p = params[fqn]
+                moments = (optimizer.state[p]["exp_avg"], optimizer.state[p]["exp_avg_sq"])
+                held += sum(t.numel() * t.element_size() for t in (p, p.grad, *moments))
+            self.assertEqual(held, self.plan.state[stage.index], stage.index)
+
     def test_a_small_memory_limit_decides_what_fits(self):
         zb_h2 = next(e for e in self.plan.record["schedules"] if e["name"] == "zb-h2")
         one_f_one_b = next(e for e in self.plan.record["schedules"] if e["name"] == "1f1b")

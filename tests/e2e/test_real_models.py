@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import zbcompile
+from helpers import launches
 from helpers import real_model_workers as workers
 from helpers.grads import FP32, assert_grads_close, grads_of
-from helpers.multiprocess import run_ranks
 from helpers.real_models import MICROBATCHES, NAMES, build
 
 SCHEDULES = ("1f1b", "zb-h1", "zbv")
@@ -65,7 +65,7 @@ def test_meta_models_loaded_from_a_full_state_dict_train_on_two_ranks():
     untouched, and each rank's measured peak activation bytes stay within what the forward-only
     schedule predicts; `return_outputs=True` gives eager's eval-mode logits for the whole batch."""
     runs = workers.RUNS
-    per_rank = run_ranks(2, workers.meta_train, runs)
+    per_rank = launches.two_rank_results("real_models")  # the shared two-rank launch
     for name, stages, schedule in runs:
         case, eager_loss, eager_grads = _eager(name)
         key = (name, stages, schedule)

@@ -1,92 +1,208 @@
 """When the distributed runner posts its receives: ahead of the action list where the transport
 pairs messages by tag (gloo), and never before an earlier send, to any peer, where it pairs
-them by order (NCCL). Replays the runner's posting logic on real lowered schedules, without
-processes (`test_nccl_replay.py` runs the whole interpreter under NCCL's rules)."""
+them by order (NCCL). One step of each rank of real lowered schedules runs through the runtime's
+own interpreter (`runtime/dispatch.Interpreter`, with `readiness.ReceivesAhead`) over a
+transport that records what is posted, without processes; a change to the runtime's posting
+order is what these tests see (`test_nccl_replay.py` replays the same interpreter under NCCL's
+pairing rules)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+from typing import Sequence
 
 import pytest
 import torch
 
 from zbcompile.runtime import readiness
+from zbcompile.runtime.dispatch import Interpreter
 from zbcompile.runtime.program import rank_program
-from zbcompile.schedules import lower, make_schedule, schedule_spec
+from zbcompile.schedules import Costs, lower, make_schedule, schedule_spec
+from zbcompile.schedules.costs import resolve_costs
+
+NAMES = ("x",)  # what every message carries
+LAYOUT = (torch.Size([2]), torch.float32)
 
 
-class _Recorder:
-    """Stands in for the Transport: records the order in which receives are posted."""
+class _RecordingTransport:
+    """A `MessageTransport` that records, in order, every receive the interpreter posts and every
+    send it makes, as (kind, peer, action). The peers are not run: a wait hands back zeros of
+    the message's layout, and no message is ever known to have arrived (so no W moves into a
+    wait)."""
 
-    def __init__(self, matches_by_tag: bool) -> None:
+    def __init__(self, matches_by_tag: bool, log: list[tuple[str, int, str]]) -> None:
         self.matches_by_tag = matches_by_tag
-        self.log: list[tuple[str, int, str]] = []  # (kind, peer, action)
+        self.log = log
 
-    def post_recv(self, buffers, peer, tag, action, watch=False):
+    def post_recv(self, buffers: Sequence[torch.Tensor], peer: int, tag: int, action: str, watch: bool = False):
         self.log.append(("recv", peer, action))
-        return action
+        return [torch.zeros(b.shape, dtype=b.dtype) for b in buffers]
+
+    def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int, action: str) -> None:
+        self.log.append(("send", peer, action))
+
+    def can_tell(self, pending) -> bool:
+        return False
+
+    def arrived(self, pending) -> bool:
+        return False
+
+    def wait(self, pending, waiting_action: str) -> list[torch.Tensor]:
+        return pending
+
+    def arrival_time(self, pending) -> float | None:
+        return None
+
+    def complete_messages(self) -> None:
+        pass
 
 
-def _runner(schedule, rank: int, transport: _Recorder):
-    """The parts of a runner its posting logic reads: the program (the lowered list as it is) and
-    the transport."""
-    rank_of = schedule.rank_of
-    program = rank_program(schedule, rank, rank_of, lambda direction, stage: ("x",), lambda name: (torch.Size([1]), torch.float32), None)
-    return SimpleNamespace(schedule=schedule, program=program, actions=program.actions, transport=transport, rank_of=rank_of)
+class _RecordingStage:
+    """Stands in for a StageExecutor: records its computation in the same log as the transport,
+    returns values of the message's names (the loss on the last stage)."""
+
+    def __init__(self, stage: int, last: int, log: list[tuple[str, int, str]]) -> None:
+        self.stage, self.last, self.log = stage, last, log
+
+    def _ran(self, kind: str, microbatch: int) -> dict[str, torch.Tensor]:
+        self.log.append(("compute", -1, f"{self.stage}{kind}{microbatch}"))
+        return {name: torch.zeros(LAYOUT[0]) for name in NAMES}
+
+    def forward(self, microbatch: int, feed) -> dict[str, torch.Tensor]:
+        values = self._ran("F", microbatch)
+        return {"loss": torch.zeros(())} if self.stage == self.last else values
+
+    def input_backward(self, microbatch: int, grads) -> dict[str, torch.Tensor]:
+        return self._ran("I", microbatch)
+
+    def backward(self, microbatch: int, grads) -> dict[str, torch.Tensor]:
+        return self._ran("B", microbatch)
+
+    def weight_backward(self, microbatch: int) -> None:
+        self._ran("W", microbatch)
 
 
-def _replay(runner) -> list[tuple[str, int, str]]:
-    """The runner's loop, as far as posting goes: receives ahead, sends in list order."""
-    receives = readiness.ReceivesAhead(runner.program, runner.transport, torch.device("cpu"), lambda key: False)
-    for index, action in enumerate(runner.actions):
-        receives.post_ahead(index)
-        if action.kind.startswith("RECV"):
-            receives.post_through(index)
-        elif action.kind == "SEND_F":
-            runner.transport.log.append(("send", runner.rank_of(action.stage + 1, action.microbatch), str(action)))
-        elif action.kind == "SEND_B":
-            runner.transport.log.append(("send", runner.rank_of(action.stage - 1, action.microbatch), str(action)))
-    return runner.transport.log
+def _step(schedule, rank: int, matches_by_tag: bool, deferred: bool):
+    """One step of `rank`'s program through the interpreter; returns (the program, the log of
+    what it computed, sent and posted, in order). `deferred`: the program as the distributed
+    runner makes it when it follows readiness (W moved past sends, `program.defer_weights`),
+    else the lowered list as it is."""
+    stages = schedule.stages
+    memory = resolve_costs(Costs(mem_b=[1.0] * stages, mem_w=[0.5] * stages), stages) if deferred else None
+    program = rank_program(schedule, rank, schedule.rank_of, lambda direction, stage: NAMES, lambda name: LAYOUT, memory)
+    log: list[tuple[str, int, str]] = []
+    executors = {s: _RecordingStage(s, stages - 1, log) for s in schedule.stages_on(rank)}
+    interpreter = Interpreter(executors, _RecordingTransport(matches_by_tag, log), torch.device("cpu"), deferred)
+    interpreter.load(program, schedule)
+    m = schedule.microbatches
+    interpreter.step([{"input": torch.zeros(2)} for _ in range(m)], [{} for _ in range(m)])
+    return program, log
+
+
+def _check_every_receive_posted_in_time(schedule, rank: int, matches_by_tag: bool, deferred: bool) -> None:
+    """Every RECV of the program is posted once, in list order, and before anything the list
+    has after it is computed or sent."""
+    program, log = _step(schedule, rank, matches_by_tag, deferred)
+    texts = [str(a) for a in program.actions]
+    listed = [str(a) for a in program.actions if a.kind.startswith("RECV")]
+    assert [action for kind, _, action in log if kind == "recv"] == listed, f"rank {rank}"  # each once, in list order
+    position = {t: i for i, t in enumerate(texts)}
+    reached = -1  # the furthest list position run so far
+    for kind, _, action in log:
+        if kind == "recv":
+            assert reached < position[action], f"rank {rank}: {action} posted after the list ran {texts[reached]}"
+        else:
+            reached = max(reached, position[action])
+
+
+def _check_list_order_of_operations(schedule, rank: int, deferred: bool) -> None:
+    """Pairing by order: sends and receives, whatever their peers, are posted exactly in list
+    order, each to the peer the list names."""
+    program, log = _step(schedule, rank, matches_by_tag=False, deferred=deferred)
+    posted = [(kind, peer, action) for kind, peer, action in log if kind != "compute"]
+    expected = [
+        ("send" if a.kind.startswith("SEND") else "recv", _peer(schedule, a), str(a)) for a in program.actions if not a.is_compute
+    ]
+    assert posted == expected, f"rank {rank}"
+
+
+def _peer(schedule, action) -> int:
+    """The rank at the other end of a SEND or RECV."""
+    s, k = action.stage, action.microbatch
+    other = {"SEND_F": s + 1, "SEND_B": s - 1, "RECV_F": s - 1, "RECV_B": s + 1}[action.kind]
+    return schedule.rank_of(other, k)
 
 
 CASES = [("1f1b", 4, 8), ("zb-h1", 4, 8), ("zbv", 2, 6), ("interleaved-1f1b", 2, 4), ("dualpipe", 4, 8)]
 
 
+def _schedule(name: str, ranks: int, microbatches: int):
+    return make_schedule(name, ranks * schedule_spec(name).chunks_per_rank, microbatches)
+
+
 @pytest.mark.parametrize("name, ranks, microbatches", CASES)
 def test_every_receive_is_posted_once_by_the_time_the_list_reaches_it(name, ranks, microbatches):
-    schedule = make_schedule(name, ranks * schedule_spec(name).chunks_per_rank, microbatches)
+    schedule = _schedule(name, ranks, microbatches)
     for rank in range(ranks):
+        assert [a for a in rank_program(schedule, rank, schedule.rank_of, lambda d, s: NAMES, lambda n: LAYOUT, None).actions] == list(
+            lower(schedule).actions[rank]
+        )
         for by_tag in (True, False):
-            log = _replay(_runner(schedule, rank, _Recorder(by_tag)))
-            listed = [str(a) for a in lower(schedule).actions[rank] if a.kind.startswith("RECV")]
-            posted = [action for kind, _, action in log if kind == "recv"]
-            assert posted == listed  # each once, in list order
-            position = {str(a): i for i, a in enumerate(lower(schedule).actions[rank])}
-            posted_at = 0
-            for kind, _, action in log:  # a receive is posted no later than its place in the list
-                if kind == "send":
-                    posted_at = position[action]
-                else:
-                    assert posted_at <= position[action], action
+            for deferred in (False, True):
+                _check_every_receive_posted_in_time(schedule, rank, by_tag, deferred)
 
 
 @pytest.mark.parametrize("name, ranks, microbatches", CASES)
 def test_ordered_transport_keeps_the_lists_order_of_operations(name, ranks, microbatches):
     """With pairing by order, sends and receives, whatever their peers, are posted exactly in
     list order (NCCL runs them on one stream in the order posted)."""
-    schedule = make_schedule(name, ranks * schedule_spec(name).chunks_per_rank, microbatches)
+    schedule = _schedule(name, ranks, microbatches)
     for rank in range(ranks):
-        runner = _runner(schedule, rank, _Recorder(matches_by_tag=False))
-        log = _replay(runner)
-        assert [a for _, _, a in log] == [str(a) for a in runner.actions if not a.is_compute], rank
+        for deferred in (False, True):
+            _check_list_order_of_operations(schedule, rank, deferred)
 
 
 def test_gloo_posts_receives_ahead_of_the_list():
     """Pairing by tag, the last stage of 1F1B has its next forward inputs posted while it is
-    still computing: some receive is posted before an earlier send in its list."""
+    still computing: some receive is posted before an earlier send or computation in its list."""
     schedule = make_schedule("1f1b", 2, 8)
-    runner = _runner(schedule, 1, _Recorder(matches_by_tag=True))
-    log = _replay(runner)
-    position = {str(a): i for i, a in enumerate(runner.actions)}
+    program, log = _step(schedule, 1, matches_by_tag=True, deferred=False)
+    position = {str(a): i for i, a in enumerate(program.actions)}
     order = [position[a] for _, _, a in log]
     assert order != sorted(order)
+
+
+def test_a_receive_posted_ahead_of_an_earlier_send_is_caught(monkeypatch):
+    """The checks see the runtime's posting: with `ReceivesAhead` posting ahead as for gloo on
+    a transport that pairs by order (a receive before a send the list has before it, which
+    deadlocks under NCCL), the list-order check fails."""
+    schedule = _schedule("1f1b", 4, 8)
+    _check_list_order_of_operations(schedule, 1, deferred=False)
+    init = readiness.ReceivesAhead.__init__
+
+    def ahead_whatever_the_transport(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.in_order = False
+
+    monkeypatch.setattr(readiness.ReceivesAhead, "__init__", ahead_whatever_the_transport)
+    with pytest.raises(AssertionError, match="rank 1"):
+        _check_list_order_of_operations(schedule, 1, deferred=False)
+
+
+def test_a_receive_posted_only_when_its_data_is_needed_is_caught(monkeypatch):
+    """The checks see the runtime's posting: with the interpreter posting a receive only once a
+    computation needs its data (its RECV action posting nothing), receives come after what the
+    list has between the RECV and that computation."""
+    schedule = _schedule("1f1b", 4, 8)
+    _check_every_receive_posted_in_time(schedule, 1, matches_by_tag=False, deferred=False)
+    monkeypatch.setattr(readiness.ReceivesAhead, "post_ahead", lambda self, index: None)
+    monkeypatch.setattr(Interpreter, "_receive", lambda self, index, action: None)
+    take = readiness.ReceivesAhead.take
+
+    def post_then_take(self, key):
+        while key not in self.posted:
+            self._post_next()
+        return take(self, key)
+
+    monkeypatch.setattr(readiness.ReceivesAhead, "take", post_then_take)
+    with pytest.raises(AssertionError, match="posted after the list ran"):
+        _check_every_receive_posted_in_time(schedule, 1, matches_by_tag=False, deferred=False)

@@ -66,6 +66,8 @@ def stage_rows_of(named_parameters: Any, partition: Any, costs: Sequence[Any]) -
                 "stage": stage.index,
                 "params": sum(params[f].numel() for f in owned),
                 "param_bytes": sum(params[f].numel() * params[f].element_size() for f in owned),
+                # what the stage's rank holds: a weight shared with another stage too (a tied embedding)
+                "held_param_bytes": sum(params[f].numel() * params[f].element_size() for f in stage.param_fqns),
                 "param_fqns": list(stage.param_fqns),
                 "layers": layers_of(stage.param_fqns),
                 "flops": {k: g.flops for k, g in graphs.items()},
@@ -235,7 +237,7 @@ def format_state_table(rows: Sequence[dict[str, Any]], dp: int, mode: str) -> st
     header += ["F", "I", "W"] if timed else []
     lines = []
     for row in rows:
-        state = row.get("state") or state_bytes(row["param_bytes"], dp, mode)
+        state = row.get("state") or state_bytes(row.get("held_param_bytes", row["param_bytes"]), dp, mode)
         line = [
             str(row["stage"]), row.get("layers", "-"), si(row["params"]),
             *(si(state[k], "B") for k in ("params", "grads", "optimizer", "total")),
