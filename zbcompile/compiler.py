@@ -93,6 +93,7 @@ class CompiledPipeline:
     alternatives: tuple[tuple[StageProgram, ...], ...] = ()
     recompute_levels: tuple[int, ...] = ()
     memory_unit_bytes: int | None = None
+    phase_cpu_seconds: dict[str, float] = field(default_factory=dict)  # this process's CPU time, by phase
 
     def schedule_costs(self) -> Costs:
         """Per-stage schedule costs from the static estimates: times in FLOP-equivalents; memory
@@ -171,11 +172,12 @@ def compile_pipeline(
     graph is assembled from its blocks' joints, each distinct block traced once, where that
     gives the same graph op for op (`passes/block_joint.py`), and traced whole otherwise."""
     seconds: dict[str, float] = {}
+    cpu_seconds: dict[str, float] = {}
 
     def timed(phase: str, fn, *a, **k):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         result = fn(*a, **k)
-        seconds[phase] = time.perf_counter() - start
+        seconds[phase], cpu_seconds[phase] = time.perf_counter() - start, time.process_time() - cpu
         return result
 
     # the errors we raise say what went wrong; ZBCOMPILE_DEBUG=1 shows torch's own log
@@ -209,7 +211,7 @@ def compile_pipeline(
             ))
             for stage, program in zip(partition.stages, programs)
         )) if levels else ()
-    return CompiledPipeline(traced, partition, programs, seconds, alternatives)
+    return CompiledPipeline(traced, partition, programs, seconds, alternatives=alternatives, phase_cpu_seconds=cpu_seconds)
 
 
 @dataclass(frozen=True)

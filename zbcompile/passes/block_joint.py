@@ -9,17 +9,20 @@ where a later segment, or the next stage, returns a gradient for it); segments w
 fingerprints (`stage_reuse.graph_fingerprint`, which inputs carry a gradient, which outputs
 receive one) are exported once, the others take that joint under their own parameters. The
 joints are then stitched: forward parts in segment order, backward parts in reverse order, each
-segment's tangents read from the gradient the segment after it computed. The result has the
-placeholders, outputs and descriptors `ti.export_joint` gives for the whole stage, op for op the
-same computation (autograd's engine runs a later segment's backward before an earlier one's),
+segment's tangents read from the gradient the segment after it computed. Nodes are named afresh in order, as the stage's own
+trace names them. The result is the joint `ti.export_joint` gives for the whole stage, node for
+node (ops, arguments, shapes, names, descriptors; `tests/passes/test_block_joint.py` checks it),
 so `joint._separate_forward` and every later pass treat it as they treat that one.
 
 `stitched_joint` answers None, and the stage is exported whole, wherever that equality is not
-evident from the graph: fewer than two segments of one kind, buffer updates, checkpoint
-regions, a parameter or differentiable value read by two segments (its gradient would be
-summed across them), a value crossing between segments that is not a tensor or is a view, a
-gradient whose strides differ from the tangent it feeds, or a joint AOTAutograd gives anything
-else than plain outputs and gradients for.
+evident from the graph: no two segments alike, buffer updates, checkpoint regions, a parameter
+or differentiable value two segments read (a tied weight: autograd adds its gradients where a
+backward function ends, which the segments' joints do not show), a value
+crossing between segments that is not a tensor, is a differentiable view or is the result of
+an op outside `_BOUNDARY_OPS` (a residual sum, a matmul, an embedding pass), a stage output
+read by a later segment too, a gradient whose strides differ from the tangent it feeds, or a
+joint AOTAutograd gives anything else than plain outputs and gradients for (an error the
+stage's own export then reports).
 """
 
 from __future__ import annotations
@@ -37,6 +40,13 @@ from zbcompile.passes.partition import Stage, StagePartition
 from zbcompile.passes.stage_reuse import graph_fingerprint
 
 _INDEX = re.compile(r"^\d+$")
+# ops whose differentiable result may cross between segments: their backward does not read their
+# own result (an op's result that autograd saves, tanh's say, is traced through a detach in the
+# stage's own joint, which a segment returning it does not show)
+_BOUNDARY_OPS = frozenset({
+    torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor, torch.ops.aten.mul.Tensor, torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default, torch.ops.aten.bmm.default, torch.ops.aten.embedding.default,
+})
 _CHECKPOINT = "checkpoint"
 
 
@@ -83,6 +93,7 @@ class _Segment:
     module: fx.GraphModule | None = None
     differentiable: tuple[bool, ...] = ()
     wants_grad: tuple[bool, ...] = ()
+    detach: tuple[bool, ...] = ()  # per output, whether the segment returns it detached
     joint: fx.GraphModule | None = None
     targets: dict[str, str] | None = None  # the joint's attribute targets -> this segment's
     joint_index: int = 0  # which of the stage's distinct joints
@@ -150,11 +161,12 @@ def _stitched_joint(
         raise NotStitchable("buffer updates")
     parts = [_segment(run, segment_of, k, returned) for k, run in enumerate(runs)]
     _refuse_shared(parts, requires_grad)
+    if not _repeats(parts, stage.module):
+        raise NotStitchable("no block repeats")
 
-    # which stage outputs take a gradient (as `_prepare_outputs` decides)
+    # which stage outputs take a gradient: `_prepare_outputs` detaches the others (the last stage's: none)
     takes_grad = {
-        node: (loss_name is not None and i == 0) or stage.graph_outputs[i] in grads_from_next
-        for i, node in enumerate(returned)
+        node: loss_name is not None or stage.graph_outputs[i] in grads_from_next for i, node in enumerate(returned)
     }
     if any(n.op != "call_function" for n in returned):
         raise NotStitchable("a stage output computed outside the segments")
@@ -168,6 +180,8 @@ def _stitched_joint(
         for node in part.outputs:
             users = {segment_of[u] for u in node.users if u in segment_of}
             if node in takes_grad:
+                if users and node in requires_grad:
+                    raise NotStitchable(f"stage output {node.name} is read by a later segment too")
                 wants.append(takes_grad[node] and node in requires_grad)
             else:
                 wants.append(any(grad_of_input.get((s, node), False) for s in users))
@@ -175,14 +189,19 @@ def _stitched_joint(
                 raise NotStitchable(f"segment output {node.name} is not a tensor")
             if roots[node] is not node and (node in requires_grad or roots[node] not in part.nodes):
                 raise NotStitchable(f"segment output {node.name} is a view")
+            if node in requires_grad and node not in takes_grad and node.target not in _BOUNDARY_OPS:
+                raise NotStitchable(f"segment output {node.name} is computed by {node.target}")
         part.wants_grad = tuple(wants)
+        part.detach = tuple(
+            not takes_grad[n] if n in takes_grad else n in requires_grad and not w for n, w in zip(part.outputs, wants)
+        )
         part.differentiable = tuple(
             n in requires_grad
             and (n.op != "placeholder" or (placeholder_names[n] in partition.values and partition.values[placeholder_names[n]].differentiable))
             for n in part.inputs
         )
-        part.module = _segment_module(part, stage.module, requires_grad)
-        key = (graph_fingerprint(part.module), part.differentiable, part.wants_grad, loss_name is not None and returned[0] in part.outputs)
+        part.module = _segment_module(part, stage.module)
+        key = (graph_fingerprint(part.module, constants_by_value=True), part.differentiable, part.wants_grad, loss_name is not None and returned[0] in part.outputs)
         first = exported.get(key)
         if first is None:
             examples = tuple(
@@ -218,19 +237,31 @@ def _segment(run: list[fx.Node], segment_of: dict[fx.Node, int], k: int, returne
     return _Segment(run, list(inputs), list(attributes), outputs)
 
 
+def _repeats(parts: list[_Segment], root: fx.GraphModule) -> bool:
+    """Whether two segments have the same graph (what they read aside): otherwise stitching
+    would export as many graphs as the stage's own export, and more."""
+    seen: set[Hashable] = set()
+    for part in parts:
+        key = graph_fingerprint(_segment_module(part, root), constants_by_value=True)
+        if key in seen:
+            return True
+        seen.add(key)
+    return False
+
+
 def _refuse_shared(parts: list[_Segment], requires_grad: set[fx.Node]) -> None:
-    """A parameter or differentiable value read by two segments would get its gradient summed
-    across their backwards, in an order autograd's engine chooses."""
+    """A parameter or differentiable value two segments read gets its gradients added where
+    autograd's engine finishes a backward function, which the segments' joints do not show."""
     readers: dict[fx.Node, int] = {}
     for part in parts:
         for node in [*part.inputs, *part.attributes]:
             if node in requires_grad:
                 readers[node] = readers.get(node, 0) + 1
                 if readers[node] > 1:
-                    raise NotStitchable(f"{node.name} read by two segments")
+                    raise NotStitchable(f"{node.name} is read by two segments")
 
 
-def _segment_module(part: _Segment, root: fx.GraphModule, requires_grad: set[fx.Node]) -> fx.GraphModule:
+def _segment_module(part: _Segment, root: fx.GraphModule) -> fx.GraphModule:
     """The segment as a module: placeholders for its inputs, the stage's attributes, its ops;
     outputs that take no gradient but may require one are detached (as `_prepare_outputs`)."""
     graph = fx.Graph()
@@ -243,9 +274,9 @@ def _segment_module(part: _Segment, root: fx.GraphModule, requires_grad: set[fx.
         env[node].meta = dict(node.meta)
     _fx.copy_nodes(graph, part.nodes, env)
     outputs = []
-    for node, wants in zip(part.outputs, part.wants_grad):
+    for i, node in enumerate(part.outputs):
         value = env[node]
-        if not wants and node in requires_grad:
+        if part.detach and part.detach[i]:
             value = graph.call_function(torch.ops.aten.detach.default, (value,))
         outputs.append(value)
     graph.output(tuple(outputs))
@@ -283,8 +314,9 @@ def _stitch(
         state[name] = _placeholder(graph, f"primals_{len(state) + 1}", ti.ParamAOTInput(name), val_of.get(name))
     for name, _ in module.named_buffers():
         state[name] = _placeholder(graph, f"primals_{len(state) + 1}", ti.BufferAOTInput(name), val_of.get(name))
-    if any(v is None for v in val_of.values()) or set(val_of) - set(state):
-        raise NotStitchable("state the segments read that the stage does not hold")
+    if any(val_of.get(name) is None for name in state) or set(val_of) - set(state):
+        raise NotStitchable("state the segments read that the stage does not hold, or none reads")
+
     stage_placeholders = list(module.graph.find_nodes(op="placeholder"))
     env: dict[fx.Node, fx.Node] = {}  # stage graph node -> its value in the stitched graph
     input_vals = _plain_input_vals(parts, stage_placeholders)
@@ -300,8 +332,8 @@ def _stitch(
 
     # forward parts, in segment order
     copies: list[dict[fx.Node, fx.Node]] = []
-    forward_out: dict[fx.Node, fx.Node] = {}  # stage graph node -> the segment's (maybe detached) output
-    detached: list[fx.Node] = []
+    forward_out: dict[fx.Node, fx.Node] = {}  # stage graph node -> the segment's output
+    detached_meta: dict[fx.Node, dict] = {}  # stage outputs returned detached -> the detach's meta
     for part in parts:
         joint = part.joint.graph
         local: dict[fx.Node, fx.Node] = {}
@@ -312,17 +344,28 @@ def _stitch(
             elif isinstance(desc, ti.PlainAOTInput):
                 local[node] = env[part.inputs[desc.idx]]
         forward = _forward_region(part.joint)
-        _copy(graph, [n for n in joint.nodes if n in forward], local, part)
         output = joint.output_node()
+        # the segment's detaches are left out: later segments read the value itself, and the
+        # stage's export detaches a stage output after all its forward ops
+        detaches = {
+            value: part.outputs[desc.idx]
+            for value, desc in zip(output.args[0], output.meta["desc"])
+            if isinstance(desc, ti.PlainAOTOutput) and part.detach[desc.idx]
+        }
+        if any(v.op != "call_function" or v.target is not torch.ops.aten.detach.default or len(v.users) > 1 for v in detaches):
+            raise NotStitchable("a detached output the joint reads")
+        _copy(graph, [n for n in joint.nodes if n in forward and n not in detaches], local, part)
         for value, desc in zip(output.args[0], output.meta["desc"]):
             if isinstance(desc, ti.PlainAOTOutput):
                 node = part.outputs[desc.idx]
-                forward_out[node] = local[value]
-                env[node] = local[value]
-                if not part.wants_grad[desc.idx] and node in requires_grad:
-                    env[node] = _undetached(local[value])
-                    detached.append(local[value])
+                env[node] = forward_out[node] = local[value.args[0] if value in detaches else value]
+                if value in detaches:
+                    detached_meta[node] = value.meta
         copies.append(local)
+    for node in returned:
+        if node in detached_meta:
+            forward_out[node] = graph.create_node("call_function", torch.ops.aten.detach.default, (forward_out[node],), name="detach")
+            forward_out[node].meta = dict(detached_meta[node])
 
     # backward parts, in reverse segment order; a segment's tangent is the gradient its reader computed
     grad_of: dict[fx.Node, fx.Node] = {}  # stage graph node -> its gradient in the stitched graph
@@ -340,15 +383,19 @@ def _stitch(
                     raise NotStitchable(f"the gradient of {out.name} differs from its tangent")
                 local[node] = grad
         forward = _forward_region(part.joint)
-        _copy(graph, [n for n in joint.nodes if n.op == "call_function" and n not in forward], local, part)
         output = joint.output_node()
+        grad_outputs: dict[fx.Node, tuple[dict, Any]] = {}  # the joint's gradient -> where it goes
         for value, desc in zip(output.args[0], output.meta["desc"]):
             if isinstance(desc, ti.GradAOTOutput) and value is not None:
                 of = desc.grad_of
                 if isinstance(of, ti.PlainAOTInput):
-                    grad_of[part.inputs[of.idx]] = local[value]
+                    grad_outputs[value] = (grad_of, part.inputs[of.idx])
                 elif isinstance(of, ti.ParamAOTInput):
-                    param_grads[part.targets[of.target]] = local[value]
+                    grad_outputs[value] = (param_grads, part.targets[of.target])
+
+        _copy(graph, [n for n in joint.nodes if n.op == "call_function" and n not in forward], local, part)
+        for node, (into, key) in grad_outputs.items():
+            into[key] = local[node]
 
     # outputs, in AOTAutograd's order: the stage's outputs, then a gradient (or None) per primal
     outputs: list[fx.Node | None] = [forward_out[n] for n in returned]
@@ -358,9 +405,6 @@ def _stitch(
     for grad, of in grads:
         outputs.append(grad)
         descs.append(None if grad is None else ti.GradAOTOutput(of))
-    for node in detached:  # what only the segment's own output needed
-        if not node.users and node not in outputs:
-            graph.erase_node(node)
     graph.output(list(outputs))
     graph.output_node().meta["desc"] = descs
     return _fx.finish(graph, _constants(parts), name=type(module).__name__)
@@ -398,15 +442,8 @@ def _same_layout(grad: fx.Node, tangent: fx.Node) -> bool:
     )
 
 
-def _undetached(node: fx.Node) -> fx.Node:
-    """The value a detached segment output detaches (a later segment reads the value itself, as
-    the whole stage's graph does)."""
-    if node.op == "call_function" and node.target in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
-        return node.args[0]
-    raise NotStitchable(f"detached output {node.name}")
-
-
 def _copy(graph: fx.Graph, nodes: list[fx.Node], env: dict[fx.Node, fx.Node], part: _Segment) -> None:
+    """Append `nodes` to `graph` (reading through `env`), named by their ops in order."""
     for node in nodes:
         if node.op == "get_attr":
             env[node] = graph.get_attr(_constant_name(part, node.target))
