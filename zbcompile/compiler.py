@@ -93,6 +93,7 @@ class CompiledPipeline:
     alternatives: tuple[tuple[StageProgram, ...], ...] = ()
     recompute_levels: tuple[int, ...] = ()
     memory_unit_bytes: int | None = None
+    phase_cpu_seconds: dict[str, float] = field(default_factory=dict)  # this process's CPU time, by phase
 
     def schedule_costs(self) -> Costs:
         """Per-stage schedule costs from the static estimates: times in FLOP-equivalents; memory
@@ -158,6 +159,7 @@ def compile_pipeline(
     cuts: Sequence[int] | None = None,
     recompute_alternatives: bool = False,
     reuse_stages: bool = False,
+    reuse_blocks: bool = True,
 ) -> CompiledPipeline:
     """Compile one microbatch's forward + loss (`args`, `kwargs`, `target` are a microbatch).
     The model's parameters may be on the `meta` device; they compile as if on `device`.
@@ -166,13 +168,16 @@ def compile_pipeline(
     `recompute_alternatives`: also compile every stage at each level of `RECOMPUTE_LEVELS`
     (`CompiledPipeline.alternatives`, for recompute="auto"); `reuse_stages`: stages with equal
     `stage_fingerprint`s share one joint export, split and cost, each under its own names
-    (`phase_seconds` then times "joint+split+cost" together)."""
+    (`phase_seconds` then times "joint+split+cost" together); `reuse_blocks`: a stage's joint
+    graph is assembled from its blocks' joints, each distinct block traced once, where that
+    gives the same graph op for op (`passes/block_joint.py`), and traced whole otherwise."""
     seconds: dict[str, float] = {}
+    cpu_seconds: dict[str, float] = {}
 
     def timed(phase: str, fn, *a, **k):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         result = fn(*a, **k)
-        seconds[phase] = time.perf_counter() - start
+        seconds[phase], cpu_seconds[phase] = time.perf_counter() - start, time.process_time() - cpu
         return result
 
     # the errors we raise say what went wrong; ZBCOMPILE_DEBUG=1 shows torch's own log
@@ -184,10 +189,13 @@ def compile_pipeline(
         predicates = list(dict.fromkeys(level.recompute for level in levels))  # one separation each
         if reuse_stages:
             programs, _ = timed(
-                "joint+split+cost", _programs_with_reuse, partition, traced.fake_mode, min_deferral_intensity, predicates
+                "joint+split+cost", _programs_with_reuse, partition, traced.fake_mode, min_deferral_intensity, predicates,
+                reuse_blocks,
             )
         else:
-            joints = timed("joint", export_stage_joints, partition, traced.fake_mode, recompute_levels=predicates)
+            joints = timed(
+                "joint", export_stage_joints, partition, traced.fake_mode, recompute_levels=predicates, reuse_blocks=reuse_blocks
+            )
             splits = timed("split_backward", lambda: [split_backward(j, min_deferral_intensity) for j in joints])
             programs = timed(
                 "cost",
@@ -203,7 +211,7 @@ def compile_pipeline(
             ))
             for stage, program in zip(partition.stages, programs)
         )) if levels else ()
-    return CompiledPipeline(traced, partition, programs, seconds, alternatives)
+    return CompiledPipeline(traced, partition, programs, seconds, alternatives=alternatives, phase_cpu_seconds=cpu_seconds)
 
 
 @dataclass(frozen=True)
@@ -231,12 +239,14 @@ def compile_costs(
     split_points: Sequence[str] | None = None,
     device: torch.device | None = None,
     min_deferral_intensity: float = MIN_DEFERRAL_INTENSITY,
+    reuse_blocks: bool = True,
 ) -> CostedPipeline:
     """What `compile_pipeline` computes of each stage's cost, for a model on the meta device as
     well (nothing is materialised), with the joint export, the I/W split and the cost of stages
     with equal `stage_fingerprint`s done once. Costs equal `compile_pipeline`'s stage for stage.
     The trace records no source lines (errors name the module). Phases are timed in wall-clock
-    and in this process's CPU seconds (what a shared machine does not distort)."""
+    and in this process's CPU seconds (what a shared machine does not distort). `reuse_blocks`:
+    see `compile_pipeline`."""
     seconds: dict[str, float] = {}
     cpu_seconds: dict[str, float] = {}
 
@@ -251,20 +261,24 @@ def compile_costs(
     with ti.quiet_torch_logs(warnings_too=True):
         partition = timed("partition", lambda: partition_stages(traced, stages, split_points))
         costs, representative = timed(
-            "joint+split+cost", lambda: _costs_with_reuse(partition, traced.fake_mode, min_deferral_intensity)
+            "joint+split+cost", lambda: _costs_with_reuse(partition, traced.fake_mode, min_deferral_intensity, reuse_blocks)
         )
     return CostedPipeline(traced, partition, costs, representative, seconds, cpu_seconds)
 
 
 def _costs_with_reuse(
-    partition: StagePartition, fake_mode: Any, min_deferral_intensity: float
+    partition: StagePartition, fake_mode: Any, min_deferral_intensity: float, reuse_blocks: bool
 ) -> tuple[tuple[StageGraphCost, ...], tuple[int, ...]]:
-    programs, representative = _programs_with_reuse(partition, fake_mode, min_deferral_intensity)
+    programs, representative = _programs_with_reuse(partition, fake_mode, min_deferral_intensity, reuse_blocks=reuse_blocks)
     return tuple(p.cost for p in programs), representative
 
 
 def _programs_with_reuse(
-    partition: StagePartition, fake_mode: Any, min_deferral_intensity: float, predicates: Sequence[Callable] = ()
+    partition: StagePartition,
+    fake_mode: Any,
+    min_deferral_intensity: float,
+    predicates: Sequence[Callable] = (),
+    reuse_blocks: bool = True,
 ) -> tuple[tuple[StageProgram, ...], tuple[int, ...]]:
     """Every stage's program, and the stage it was compiled from: stages are taken last first,
     as `export_stage_joints` takes them (a stage's outputs get gradients where the next stage
@@ -279,7 +293,9 @@ def _programs_with_reuse(
         key = stage_fingerprint(stage, partition, grads_from_next, stage.index == last)
         if key not in seen:
             loss = "loss" if stage.index == last else None
-            joint, alternatives = export_stage_joint(stage, partition, grads_from_next, loss, fake_mode, predicates)
+            joint, alternatives = export_stage_joint(
+                stage, partition, grads_from_next, loss, fake_mode, predicates, reuse_blocks
+            )
             joint = dataclasses.replace(joint, alternatives=alternatives)
             split = split_backward(joint, min_deferral_intensity)
             seen[key] = (stage.index, joint, split, _stage_cost(joint, split))

@@ -81,17 +81,24 @@ class StageJoint:
 
 
 def export_stage_joints(
-    partition: StagePartition, fake_mode, loss_name: str = "loss", recompute_levels: Sequence[Callable[[fx.Node], bool]] = ()
+    partition: StagePartition,
+    fake_mode,
+    loss_name: str = "loss",
+    recompute_levels: Sequence[Callable[[fx.Node], bool]] = (),
+    reuse_blocks: bool = False,
 ) -> tuple[StageJoint, ...]:
     """Trace every stage's joint graph, last stage first, so that a stage gives a tangent only to
     outputs whose gradient the next stage can produce. With `recompute_levels`, each joint's
     `alternatives` hold the same stage separated once per level, the backward recomputing the
-    forward nodes the level's predicate accepts (see `recompute.py`)."""
+    forward nodes the level's predicate accepts (see `recompute.py`). `reuse_blocks`: see
+    `export_stage_joint`."""
     joints: list[StageJoint] = []
     grads_from_next: set[str] = set()
     for stage in reversed(partition.stages):
         last = stage.index == len(partition.stages) - 1
-        joint, alternatives = export_stage_joint(stage, partition, grads_from_next, loss_name if last else None, fake_mode, recompute_levels)
+        joint, alternatives = export_stage_joint(
+            stage, partition, grads_from_next, loss_name if last else None, fake_mode, recompute_levels, reuse_blocks
+        )
         output_grads = tuple(v for v in stage.outputs if v in grads_from_next)
         alternatives = tuple(dataclasses.replace(a, output_grads=output_grads) for a in alternatives)
         joint = dataclasses.replace(joint, output_grads=output_grads, alternatives=alternatives)
@@ -108,13 +115,20 @@ def export_stage_joint(
     loss_name: str | None,
     fake_mode,
     recompute_levels: Sequence[Callable[[fx.Node], bool]] = (),
+    reuse_blocks: bool = False,
 ) -> tuple[StageJoint, tuple[StageJoint, ...]]:
-    """The stage's joint, separated as it is and once per recompute level."""
-    module = _prepare_outputs(stage, grads_from_next, loss_name)
-    try:
-        joint = ti.export_joint(module, _example_inputs(stage, partition, fake_mode))
-    except Exception as error:  # noqa: BLE001 - re-raised, naming the stage and the op's module
-        raise _backward_error(stage, error) from error
+    """The stage's joint, separated as it is and once per recompute level. `reuse_blocks`: the
+    joint graph assembled from its blocks' joints, each distinct block traced once
+    (`block_joint.stitched_joint`: the same graph op for op), where that is evidently exact."""
+    from zbcompile.passes.block_joint import stitched_joint  # imports stage_reuse, which imports this module
+
+    joint = stitched_joint(stage, partition, grads_from_next, loss_name, fake_mode) if reuse_blocks else None
+    if joint is None:
+        module = _prepare_outputs(stage, grads_from_next, loss_name)
+        try:
+            joint = ti.export_joint(module, _example_inputs(stage, partition, fake_mode))
+        except Exception as error:  # noqa: BLE001 - re-raised, naming the stage and the op's module
+            raise _backward_error(stage, error) from error
     _refuse_mutated_state(joint, stage)
     separated = _separate_forward(joint, stage, loss_name)  # reads the joint only (its constants inlined once)
     return separated, tuple(_separate_forward(joint, stage, loss_name, level) for level in recompute_levels)

@@ -48,10 +48,11 @@ def _argument_form(argument: Any, index: dict[fx.Node, int]) -> Hashable:
     return repr(argument)
 
 
-def graph_fingerprint(graph_module: fx.GraphModule) -> tuple[Hashable, ...]:
+def graph_fingerprint(graph_module: fx.GraphModule, constants_by_value: bool = False) -> tuple[Hashable, ...]:
     """The canonical form of `graph_module`'s graph (see the module docstring); equal for graphs
     that differ only in node, parameter and buffer names. Checkpoint regions count by the order
-    they first appear in."""
+    they first appear in. Tensor constants count by name, or with `constants_by_value` by
+    shape, dtype and value (two blocks' equal constants, made once per block)."""
     index: dict[fx.Node, int] = {}
     regions: dict[Any, int] = {}
     form: list[Hashable] = []
@@ -64,7 +65,13 @@ def graph_fingerprint(graph_module: fx.GraphModule) -> tuple[Hashable, ...]:
                 isinstance(attribute, torch.nn.Parameter) or node.meta.get("zb_role") in ("param", "buffer")
             )
             # parameters and buffers by shape and dtype; tensor constants by their name (the same object everywhere)
-            form.append(("get_attr", _value_form(attribute) if state else node.target, node.meta.get("zb_role")))
+            if state:
+                identity = _value_form(attribute)
+            elif constants_by_value and isinstance(attribute, torch.Tensor) and not attribute.is_meta:
+                identity = (_value_form(attribute), attribute.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            else:
+                identity = node.target
+            form.append(("get_attr", identity, node.meta.get("zb_role")))
             continue
         region = node.meta.get("custom", {}).get("checkpoint")
         if region is not None:
