@@ -10,7 +10,7 @@ import shutil
 import signal
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -51,9 +51,10 @@ def make_run(seed: int, stages: int = 2, meta: bool = False, **options: Any) -> 
     return pipe, zbcompile.PostValidatedOptimizer(inner, pipe, max_norm=0.5)
 
 
-def train(pipe: Any, optimizer: Any, first: int, count: int) -> None:
+def train(pipe: Any, optimizer: Any, first: int, count: int, batches: Callable[[int], Any] | None = None) -> None:
+    """Steps `first` .. `first + count - 1`, each on `batches(step)` (default: `batch`)."""
     for step in range(first, first + count):
-        tokens, target = batch(step)
+        tokens, target = (batches or batch)(step)
         pipe.step(tokens, target=target)
         optimizer.step()
         optimizer.zero_grad()
@@ -155,14 +156,6 @@ def make_dp_run(seed: int, data_parallel: str) -> tuple[Any, Any]:
     return pipe, zbcompile.PostValidatedOptimizer(inner, pipe, max_norm=0.5)
 
 
-def train_dp(pipe: Any, optimizer: Any, first: int, count: int) -> None:
-    for step in range(first, first + count):
-        tokens, target = replica_batch(step)
-        pipe.step(tokens, target=target)
-        optimizer.step()
-        optimizer.zero_grad()
-
-
 def whole_snapshot(pipe: Any, optimizer: Any) -> dict[str, dict[str, Any]]:
     """`snapshot` with every DTensor gathered whole (a collective over the replicas)."""
     taken = snapshot(pipe, optimizer)
@@ -183,10 +176,10 @@ def dp_checkpoints() -> dict:
     try:
         for mode in ("replicate", "shard"):
             pipe, opt = runs[mode] = make_dp_run(0, mode)
-            train_dp(pipe, opt, 0, SAVED_AT)
+            train(pipe, opt, 0, SAVED_AT, replica_batch)
             checkpoint.save(os.path.join(directory, mode), pipe, opt, next_step=SAVED_AT)
             result[(mode, "saved")] = whole_snapshot(pipe, opt)
-            train_dp(pipe, opt, SAVED_AT, RESUMED)
+            train(pipe, opt, SAVED_AT, RESUMED, replica_batch)
             result[(mode, "uninterrupted")] = whole_snapshot(pipe, opt)
         for saved, loading in DP_LOADS:
             pipe, opt = runs[loading]
@@ -194,7 +187,7 @@ def dp_checkpoints() -> dict:
             result[(saved, loading, "extra")] = checkpoint.load(os.path.join(directory, saved), pipe, opt)
             result[(saved, loading, "dtensors")] = sum(isinstance(p, DTensor) for p in pipe.parameters())
             result[(saved, loading, "loaded")] = whole_snapshot(pipe, opt)
-            train_dp(pipe, opt, SAVED_AT, RESUMED)
+            train(pipe, opt, SAVED_AT, RESUMED, replica_batch)
             result[(saved, loading, "resumed")] = whole_snapshot(pipe, opt)
     finally:
         for _, opt in runs.values():
