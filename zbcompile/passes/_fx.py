@@ -10,6 +10,13 @@ from torch import fx
 from zbcompile import _torch_internals as ti
 
 
+def get_attr_value(root: torch.nn.Module, path: str) -> object:
+    """What a `get_attr` node with target `path` reads from `root` (a dotted attribute path)."""
+    for part in path.split("."):
+        root = getattr(root, part)
+    return root
+
+
 def tensor_bytes(value: object) -> int:
     """Bytes of a tensor (or the tensors in a tuple/list); 0 for anything else."""
     if isinstance(value, torch.Tensor):

@@ -110,7 +110,7 @@ def _requires_grad(stage: Stage, partition: StagePartition) -> set[fx.Node]:
             if info is not None and info.differentiable:
                 result.add(node)
         elif node.op == "get_attr":
-            value = _attribute(stage.module, node.target)
+            value = _fx.get_attr_value(stage.module, node.target)
             if isinstance(value, torch.nn.Parameter) and value.requires_grad:
                 result.add(node)
         elif node.op == "call_function" and node.target is not torch.ops.aten.detach.default:
@@ -120,12 +120,6 @@ def _requires_grad(stage: Stage, partition: StagePartition) -> set[fx.Node]:
             ):
                 result.add(node)
     return result
-
-
-def _attribute(module: torch.nn.Module, path: str) -> Any:
-    for part in path.split("."):
-        module = getattr(module, part)
-    return module
 
 
 def stitched_joint(
@@ -465,5 +459,5 @@ def _constants(parts: list[_Segment]) -> dict[str, Any]:
     root = {}
     for part in parts:
         for node in part.joint.graph.find_nodes(op="get_attr"):
-            root[_constant_name(part, node.target)] = _attribute(part.joint, node.target)
+            root[_constant_name(part, node.target)] = _fx.get_attr_value(part.joint, node.target)
     return root

@@ -22,6 +22,7 @@ from typing import Any, Hashable
 import torch
 from torch import fx
 
+from zbcompile.passes import _fx
 from zbcompile.passes.joint import StageJoint
 from zbcompile.passes.partition import Stage, StagePartition
 from zbcompile.passes.split_backward import StageBackwardSplit
@@ -60,7 +61,7 @@ def graph_fingerprint(graph_module: fx.GraphModule, constants_by_value: bool = F
         index[node] = position
         value = _value_form(node.meta.get("val"))
         if node.op == "get_attr":
-            attribute = _attribute(graph_module, node.target)
+            attribute = _fx.get_attr_value(graph_module, node.target)
             state = isinstance(attribute, torch.Tensor) and (
                 isinstance(attribute, torch.nn.Parameter) or node.meta.get("zb_role") in ("param", "buffer")
             )
@@ -80,12 +81,6 @@ def graph_fingerprint(graph_module: fx.GraphModule, constants_by_value: bool = F
         target = "" if node.op == "placeholder" else str(node.target)
         form.append((node.op, str(target), _argument_form(node.args, index), _argument_form(node.kwargs, index), value, region))
     return tuple(form)
-
-
-def _attribute(module: torch.nn.Module, path: str) -> Any:
-    for part in path.split("."):
-        module = getattr(module, part)
-    return module
 
 
 def stage_fingerprint(stage: Stage, partition: StagePartition, grads_from_next: set[str], last: bool) -> tuple[Hashable, ...]:
