@@ -16,16 +16,9 @@ from __future__ import annotations
 import bisect
 from typing import Sequence
 
+from zbcompile.passes.cut_positions import allowed_cuts, anchored_nodes, buffer_updates, prefix_sums, role
 from zbcompile.passes.graph_cost import node_cost
-from zbcompile.passes.partition import (
-    _allowed_cuts,
-    _anchored_nodes,
-    _buffer_updates,
-    _dependency_graph,
-    _free_ancestors,
-    _prefix_sums,
-    _role,
-)
+from zbcompile.passes.partition import _dependency_graph, _free_ancestors
 from zbcompile.passes.trace import BUFFER, INPUT, PARAM, TARGET, TracedModel
 
 
@@ -34,16 +27,16 @@ def held_cuts(traced: TracedModel, held: Sequence[frozenset[str]]) -> tuple[int,
     only the FQNs in `held[k]` (what the rank running it holds). Raises ValueError, naming the
     node and what it reads, where no such cut exists."""
     graph = traced.graph_module.graph
-    anchors = _anchored_nodes(graph)
-    allowed = _allowed_cuts(anchors, [u.span for u in _buffer_updates(traced, anchors)])
+    anchors = anchored_nodes(graph)
+    allowed = allowed_cuts(anchors, [u.span for u in buffer_updates(traced, anchors)])
     dependencies = _dependency_graph(graph)
-    anchored = set(anchors) | {n for n in graph.nodes if _role(n) in (INPUT, TARGET)}
+    anchored = set(anchors) | {n for n in graph.nodes if role(n) in (INPUT, TARGET)}
     stages, n = len(held), len(anchors)
     # refused[k][i]: the first position from i on whose node stage k may not run
     refused = [[n] * (n + 1) for _ in range(stages)]
     for i in range(n - 1, -1, -1):
         node = anchors[i]
-        reads = {a.meta["zb_name"] for a in _free_ancestors([node], dependencies, anchored) if _role(a) in (PARAM, BUFFER)}
+        reads = {a.meta["zb_name"] for a in _free_ancestors([node], dependencies, anchored) if role(a) in (PARAM, BUFFER)}
         options = [k for k in range(stages) if reads <= held[k]]
         if not options:
             raise ValueError(
@@ -53,7 +46,7 @@ def held_cuts(traced: TracedModel, held: Sequence[frozenset[str]]) -> tuple[int,
             )
         for k in range(stages):
             refused[k][i] = refused[k][i + 1] if k in options else i
-    prefix = _prefix_sums([node_cost(a) for a in anchors])
+    prefix = prefix_sums([node_cost(a) for a in anchors])
     # starts[k]: the positions (sorted) where stage k may begin with stages k.. covering the rest
     starts: list[list[int]] = [[] for _ in range(stages)]
     starts[-1] = [p for p in [0, *allowed] if refused[-1][p] == n]
