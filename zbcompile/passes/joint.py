@@ -22,7 +22,7 @@ from zbcompile import _torch_internals as ti
 from zbcompile.passes import _fx
 from zbcompile.passes.partition import Stage, StagePartition
 from zbcompile.passes.recompute import checkpointed_nodes, recompute_closure, recompute_when_needed
-from zbcompile.passes.trace import first_line, node_location, same_kind
+from zbcompile.passes.trace_errors import first_line, node_location, same_kind
 from zbcompile.program import Program, Signature
 from zbcompile.value_names import (
     GRAD,

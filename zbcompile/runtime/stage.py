@@ -9,7 +9,7 @@ from typing import Collection, Mapping, Sequence
 import torch
 
 from zbcompile.compiler import StageProgram
-from zbcompile.passes.trace import first_line, node_location, same_kind
+from zbcompile.passes.trace_errors import first_line, node_location, same_kind
 from zbcompile.program import Program
 from zbcompile.runtime.live_memory import held_bytes, peak_inside
 from zbcompile.value_names import (
