@@ -16,7 +16,8 @@ from zbcompile.schedules.fastsim import Evaluator
 from zbcompile.schedules.greedy import POLICIES, list_schedule
 from zbcompile.schedules.handcrafted import v_placement
 from zbcompile.schedules.heuristic import minimum_memory, one_f_one_b_peak, sequential
-from zbcompile.schedules.search import analytic_parameters, handcrafted_rows, make_room, pattern_rows
+from zbcompile.schedules.row_edits import make_room
+from zbcompile.schedules.search import analytic_parameters, handcrafted_rows, pattern_rows
 from zbcompile.schedules.simulate import peak_memory
 
 TOL = 1e-9

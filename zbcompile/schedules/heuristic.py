@@ -8,7 +8,7 @@ kept only where strictly better), all timed by ``fastsim.Evaluator``, and keeps 
 objective. So it is never worse than those. ZB-V is handcrafted (``handcrafted.zb_v``) with
 the list scheduler on the V placement as a fallback.
 When M_W > M_B (an I raises memory) handcrafted orders that exceed the limit are also tried with
-their W moved earlier where needed (``search.make_room``).
+their W moved earlier where needed (``row_edits.make_room``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from .greedy import POLICIES, QUICK_POLICIES, GreedyPolicy, MemoryTooSmall, list
 from .handcrafted import v_placement, zb_v
 from .ir import Action, Schedule
 from .reference import ALL_FLAGS, QUICK_FLAGS, reference_rows
-from .search import analytic_parameters, handcrafted_rows, make_room, pattern_rows
+from .row_edits import make_room
+from .search import analytic_parameters, handcrafted_rows, pattern_rows
 from .simulate import peak_memory, simulate
 
 _STRICTLY_BETTER = 1e-9  # relative margin by which the paper's construction must beat the others

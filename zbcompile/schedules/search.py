@@ -29,6 +29,7 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 from .costs import ResolvedCosts, fits_memory, memory_ceiling, warmup_windows
 from .fastsim import Evaluator
 from .handcrafted import in_line, zb_h2
+from .row_edits import fill_gaps, move_one_w
 
 _EPS = 1e-9
 # Work-based limit for deterministic runs: evaluations of ``n`` actions cost about this many seconds
@@ -306,7 +307,7 @@ class _Search:
 
     def move_single_w(self, seed: int) -> None:
         """Phase 4, local search: on a rank with a long span (the longest 60% of the time), move
-        one W into an idle gap or a few places (``_move``); keep the move if the score improves.
+        one W into an idle gap or a few places (``move_one_w``); keep the move if the score improves.
         Stops after 60 S moves in a row without improvement."""
         ev, clock = self.ev, self.clock
         if self.best_rows is None or clock.out():
@@ -322,7 +323,7 @@ class _Search:
             r = order[0] if rng.random() < 0.6 else order[rng.randrange(min(4, len(order)))]
             row = rows[r]
             saved = list(row)
-            if not _move(ev, row, end, rng):
+            if not move_one_w(ev, row, end, rng):
                 stale += 1
                 continue
             if not fits_memory(ev.peak(row), self.lims[r]):
@@ -383,72 +384,6 @@ def search(
     return SearchResult(run.best_rows, run.best, clock.evals, info)
 
 
-def fill_gaps(ev: Evaluator, row: list[int], end: list[float], fraction: float) -> list[int]:
-    """A copy of ``row`` in which every idle gap at least ``fraction`` of a W long gets the next
-    pending W (one whose I ran before the gap), moved forward from later in the row."""
-    dur, local, first_w = ev.dur, ev.local, ev.first_w
-    out = list(row)
-    i = 1
-    done = set(out[:1])
-    while i < len(out):
-        a = out[i]
-        gap = end[a] - dur[a] - end[out[i - 1]] if end[out[i - 1]] >= 0 else 0.0
-        if gap > 1e-6:
-            for j in range(i, len(out)):
-                b = out[j]
-                if b >= first_w:
-                    if local[b] in done and gap >= fraction * dur[b]:
-                        out.insert(i, out.pop(j))
-                        end[b] = -1.0  # its time is unknown now; do not fill before it again
-                    break
-        done.add(out[i])
-        i += 1
-    return out
-
-
-def _move(ev: Evaluator, row: list[int], end: list[float], rng: random.Random) -> bool:
-    """Change ``row`` in place by one move (``_Search.move_single_w``); False when none applies."""
-    dur, local, first_w = ev.dur, ev.local, ev.first_w
-    if rng.random() < 0.6:
-        gaps = []
-        for i in range(1, len(row)):
-            gap = end[row[i]] - dur[row[i]] - end[row[i - 1]]
-            if gap > 1e-6:
-                gaps.append((gap, i))
-        if not gaps:
-            return False
-        gaps.sort(reverse=True)
-        _, i = gaps[0] if rng.random() < 0.5 else rng.choice(gaps)
-        before = set(row[:i])
-        for j in range(i, len(row)):
-            a = row[j]
-            if a >= first_w:
-                if local[a] not in before:
-                    return False
-                row.insert(i, row.pop(j))
-                return True
-        return False
-    ws = [i for i, a in enumerate(row) if a >= first_w]
-    if not ws:
-        return False
-    i = rng.choice(ws)
-    a = row[i]
-    step = rng.choice((1, 1, 2, 3)) * (1 if rng.random() < 0.5 else -1)
-    j = i
-    while j != i + step:
-        k = j + (1 if step > 0 else -1)
-        if not 0 <= k < len(row):
-            return False
-        other = row[k]
-        if other >= first_w and ev.stage_of(other) == ev.stage_of(a):  # another W of this stage: keep order
-            return False
-        if step < 0 and other == local[a]:  # not before its own I
-            return False
-        j = k
-    row.insert(j, row.pop(i))
-    return True
-
-
 def _critical_first(ev: Evaluator, rows) -> list[int]:
     """Rank indices, longest span first."""
     timed = ev.times(rows)
@@ -468,36 +403,3 @@ def _costs_of(ev: Evaluator) -> ResolvedCosts:
     mem_b = tuple(ev.mem[ev.id(s, 0, 0)] for s in range(S))
     mem_w = tuple(-ev.mem[ev.id(s, 2, 0)] for s in range(S))
     return ResolvedCosts(f, i, w, comm, mem_b, mem_w, ev.reduce or ())
-
-
-def make_room(ev: Evaluator, rows: Sequence[Sequence[int]], limits: Sequence[float]) -> list[list[int]] | None:
-    """``rows`` with W passes moved earlier wherever an action would exceed its rank's limit (the
-    pending W of each stage, in microbatch order, most memory freed first), or None when an action
-    does not fit even with no W pending. Moving a W earlier (still after its I) keeps every
-    dependency, since nothing waits for a W. Used for handcrafted orders when I raises memory."""
-    mem, local, M, first_w = ev.mem, ev.local, ev.M, ev.first_w
-    out_rows = []
-    for row, lim in zip(rows, limits):
-        lim = memory_ceiling(lim)
-        moved: set[int] = set()
-        done: set[int] = set()
-        next_w: dict[int, int] = {}  # stage -> next W microbatch to run
-        for s in sorted({ev.stage_of(a) for a in row}):
-            next_w[s] = 0
-        out: list[int] = []
-        level = 0.0
-        for a in row:
-            if a in moved:
-                continue
-            while level + mem[a] > lim:
-                pending = [ev.w_id(s, k) for s, k in next_w.items() if k < M and local[ev.w_id(s, k)] in done]
-                if not pending:
-                    return None
-                w = min(pending, key=lambda x: mem[x])  # frees the most
-                out.append(w); done.add(w); moved.add(w); level += mem[w]
-                next_w[ev.stage_of(w)] += 1
-            out.append(a); done.add(a); level += mem[a]
-            if a >= first_w:
-                next_w[ev.stage_of(a)] += 1
-        out_rows.append(out)
-    return out_rows
