@@ -10,45 +10,23 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
-import sympy
 import torch
 from torch import nn
 
 from zbcompile import _torch_internals as ti
-from zbcompile._torch_internals import pytree
-from zbcompile.passes import _fx
 from zbcompile.passes.forward_only import forward_program
-from zbcompile.passes.graph_cost import GraphCost, graph_cost, peak_bytes
 from zbcompile.passes.held_cuts import held_cuts
 from zbcompile.passes.joint import StageJoint, export_stage_joint, export_stage_joints
 from zbcompile.passes.partition import Stage, StagePartition, partition_stages
 from zbcompile.passes.recompute import RECOMPUTE_LEVELS, RecomputeLevel
 from zbcompile.passes.split_backward import MIN_DEFERRAL_INTENSITY, StageBackwardSplit, split_backward
+from zbcompile.passes.stage_cost import StageGraphCost, forward_peak, peak_memory_with_transients, stage_cost
 from zbcompile.passes.stage_reuse import renamed_joint, renamed_split, stage_fingerprint, stage_name_map
 from zbcompile.passes.trace import TracedModel, trace_model
 from zbcompile.program import Program
 from zbcompile.schedules import Costs, Schedule
-from zbcompile.schedules.costs import ResolvedCosts, resolve_costs
-from zbcompile.schedules.simulate import peak_memory
-from zbcompile.value_names import INPUT, SAVED, TANGENT, UPDATE, is_stash
-
-
-@dataclass(frozen=True)
-class StageGraphCost:
-    """Static cost of one stage for one microbatch: FLOPs/bytes of F, I and W; `mem_b` bytes F
-    keeps for the backward (M_B), `mem_w` bytes W still needs once I has run (M_W);
-    `action_peaks`: by action ("F", "I", "W", "B"), the most bytes alive while it runs
-    (`graph_cost.peak_bytes`: what it took in, what it creates), the transients the schedule's
-    memory model (M_B, M_W) leaves out."""
-
-    forward: GraphCost
-    input_backward: GraphCost
-    weight_backward: GraphCost
-    mem_b: int
-    mem_w: int
-    action_peaks: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -200,7 +178,7 @@ def compile_pipeline(
             programs = timed(
                 "cost",
                 lambda: tuple(
-                    StageProgram(stage, joint, split, _stage_cost(joint, split))
+                    StageProgram(stage, joint, split, stage_cost(joint, split))
                     for stage, joint, split in zip(partition.stages, joints, splits)
                 ),
             )
@@ -298,7 +276,7 @@ def _programs_with_reuse(
             )
             joint = dataclasses.replace(joint, alternatives=alternatives)
             split = split_backward(joint, min_deferral_intensity)
-            seen[key] = (stage.index, joint, split, _stage_cost(joint, split))
+            seen[key] = (stage.index, joint, split, stage_cost(joint, split))
         first, joint, split, cost = seen[key]
         if first != stage.index:
             mapping = stage_name_map(partition.stages[first], stage)
@@ -346,140 +324,12 @@ def compile_forward_only(
         last = len(partition.stages) - 1
         result_names = ("loss",) if not outputs else tuple(f"output_{i}" for i in range(traced.results))
         programs = tuple(forward_program(s, result_names if s.index == last else None) for s in partition.stages)
-        peaks = tuple(_forward_peak(program, stage, partition) for program, stage in zip(programs, partition.stages))
+        peaks = tuple(forward_peak(program, stage, partition) for program, stage in zip(programs, partition.stages))
     return CompiledForward(traced, partition, programs, peaks, result_names)
-
-
-def _forward_peak(program: Program, stage: Stage, partition: StagePartition) -> int:
-    """The most bytes alive while a forward-only stage program runs: what it reads, freed at its
-    last use except what it relays and the batch's tensors (the caller holds the batch), plus
-    the relayed values it does not read, held throughout."""
-    inputs = set(program.signature.inputs)
-    kept = {n for n in inputs if n.removeprefix(INPUT) in stage.relays or n.startswith((f"{INPUT}input_", f"{INPUT}target_"))}
-    passing = sum(partition.values[v].nbytes for v in stage.relays if f"{INPUT}{v}" not in inputs)
-    return peak_bytes(program, kept, passing)
 
 
 def _stage_program(stage: Stage, joint: StageJoint, level: RecomputeLevel, min_deferral_intensity: float) -> StageProgram:
     """The stage at one recompute level (`joint` separated with its predicate)."""
     intensity = min_deferral_intensity if level.defer_weights else math.inf
     split = split_backward(joint, intensity, level.weight_recomputes)
-    return StageProgram(stage, joint, split, _stage_cost(joint, split))
-
-
-def _stage_cost(joint: StageJoint, split: StageBackwardSplit) -> StageGraphCost:
-    saved = [n for n in joint.backward.signature.inputs if n.startswith((SAVED, INPUT, UPDATE))]
-    held_from_forward, stash_bytes = _weight_memory(split)
-    # what each action keeps of what it took in: the runtime keeps F's inputs and the output
-    # gradients (their sender holds them), I what W reads (F's values only W reads pass I by)
-    tangents = {n for n in joint.backward.signature.inputs if n.startswith(TANGENT)}
-    passing_i = joint.held_bytes([n for n in split.weight_reads if n not in split.input_backward.signature.inputs])
-    return StageGraphCost(
-        forward=graph_cost(joint.forward.graph),
-        input_backward=graph_cost(split.input_backward.graph),
-        weight_backward=graph_cost(split.weight_backward.graph),
-        mem_b=joint.held_bytes(saved),
-        mem_w=joint.held_bytes(held_from_forward) + stash_bytes,
-        action_peaks={
-            "F": peak_bytes(joint.forward, set(joint.forward.signature.inputs)),
-            "I": peak_bytes(split.input_backward, tangents | set(split.weight_reads), passing_i),
-            "W": peak_bytes(split.weight_backward, ()),
-            "B": peak_bytes(joint.backward, tangents),
-        },
-    )
-
-
-def _weight_memory(split: StageBackwardSplit) -> tuple[set[str], int]:
-    """What W keeps alive after I: the forward values it reads (directly, or through a stash
-    entry that is a view of one), and the bytes of new tensors I computed for it."""
-    graph = split.input_backward.graph.graph
-    roots = _fx.storage_roots(graph)
-    placeholder_names = dict(zip(graph.find_nodes(op="placeholder"), split.input_backward.signature.inputs))
-    returned = graph.output_node().args[0]
-    stash = [n for n, name in zip(returned, split.input_backward.signature.outputs) if is_stash(name)]
-    held = {n for n in split.weight_reads if not is_stash(n)}
-    held |= {placeholder_names[roots[n]] for n in stash if roots[n].op == "placeholder"}
-    owned = {roots[n] for n in stash if roots[n].op != "placeholder"}
-    return held, sum(_fx.node_bytes(n) for n in owned)
-
-
-def peak_memory_with_transients(
-    schedule: Schedule, costs: Costs, stage_costs: Sequence[StageGraphCost], unit_bytes: float
-) -> tuple[float, ...]:
-    """Per rank, the simulator's peak activation memory of `schedule` under `costs` (memory in
-    units of `unit_bytes`) with each action's own peak (`StageGraphCost.action_peaks`) in place of
-    its memory model's."""
-    resolved = resolve_costs(costs, schedule.stages)
-    peaks = tuple({kind: bytes_ / unit_bytes for kind, bytes_ in c.action_peaks.items()} for c in stage_costs)
-    return peak_memory(schedule, _WithActionPeaks(**vars(resolved), action_peaks=peaks))
-
-
-@dataclass(frozen=True)
-class _WithActionPeaks(ResolvedCosts):
-    """Costs whose actions rise to their own peaks (per stage: by kind, in memory units), the
-    microbatch's own saved values before them included."""
-
-    action_peaks: tuple[Mapping[str, float], ...] = ()
-
-    def memory_rise(self, stage: int, kind: str) -> float:
-        peak = self.action_peaks[stage].get(kind)
-        if peak is None:  # communication
-            return super().memory_rise(stage, kind)
-        own_before = {"I": self.mem_b, "B": self.mem_b, "W": self.mem_w}.get(kind)
-        return max(self.memory_delta(stage, kind), peak - (own_before[stage] if own_before else 0.0))
-
-
-@dataclass(frozen=True)
-class SymbolicStageGraphCost:
-    """One stage's costs as polynomials in the microbatch size `b` (sympy): FLOPs of F, I and W,
-    and the activation bytes M_B and M_W."""
-
-    forward_flops: sympy.Expr
-    input_backward_flops: sympy.Expr
-    weight_backward_flops: sympy.Expr
-    mem_b: sympy.Expr
-    mem_w: sympy.Expr
-
-
-MICROBATCH = sympy.Symbol("b", positive=True, integer=True)
-
-
-def symbolic_stage_costs(
-    model: nn.Module,
-    loss_fn: Callable[..., torch.Tensor] | None,
-    args: tuple,
-    kwargs: dict[str, Any],
-    target: Any,
-    compiled: CompiledPipeline,
-) -> tuple[SymbolicStageGraphCost, ...]:
-    """Costs of `compiled`'s stages as polynomials in the microbatch size, for the microbatch
-    (`args`, `kwargs`, `target`) it was compiled for: the same cut is compiled at two and three
-    times that size (inputs repeated along dim 0) and each cost interpolated exactly (degree
-    <= 2: matmuls and attention are linear in the batch, a loss that compares every pair of
-    samples quadratic). Costs two more compilations. Raises ValueError where the graph changes
-    with the batch size (shapes do not allow it)."""
-    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs), target))
-    batch = next(x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim())
-    samples = {batch: compiled}
-    for factor in (2, 3):
-        grown = [torch.cat([x] * factor) if isinstance(x, torch.Tensor) and x.dim() else x for x in leaves]
-        g_args, g_kwargs, g_target = pytree.tree_unflatten(grown, spec)
-        samples[batch * factor] = compile_pipeline(
-            model, loss_fn, g_args, g_kwargs, g_target, len(compiled.programs),
-            cuts=compiled.partition.cuts,
-        )
-
-    def fit(value: Callable[[StageProgram], int], stage: int) -> sympy.Expr:
-        points = [(size, value(c.programs[stage])) for size, c in samples.items()]
-        return sympy.expand(sympy.interpolate(points, MICROBATCH))
-
-    return tuple(
-        SymbolicStageGraphCost(
-            forward_flops=fit(lambda p: p.cost.forward.flops, s),
-            input_backward_flops=fit(lambda p: p.cost.input_backward.flops, s),
-            weight_backward_flops=fit(lambda p: p.cost.weight_backward.flops, s),
-            mem_b=fit(lambda p: p.cost.mem_b, s),
-            mem_w=fit(lambda p: p.cost.mem_w, s),
-        )
-        for s in range(len(compiled.programs))
-    )
+    return StageProgram(stage, joint, split, stage_cost(joint, split))

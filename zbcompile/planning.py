@@ -20,10 +20,11 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from zbcompile.compiler import CostedPipeline, compile_costs, peak_memory_with_transients
+from zbcompile.compiler import CostedPipeline, compile_costs
 from zbcompile.hardware import Hardware, resolve_hardware
 from zbcompile.inspect.plan_report import plan_text
 from zbcompile.inspect.text import DATA_PARALLEL_MODES, si, stage_rows_of, state_bytes
+from zbcompile.passes.stage_cost import peak_memory_with_transients
 from zbcompile.runtime.batch import split
 from zbcompile.schedules import Costs, Schedule, ScheduleError, make_schedule, simulate
 from zbcompile.schedules.memory_limit import parse_bytes
