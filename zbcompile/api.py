@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -15,114 +13,22 @@ from torch import nn
 from zbcompile.compiler import CompiledPipeline
 from zbcompile.inspect.text import summary_text
 from zbcompile.inspect.write import live_dump
+from zbcompile.options import PipelineOptions
 from zbcompile.runtime import batch, profile
 from zbcompile.runtime.build import Builder
-from zbcompile.runtime.distributed import DATA_PARALLEL_MODES
 from zbcompile.runtime.forward_only import ForwardRunner
 from zbcompile.runtime.runner import Runner
 from zbcompile.runtime.stage import StageExecutor, accumulate_grads
-from zbcompile.schedules import DEFAULT_SCHEDULE, SCHEDULE_NAMES, Costs, Schedule, check_schedule_sizes, schedule_label
-from zbcompile.schedules.memory_limit import check_memory_limit
-from zbcompile.stage_compiler import check_compiler
-
-DEFAULT_TIMEOUT = timedelta(seconds=300)
+from zbcompile.schedules import Costs, Schedule, schedule_label
 
 
-@dataclass(frozen=True)
-class PipelineOptions:
-    """`pipeline()`'s options, checked. README.md tells the whole story."""
-
-    stages: int
-    microbatches: int
-    # (output, target) -> a microbatch's mean loss, or (loss_sum, count) for the whole batch's; None: forward returns it
-    loss_fn: Callable[..., Any] | None = None
-    schedule: str | Schedule = DEFAULT_SCHEDULE  # one of SCHEDULE_NAMES (docs/schedules.md), or a Schedule to run as given
-    split_points: tuple[str, ...] | None = None  # module FQNs where a stage begins; None: stages balanced by cost
-    memory_limit: float | str | Sequence[float | str] | None = None  # per stage, in microbatches' activations, or bytes ("12GiB")
-    process_group: Any = None  # one pipeline's ranks, or a DeviceMesh with "pp" (and "dp"); None: the world
-    timeout: timedelta = DEFAULT_TIMEOUT  # bounds every wait on a peer
-    solver_time_budget: float | None = None  # seconds zb-auto improves its heuristic
-    profile: bool | None = None  # measure costs and re-solve (runtime/profile.py); None: where the schedule table says
-    profile_steps: int = 2  # steps timed after the warm-up step before the first re-solve
-    objective: str = "span"  # "span" (steps back to back) or "makespan" (a synchronisation ends every step)
-    compiler: str | None = None  # "inductor" compiles each stage's graphs; None or "eager": op by op
-    dump_dir: str | None = None  # every compile's graphs, schedule and trace (default $ZBCOMPILE_DUMP; `zbcompile inspect`)
-    init_fn: Callable[[nn.Module], None] | None = None  # fills a module's own tensors materialised from `meta`
-    costs: Costs | None = None  # solve with these instead of the static estimates (any one time unit)
-    follow_readiness: bool = True  # W run in waits and past sends, in order (runtime/dispatch.py)
-    grad_dtype: torch.dtype | None = None  # dtype `.grad` accumulates in (torch's param.grad_dtype); None: as set
-    recompute: str | None = None  # "auto": recompute forward values per stage to fit memory_limit (auto_recompute.py)
-    data_parallel: str = "replicate"  # replicas keep parameters whole, or "shard": DTensors over "dp" (runtime/sharding.py)
-
-    def __post_init__(self) -> None:
-        check_compiler(self.compiler)
-        if self.data_parallel not in DATA_PARALLEL_MODES:
-            raise ValueError(f"pipeline(): data_parallel must be one of {DATA_PARALLEL_MODES}, got {self.data_parallel!r}")
-        if self.recompute not in (None, "auto"):
-            raise ValueError(f"pipeline(): recompute must be None or 'auto', got {self.recompute!r}")
-        if self.recompute == "auto" and self.memory_limit is None:
-            raise ValueError("pipeline(): recompute='auto' chooses recomputation to fit memory_limit; give a memory_limit")
-        if self.grad_dtype is not None and not (isinstance(self.grad_dtype, torch.dtype) and self.grad_dtype.is_floating_point):
-            raise TypeError(f"pipeline(): grad_dtype must be a floating-point torch.dtype or None, got {self.grad_dtype!r}")
-        if self.profile not in (None, True, False):
-            raise ValueError(f"pipeline(): profile must be None (automatic), True or False, got {self.profile!r}")
-        if self.costs is not None and not isinstance(self.costs, Costs):
-            raise TypeError(f"pipeline(): costs must be a zbcompile.schedules.Costs, got {type(self.costs).__name__}")
-        for name in ("stages", "microbatches", "profile_steps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"pipeline(): {name} must be a positive int, got {value!r}")
-        check_schedule_option(self.schedule, self.stages, self.microbatches)
-        check_memory_limit(self.memory_limit)
-
-
-def check_schedule_option(schedule: Any, stages: int, microbatches: int) -> None:
-    """A schedule name from the table, or a `Schedule` of `stages` stages and `microbatches`."""
-    if isinstance(schedule, Schedule):
-        check_schedule_sizes(schedule, stages, microbatches)
-    elif not isinstance(schedule, str):
-        raise TypeError(
-            f"pipeline(): schedule must be a name ({', '.join(SCHEDULE_NAMES)}) or a zbcompile.schedules.Schedule "
-            f"(e.g. Schedule.from_csv(text)), got {type(schedule).__name__}"
-        )
-    elif schedule not in SCHEDULE_NAMES:
-        raise ValueError(f"pipeline(): unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
-
-
-def pipeline(
-    model: nn.Module | type | None = None,
-    *,
-    stages: int,
-    microbatches: int = 1,
-    loss_fn: Callable[..., torch.Tensor] | None = None,
-    schedule: str | Schedule = DEFAULT_SCHEDULE,
-    split_points: Sequence[str] | None = None,
-    memory_limit: float | str | Sequence[float | str] | None = None,
-    process_group: Any = None,
-    timeout: float | timedelta = DEFAULT_TIMEOUT,
-    solver_time_budget: float | None = None,
-    profile: bool | None = None,
-    profile_steps: int = 2,
-    objective: str = "span",
-    compiler: str | None = None,
-    dump_dir: str | None = None,
-    init_fn: Callable[[nn.Module], None] | None = None,
-    costs: Costs | None = None,
-    follow_readiness: bool = True,
-    grad_dtype: torch.dtype | None = None,
-    recompute: str | None = None,
-    data_parallel: str = "replicate",
-):
+def pipeline(model: nn.Module | type | None = None, /, **options: Any):
     """Make `model` a pipelined model: `pipeline(model, stages=4, microbatches=8, loss_fn=F.mse_loss)`;
     as a class decorator (`@pipeline(stages=4, ...)` on an `nn.Module` subclass) its constructor
-    returns a `PipelinedModule` around the new instance. The options: `PipelineOptions`; README.md
-    tells how distributed runs, measured costs (`profile`) and models on the `meta` device work."""
-    options = PipelineOptions(
-        stages, microbatches, loss_fn, schedule, tuple(split_points) if split_points is not None else None,
-        memory_limit, process_group, timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout),
-        solver_time_budget, profile, profile_steps, objective, compiler, dump_dir, init_fn, costs, follow_readiness,
-        grad_dtype, recompute, data_parallel,
-    )
+    returns a `PipelinedModule` around the new instance. The options, by keyword: `PipelineOptions`
+    (zbcompile/options.py); README.md tells how distributed runs, measured costs (`profile`) and
+    models on the `meta` device work."""
+    options = PipelineOptions(**options)
     if model is None:
         return functools.partial(_wrap, options=options)
     return _wrap(model, options)
@@ -181,8 +87,8 @@ class PipelinedModule:
         built, micro_inputs, micro_targets, absent = self._builder.prepare(inputs, kwargs, target)
         runner = built.runner
         batch.check_given(absent, runner.schedule.stages, runner.executors)
-        self._builder.check_filled()
-        runner.set_state(self._builder.state())  # the module's current tensors, even if reassigned
+        self._builder.ownership.check_filled()
+        runner.set_state(self._builder.ownership.state())  # the module's current tensors, even if reassigned
         feeds, targets = batch.feeds(built.compiled, micro_inputs, micro_targets)
         reduction = self._builder.loss_reduction(built.compiled.traced, micro_inputs, feeds, targets, runner.executors, runner.schedule.stages)
         for hook in self.pre_step_hooks:
@@ -207,8 +113,8 @@ class PipelinedModule:
             runner, micro_inputs, micro_targets, absent = self._builder.prepare_forward(inputs, kwargs, target, return_outputs)
             stages = len(runner.compiled.programs)
             batch.check_given(absent, stages, runner.executors)
-            self._builder.check_filled()
-            runner.set_state(self._builder.state())
+            self._builder.ownership.check_filled()
+            runner.set_state(self._builder.ownership.state())
             feeds, targets = batch.feeds(runner.compiled, micro_inputs, micro_targets)
             if return_outputs:
                 results = runner.run(feeds, targets)
@@ -277,13 +183,13 @@ class PipelinedModule:
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         """The module's parameters; in a distributed run, the ones this rank holds (a tied weight
         on every rank that uses it, so each rank's optimizer keeps its copy in step)."""
-        yield from self._builder.held_only(self.module.named_parameters(prefix, recurse, remove_duplicate), prefix)
+        yield from self._builder.ownership.held_only(self.module.named_parameters(prefix, recurse, remove_duplicate), prefix)
 
     def buffers(self, recurse: bool = True) -> Iterator[torch.Tensor]:
         return (b for _, b in self.named_buffers(recurse=recurse))
 
     def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from self._builder.held_only(self.module.named_buffers(prefix, recurse, remove_duplicate), prefix)
+        yield from self._builder.ownership.held_only(self.module.named_buffers(prefix, recurse, remove_duplicate), prefix)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The module's state dict; in a distributed run, the entries this rank owns (every alias
@@ -295,20 +201,18 @@ class PipelinedModule:
     def held_state_dict(self) -> dict[str, Any]:
         """The module's state-dict entries this process holds (what `load_state_dict` fills here;
         every alias of a tied weight on every rank that uses it): all of them in one process."""
-        return self._builder.held_only_entries(self.module.state_dict())
+        return self._builder.ownership.held_only_entries(self.module.state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
-        """Copy this process's entries of any state dict holding them (`Builder.load_state_dict`)."""
-        return self._builder.load_state_dict(state_dict, strict)
+        """Copy this process's entries of any state dict holding them (`StateOwnership.load_state_dict`)."""
+        return self._builder.ownership.load_state_dict(state_dict, strict)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.module.zero_grad(set_to_none)
 
     def train(self, mode: bool = True) -> "PipelinedModule":
         self.module.train(mode)
-        self._builder.builds.clear()  # dropout and friends trace differently
-        self._builder.forward_builds.clear()
-        self._builder.latest_forward = None
+        self._builder.forget_compiles()  # dropout and friends trace differently
         return self
 
     def eval(self) -> "PipelinedModule":

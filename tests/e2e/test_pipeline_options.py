@@ -3,12 +3,15 @@ follows it: `costs=` solves with the given costs (and says so), bad values are r
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 import torch
 
 import zbcompile
 from helpers.models import build
-from zbcompile.runtime.build import static_costs
+from zbcompile.options import PipelineOptions
+from zbcompile.runtime.schedule_choice import static_costs
 from zbcompile.schedules import Costs, make_schedule, simulate
 from zbcompile.schedules.memory_limit import parse_bytes
 
@@ -38,6 +41,16 @@ def test_bad_option_values_are_refused(options, error, words):
     case = build("mlp")
     with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
         zbcompile.pipeline(case.model, stages=2, microbatches=4, loss_fn=case.loss_fn, **options)
+
+
+def test_options_are_taken_by_keyword_only_and_normalised():
+    with pytest.raises(TypeError):
+        PipelineOptions(2, 4)  # the positional form is refused
+    with pytest.raises(TypeError, match="stagez"):
+        zbcompile.pipeline(build("mlp").model, stagez=2)
+    options = PipelineOptions(stages=2, split_points=["fc2"], timeout=5)
+    assert options.microbatches == 1 and options.split_points == ("fc2",)
+    assert options.timeout == timedelta(seconds=5)
 
 
 def test_memory_limit_in_bytes_is_the_same_limit_in_microbatch_units():
@@ -105,7 +118,7 @@ def test_zb_auto_picks_a_v_under_a_limit_below_one_f_one_b():
 def test_zb_auto_weighs_the_v_by_predicted_time_with_default_options():
     """No memory limit: zb-auto weighs one stage per rank against a V of the model cut in 2p
     chunks by the simulated span on the compiler's costs with the messages' time
-    (`build.static_costs`), the V's extra messages included, and runs the faster: the V for the
+    (`schedule_choice.static_costs`), the V's extra messages included, and runs the faster: the V for the
     GPT with 2 microbatches on 2 ranks (the fill and drain dominate), compiled in 4 chunks, with
     eager's gradients; one stage per rank for the MLP with 4, where the V's messages cost more
     than its shorter fill gains."""

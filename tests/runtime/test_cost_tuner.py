@@ -105,7 +105,7 @@ def _skewed(costs: Costs, backward: tuple[float, float]) -> Costs:
 def test_measured_recomputation_keeps_the_static_choice_for_proportional_costs_and_fits_the_limit():
     _, pipe = _auto_recompute_gpt()
     compiled = pipe.compiled
-    choice = MeasuredRecomputation(compiled, pipe._builder.solve_arguments)
+    choice = MeasuredRecomputation(compiled, pipe._builder.choice.solve_arguments)
     static = compiled.schedule_costs()
     measured = Costs(f=[t * 1e-9 for t in static.f], i=[t * 1e-9 for t in static.i], w=[t * 1e-9 for t in static.w], comm=1e-6)
     assert calibrated_costs(compiled, measured, compiled).f == measured.f  # the running levels: as measured
@@ -113,7 +113,7 @@ def test_measured_recomputation_keeps_the_static_choice_for_proportional_costs_a
     assert levels == compiled.recompute_levels and costs.i == measured.i
     levels, costs = choice.choose(_skewed(static, (20.0, 1.0)))  # stage 0's backward 20 times slower than estimated
     assert levels != compiled.recompute_levels
-    evaluation = evaluate_memory(with_levels(compiled, levels), pipe._builder.solve_arguments, lambda _: costs)
+    evaluation = evaluate_memory(with_levels(compiled, levels), pipe._builder.choice.solve_arguments, lambda _: costs)
     assert not evaluation.over, evaluation
 
 
@@ -146,8 +146,8 @@ def test_the_tuner_chooses_recomputation_again_with_measured_costs_and_the_runne
     static = pipe.compiled.schedule_costs()
     skewed = _skewed(static, (20.0, 1.0))
     seconds = {(s, kind): getattr(skewed, kind.lower())[s] * 1e-9 for s in range(2) for kind in "FIW"}
-    recompute = MeasuredRecomputation(pipe.compiled, pipe._builder.solve_arguments)
-    tuner = profile.CostTuner(2, functools.partial(pipe._builder.solve_arguments, compiled=pipe.compiled), static, recompute)
+    recompute = MeasuredRecomputation(pipe.compiled, pipe._builder.choice.solve_arguments)
+    tuner = profile.CostTuner(2, functools.partial(pipe._builder.choice.solve_arguments, compiled=pipe.compiled), static, recompute)
     rank = _OneRank(pipe.runner)
     for _ in range(400):
         clock, rank.timeline = 0.0, []

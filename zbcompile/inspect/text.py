@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from zbcompile.inspect.read import Dump, graph_text
 from zbcompile.inspect.trace import MOVED, median, median_step, steady_steps, step_stats
+from zbcompile.options import DATA_PARALLEL_MODES
 
 if TYPE_CHECKING:
     from zbcompile.compiler import CompiledPipeline
@@ -202,9 +203,6 @@ def stage_table(compiled: "CompiledPipeline") -> str:
 
 
 # --- state memory per rank (shared with the plan's report, inspect/plan_report.py) ---------------
-
-
-DATA_PARALLEL_MODES = ("replicate", "shard")
 
 
 def state_bytes(param_bytes: float, dp: int, mode: str, grad_factor: float = 1.0, optimizer_factor: float = 2.0) -> dict[str, float]:

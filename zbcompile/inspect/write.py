@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from zbcompile.inspect.read import COMPILE_FILE, FORWARD_FILE, GRAPH_FILES, SCHEDULE_FILE, Dump
 from zbcompile.inspect.text import format_schedule, format_stages, stage_rows, state_rows
 from zbcompile.inspect.trace import append_step, chrome_trace, read_timelines, start_timeline
+from zbcompile.options import PipelineOptions
 from zbcompile.schedules import Costs, Schedule, lower, simulate
 from zbcompile.schedules.costs import resolve_costs
 from zbcompile.schedules.validate import rank_limits
@@ -66,7 +67,7 @@ def dump_root(dump_dir: str | os.PathLike | None) -> str | None:
 # --- records (plain JSON-able dicts; `zbcompile inspect` reads them back) -----------------------
 
 
-def compile_record(compiled: "CompiledPipeline", options: Any, world: dict[str, Any]) -> dict[str, Any]:
+def compile_record(compiled: "CompiledPipeline", options: PipelineOptions, world: dict[str, Any]) -> dict[str, Any]:
     """What `compile.json` holds: the model, the pipeline's options, compile times, per-stage
     facts, tied weights, the bytes of one schedule memory unit and the process layout."""
     return _plain(
@@ -224,7 +225,7 @@ class CompileDump:
     def writes_compile(self) -> bool:
         return self.rank == 0
 
-    def write_compile(self, options: Any, world: dict[str, Any]) -> None:
+    def write_compile(self, options: PipelineOptions, world: dict[str, Any]) -> None:
         record = compile_record(self.compiled, options, world)
         self._write(COMPILE_FILE, json.dumps(record, indent=1))
         self._write("stages.txt", format_stages(record["stage_rows"], record["tied"]) + "\n")
@@ -277,7 +278,7 @@ class CompileDump:
             f.write(text)
 
 
-def start_dump(dump_dir: str | os.PathLike | None, compiled: "CompiledPipeline", schedule: Schedule, options: Any, runner: Any) -> CompileDump | None:
+def start_dump(dump_dir: str | os.PathLike | None, compiled: "CompiledPipeline", schedule: Schedule, options: PipelineOptions, runner: Any) -> CompileDump | None:
     """Begin the dump of a compile (None when dumping is off): rank 0 writes the compile's files,
     every rank of a distributed run starts its timeline."""
     root = dump_root(dump_dir)

@@ -169,9 +169,6 @@ def _placement_text(schedule: Schedule) -> str:
     return f"{schedule.stage_to_rank} and, from microbatch {schedule.mirrored_from} on, {mirrored}"
 
 
-DATA_PARALLEL_MODES = ("replicate", "shard")
-
-
 class DistributedRunner(Runner):
     """Executes one rank's stages of a compiled pipeline, step after step. With
     `follow_readiness` (see the module docstring) W may run elsewhere than the plan says, in the
