@@ -77,7 +77,7 @@ class StageExecutor:
         """An executor of the same stage and state running `program` (the stage at another
         recompute level), measuring as this one does. Between steps only."""
         if self.envs:
-            raise RuntimeError(f"stage {self.program.index}: microbatches {sorted(self.envs)} are in flight; change programs between steps")
+            raise RuntimeError(f"stage {self.program.stage.index}: microbatches {sorted(self.envs)} are in flight; change programs between steps")
         executor = StageExecutor(program, self.state)
         executor.measure_transients = self.measure_transients
         return executor
@@ -90,12 +90,12 @@ class StageExecutor:
         stage = self.program.stage
         self._check_forward_order(microbatch)
         env = {input_name(name): self._as_traced(input_name(name), value) for name, value in inputs.items()}
-        self._run("F", self.program.forward, env, microbatch, keep=self._forward_keeps)
+        self._run("F", self.program.joint.forward, env, microbatch, keep=self._forward_keeps)
         self._update_buffers(env)
         if stage.outputs:
             outputs = {v: env[output_name(v)] if output_name(v) in env else env[input_name(v)] for v in stage.outputs}
         else:
-            outputs = {fqn_of(name): env[name] for name in self.program.forward.signature.outputs if name.startswith(OUTPUT)}
+            outputs = {fqn_of(name): env[name] for name in self.program.joint.forward.signature.outputs if name.startswith(OUTPUT)}
         self.envs[microbatch] = {k: v for k, v in env.items() if k in self._backward_reads}
         self._note_memory(microbatch, "F")
         return outputs
@@ -105,7 +105,7 @@ class StageExecutor:
         updated = self.program.stage.buffer_updates
         if updated and microbatch and self._last_forward != microbatch - 1:
             raise RuntimeError(
-                f"stage {self.program.index}: F of microbatch {microbatch} follows F of microbatch "
+                f"stage {self.program.stage.index}: F of microbatch {microbatch} follows F of microbatch "
                 f"{self._last_forward}; the stage updates buffers ({updated[0]}, ...), so its forwards must run "
                 "in microbatch order"
             )
@@ -122,7 +122,7 @@ class StageExecutor:
         stage). Returns the gradients of the stage inputs that carry one."""
         env = self.envs[microbatch]
         self._receive_tangents(env, output_grads)
-        self._run("I", self.program.input_backward, env, microbatch, keep=self._weight_reads)
+        self._run("I", self.program.split.input_backward, env, microbatch, keep=self._weight_reads)
         self._accumulate(self.program.split.input_param_grads, env)
         self.envs[microbatch] = {k: v for k, v in env.items() if k in self._weight_reads}
         self._note_memory(microbatch, "I")
@@ -131,7 +131,7 @@ class StageExecutor:
     def weight_backward(self, microbatch: int) -> None:
         """W: parameter gradients of `microbatch`, accumulated; the microbatch's values freed."""
         env = self.envs.pop(microbatch)
-        self._run("W", self.program.weight_backward, env, microbatch, keep=frozenset())
+        self._run("W", self.program.split.weight_backward, env, microbatch, keep=frozenset())
         self._accumulate(self._weight_param_grads, env)
         self._note_memory(microbatch)
 
@@ -176,7 +176,7 @@ class StageExecutor:
             node = program.failing_node(error)
             if node is None:
                 raise
-            raise op_error(f"{self.program.index}{kind}{microbatch}", node, error) from error
+            raise op_error(f"{self.program.stage.index}{kind}{microbatch}", node, error) from error
 
     def _receive_tangents(self, env: dict[str, torch.Tensor], output_grads: Mapping[str, torch.Tensor]) -> None:
         for name in self.program.joint.tangents:
@@ -203,7 +203,7 @@ class StageExecutor:
     def take_grads(self) -> dict[str, torch.Tensor]:
         if self.envs:
             raise RuntimeError(
-                f"stage {self.program.index}: microbatches {sorted(self.envs)} still hold activations at the "
+                f"stage {self.program.stage.index}: microbatches {sorted(self.envs)} still hold activations at the "
                 "end of the step; the schedule is missing their W actions"
             )
         grads, self.grads = self.grads, {}
