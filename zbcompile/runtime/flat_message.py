@@ -14,10 +14,10 @@ from typing import Sequence
 import torch
 
 ALIGN = 16
-Layout = tuple[torch.Size, torch.dtype]
+TensorLayout = tuple[torch.Size, torch.dtype]  # a tensor's shape and dtype in a message
 
 
-def offsets(layouts: Sequence[Layout]) -> tuple[list[int], int]:
+def offsets(layouts: Sequence[TensorLayout]) -> tuple[list[int], int]:
     """Byte offset of each tensor of `layouts` in the buffer, and the buffer's size in bytes."""
     places, end = [], 0
     for shape, dtype in layouts:
@@ -40,7 +40,7 @@ def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return flat
 
 
-def empty(layouts: Sequence[Layout], device: torch.device | str) -> torch.Tensor:
+def empty(layouts: Sequence[TensorLayout], device: torch.device | str) -> torch.Tensor:
     """An uninitialised buffer for a message of `layouts` (see `pack`)."""
     if len(layouts) == 1:
         shape, dtype = layouts[0]
@@ -48,7 +48,7 @@ def empty(layouts: Sequence[Layout], device: torch.device | str) -> torch.Tensor
     return torch.empty(offsets(layouts)[1], dtype=torch.uint8, device=device)
 
 
-def unpack(flat: torch.Tensor, layouts: Sequence[Layout]) -> list[torch.Tensor]:
+def unpack(flat: torch.Tensor, layouts: Sequence[TensorLayout]) -> list[torch.Tensor]:
     """The message's tensors: views of `flat`, no copy (see `pack`)."""
     if len(layouts) == 1:
         return [flat]

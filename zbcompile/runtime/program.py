@@ -16,12 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
-import torch
-
+from zbcompile.runtime.flat_message import TensorLayout
 from zbcompile.schedules import Action, Schedule, lower
 from zbcompile.schedules.timing import asap_timing
-
-Layout = tuple[torch.Size, torch.dtype]
 
 
 class MemoryModel(Protocol):
@@ -59,7 +56,7 @@ class Receive:
     message: Message
     index: int
     after: int
-    layouts: tuple[Layout, ...]
+    layouts: tuple[TensorLayout, ...]
 
 
 @dataclass(frozen=True)
@@ -89,7 +86,7 @@ def rank_program(
     pp_rank: int,
     rank_of: Callable[[int, int], int],
     names: Callable[[str, int], Sequence[str]],
-    layout: Callable[[str], Layout],
+    layout: Callable[[str], TensorLayout],
     memory: MemoryModel | None,
 ) -> RankProgram:
     """Position `pp_rank`'s program for `schedule`. `rank_of(stage, microbatch)`: the global rank
@@ -105,7 +102,7 @@ def rank_program(
 
 
 def single_process_program(
-    schedule: Schedule, names: Callable[[str, int], Sequence[str]], layout: Callable[[str], Layout]
+    schedule: Schedule, names: Callable[[str, int], Sequence[str]], layout: Callable[[str], TensorLayout]
 ) -> RankProgram:
     """The program of one process that runs every rank of `schedule`: every rank's lowered list
     as it is, merged so that each compute action comes where `execution_order` puts it, with
@@ -143,7 +140,7 @@ def _resolve(
     deferred: tuple[str, ...],
     rank_of: Callable[[int, int], int],
     names: Callable[[str, int], Sequence[str]],
-    layout: Callable[[str], Layout],
+    layout: Callable[[str], TensorLayout],
 ) -> RankProgram:
     """The program running `actions` (`planned`, with the W in `deferred` moved past sends):
     each message's peer, tag, value names and buffer layouts resolved."""
