@@ -12,14 +12,14 @@ from torch import fx
 from helpers.grads import FP32
 from helpers.passes import traced_mlp, traced_tied
 from zbcompile.passes.partition import StagePartition, partition_stages
-from zbcompile.passes.trace import INPUT, TARGET
+from zbcompile.passes.trace import ROLE_INPUT, ROLE_TARGET
 
 
 def _anchored(graph: fx.Graph) -> list[str]:
     """Computed nodes that depend on a model input or the target, in graph order."""
     anchored: set[fx.Node] = set()
     for node in graph.nodes:
-        if node.op == "placeholder" and node.meta["zb_role"] in (INPUT, TARGET):
+        if node.op == "placeholder" and node.meta["zb_role"] in (ROLE_INPUT, ROLE_TARGET):
             anchored.add(node)
         elif node.op == "call_function" and any(a in anchored for a in node.all_input_nodes):
             anchored.add(node)

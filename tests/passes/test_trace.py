@@ -13,7 +13,7 @@ from torch import nn
 
 from helpers.grads import FP32
 from helpers.passes import traced, traced_mlp, traced_tied
-from zbcompile.passes.trace import BUFFER, INPUT, PARAM, TARGET
+from zbcompile.passes.trace import ROLE_BUFFER, ROLE_INPUT, ROLE_PARAM, ROLE_TARGET
 
 
 def _run(case, model: nn.Module | None = None) -> list[torch.Tensor]:
@@ -43,10 +43,10 @@ def test_placeholders_are_parameters_buffers_inputs_then_targets_with_their_name
     t = case.traced
     placeholders = list(t.graph_module.graph.find_nodes(op="placeholder"))
     roles = [n.meta["zb_role"] for n in placeholders]
-    assert roles == [PARAM] * len(t.param_fqns) + [INPUT, TARGET]
+    assert roles == [ROLE_PARAM] * len(t.param_fqns) + [ROLE_INPUT, ROLE_TARGET]
     assert t.param_fqns == tuple(name for name, _ in case.model.named_parameters())
     assert [n.meta["zb_name"] for n in placeholders] == [*t.param_fqns, "input_0", "target_0"]
-    assert [n.meta["zb_name"] for n in t.placeholders(PARAM)] == list(t.param_fqns)
+    assert [n.meta["zb_name"] for n in t.placeholders(ROLE_PARAM)] == list(t.param_fqns)
     assert t.buffer_fqns == () and t.buffer_updates == ()
 
 
@@ -56,7 +56,7 @@ def test_buffer_updated_in_place_becomes_an_output_with_the_eager_new_value():
     case = traced(model, 6, 4)
     t = case.traced
     assert t.buffer_fqns == ("1.running_mean", "1.running_var", "1.num_batches_tracked")
-    assert [n.meta["zb_role"] for n in t.graph_module.graph.find_nodes(op="placeholder")][-5:-2] == [BUFFER] * 3
+    assert [n.meta["zb_role"] for n in t.graph_module.graph.find_nodes(op="placeholder")][-5:-2] == [ROLE_BUFFER] * 3
     assert set(t.buffer_updates) == set(t.buffer_fqns)
     untouched = {name: b.clone() for name, b in model.named_buffers()}
 
@@ -76,7 +76,7 @@ def test_tied_weight_is_one_input_and_the_model_is_left_as_it_was():
     case = traced_tied()
     t = case.traced
     assert t.param_fqns.count("embed.weight") == 1 and "head.weight" not in t.param_fqns
-    assert len(t.placeholders(PARAM)) == len(list(case.model.parameters()))
+    assert len(t.placeholders(ROLE_PARAM)) == len(list(case.model.parameters()))
     (loss,) = _run(case)
     torch.testing.assert_close(loss, case.eager_loss(), **FP32)
     assert case.model.head.weight is case.model.embed.weight

@@ -18,7 +18,7 @@ import numpy as np
 from torch import fx
 
 from zbcompile.passes import _fx
-from zbcompile.passes.trace import BUFFER, INPUT, TARGET, TracedModel
+from zbcompile.passes.trace import ROLE_BUFFER, ROLE_INPUT, ROLE_TARGET, TracedModel
 
 # --- classifying nodes -------------------------------------------------------------------------
 
@@ -33,7 +33,7 @@ def anchored_nodes(graph: fx.Graph) -> list[fx.Node]:
     anchored: set[fx.Node] = set()
     order = []
     for node in graph.nodes:
-        if role(node) in (INPUT, TARGET):
+        if role(node) in (ROLE_INPUT, ROLE_TARGET):
             anchored.add(node)
         elif node.op == "call_function" and (
             any(a in anchored for a in node.all_input_nodes) or _fx.is_random(node)
@@ -44,7 +44,7 @@ def anchored_nodes(graph: fx.Graph) -> list[fx.Node]:
 
 
 def _target_dependent(graph: fx.Graph) -> set[fx.Node]:
-    dependent = {n for n in graph.nodes if role(n) == TARGET}
+    dependent = {n for n in graph.nodes if role(n) == ROLE_TARGET}
     for node in graph.nodes:
         if node.op == "call_function" and any(a in dependent for a in node.all_input_nodes):
             dependent.add(node)
@@ -102,7 +102,7 @@ def buffer_updates(traced: TracedModel, anchors: list[fx.Node]) -> list[BufferUp
     nodes that read the buffer, or, read by none, where the update was traced."""
     graph = traced.graph_module.graph
     values = graph.output_node().args[0][traced.results :]
-    placeholders = {n.meta["zb_name"]: n for n in graph.find_nodes(op="placeholder") if role(n) == BUFFER}
+    placeholders = {n.meta["zb_name"]: n for n in graph.find_nodes(op="placeholder") if role(n) == ROLE_BUFFER}
     position = {n: i for i, n in enumerate(anchors)}
     order = {n: i for i, n in enumerate(graph.nodes)}
     where: dict[str, int] = {}
@@ -155,7 +155,7 @@ def boundary_values(anchors: list[fx.Node], graph: fx.Graph, results: Sequence[f
     returned = set(results)
     result = []
     for node in graph.nodes:
-        if role(node) == INPUT:
+        if role(node) == ROLE_INPUT:
             start = 0
         elif node in position and not _fx.is_multi_output(node):
             start = position[node] + 1

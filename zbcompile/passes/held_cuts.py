@@ -19,7 +19,7 @@ from typing import Sequence
 from zbcompile.passes.cut_positions import allowed_cuts, anchored_nodes, buffer_updates, prefix_sums, role
 from zbcompile.passes.graph_cost import node_cost
 from zbcompile.passes.partition import _dependency_graph, _free_ancestors
-from zbcompile.passes.trace import BUFFER, INPUT, PARAM, TARGET, TracedModel
+from zbcompile.passes.trace import ROLE_BUFFER, ROLE_INPUT, ROLE_PARAM, ROLE_TARGET, TracedModel
 
 
 def held_cuts(traced: TracedModel, held: Sequence[frozenset[str]]) -> tuple[int, ...]:
@@ -30,13 +30,13 @@ def held_cuts(traced: TracedModel, held: Sequence[frozenset[str]]) -> tuple[int,
     anchors = anchored_nodes(graph)
     allowed = allowed_cuts(anchors, [u.span for u in buffer_updates(traced, anchors)])
     dependencies = _dependency_graph(graph)
-    anchored = set(anchors) | {n for n in graph.nodes if role(n) in (INPUT, TARGET)}
+    anchored = set(anchors) | {n for n in graph.nodes if role(n) in (ROLE_INPUT, ROLE_TARGET)}
     stages, n = len(held), len(anchors)
     # refused[k][i]: the first position from i on whose node stage k may not run
     refused = [[n] * (n + 1) for _ in range(stages)]
     for i in range(n - 1, -1, -1):
         node = anchors[i]
-        reads = {a.meta["zb_name"] for a in _free_ancestors([node], dependencies, anchored) if role(a) in (PARAM, BUFFER)}
+        reads = {a.meta["zb_name"] for a in _free_ancestors([node], dependencies, anchored) if role(a) in (ROLE_PARAM, ROLE_BUFFER)}
         options = [k for k in range(stages) if reads <= held[k]]
         if not options:
             raise ValueError(

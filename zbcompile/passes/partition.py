@@ -43,7 +43,7 @@ from zbcompile.passes.cut_positions import (
     role,
 )
 from zbcompile.passes.graph_cost import node_cost
-from zbcompile.passes.trace import BUFFER, INPUT, PARAM, TARGET, TracedModel
+from zbcompile.passes.trace import ROLE_BUFFER, ROLE_INPUT, ROLE_PARAM, ROLE_TARGET, TracedModel
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ def _requires_grad(graph: fx.Graph) -> set[fx.Node]:
     over-approximation: a stage that turns out not to need a gradient gets none)."""
     result: set[fx.Node] = set()
     for node in graph.nodes:
-        if role(node) == PARAM:
+        if role(node) == ROLE_PARAM:
             result.add(node)
         elif node.op == "call_function" and node.target is not torch.ops.aten.detach.default:
             value = node.meta.get("val")
@@ -179,7 +179,7 @@ def _build_stages(
     results = list(graph.output_node().args[0][: traced.results])  # the loss, or the model's outputs
 
     def producer_stage(node: fx.Node) -> int:
-        return 0 if role(node) == INPUT else stage_of[node]
+        return 0 if role(node) == ROLE_INPUT else stage_of[node]
 
     # boundary: stage k receives every value produced before it and read by a later stage
     crossing: list[list[fx.Node]] = [[] for _ in range(stages_count)]
@@ -189,7 +189,7 @@ def _build_stages(
             crossing[k].append(node)
 
     dependencies = _dependency_graph(graph)
-    anchored = set(anchors) | {n for n in graph.nodes if role(n) in (INPUT, TARGET)}
+    anchored = set(anchors) | {n for n in graph.nodes if role(n) in (ROLE_INPUT, ROLE_TARGET)}
     stages = []
     shared: dict[str, list[int]] = {}
     for k in range(stages_count):
@@ -204,9 +204,9 @@ def _build_stages(
         if k == stages_count - 1:  # results computed upstream arrive to be returned
             reads |= {n for n in results if n not in own_set and n not in free}
         read_inputs = [n for n in graph.nodes if n in reads]  # graph order
-        stage_inputs = [n for n in crossing[k]] if k > 0 else [n for n in graph.nodes if role(n) == INPUT]
-        boundary_reads = [n for n in read_inputs if role(n) != TARGET]
-        targets = [n for n in read_inputs if role(n) == TARGET]
+        stage_inputs = [n for n in crossing[k]] if k > 0 else [n for n in graph.nodes if role(n) == ROLE_INPUT]
+        boundary_reads = [n for n in read_inputs if role(n) != ROLE_TARGET]
+        targets = [n for n in read_inputs if role(n) == ROLE_TARGET]
         missing = [n for n in boundary_reads if n not in stage_inputs]
         assert not missing, f"stage {k} reads {missing} that never reach it"
         next_inputs = crossing[k + 1] if k + 1 < stages_count else []
@@ -214,8 +214,8 @@ def _build_stages(
         relays = [n for n in next_inputs if n not in own_set]
         graph_outputs = produced_out if k + 1 < stages_count else results
 
-        params = [n for n in graph.nodes if n in free and role(n) == PARAM]
-        buffers = [n for n in graph.nodes if n in free and role(n) == BUFFER]
+        params = [n for n in graph.nodes if n in free and role(n) == ROLE_PARAM]
+        buffers = [n for n in graph.nodes if n in free and role(n) == ROLE_BUFFER]
         elsewhere = {b.meta["zb_name"] for b in buffers} & ({u.fqn for u in updates} - {u.fqn for u in mine})
         assert not elsewhere, f"stage {k} reads buffers {sorted(elsewhere)} that another stage updates"
         constants = [n for n in graph.nodes if n in free and n.op == "get_attr"]
@@ -332,7 +332,7 @@ def _free_ancestors(own: list[fx.Node], dependencies: nx.DiGraph, anchored: set[
         node = frontier.pop()
         if node in free:
             continue
-        if role(node) in (PARAM, BUFFER) or node.op == "get_attr" or (node.op == "call_function" and node not in anchored):
+        if role(node) in (ROLE_PARAM, ROLE_BUFFER) or node.op == "get_attr" or (node.op == "call_function" and node not in anchored):
             free.add(node)
             frontier.extend(dependencies.predecessors(node))
     return free

@@ -37,8 +37,8 @@ from zbcompile.passes.autograd_in_forward import detach_no_grad_results, watchin
 from zbcompile.passes.loss_parts import ItemCount, OutputStructure, cut_out_count, sum_and_count
 from zbcompile.passes.trace_errors import NameStack, raised_here, traced_error
 
-# meta["zb_role"] of placeholders
-PARAM, BUFFER, INPUT, TARGET = "param", "buffer", "input", "target"
+# meta["zb_role"] of placeholders (what the placeholder is; not the value names of value_names.py)
+ROLE_PARAM, ROLE_BUFFER, ROLE_INPUT, ROLE_TARGET = "param", "buffer", "input", "target"
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class TracedModel:
     """The forward + loss graph of one microbatch.
 
     graph_module: placeholders, in order: parameters, buffers, tensor inputs, target tensors.
-        Each placeholder has `meta["zb_role"]` (PARAM, BUFFER, INPUT or TARGET) and
+        Each placeholder has `meta["zb_role"]` (ROLE_PARAM, ROLE_BUFFER, ROLE_INPUT or ROLE_TARGET) and
         `meta["zb_name"]` (the FQN for parameters and buffers; "input_<i>"/"target_<i>" for the
         tensor leaves of (args, kwargs) and of the target, in pytree order). Outputs: the loss,
         then the new value of each buffer in `buffer_updates`.
@@ -167,10 +167,10 @@ def trace_model(
             raise traced_error(module_stack, error) from error
 
     roles = (
-        [(PARAM, fqn) for fqn in params]
-        + [(BUFFER, fqn) for fqn in buffers]
-        + [(INPUT, f"input_{i}") for i in range(len(input_tensors))]
-        + [(TARGET, f"target_{i}") for i in range(len(target_leaves))]
+        [(ROLE_PARAM, fqn) for fqn in params]
+        + [(ROLE_BUFFER, fqn) for fqn in buffers]
+        + [(ROLE_INPUT, f"input_{i}") for i in range(len(input_tensors))]
+        + [(ROLE_TARGET, f"target_{i}") for i in range(len(target_leaves))]
     )
     placeholders = list(graph_module.graph.find_nodes(op="placeholder"))
     for node, (role, name) in zip(placeholders, roles, strict=True):
@@ -361,7 +361,7 @@ def _buffer_updates_as_outputs(graph: fx.Graph, fake_mode: FakeTensorMode) -> tu
         for _, value in _fx.written_arguments(node):
             if not (isinstance(value, fx.Node) and value.op == "placeholder"):
                 continue
-            if node.target is not torch.ops.aten.copy_.default or value.meta["zb_role"] != BUFFER:
+            if node.target is not torch.ops.aten.copy_.default or value.meta["zb_role"] != ROLE_BUFFER:
                 raise ValueError(_mutation_message(value, node))
             new_values[value.meta["zb_name"]] = node.args[1]
             graph.erase_node(node)
@@ -419,8 +419,8 @@ def _mutation_message(placeholder: fx.Node, node: fx.Node) -> str:
     role, name = placeholder.meta["zb_role"], placeholder.meta["zb_name"]
     module = node.meta.get("custom", {}).get("module")
     if module is None:  # functionalization's write-back runs after the forward: name the owner
-        module = name.rpartition(".")[0] if role in (PARAM, BUFFER) and "." in name else "<root>"
-    if role == PARAM:
+        module = name.rpartition(".")[0] if role in (ROLE_PARAM, ROLE_BUFFER) and "." in name else "<root>"
+    if role == ROLE_PARAM:
         what, remedy = "parameter", (
             "Parameters change only in the optimizer's step; keep state that the forward updates in a "
             "buffer (register_buffer), whose updates zbcompile applies microbatch by microbatch."

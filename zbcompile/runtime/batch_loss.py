@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zbcompile._torch_internals import pytree
-from zbcompile.passes.trace import INPUT, TracedModel
+from zbcompile.passes.trace import ROLE_INPUT, TracedModel
 
 ITEM_COUNT = "num_items_in_batch"  # the keyword transformers' models take the batch's label count by
 IGNORE_INDEX = -100
@@ -138,7 +138,7 @@ def _item_count_feed(traced: TracedModel, example: tuple[tuple, dict]) -> str | 
         return None
     tensors = [x for x in pytree.tree_leaves((tuple(args), dict(kwargs))) if isinstance(x, torch.Tensor)]
     name = f"input_{next(i for i, t in enumerate(tensors) if t is count)}"
-    node = next(n for n in traced.placeholders(INPUT) if n.meta["zb_name"] == name)
+    node = next(n for n in traced.placeholders(ROLE_INPUT) if n.meta["zb_name"] == name)
     return name if node.users else None
 
 
