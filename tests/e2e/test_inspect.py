@@ -64,7 +64,7 @@ class LocalDump(TestCase):
         expected = {"compile.json", "stages.txt", "forward.py", "schedule.txt", "schedule.csv", "schedule.json", "stage0", "stage1"}
         self.assertEqual(set(os.listdir(directory)), expected)
         for stage in ("stage0", "stage1"):
-            self.assertEqual(set(os.listdir(os.path.join(directory, stage))), {"F.py", "I.py", "W.py", "backward.py"})
+            self.assertEqual(set(os.listdir(os.path.join(directory, stage))), {"F.py", "I.py", "W.py", "B.py"})
         with open(os.path.join(directory, "schedule.csv")) as f:
             self.assertEqual(f.read(), self.pipe.schedule.compute_only().to_csv())
         with open(os.path.join(directory, "schedule.json")) as f:
@@ -228,7 +228,7 @@ class FusedOpDiff(TestCase):
         program = compiled.programs[1]
         with tempfile.TemporaryDirectory() as directory:
             os.makedirs(stage_dir(directory, 1))
-            for graph, prog in {"I": program.input_backward, "W": program.weight_backward, "backward": program.joint.backward}.items():
+            for graph, prog in {"I": program.input_backward, "W": program.weight_backward, "B": program.joint.backward}.items():
                 with open(os.path.join(stage_dir(directory, 1), GRAPH_FILES[graph]), "w") as f:
                     f.write(program_code(prog, 1, graph))
             text = split_diff(Dump(directory, {"stages": 2}, [], None), 1)

@@ -188,7 +188,7 @@ def _bars(dump: Dump, version: dict[str, Any], found: dict[str, Any] | None) -> 
 def _listings(dump: Dump) -> str:
     parts = [f"<details><summary>traced forward with stages</summary><pre>{escape(graph_text(dump, None, 'forward'))}</pre></details>"]
     for s in range(dump.record["stages"]):
-        for graph in ("F", "I", "W", "backward"):
+        for graph in ("F", "I", "W", "B"):
             code = graph_text(dump, s, graph)
             parts.append(f"<details><summary>stage {s} {graph}</summary><pre>{escape(code)}</pre></details>")
     parts.append(f"<details><summary>the backward before and after the I/W split</summary><pre>{escape(split_diff(dump))}</pre></details>")

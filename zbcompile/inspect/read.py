@@ -15,7 +15,7 @@ from zbcompile.inspect.trace import load_trace
 COMPILE_FILE = "compile.json"
 SCHEDULE_FILE = "schedule.json"
 FORWARD_FILE = "forward.py"
-GRAPH_FILES = {"F": "F.py", "I": "I.py", "W": "W.py", "backward": "backward.py"}
+GRAPH_FILES = {"F": "F.py", "I": "I.py", "W": "W.py", "B": "B.py"}  # by action letter; B: the fused backward
 GRAPHS = (*GRAPH_FILES, "forward")
 
 

@@ -450,9 +450,9 @@ def split_diff(dump: Dump, stage: int | None = None) -> str:
     stages = range(dump.record["stages"]) if stage is None else [stage]
     blocks = []
     for s in stages:
-        code = {g: graph_text(dump, s, g) for g in ("backward", "I", "W")}
+        code = {g: graph_text(dump, s, g) for g in ("B", "I", "W")}
         ops = {g: _operations(text) for g, text in code.items()}
-        whole, i, w = ops["backward"], ops["I"], ops["W"]
+        whole, i, w = ops["B"], ops["I"], ops["W"]
         lines = [f"stage {s}: the backward ({len(whole)} ops) split into I ({len(i)} ops) and W ({len(w)} ops)", "  I W  op"]
         added = [(g, name, rhs) for g, graph_ops in (("I", i), ("W", w)) for name, rhs in graph_ops.items() if name not in whole]
         for name, rhs in whole.items():

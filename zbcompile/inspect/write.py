@@ -8,7 +8,7 @@ in the same order, so all ranks agree on it):
     stages.txt            the per-stage table: parameters and bytes, FLOPs of F/I/W, M_B, M_W,
                           boundary values and bytes
     forward.py            the traced forward + loss graph, each node with the stage that runs it
-    stage<s>/F.py I.py W.py backward.py
+    stage<s>/F.py I.py W.py B.py
                           the stage's forward, input-gradient (I), weight-gradient (W) and unsplit
                           backward graphs as code, headed by their calling convention
     schedule.txt .csv     the schedule (grid; torch's compute-only CSV) with the simulator's prediction
@@ -53,7 +53,7 @@ GRAPH_TITLES = {
     "F": "forward",
     "I": "input-gradient backward: gradients of the stage inputs, and the stash W needs",
     "W": "weight-gradient backward: parameter gradients",
-    "backward": "the whole backward before the I/W split",
+    "B": "the fused backward: the whole backward before the I/W split",
 }
 _counters: dict[str, itertools.count] = {}
 
@@ -231,7 +231,7 @@ class CompileDump:
         self._write("stages.txt", format_stages(record["stage_rows"], record["tied"]) + "\n")
         self._write(FORWARD_FILE, forward_code(self.compiled))
         for program in self.compiled.programs:
-            graphs = {"F": program.forward, "I": program.input_backward, "W": program.weight_backward, "backward": program.joint.backward}
+            graphs = {"F": program.forward, "I": program.input_backward, "W": program.weight_backward, "B": program.joint.backward}
             for graph, prog in graphs.items():
                 self._write(os.path.join(f"stage{program.index}", GRAPH_FILES[graph]), program_code(prog, program.index, graph))
         self._write_schedules()
