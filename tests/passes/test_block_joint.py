@@ -17,9 +17,9 @@ from helpers import models, real_models
 from zbcompile import _torch_internals as ti
 from zbcompile.compiler import compile_costs, compile_pipeline
 from zbcompile.passes import block_joint
+from zbcompile.passes.graph_fingerprint import graph_fingerprint
 from zbcompile.passes.joint import _example_inputs, _prepare_outputs, _separate_forward
 from zbcompile.passes.partition import partition_stages
-from zbcompile.passes.stage_reuse import graph_fingerprint
 from zbcompile.passes.trace import trace_model
 from zbcompile.runtime import batch
 from zbcompile.runtime.local import LocalRunner

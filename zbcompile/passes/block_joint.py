@@ -6,7 +6,7 @@ cuts the stage's graph, in its node order, into maximal runs of ops made by one 
 whose FQN holds an index: `model.layers.7`, `blocks.3`) and runs of the ops between blocks.
 Segments are exported last first, as stages are (a segment's output gets a tangent exactly
 where a later segment, or the next stage, returns a gradient for it); segments with equal
-fingerprints (`stage_reuse.graph_fingerprint`, which inputs carry a gradient, which outputs
+fingerprints (`graph_fingerprint.graph_fingerprint`, which inputs carry a gradient, which outputs
 receive one) are exported once, the others take that joint under their own parameters. The
 joints are then stitched: forward parts in segment order, backward parts in reverse order, each
 segment's tangents read from the gradient the segment after it computed. Nodes are named afresh in order, as the stage's own
@@ -36,8 +36,8 @@ from torch import fx
 
 from zbcompile import _torch_internals as ti
 from zbcompile.passes import _fx
+from zbcompile.passes.graph_fingerprint import graph_fingerprint
 from zbcompile.passes.partition import Stage, StagePartition
-from zbcompile.passes.stage_reuse import graph_fingerprint
 
 _INDEX = re.compile(r"^\d+$")
 # ops whose differentiable result may cross between segments: their backward does not read their
@@ -295,8 +295,35 @@ def _stitch(
 ) -> fx.GraphModule:
     """The whole stage's joint from its segments' (see the module docstring)."""
     graph = fx.Graph()
+    state, env, tangent_of = _stitch_placeholders(graph, stage, parts, returned, takes_grad, requires_grad)
+    copies, forward_out = _stitch_forwards(graph, parts, returned, state, env)
+    grad_of, param_grads = _stitch_backwards(graph, parts, copies, returned, tangent_of)
+
+    # outputs, in AOTAutograd's order: the stage's outputs, then a gradient (or None) per primal
+    outputs: list[fx.Node | None] = [forward_out[n] for n in returned]
+    descs: list[Any] = [ti.PlainAOTOutput(i) for i in range(len(returned))]
+    grads = [(param_grads.get(name), ti.ParamAOTInput(name)) for name in state]  # buffers: None
+    grads += [(grad_of.get(node), ti.PlainAOTInput(i)) for i, node in enumerate(stage.module.graph.find_nodes(op="placeholder"))]
+    for grad, of in grads:
+        outputs.append(grad)
+        descs.append(None if grad is None else ti.GradAOTOutput(of))
+    graph.output(list(outputs))
+    graph.output_node().meta["desc"] = descs
+    return _fx.finish(graph, _constants(parts), name=type(stage.module).__name__)
+
+
+def _stitch_placeholders(
+    graph: fx.Graph,
+    stage: Stage,
+    parts: list[_Segment],
+    returned: list[fx.Node],
+    takes_grad: dict[fx.Node, bool],
+    requires_grad: set[fx.Node],
+) -> tuple[dict[str, fx.Node], dict[fx.Node, fx.Node], dict[fx.Node, fx.Node]]:
+    """The stitched graph's placeholders, in AOTAutograd's order (parameters, buffers, the
+    stage's inputs, tangents): (state by FQN, the stage's inputs by stage graph node, tangents
+    by stage output)."""
     module = stage.module
-    # placeholders, in AOTAutograd's order: parameters, buffers, the stage's inputs, tangents
     val_of: dict[str, Any] = {}
     for part in parts:
         for node in part.joint.graph.find_nodes(op="placeholder"):
@@ -323,8 +350,15 @@ def _stitch(
             val = _tangent_val(part, part.outputs.index(node))
             name = f"tangents_{len(tangent_of) + 1}"
             tangent_of[node] = _placeholder(graph, name, ti.TangentAOTInput(ti.PlainAOTOutput(i)), val)
+    return state, env, tangent_of
 
-    # forward parts, in segment order
+
+def _stitch_forwards(
+    graph: fx.Graph, parts: list[_Segment], returned: list[fx.Node], state: dict[str, fx.Node], env: dict[fx.Node, fx.Node]
+) -> tuple[list[dict[fx.Node, fx.Node]], dict[fx.Node, fx.Node]]:
+    """The segments' forward regions copied in segment order (`env` gains each segment's
+    outputs): (per segment, its joint's nodes -> their copies; stage graph node -> its forward
+    value, a returned output detached after all forward ops as the stage's export does)."""
     copies: list[dict[fx.Node, fx.Node]] = []
     forward_out: dict[fx.Node, fx.Node] = {}  # stage graph node -> the segment's output
     detached_meta: dict[fx.Node, dict] = {}  # stage outputs returned detached -> the detach's meta
@@ -360,8 +394,18 @@ def _stitch(
         if node in detached_meta:
             forward_out[node] = graph.create_node("call_function", torch.ops.aten.detach.default, (forward_out[node],), name="detach")
             forward_out[node].meta = dict(detached_meta[node])
+    return copies, forward_out
 
-    # backward parts, in reverse segment order; a segment's tangent is the gradient its reader computed
+
+def _stitch_backwards(
+    graph: fx.Graph,
+    parts: list[_Segment],
+    copies: list[dict[fx.Node, fx.Node]],
+    returned: list[fx.Node],
+    tangent_of: dict[fx.Node, fx.Node],
+) -> tuple[dict[fx.Node, fx.Node], dict[str, fx.Node]]:
+    """The segments' backward regions copied in reverse segment order, a segment's tangent being
+    the gradient its reader computed: (stage graph node -> its gradient, FQN -> its gradient)."""
     grad_of: dict[fx.Node, fx.Node] = {}  # stage graph node -> its gradient in the stitched graph
     param_grads: dict[str, fx.Node] = {}
     for part, local in reversed(list(zip(parts, copies))):
@@ -390,18 +434,7 @@ def _stitch(
         _copy(graph, [n for n in joint.nodes if n.op == "call_function" and n not in forward], local, part)
         for node, (into, key) in grad_outputs.items():
             into[key] = local[node]
-
-    # outputs, in AOTAutograd's order: the stage's outputs, then a gradient (or None) per primal
-    outputs: list[fx.Node | None] = [forward_out[n] for n in returned]
-    descs: list[Any] = [ti.PlainAOTOutput(i) for i in range(len(returned))]
-    grads = [(param_grads.get(name), ti.ParamAOTInput(name)) for name in state]  # buffers: None
-    grads += [(grad_of.get(node), ti.PlainAOTInput(i)) for i, node in enumerate(stage_placeholders)]
-    for grad, of in grads:
-        outputs.append(grad)
-        descs.append(None if grad is None else ti.GradAOTOutput(of))
-    graph.output(list(outputs))
-    graph.output_node().meta["desc"] = descs
-    return _fx.finish(graph, _constants(parts), name=type(module).__name__)
+    return grad_of, param_grads
 
 
 def _placeholder(graph: fx.Graph, name: str, desc: Any, val: Any) -> fx.Node:

@@ -20,6 +20,7 @@ from torch import fx
 
 from zbcompile import _torch_internals as ti
 from zbcompile.passes import _fx
+from zbcompile.passes.block_joint import stitched_joint
 from zbcompile.passes.partition import Stage, StagePartition
 from zbcompile.passes.recompute import checkpointed_nodes, recompute_closure, recompute_when_needed
 from zbcompile.passes.trace_errors import first_line, node_location, same_kind
@@ -120,8 +121,6 @@ def export_stage_joint(
     """The stage's joint, separated as it is and once per recompute level. `reuse_blocks`: the
     joint graph assembled from its blocks' joints, each distinct block traced once
     (`block_joint.stitched_joint`: the same graph op for op), where that is evidently exact."""
-    from zbcompile.passes.block_joint import stitched_joint  # imports stage_reuse, which imports this module
-
     joint = stitched_joint(stage, partition, grads_from_next, loss_name, fake_mode) if reuse_blocks else None
     if joint is None:
         module = _prepare_outputs(stage, grads_from_next, loss_name)
