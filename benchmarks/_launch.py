@@ -103,7 +103,9 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
-def run_and_report(name: str, world: int, rank_main: Callable, settings: Any, analyse: Callable, report: Callable, write: bool) -> None:
+def run_and_report(
+    name: str, world: int, rank_main: Callable, settings: Any, analyse: Callable, report: Callable, write: bool
+) -> None:
     """Run `rank_main(settings)` on `world` ranks, then `analyse(per_rank, settings, machine
     before, machine after, wall seconds)`, print `report(data)` and, if `write`, store both under
     benchmarks/results/<name>.{json,md}."""

@@ -60,8 +60,14 @@ def run_row(model: str, m: int, budget: float) -> dict:
         "1F1B": (make_schedule("1f1b", p, m, costs, check=False), costs),
         "ZB-H1": (make_schedule("zb-h1", p, m, costs, check=False), costs),
         "ZB-H2": (make_schedule("zb-h2", p, m, costs, check=False), costs),
-        "ZB-1p": (make_schedule("zb-auto", p, m, costs, memory_limit=float(p), time_budget=budget, placements=("in-line",)), costs),
-        "ZB-2p": (make_schedule("zb-auto", p, m, costs, memory_limit=2.0 * p, time_budget=budget, placements=("in-line",)), costs),
+        "ZB-1p": (
+            make_schedule("zb-auto", p, m, costs, memory_limit=float(p), time_budget=budget, placements=("in-line",)),
+            costs,
+        ),
+        "ZB-2p": (
+            make_schedule("zb-auto", p, m, costs, memory_limit=2.0 * p, time_budget=budget, placements=("in-line",)),
+            costs,
+        ),
         "ZB-V": (make_schedule("zbv", 2 * p, m, chunk_costs, check=False), chunk_costs),
     }
     row = {"model": model, "p": p, "m": m, "ours": {}, "paper": dict(zip(COLUMNS, PAPER[(model, m)]))}
@@ -81,7 +87,16 @@ def run_row(model: str, m: int, budget: float) -> dict:
         }
     for factor in (2, 1):
         started = time.perf_counter()
-        mk = make_schedule("zb-auto", p, m, costs, memory_limit=factor * p, objective="makespan", time_budget=budget, placements=("in-line",))
+        mk = make_schedule(
+            "zb-auto",
+            p,
+            m,
+            costs,
+            memory_limit=factor * p,
+            objective="makespan",
+            time_budget=budget,
+            placements=("in-line",),
+        )
         res = simulate(mk, costs)
         bound = mk.info["lower_bound"]
         row[f"makespan_{factor}p"] = {
@@ -106,7 +121,9 @@ def to_markdown(rows: list[dict], heuristic_time: float) -> str:
             for c in COLUMNS:
                 ours = r["ours"][c][metric]
                 paper = r["paper"].get(c)
-                cells.append(f"{ours:.4f}" + (f" ({paper:.4f})" if paper is not None and metric == "stage_bubble_rate" else ""))
+                cells.append(
+                    f"{ours:.4f}" + (f" ({paper:.4f})" if paper is not None and metric == "stage_bubble_rate" else "")
+                )
             out.append(f"| {r['model']} | {r['p']} | {r['m']} | " + " | ".join(cells) + " |")
         out.append("")
     for factor in (2, 1):
@@ -117,13 +134,19 @@ def to_markdown(rows: list[dict], heuristic_time: float) -> str:
             out.append(f"| {r['model']} | {r['m']} | {mk['makespan']:.3f} | {mk['lower_bound']:.3f} | "
                        f"{100 * mk['gap']:.3f}% | {mk['status']} |")
         out.append("")
-    out += ["## zb-auto span: value, proven lower bound, status, solve time (budget included: heuristic, search, CP-SAT)", "",
-            "| model | m | ZB-1p span | bound | status | time s | ZB-2p span | bound | status | time s |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    out += [
+        "## zb-auto span: value, proven lower bound, status, solve time (budget included: heuristic, search, CP-SAT)",
+        "",
+        "| model | m | ZB-1p span | bound | status | time s | ZB-2p span | bound | status | time s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         a, b = r["ours"]["ZB-1p"], r["ours"]["ZB-2p"]
-        out.append(f"| {r['model']} | {r['m']} | {a['span']:.3f} | {a['lower_bound']:.3f} | {a['status']} | {a['solve_time_s']:.2f} | "
-                   f"{b['span']:.3f} | {b['lower_bound']:.3f} | {b['status']} | {b['solve_time_s']:.2f} |")
+        out.append(
+            f"| {r['model']} | {r['m']} | {a['span']:.3f} | {a['lower_bound']:.3f} | {a['status']} | "
+            f"{a['solve_time_s']:.2f} | "
+            f"{b['span']:.3f} | {b['lower_bound']:.3f} | {b['status']} | {b['solve_time_s']:.2f} |"
+        )
     out += ["", f"Heuristic alone (zb-auto's first step), p=32, m=256, memory 2p: {heuristic_time:.2f} s "
             "(best of 3 runs).", ""]
     out += ["## zb-auto against the paper (stage bubble rate, 4 decimals)", ""]
@@ -203,14 +226,23 @@ def main() -> None:
             row = run_row(model, m, args.time_budget)
             rows.append(row)
             ours = row["ours"]
-            print(f"{model:>6} m={m:<4}" + "".join(f" {c}={ours[c]['stage_bubble_rate']:.4f}({row['paper'].get(c, float('nan')):.4f})" for c in COLUMNS)
-                  + f" | makespan gap 2p {100 * row['makespan_2p']['gap']:.3f}% 1p {100 * row['makespan_1p']['gap']:.3f}%", flush=True)
+            print(
+                f"{model:>6} m={m:<4}"
+                + "".join(
+                    f" {c}={ours[c]['stage_bubble_rate']:.4f}({row['paper'].get(c, float('nan')):.4f})" for c in COLUMNS
+                )
+                + f" | makespan gap 2p {100 * row['makespan_2p']['gap']:.3f}% 1p "
+                  f"{100 * row['makespan_1p']['gap']:.3f}%",
+                flush=True,
+            )
     heuristic_time = time_heuristic()
     md = to_markdown(rows, heuristic_time)
     print(md)
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, "bubble_table.json"), "w") as fh:
-        json.dump({"time_budget_s": args.time_budget, "heuristic_time_s_p32_m256": heuristic_time, "rows": rows}, fh, indent=1)
+        json.dump(
+            {"time_budget_s": args.time_budget, "heuristic_time_s_p32_m256": heuristic_time, "rows": rows}, fh, indent=1
+        )
     with open(os.path.join(args.out_dir, "bubble_table.md"), "w") as fh:
         fh.write(md)
 

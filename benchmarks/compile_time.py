@@ -94,7 +94,8 @@ def main() -> None:
         whole = f"{r['whole_cpu_s']:.1f}" if "whole_cpu_s" in r else "-"
         stages = f"{r['stages_cpu_s']:.1f}" if "stages_cpu_s" in r else "-"
         lines.append(
-            f"| {r['layers']} | {r['export_cpu_s']:.1f} | {r['compile_cpu_s']:.1f} | {r['compile_cpu_s'] / r['export_cpu_s']:.2f}x "
+            f"| {r['layers']} | {r['export_cpu_s']:.1f} | {r['compile_cpu_s']:.1f} | "
+            f"{r['compile_cpu_s'] / r['export_cpu_s']:.2f}x "
             f"| {trace:.1f} | {sum(phases.values()) - trace:.1f} | {stages} | {r['costs_cpu_s']:.1f} | {whole} "
             f"| {r['load_average'][0]:.1f}, {r['load_average'][1]:.1f} |"
         )

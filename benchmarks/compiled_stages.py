@@ -54,7 +54,9 @@ def rank_main(settings: Settings) -> dict:
     pipelines, optimizers, batches, compile_s = {}, {}, {}, {}
     for m in settings.microbatches:
         generator = torch.Generator().manual_seed(m)
-        tokens = torch.randint(0, model_settings.vocab, (m * model_settings.rows, model_settings.seq_len), generator=generator)
+        tokens = torch.randint(
+            0, model_settings.vocab, (m * model_settings.rows, model_settings.seq_len), generator=generator
+        )
         batches[m] = (tokens, tokens.roll(-1, 1))
         for compiler in COMPILERS:
             model = _gpt(model_settings)
@@ -154,9 +156,15 @@ def main() -> None:
     settings = Settings(rounds=options.rounds)
     if options.quick:
         settings = Settings(
-            model=ModelSettings(hidden=32, seq_len=16, layers=2), microbatches=(4,), warmup=1, rounds=1, steps_per_round=1
+            model=ModelSettings(hidden=32, seq_len=16, layers=2),
+            microbatches=(4,),
+            warmup=1,
+            rounds=1,
+            steps_per_round=1,
         )
-    _launch.run_and_report("compiled_stages", 2, rank_main, settings, analyse, report, write=not options.no_write and not options.quick)
+    _launch.run_and_report(
+        "compiled_stages", 2, rank_main, settings, analyse, report, write=not options.no_write and not options.quick
+    )
 
 
 if __name__ == "__main__":

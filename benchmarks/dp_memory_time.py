@@ -74,7 +74,13 @@ def rank_main(settings: Settings) -> dict:
     pipes, optimizers, memory = {}, {}, {}
     for mode in MODES:
         torch.manual_seed(0)
-        config = GPTConfig(vocab_size=settings.vocab, seq_len=settings.seq_len, hidden=settings.hidden, heads=settings.heads, layers=settings.layers)
+        config = GPTConfig(
+            vocab_size=settings.vocab,
+            seq_len=settings.seq_len,
+            hidden=settings.hidden,
+            heads=settings.heads,
+            layers=settings.layers,
+        )
         pipes[mode] = pipe = zbcompile.pipeline(
             GPT(config), stages=2, microbatches=settings.microbatches, loss_fn=lm_loss, schedule=settings.schedule,
             data_parallel=mode, profile=False, timeout=settings.timeout_s,
@@ -88,7 +94,9 @@ def rank_main(settings: Settings) -> dict:
             "optimizer": local_bytes(v for s in optimizer.state.values() for v in s.values() if v.dim()),
         }
     # every round times all four (mode, reduction) variants back to back, in a rotating order
-    variants = [(mode, name, overlap) for mode in MODES for name, overlap in (("overlapped", True), ("after drain", False))]
+    variants = [
+        (mode, name, overlap) for mode in MODES for name, overlap in (("overlapped", True), ("after drain", False))
+    ]
     times = {mode: {"overlapped": [], "after drain": []} for mode in MODES}
     for round_ in range(settings.rounds):
         for mode, name, overlap in variants[round_ % 4 :] + variants[: round_ % 4]:
@@ -115,7 +123,9 @@ def analyse(per_rank: list[dict], settings: Settings, before: dict, after: dict,
             "after_drain_over_overlapped": statistics.median(ratios),
             "ratios": ratios,
         }
-    shard_over_replicate = [s / r for s, r in zip(modes["shard"]["bytes_per_rank"], modes["replicate"]["bytes_per_rank"])]
+    shard_over_replicate = [
+        s / r for s, r in zip(modes["shard"]["bytes_per_rank"], modes["replicate"]["bytes_per_rank"])
+    ]
     times = {mode: per_rank[0][mode]["times"]["overlapped"] for mode in MODES}
     step_ratios = [s / r for s, r in zip(times["shard"], times["replicate"])]
     return {
@@ -133,25 +143,36 @@ def report(data: dict) -> str:
             f"{m['step_s']['overlapped'] * 1e3:.1f}", f"{m['step_s']['after drain'] * 1e3:.1f}",
             f"{m['after_drain_over_overlapped']:.3f}",
         ])
-    header = ["data_parallel", "params+grads+AdamW per rank", "step ms (overlapped)", "step ms (after drain)", "after drain / overlapped"]
+    header = [
+        "data_parallel",
+        "params+grads+AdamW per rank",
+        "step ms (overlapped)",
+        "step ms (after drain)",
+        "after drain / overlapped",
+    ]
     s, cpus = data["settings"], data["machine_before"]["cpus"]
-    return "\n".join([
-        "# Data parallelism: state memory and overlapped gradient reduction\n",
-        f"4 gloo ranks (2 replicas x 2 pipeline ranks, {s['schedule']}, {s['microbatches']} microbatches of {s['rows']} "
-        f"sequences), GPT hidden {s['hidden']}, {s['layers']} layers; machine {_launch.load_line(data['machine_before'])}. "
-        f"**The 4 processes share {cpus} cores**, so a reduction 'in the background' competes with computation for "
-        "them (and with the other work on the machine, whose load is above): these are measurements under load, "
-        "not what a network that moves the bytes by itself gives.\n",
-        _launch.table(header, rows),
-        "",
-        "shard / replicate bytes per rank: " + ", ".join(f"{r:.3f}" for r in data["shard_over_replicate_bytes"]),
-        f"shard / replicate step time (overlapped, paired per round): median {data['shard_over_replicate_step']:.3f} "
-        f"(rounds: {', '.join(f'{r:.3f}' for r in data['shard_over_replicate_step_ratios'])})",
-        "after drain / overlapped: median over rounds, per mode; every round times the four variants back to back "
-        "in a rotating order (rounds: "
-        + "; ".join(f"{mode} {', '.join(f'{r:.3f}' for r in m['ratios'])}" for mode, m in data["modes"].items())
-        + ")",
-    ])
+    return "\n".join(
+        [
+            "# Data parallelism: state memory and overlapped gradient reduction\n",
+            f"4 gloo ranks (2 replicas x 2 pipeline ranks, {s['schedule']}, {s['microbatches']} microbatches of "
+            f"{s['rows']} "
+            f"sequences), GPT hidden {s['hidden']}, {s['layers']} layers; machine "
+            f"{_launch.load_line(data['machine_before'])}. "
+            f"**The 4 processes share {cpus} cores**, so a reduction 'in the background' competes with computation for "
+            "them (and with the other work on the machine, whose load is above): these are measurements under load, "
+            "not what a network that moves the bytes by itself gives.\n",
+            _launch.table(header, rows),
+            "",
+            "shard / replicate bytes per rank: " + ", ".join(f"{r:.3f}" for r in data["shard_over_replicate_bytes"]),
+            "shard / replicate step time (overlapped, paired per round): median "
+            f"{data['shard_over_replicate_step']:.3f} "
+            f"(rounds: {', '.join(f'{r:.3f}' for r in data['shard_over_replicate_step_ratios'])})",
+            "after drain / overlapped: median over rounds, per mode; every round times the four variants back to back "
+            "in a rotating order (rounds: "
+            + "; ".join(f"{mode} {', '.join(f'{r:.3f}' for r in m['ratios'])}" for mode, m in data["modes"].items())
+            + ")",
+        ]
+    )
 
 
 def main() -> None:

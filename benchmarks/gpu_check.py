@@ -40,10 +40,14 @@ def check(schedule: str, ranks: int, device: torch.device) -> dict:
     eager = GPT(config).to(device)
     torch.manual_seed(0)
     model = GPT(config).to(device)
-    tokens = torch.randint(0, config.vocab_size, (8, config.seq_len), generator=torch.Generator().manual_seed(1)).to(device)
+    tokens = torch.randint(0, config.vocab_size, (8, config.seq_len), generator=torch.Generator().manual_seed(1)).to(
+        device
+    )
     targets = torch.roll(tokens, -1, dims=1)
     chunks = schedule_spec(schedule).chunks_per_rank
-    pipe = zbcompile.pipeline(model, stages=ranks * chunks, microbatches=4, loss_fn=loss_fn, schedule=schedule, timeout=120, profile=False)
+    pipe = zbcompile.pipeline(
+        model, stages=ranks * chunks, microbatches=4, loss_fn=loss_fn, schedule=schedule, timeout=120, profile=False
+    )
     pipe.step(tokens, target=targets)  # compile and warm up
     pipe.zero_grad()
     synchronize = torch.cuda.synchronize
@@ -75,7 +79,9 @@ def check(schedule: str, ranks: int, device: torch.device) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu_check.json"))
+    parser.add_argument(
+        "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu_check.json")
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; nothing checked")
@@ -87,15 +93,32 @@ def main() -> None:
     ranks = dist.get_world_size() if distributed else 1
     rows = []
     for schedule in SCHEDULES if ranks > 1 else ("1f1b", "zb-h1", "zb-auto"):
-        row = check(schedule, ranks, torch.device("cuda", torch.cuda.current_device() if not distributed else int(os.environ["LOCAL_RANK"])))
+        row = check(
+            schedule,
+            ranks,
+            torch.device("cuda", torch.cuda.current_device() if not distributed else int(os.environ["LOCAL_RANK"])),
+        )
         rows.append(row)
         if not distributed or dist.get_rank() == 0:
-            print(f"{schedule}: gradients equal eager (max |diff| {row['max_abs_grad_diff']:.2e}), step {row['step_s'] * 1e3:.1f} ms", flush=True)
+            print(
+                f"{schedule}: gradients equal eager (max |diff| {row['max_abs_grad_diff']:.2e}), step "
+                f"{row['step_s'] * 1e3:.1f} ms",
+                flush=True,
+            )
     if not distributed or dist.get_rank() == 0:
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         with open(args.out, "w") as f:
             for row in rows:
-                f.write(json.dumps({**row, "backend": "nccl" if distributed else "one process", "device": torch.cuda.get_device_name()}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            **row,
+                            "backend": "nccl" if distributed else "one process",
+                            "device": torch.cuda.get_device_name(),
+                        }
+                    )
+                    + "\n"
+                )
     if distributed:
         dist.destroy_process_group()
 

@@ -1,14 +1,15 @@
 """Per-stage T_F, T_B, T_W of the paper's 1.5B model on one GPU, beside the paper's Table 9, and
 every schedule simulated with them.
 
-The model (GPT, hidden 2304, 24 heads, sequence 1024, 22 layers, vocabulary 50304, LM head tied
-to the token embedding as in Megatron-LM) is built on the `meta` device in bf16 and compiled into
-8 stages against fake CUDA tensors for one microbatch of 6 sequences; no weights exist yet. Then,
-one stage at a time: that stage's parameters are materialised on the GPU (random values), its
-F, I and W graphs run on random inputs (warm-up first), each timed with CUDA events, and
-everything is freed before the next stage. The measured costs (and the paper's T_comm, which one
-GPU cannot measure) go to the simulator for 1F1B, ZB-H1, ZB-H2, ZB-1p / ZB-2p (zb-auto limited to
-1x and 2x 1F1B's peak memory, the same limit on every stage as in the paper), GPipe, interleaved 1F1B and ZB-V at m = 24, 32, 64.
+The model (GPT, hidden 2304, 24 heads, sequence 1024, 22 layers, vocabulary 50304, LM head tied to
+the token embedding as in Megatron-LM) is built on the `meta` device in bf16 and compiled into 8
+stages against fake CUDA tensors for one microbatch of 6 sequences; no weights exist yet. Then, one
+stage at a time: that stage's parameters are materialised on the GPU (random values), its F, I and W
+graphs run on random inputs (warm-up first), each timed with CUDA events, and everything is freed
+before the next stage. The measured costs (and the paper's T_comm, which one GPU cannot measure) go
+to the simulator for 1F1B, ZB-H1, ZB-H2, ZB-1p / ZB-2p (zb-auto limited to 1x and 2x 1F1B's peak
+memory, the same limit on every stage as in the paper), GPipe, interleaved 1F1B and ZB-V at m = 24,
+32, 64.
 
 bf16 weights and activations throughout (the paper trained with mixed precision on A100s);
 Table 9's 18.522 / 18.086 / 9.337 ms are its per-stage averages on an A100 80GB.
@@ -57,7 +58,18 @@ class Config:
     solver_time_budget: float = 3.0
 
 
-TINY = Config(vocab=64, seq_len=16, hidden=32, heads=4, layers=22, microbatch=2, microbatches=(24, 32), warmup=1, repeats=2, solver_time_budget=0.5)
+TINY = Config(
+    vocab=64,
+    seq_len=16,
+    hidden=32,
+    heads=4,
+    layers=22,
+    microbatch=2,
+    microbatches=(24, 32),
+    warmup=1,
+    repeats=2,
+    solver_time_budget=0.5,
+)
 
 
 # --- timing ---------------------------------------------------------------------------------
@@ -238,8 +250,20 @@ def simulate_all(stages: list[dict], static, config: Config) -> list[dict]:
             ("1F1B", "1f1b", p, costs, {}),
             ("ZB-H1", "zb-h1", p, costs, {}),
             ("ZB-H2", "zb-h2", p, costs, {}),
-            ("ZB-1p", "zb-auto", p, costs, {"memory_limit": base, "time_budget": config.solver_time_budget, "placements": ("in-line",)}),
-            ("ZB-2p", "zb-auto", p, costs, {"memory_limit": 2 * base, "time_budget": config.solver_time_budget, "placements": ("in-line",)}),
+            (
+                "ZB-1p",
+                "zb-auto",
+                p,
+                costs,
+                {"memory_limit": base, "time_budget": config.solver_time_budget, "placements": ("in-line",)},
+            ),
+            (
+                "ZB-2p",
+                "zb-auto",
+                p,
+                costs,
+                {"memory_limit": 2 * base, "time_budget": config.solver_time_budget, "placements": ("in-line",)},
+            ),
             ("1F1B-I", "interleaved-1f1b", 2 * p, chunk_costs(loop), {"ranks": p}),
             ("ZB-V", "zbv", 2 * p, chunk_costs(vee), {}),
         ]
@@ -302,7 +326,9 @@ def run(config: Config, device_name: str) -> dict:
                 flush=True,
             )
         except Exception as error:
-            errors.append({"stage": s, "error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()})
+            errors.append(
+                {"stage": s, "error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
+            )
             print(f"stage {s}: FAILED {type(error).__name__}: {error}", flush=True)
             if device.type == "cuda":
                 gc.collect()
@@ -311,13 +337,21 @@ def run(config: Config, device_name: str) -> dict:
     device_info = {"type": device.type}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        device_info.update(name=props.name, memory_gib=props.total_memory / 2**30, capability=f"{props.major}.{props.minor}")
+        device_info.update(
+            name=props.name, memory_gib=props.total_memory / 2**30, capability=f"{props.major}.{props.minor}"
+        )
     return {
         "config": asdict(config),
         "device": device_info,
         "machine": _launch.machine(),
         "compile_s": compile_s,
-        "static_costs": {"f": list(static.f), "i": list(static.i), "w": list(static.w), "mem_b": list(static.mem_b), "mem_w": list(static.mem_w)},
+        "static_costs": {
+            "f": list(static.f),
+            "i": list(static.i),
+            "w": list(static.w),
+            "mem_b": list(static.mem_b),
+            "mem_w": list(static.mem_w),
+        },
         "stages": stages,
         "errors": errors,
         "paper_table9_ms": PAPER_TABLE9,
@@ -341,17 +375,25 @@ def report(data: dict) -> str:
     ]
     rows = []
     for s in data["stages"]:
-        where = ("emb + " if s["has_embedding"] else "") + (f"layers {s['layers'][0]}-{s['layers'][-1]}" if s["layers"] else "no layers") + (" + head" if s["has_head"] else "")
+        where = (
+            ("emb + " if s["has_embedding"] else "")
+            + (f"layers {s['layers'][0]}-{s['layers'][-1]}" if s["layers"] else "no layers")
+            + (" + head" if s["has_head"] else "")
+        )
         rows.append([s["stage"], where, f"{s['F']:.2f}", f"{s['I']:.2f}", f"{s['W']:.2f}", f"{s['unsplit']:.2f}",
                      f"{(s['I'] + s['W']) / s['unsplit']:.3f}" if s["unsplit"] else "-",
                      "-" if s["peak_memory_gib"] is None else f"{s['peak_memory_gib']:.1f}"])
     if data["stages"]:
         n = len(data["stages"])
         mean = {k: sum(s[k] for s in data["stages"]) / n for k in ("F", "I", "W", "unsplit")}
-        rows.append(["mean", "", f"{mean['F']:.2f}", f"{mean['I']:.2f}", f"{mean['W']:.2f}", f"{mean['unsplit']:.2f}", "", ""])
+        rows.append(
+            ["mean", "", f"{mean['F']:.2f}", f"{mean['I']:.2f}", f"{mean['W']:.2f}", f"{mean['unsplit']:.2f}", "", ""]
+        )
     p9 = data["paper_table9_ms"]
     rows.append(["paper", "A100, Table 9", f"{p9['T_F']:.2f}", f"{p9['T_B']:.2f}", f"{p9['T_W']:.2f}", "", "", ""])
-    lines.append(_launch.table(["stage", "contents", "T_F", "T_B", "T_W", "unsplit backward", "(I+W)/unsplit", "peak GiB"], rows))
+    lines.append(
+        _launch.table(["stage", "contents", "T_F", "T_B", "T_W", "unsplit backward", "(I+W)/unsplit", "peak GiB"], rows)
+    )
     for e in data["errors"]:
         lines += ["", f"stage {e['stage']} failed: {e['error']}"]
     if data["simulated"]:
@@ -359,8 +401,10 @@ def report(data: dict) -> str:
             "",
             f"## Simulated with these costs (T_comm {p9['T_comm']} ms, the paper's), all schedules",
             "",
-            "bubble: 1 - busy / (p x makespan); stage bubble: the paper's, 1 - busy / (p x span). ZB-1p / ZB-2p: zb-auto "
-            "limited to p / 2p microbatches of the largest stage's activations on every stage (1x / 2x 1F1B's peak). 1F1B-I and ZB-V: two chunks per GPU, each half of that "
+            "bubble: 1 - busy / (p x makespan); stage bubble: the paper's, 1 - busy / (p x span). ZB-1p / ZB-2p: "
+            "zb-auto "
+            "limited to p / 2p microbatches of the largest stage's activations on every stage (1x / 2x 1F1B's peak). "
+            "1F1B-I and ZB-V: two chunks per GPU, each half of that "
             "GPU's measured stage.",
             "",
         ]
@@ -370,9 +414,22 @@ def report(data: dict) -> str:
                 rows.append([r["m"], r["schedule"], "error: " + r["error"], "", "", "", ""])
                 continue
             paper = r.get("paper_stage_bubble_rate")
-            rows.append([r["m"], r["schedule"], f"{r['makespan_ms']:.1f}", f"{r['span_ms']:.1f}", f"{r['bubble_rate']:.4f}",
-                         f"{r['stage_bubble_rate']:.4f}", "" if paper is None else f"{paper:.4f}"])
-        lines.append(_launch.table(["m", "schedule", "makespan ms", "span ms", "bubble", "stage bubble", "paper (Table 5)"], rows))
+            rows.append(
+                [
+                    r["m"],
+                    r["schedule"],
+                    f"{r['makespan_ms']:.1f}",
+                    f"{r['span_ms']:.1f}",
+                    f"{r['bubble_rate']:.4f}",
+                    f"{r['stage_bubble_rate']:.4f}",
+                    "" if paper is None else f"{paper:.4f}",
+                ]
+            )
+        lines.append(
+            _launch.table(
+                ["m", "schedule", "makespan ms", "span ms", "bubble", "stage bubble", "paper (Table 5)"], rows
+            )
+        )
     return "\n".join(lines)
 
 

@@ -91,9 +91,19 @@ def to_markdown(rows: list[dict]) -> str:
         cells = [f"{row['ours'][c]['bubble_vs_B']:.2f}B / {row['ours'][c]['memory_vs_1f1b']:.2f}" for c in labels]
         lines.append(f"| {row['p']} | {row['m']} | " + " | ".join(cells) + " |")
     lines.append("| paper | | " + " | ".join(f"{PAPER[c][0]:.2f}B / {PAPER[c][1]:.2f}" for c in labels) + " |")
-    lines += ["", "Stage bubble rates:", "", "| p | m | B | " + " | ".join(labels) + " |", "|---|---|---|" + "---|" * len(labels)]
+    lines += [
+        "",
+        "Stage bubble rates:",
+        "",
+        "| p | m | B | " + " | ".join(labels) + " |",
+        "|---|---|---|" + "---|" * len(labels),
+    ]
     for row in rows:
-        lines.append(f"| {row['p']} | {row['m']} | {row['B']:.4f} | " + " | ".join(f"{row['ours'][c]['stage_bubble_rate']:.4f}" for c in labels) + " |")
+        lines.append(
+            f"| {row['p']} | {row['m']} | {row['B']:.4f} | "
+            + " | ".join(f"{row['ours'][c]['stage_bubble_rate']:.4f}" for c in labels)
+            + " |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -107,8 +117,13 @@ def main() -> None:
         for k in (int(v) for v in args.per_rank.split(",")):
             row = run_row(p, k * p)
             rows.append(row)
-            print(f"p={p:<3} m={k * p:<4}" + "".join(
-                f" {c}={row['ours'][c]['bubble_vs_B']:.2f}B/{row['ours'][c]['memory_vs_1f1b']:.2f}" for c in COLUMNS), flush=True)
+            print(
+                f"p={p:<3} m={k * p:<4}"
+                + "".join(
+                    f" {c}={row['ours'][c]['bubble_vs_B']:.2f}B/{row['ours'][c]['memory_vs_1f1b']:.2f}" for c in COLUMNS
+                ),
+                flush=True,
+            )
     md = to_markdown(rows)
     print(md)
     write_results("memory_table", {"costs": vars(STAGE), "paper": PAPER, "rows": rows}, md)

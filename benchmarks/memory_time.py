@@ -84,12 +84,24 @@ def _rank(config_fields: dict, rounds: int) -> dict:
     rows = fields.pop("rows")
     config = GPTConfig(**fields)
     generator = torch.Generator().manual_seed(0)
-    tokens, target = (torch.randint(0, config.vocab_size, (rows * MICROBATCHES, config.seq_len), generator=generator) for _ in range(2))
+    tokens, target = (
+        torch.randint(0, config.vocab_size, (rows * MICROBATCHES, config.seq_len), generator=generator)
+        for _ in range(2)
+    )
 
     def pipeline(checkpoint: bool, schedule: str, **options):
         torch.manual_seed(0)
         model = GPT(dataclasses.replace(config, checkpoint=checkpoint))
-        pipe = zbcompile.pipeline(model, stages=RANKS, microbatches=MICROBATCHES, loss_fn=lm_loss, schedule=schedule, profile=False, timeout=300, **options)
+        pipe = zbcompile.pipeline(
+            model,
+            stages=RANKS,
+            microbatches=MICROBATCHES,
+            loss_fn=lm_loss,
+            schedule=schedule,
+            profile=False,
+            timeout=300,
+            **options,
+        )
         pipe.step(tokens, target=target)  # compile and warm up
         pipe.zero_grad()
         peaks[(variant_of(checkpoint, options), schedule)] = _measured_peak(pipe, tokens, target)
@@ -99,7 +111,11 @@ def _rank(config_fields: dict, rounds: int) -> dict:
         return "recompute=auto" if options else "checkpoint" if checkpoint else "plain"
 
     peaks: dict = {}
-    pipes = {(variant, s): pipeline(checkpoint, s) for variant, checkpoint in (("plain", False), ("checkpoint", True)) for s in SCHEDULES}
+    pipes = {
+        (variant, s): pipeline(checkpoint, s)
+        for variant, checkpoint in (("plain", False), ("checkpoint", True))
+        for s in SCHEDULES
+    }
     reference = pipes[("plain", "zb-h1")]
     peak = torch.tensor(float(peaks[("plain", "zb-h1")]))
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
@@ -116,7 +132,12 @@ def _rank(config_fields: dict, rounds: int) -> dict:
             times[key].append(time.perf_counter() - started)
             pipes[key].zero_grad()
     return {
-        key: {"peak_bytes": peaks[key], "step_s": statistics.median(times[key]), "limit_bytes": limit_bytes, **_prediction(pipe)}
+        key: {
+            "peak_bytes": peaks[key],
+            "step_s": statistics.median(times[key]),
+            "limit_bytes": limit_bytes,
+            **_prediction(pipe),
+        }
         for key, pipe in pipes.items()
     }
 
@@ -149,14 +170,16 @@ def main() -> None:
     lines = [
         "# Activation memory and step time (12-layer GPT, 2 ranks, m = 4)",
         "",
-        f"Machine: {_launch.load_line(info)} before the run, torch {info['torch']}. Step times are medians over rounds on a "
+        f"Machine: {_launch.load_line(info)} before the run, torch {info['torch']}. Step times are medians over rounds "
+        "on a "
         "shared 2-core machine: read them to a few percent.",
         f"Model: {config}. recompute=auto runs under a limit of {LIMIT_FRACTION:.0%} of plain zb-h1's measured peak "
         f"({rows[0]['limit_bytes']:,.0f} bytes). Measured peaks count what lives inside each action (the runtime's "
         "measure_transients); the predicted ones the same with each action's own peak from its graph; the M_B/M_W "
         "model's count the stashed values between actions (and a fused B's rise max(0, M_W - M_B)).",
         "",
-        "| variant | schedule | peak bytes (measured) | peak bytes (predicted) | M_B/M_W model | step s | step / plain 1f1b "
+        "| variant | schedule | peak bytes (measured) | peak bytes (predicted) | M_B/M_W model | step s | step / plain "
+        "1f1b "
         "| predicted / plain 1f1b | recompute levels |",
         "|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
@@ -187,7 +210,8 @@ def _recompute_checks(rows: list[dict]) -> list[str]:
 
         lines.append(
             f"- {s}: recompute=auto peak {auto['peak_bytes']:,} bytes "
-            f"({'within' if auto['peak_bytes'] <= auto['limit_bytes'] else 'OVER'} the limit); added time against plain, "
+            f"({'within' if auto['peak_bytes'] <= auto['limit_bytes'] else 'OVER'} the limit); added time against "
+            "plain, "
             f"predicted {added(auto, 'predicted_makespan')} (checkpoint {added(checkpoint, 'predicted_makespan')}), "
             f"measured {added(auto, 'step_s')} (checkpoint {added(checkpoint, 'step_s')})"
         )

@@ -31,7 +31,8 @@ from zbcompile.models import GPT, GPTConfig
 from zbcompile.models.gpt import lm_loss
 from zbcompile.schedules import Costs, make_schedule, simulate
 
-# name: (layers, hidden, heads, p, microbatch size, smallest m, (T_F, T_B, T_W, T_comm) ms, Table 4 (ZB-2p, ZB-1p, 1F1B))
+# name: (layers, hidden, heads, p, microbatch size, smallest m, (T_F, T_B, T_W, T_comm) ms, Table 4 (ZB-2p,
+# ZB-1p, 1F1B))
 PAPER = {
     "1.5B": (22, 2304, 24, 8, 6, 24, (18.522, 18.086, 9.337, 0.601), (14.5, 12.9, 11.8)),
     "6.2B": (30, 4096, 32, 8, 3, 24, (29.718, 29.444, 19.927, 0.527), (4.32, 3.88, 3.50)),
@@ -47,8 +48,16 @@ def plan_model(name: str) -> dict:
         model = GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, hidden=hidden, heads=heads, layers=layers))
         tokens = torch.zeros(size * m, SEQ, dtype=torch.long)
     started, cpu = time.perf_counter(), time.process_time()
-    first = zbcompile.plan(model, tokens, target=tokens, loss_fn=lm_loss, stages=p, microbatches=m, hardware="A100-80GB",
-                           schedules=("1f1b",))
+    first = zbcompile.plan(
+        model,
+        tokens,
+        target=tokens,
+        loss_fn=lm_loss,
+        stages=p,
+        microbatches=m,
+        hardware="A100-80GB",
+        schedules=("1f1b",),
+    )
     seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
     measured = Costs(f=t_f / 1e3, i=t_b / 1e3, w=t_w / 1e3, comm=t_comm / 1e3)
     hardware = Hardware.from_measured(measured, first.static_costs(), like="A100-80GB",
@@ -91,14 +100,18 @@ def main() -> None:
     args = parser.parse_args()
     results = [plan_model(name) for name in ([args.only] if args.only else PAPER)]
     lines = [
-        "| model | p | m | plan (s, CPU s) | ZB-1p/1F1B predicted | paper | error | ZB-2p/1F1B predicted | paper | error "
+        "| model | p | m | plan (s, CPU s) | ZB-1p/1F1B predicted | paper | error | ZB-2p/1F1B predicted | paper | "
+        "error "
         "| ZB-1p, ZB-2p with stage 0 split as the others |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
             f"| {r['model']} | {r['p']} | {r['m']} | {r['plan_seconds']:.0f}, {r['plan_cpu_seconds']:.0f} | "
-            + " | ".join(f"{r['predicted_ratio'][k]:.3f} | {r['paper_ratio'][k]:.3f} | {r['error'][k]:+.1%}" for k in ("ZB-1p", "ZB-2p"))
+            + " | ".join(
+                f"{r['predicted_ratio'][k]:.3f} | {r['paper_ratio'][k]:.3f} | {r['error'][k]:+.1%}"
+                for k in ("ZB-1p", "ZB-2p")
+            )
             + f" | {r['ratio_first_stage_split']['ZB-1p']:.3f}, {r['ratio_first_stage_split']['ZB-2p']:.3f} |"
         )
     table = "\n".join(lines)

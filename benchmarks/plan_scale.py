@@ -46,7 +46,10 @@ def main() -> None:
     parser.add_argument("--stages", type=int, action="append", default=None)
     args = parser.parse_args()
     results = [run(s) for s in (args.stages or [8, 16])]
-    lines = ["| pp | wall (s) | CPU (s) | peak RSS (MB) | load average (1 min) before, after |", "|---|---|---|---|---|"]
+    lines = [
+        "| pp | wall (s) | CPU (s) | peak RSS (MB) | load average (1 min) before, after |",
+        "|---|---|---|---|---|",
+    ]
     for r in results:
         lines.append(
             f"| {r['stages']} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | {r['peak_rss_mb']:.0f} | "
@@ -62,7 +65,9 @@ def main() -> None:
         "CPU time is the planning process's own (user + system), the best guide to its wall time on a quiet "
         "machine; wall time here depends on the load beside it.\n\n"
     )
-    (out / "plan_scale.md").write_text(note + table + "\n\n" + "\n\n".join(f"pp={r['stages']}:\n```\n{r['report']}```" for r in results) + "\n")
+    (out / "plan_scale.md").write_text(
+        note + table + "\n\n" + "\n\n".join(f"pp={r['stages']}:\n```\n{r['report']}```" for r in results) + "\n"
+    )
 
 
 if __name__ == "__main__":

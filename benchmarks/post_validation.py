@@ -73,10 +73,17 @@ def rank_main(settings: Settings) -> dict:
     )
     model = GPT(config)
     generator = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, settings.vocab, (settings.microbatches * settings.rows, settings.seq_len), generator=generator)
+    tokens = torch.randint(
+        0, settings.vocab, (settings.microbatches * settings.rows, settings.seq_len), generator=generator
+    )
     targets = tokens.roll(-1, 1)
     pipe = zbcompile.pipeline(
-        model, stages=2, microbatches=settings.microbatches, loss_fn=lm_loss, schedule=settings.schedule, timeout=settings.timeout_s
+        model,
+        stages=2,
+        microbatches=settings.microbatches,
+        loss_fn=lm_loss,
+        schedule=settings.schedule,
+        timeout=settings.timeout_s,
     )
     pipe.compile(tokens, target=targets)
 
@@ -88,8 +95,12 @@ def rank_main(settings: Settings) -> dict:
         probe.zero_grad()
     max_norm = settings.max_norm_factor * statistics.median(r.total_norm for r in probe.history)
     optimizers = {
-        "sync": zbcompile.SynchronousClipOptimizer(torch.optim.AdamW(pipe.parameters(), lr=settings.lr), pipe, max_norm=max_norm),
-        "post-validated": zbcompile.PostValidatedOptimizer(torch.optim.AdamW(pipe.parameters(), lr=settings.lr), pipe, max_norm=max_norm),
+        "sync": zbcompile.SynchronousClipOptimizer(
+            torch.optim.AdamW(pipe.parameters(), lr=settings.lr), pipe, max_norm=max_norm
+        ),
+        "post-validated": zbcompile.PostValidatedOptimizer(
+            torch.optim.AdamW(pipe.parameters(), lr=settings.lr), pipe, max_norm=max_norm
+        ),
     }
 
     def run(variant: str) -> tuple[float, list, list[float]]:
@@ -124,7 +135,11 @@ def rank_main(settings: Settings) -> dict:
             timelines[variant] += steps
             optimizer_s[variant] += opt_s
         if dist.get_rank() == 0:
-            print(f"round {r + 1}/{settings.rounds}: " + ", ".join(f"{v} {1e3 * times[v][-1]:.1f} ms/step" for v in VARIANTS), flush=True)
+            print(
+                f"round {r + 1}/{settings.rounds}: "
+                + ", ".join(f"{v} {1e3 * times[v][-1]:.1f} ms/step" for v in VARIANTS),
+                flush=True,
+            )
     optimizers["post-validated"].close()
     return {
         "times": dict(times),
@@ -186,10 +201,14 @@ def predict(per_rank: list[dict]) -> dict:
         comm=per_rank[0]["latency"]["message_s"],
     )
     optimizer = max(statistics.median(r["optimizer_s"]["post-validated"]) for r in per_rank)
-    results = compare_step_times(schedule, costs, steps=6, optimizer=optimizer, allreduce=per_rank[0]["latency"]["allgather_s"])
+    results = compare_step_times(
+        schedule, costs, steps=6, optimizer=optimizer, allreduce=per_rank[0]["latency"]["allgather_s"]
+    )
     for mode, result in results.items():
         boxes = [b for b in result.boxes if b.action.split(":")[0] in ("step2", "step3")]
-        (_launch.RESULTS / f"post_validation_{mode}.svg").write_text(to_svg(boxes, title=f"{schedule.name}: {mode}, two steps"))
+        (_launch.RESULTS / f"post_validation_{mode}.svg").write_text(
+            to_svg(boxes, title=f"{schedule.name}: {mode}, two steps")
+        )
     return {
         "f_ms": [1e3 * x for x in costs.f],
         "b_ms": [1e3 * x for x in costs.i],
@@ -242,9 +261,15 @@ def report(data: dict) -> str:
     s, p = data["settings"], data["prediction"]
     med = data["median_ms"]
     rows = [
-        ["sync (all-gather of the norm, then clip, then step)", f"{med['sync']:.1f}", f"{1e3 / med['sync']:.2f}", "1.00x", f"{p['sync_ms']:.1f}"],
         [
-            "post-validated (rollback=\"exact\")",
+            "sync (all-gather of the norm, then clip, then step)",
+            f"{med['sync']:.1f}",
+            f"{1e3 / med['sync']:.2f}",
+            "1.00x",
+            f"{p['sync_ms']:.1f}",
+        ],
+        [
+            'post-validated (rollback="exact")',
             f"{med['post-validated']:.1f}",
             f"{1e3 / med['post-validated']:.2f}",
             f"{data['throughput_ratio']:.3f}x",
@@ -255,12 +280,17 @@ def report(data: dict) -> str:
         [
             "# Gradient clipping with and without the end-of-step barrier",
             "",
-            f"GPT (untied embeddings) vocab {s['vocab']}, seq {s['seq_len']}, hidden {s['hidden']}, heads {s['heads']}, "
-            f"{s['layers']} layers; {s['rows']} rows per microbatch, m={s['microbatches']}, {s['schedule']}, 2 gloo ranks "
-            f"with 1 thread each; AdamW, max_norm {data['max_norm']:.3f} ({s['max_norm_factor']}x the median norm of the warm-up steps).",
+            f"GPT (untied embeddings) vocab {s['vocab']}, seq {s['seq_len']}, hidden {s['hidden']}, heads "
+            f"{s['heads']}, "
+            f"{s['layers']} layers; {s['rows']} rows per microbatch, m={s['microbatches']}, {s['schedule']}, 2 gloo "
+            "ranks "
+            f"with 1 thread each; AdamW, max_norm {data['max_norm']:.3f} ({s['max_norm_factor']}x the median norm of "
+            "the warm-up steps).",
             f"{s['rounds']} rounds alternating the two variants (order reversed every other round); per round "
-            f"{s['steps_per_round']} steps back to back between two barriers (the post-validated variant's `finish()` inside).",
-            f"Machine: {_launch.load_line(data['machine_before'])} before, {_launch.load_line(data['machine_after'])} after. "
+            f"{s['steps_per_round']} steps back to back between two barriers (the post-validated variant's `finish()` "
+            "inside).",
+            f"Machine: {_launch.load_line(data['machine_before'])} before, {_launch.load_line(data['machine_after'])} "
+            "after. "
             f"Run took {data['wall_s']:.0f} s.",
             "",
             _launch.table(["variant", "median ms/step", "steps/s", "throughput vs sync", "simulated ms/step"], rows),
@@ -269,21 +299,25 @@ def report(data: dict) -> str:
             f"{data['paired_ratio_median']:.3f}x as the median of the per-round ratios (each round runs both variants "
             f"back to back, so a round's ratio sees one load); over the quietest half of the rounds (other jobs used "
             f"{_launch.median([data['others_cores'][i] for i in data['quiet_rounds']]):.2f} cores, against "
-            f"{_launch.median(data['others_cores']):.2f} over all rounds): sync {data['quiet_median_ms']['sync']:.1f} ms, "
+            f"{_launch.median(data['others_cores']):.2f} over all rounds): sync {data['quiet_median_ms']['sync']:.1f} "
+            "ms, "
             f"post-validated {data['quiet_median_ms']['post-validated']:.1f} ms per step, per-round ratio "
             f"{data['quiet_paired_ratio_median']:.3f}x.",
             "",
             f"Clipped steps: sync {data['clipped_steps']['sync']}/{data['steps']['sync']}, post-validated "
-            f"{data['clipped_steps']['post-validated']}/{data['steps']['post-validated']}; optimistic steps rolled back "
+            f"{data['clipped_steps']['post-validated']}/{data['steps']['post-validated']}; optimistic steps rolled "
+            "back "
             f"and redone, per rank: {data['rollbacks_per_rank']}.",
             "",
-            f"Simulator (`zbcompile.schedules.steps`) under the measured costs: F {_ms(p['f_ms'])}, I {_ms(p['b_ms'])}, "
+            f"Simulator (`zbcompile.schedules.steps`) under the measured costs: F {_ms(p['f_ms'])}, I "
+            f"{_ms(p['b_ms'])}, "
             f"W {_ms(p['w_ms'])} ms per stage, message {p['comm_ms']:.3f} ms, all-gather {p['allgather_ms']:.3f} ms, "
             f"optimizer step {p['optimizer_ms']:.2f} ms: sync {p['sync_ms']:.1f} ms/step, post-validated "
             f"{p['post_validated_ms']:.1f} ms/step, predicted ratio {p['ratio']:.3f}x. Timelines: "
             "`post_validation_barrier.svg`, `post_validation_post-validation.svg`.",
             "",
-            "Per-round ms/step: " + "; ".join(f"{v}: {', '.join(f'{t:.1f}' for t in ts)}" for v, ts in data["ms_per_step"].items()),
+            "Per-round ms/step: "
+            + "; ".join(f"{v}: {', '.join(f'{t:.1f}' for t in ts)}" for v, ts in data["ms_per_step"].items()),
         ]
     )
 
@@ -295,7 +329,12 @@ def _ms(values: list[float]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run: fewer rounds and a smaller model")
-    parser.add_argument("--max-norm-factor", type=float, default=Settings.max_norm_factor, help="max_norm over the warm-up steps' median norm")
+    parser.add_argument(
+        "--max-norm-factor",
+        type=float,
+        default=Settings.max_norm_factor,
+        help="max_norm over the warm-up steps' median norm",
+    )
     parser.add_argument("--rounds", type=int, default=Settings.rounds)
     args = parser.parse_args()
     settings = Settings(rounds=args.rounds, max_norm_factor=args.max_norm_factor)

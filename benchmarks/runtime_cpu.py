@@ -5,10 +5,11 @@ and where the time goes.
 zbcompile's zb-auto runs with the pipeline's default options (the model cut where the compiler
 balances it, one stage per rank or two chunks per rank in a V, whichever it predicts faster; it
 measures its costs over its first steps and re-solves, and follows readiness); zbcompile's fixed
-schedules run on the hand cut torch's 1F1B and GPipe get (two stages at the middle block). Beside it, for the record of what each
-default brings: zb-auto(static costs) (`profile=False`) and zb-auto(plan order)
-(`follow_readiness=False`). torch: ScheduleGPipe, Schedule1F1B, ScheduleZBVZeroBubble and
-ScheduleDualPipeV (`--all` adds zbcompile's zb-h1 and torch's ScheduleInterleavedZeroBubble).
+schedules run on the hand cut torch's 1F1B and GPipe get (two stages at the middle block). Beside
+it, for the record of what each default brings: zb-auto(static costs) (`profile=False`) and
+zb-auto(plan order) (`follow_readiness=False`). torch: ScheduleGPipe, Schedule1F1B,
+ScheduleZBVZeroBubble and ScheduleDualPipeV (`--all` adds zbcompile's zb-h1 and torch's
+ScheduleInterleavedZeroBubble).
 
 The model is sized from a measured step: the rows per microbatch are chosen so that a zbcompile
 1f1b step at the smallest m takes about `step_target_s` on the machine as it is now (a guess
@@ -329,7 +330,10 @@ def rank_main(settings: Settings) -> dict:
             pipelines[("torch", name, m)] = TorchPipeline(name, m, settings, tokens, targets)
             build_s[f"torch {name} m={m}"] = time.perf_counter() - started
     if rank == 0:
-        print(f"{settings.rows} rows per microbatch; built {len(pipelines)} pipelines in {sum(build_s.values()):.0f} s", flush=True)
+        print(
+            f"{settings.rows} rows per microbatch; built {len(pipelines)} pipelines in {sum(build_s.values()):.0f} s",
+            flush=True,
+        )
 
     def barrier_step(pipeline) -> float:
         """One step between two barriers: its makespan."""
@@ -478,7 +482,11 @@ def _durations(per_rank: list[dict], key, rounds: list[int]) -> tuple[dict, list
         # before it (a message that arrived before it was needed does not show its latency)
         for text, (start, end) in wait_of.items():
             action = Action.parse(text)
-            producer = (action.stage - 1, "F", action.microbatch) if action.kind == "F" else (action.stage + 1, "I", action.microbatch)
+            producer = (
+                (action.stage - 1, "F", action.microbatch)
+                if action.kind == "F"
+                else (action.stage + 1, "I", action.microbatch)
+            )
             if producer in end_of and start <= end_of[producer]:
                 latencies.append(max(0.0, end - end_of[producer]))
     return durations, latencies, gaps, actions
@@ -524,7 +532,14 @@ def predict(per_rank: list[dict], key, rounds: list[int]) -> dict:
         "comm_ms": 1e3 * comm,
         "makespan_ms": 1e3 * sim.makespan,
         "span_ms": 1e3 * sim.span,
-        "busy_ms": [1e3 * sum(costs.f[s] + costs.i[s] + costs.w[s] for s in range(schedule.stages) if schedule.stage_to_rank[s] == r) * schedule.microbatches for r in range(schedule.ranks)],
+        "busy_ms": [
+            1e3
+            * sum(
+                costs.f[s] + costs.i[s] + costs.w[s] for s in range(schedule.stages) if schedule.stage_to_rank[s] == r
+            )
+            * schedule.microbatches
+            for r in range(schedule.ranks)
+        ],
         "simulated_gain_over_1f1b": one_f_one_b.makespan / sim.makespan,
         "simulated_steady_gain_over_1f1b": one_f_one_b.span / sim.span,
         "runtime_gaps_ms": 1e3 * _launch.median(gaps),
@@ -536,7 +551,10 @@ def others_cores(per_rank: list[dict], key) -> list[float]:
     """Per round: cores' worth of CPU that other jobs used while this pipeline was measured
     (machine busy time minus both ranks' own CPU time, over the wall time)."""
     rounds = zip(*(r["usage"][key] for r in per_rank))  # rank 0 reads the machine's busy time
-    return [measure.others_cores(usages[0].wall_s, usages[0].machine_busy_s, [u.own_cpu_s for u in usages]) for usages in rounds]
+    return [
+        measure.others_cores(usages[0].wall_s, usages[0].machine_busy_s, [u.own_cpu_s for u in usages])
+        for usages in rounds
+    ]
 
 
 def _select(per_rank: list[dict], settings: Settings) -> tuple[dict, dict, dict, str]:
@@ -587,7 +605,9 @@ def analyse(per_rank: list[dict], settings: Settings, machine_before: dict, mach
                 "step_ms_all_rounds": 1e3 * _launch.median(all_times[key]),
                 "vs_torch_best": paired(best, key),
                 "vs_zbcompile_1f1b": paired(one_f_one_b, key),
-                "vs_torch_1f1b": paired(("torch", "Schedule1F1B", m), key) if ("torch", "Schedule1F1B", m) in keys else None,
+                "vs_torch_1f1b": paired(("torch", "Schedule1F1B", m), key)
+                if ("torch", "Schedule1F1B", m) in keys
+                else None,
                 "medians_vs_torch_best": loop[best] / loop[key],
                 "torch_best": best[1],
                 "barrier_step_ms": 1e3 * barrier[key],
@@ -607,7 +627,9 @@ def analyse(per_rank: list[dict], settings: Settings, machine_before: dict, mach
                 row["placement"] = zb["schedule"].info.get("placement", "in-line")
                 row["switch_steps"] = zb["switch_steps"]
                 row["tuner_history"] = [r["zb"][key]["tuner_history"] for r in per_rank][0]
-                row["w_into_wait_per_step"] = [statistics.fmean(x["into_wait"] for x in r["zb"][key]["moved"]) for r in per_rank]
+                row["w_into_wait_per_step"] = [
+                    statistics.fmean(x["into_wait"] for x in r["zb"][key]["moved"]) for r in per_rank
+                ]
                 row["w_past_send"] = [r["zb"][key]["moved"][-1]["past_send"] for r in per_rank]
                 row["schedule_actions"] = [" ".join(str(a) for a in r) for r in zb["schedule"].compute_only().actions]
             rows.append(row)
@@ -616,12 +638,40 @@ def analyse(per_rank: list[dict], settings: Settings, machine_before: dict, mach
         by = {r["schedule"]: r for r in rows if r["m"] == m}
         auto, ours = by["zb-auto"], by["1f1b"]
         if m >= 8:
-            targets.append({"m": m, "target": "zb-auto steps/s >= 1.10x torch's best (paired)", "value": auto["vs_torch_best"], "holds": auto["vs_torch_best"] >= 1.10})
-            targets.append({"m": m, "target": "zb-auto steps/s >= 1.08x zbcompile 1f1b (paired)", "value": auto["vs_zbcompile_1f1b"], "holds": auto["vs_zbcompile_1f1b"] >= 1.08})
+            targets.append(
+                {
+                    "m": m,
+                    "target": "zb-auto steps/s >= 1.10x torch's best (paired)",
+                    "value": auto["vs_torch_best"],
+                    "holds": auto["vs_torch_best"] >= 1.10,
+                }
+            )
+            targets.append(
+                {
+                    "m": m,
+                    "target": "zb-auto steps/s >= 1.08x zbcompile 1f1b (paired)",
+                    "value": auto["vs_zbcompile_1f1b"],
+                    "holds": auto["vs_zbcompile_1f1b"] >= 1.08,
+                }
+            )
             share = auto["captured_share"]
-            targets.append({"m": m, "target": "zb-auto captures >= 80% of the predicted steady-state gain", "value": share if share is not None else float("nan"), "holds": share is not None and share >= 0.8})
+            targets.append(
+                {
+                    "m": m,
+                    "target": "zb-auto captures >= 80% of the predicted steady-state gain",
+                    "value": share if share is not None else float("nan"),
+                    "holds": share is not None and share >= 0.8,
+                }
+            )
         if ours["vs_torch_1f1b"] is not None:
-            targets.append({"m": m, "target": "zbcompile 1f1b steps/s >= 1.00x torch's 1F1B (paired)", "value": ours["vs_torch_1f1b"], "holds": ours["vs_torch_1f1b"] >= 1.0})
+            targets.append(
+                {
+                    "m": m,
+                    "target": "zbcompile 1f1b steps/s >= 1.00x torch's 1F1B (paired)",
+                    "value": ours["vs_torch_1f1b"],
+                    "holds": ours["vs_torch_1f1b"] >= 1.0,
+                }
+            )
     return {
         "settings": asdict(settings),
         "calibration_step_s": per_rank[0]["calibration_step_s"],
@@ -651,7 +701,8 @@ def report(data: dict) -> str:
         f"GPT (untied embeddings) vocab {s['vocab']}, seq {s['seq_len']}, hidden {s['hidden']}, heads {s['heads']}, "
         f"{s['layers']} layers; {sizing}; 2 gloo ranks, 1 thread each. zbcompile: 2 stages split at "
         f"blocks.{s['layers'] // 2}; zb-auto with the pipeline's defaults (the compiler's cut, one stage per rank or "
-        "a V of two chunks per rank, costs measured over its first steps, readiness followed), zb-auto(static costs) with `profile=False`, zb-auto(plan order) with "
+        "a V of two chunks per rank, costs measured over its first steps, readiness followed), zb-auto(static costs) "
+        "with `profile=False`, zb-auto(plan order) with "
         "`follow_readiness=False`. torch: the same split for GPipe/1F1B, 4 chunks of "
         f"{s['layers'] // 4} block(s) for the 2-chunks-per-rank schedules.",
         f"{s['warmup']} warm-up steps per pipeline (untimed; zb-auto until it runs its measured schedule), then "
@@ -684,9 +735,15 @@ def report(data: dict) -> str:
     ))
     bests = sorted({(r["m"], r["torch_best"]) for r in rows})
     lines += ["", "torch best: " + ", ".join(f"m={m}: {a}" for m, a in bests), ""]
-    placed = [f"m={r['m']}: {r['placement']}" for r in rows if r["library"] == "zbcompile" and r["schedule"] == "zb-auto"]
+    placed = [
+        f"m={r['m']}: {r['placement']}" for r in rows if r["library"] == "zbcompile" and r["schedule"] == "zb-auto"
+    ]
     lines += ["zb-auto's placement (one stage per rank: in-line; two chunks per rank: v): " + ", ".join(placed), ""]
-    lines += ["## Where the time goes (zbcompile; per-action medians from the runtime's timelines of the settled steps of the rounds used)", ""]
+    lines += [
+        "## Where the time goes (zbcompile; per-action medians from the runtime's timelines of the settled steps of "
+        "the rounds used)",
+        "",
+    ]
     lines.append(_launch.table(
         ["schedule", "m", "F ms (s0/s1)", "I or B ms", "W ms", "comm ms", "busy ms (r0/r1)", "simulated span ms",
          "ms/step", "predicted gain over 1f1b", "measured gain", "captured share", "runtime gaps ms",
@@ -711,7 +768,8 @@ def report(data: dict) -> str:
         "",
         "I or B: the input-gradient backward I where the schedule splits it, else the fused backward B with W = 0 "
         "(stage 0's I is empty: its whole backward is W). Per-action times exclude waiting for a message; comm: median "
-        "delay from a producer's end to the end of a receiver's wait that had begun before it. Busy: per rank, the sum of its "
+        "delay from a producer's end to the end of a receiver's wait that had begun before it. Busy: per rank, the sum "
+        "of its "
         "actions' medians over a step (no schedule's period can be shorter than the larger one). Simulated span: the "
         "simulator's longest per-rank span under these costs, the period back-to-back steps approach. Predicted gain: "
         "1F1B's simulated span over this schedule's, both under this row's costs (the steady-state gain the simulator "
@@ -728,7 +786,11 @@ def report(data: dict) -> str:
         ["m", "target", "measured", "holds"],
         [[t["m"], t["target"], f"{t['value']:.3f}", "yes" if t["holds"] else "NO"] for t in data["targets"]],
     ))
-    switches = [(r["m"], r["schedule"], r["switch_steps"], r["tuner_history"]) for r in rows if r["library"] == "zbcompile" and r["switch_steps"] is not None]
+    switches = [
+        (r["m"], r["schedule"], r["switch_steps"], r["tuner_history"])
+        for r in rows
+        if r["library"] == "zbcompile" and r["switch_steps"] is not None
+    ]
     if switches:
         lines += ["", "## Measured costs", ""]
         for m, name, steps, history in switches:
@@ -743,9 +805,16 @@ def main() -> None:
     parser.add_argument("--steps-per-round", type=int, default=Settings.steps_per_round)
     parser.add_argument("--warmup", type=int, default=Settings.warmup)
     parser.add_argument("--microbatches", default=",".join(map(str, Settings.microbatches)))
-    parser.add_argument("--step-target", type=float, default=Settings.step_target_s, help="seconds a step at the smallest m should take (0: use --rows)")
+    parser.add_argument(
+        "--step-target",
+        type=float,
+        default=Settings.step_target_s,
+        help="seconds a step at the smallest m should take (0: use --rows)",
+    )
     parser.add_argument("--rows", type=int, default=Settings.rows)
-    parser.add_argument("--all", action="store_true", help="also zbcompile's zb-h1 and torch's ScheduleInterleavedZeroBubble")
+    parser.add_argument(
+        "--all", action="store_true", help="also zbcompile's zb-h1 and torch's ScheduleInterleavedZeroBubble"
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run: m=4 only, 1 round, smaller model")
     parser.add_argument("--no-write", action="store_true", help="print only; leave the results files alone")
     options = parser.parse_args()
@@ -757,8 +826,19 @@ def main() -> None:
     if options.all:
         settings = replace(settings, zb_schedules=ZB_SCHEDULES + MORE_ZB, torch_schedules=TORCH_SCHEDULES + MORE_TORCH)
     if options.quick:
-        settings = Settings(hidden=32, seq_len=16, layers=4, microbatches=(4,), rounds=1, steps_per_round=3, warmup=1, step_target_s=None)
-    _launch.run_and_report("runtime_cpu", 2, rank_main, settings, analyse, report, write=not options.no_write and not options.quick)
+        settings = Settings(
+            hidden=32,
+            seq_len=16,
+            layers=4,
+            microbatches=(4,),
+            rounds=1,
+            steps_per_round=3,
+            warmup=1,
+            step_target_s=None,
+        )
+    _launch.run_and_report(
+        "runtime_cpu", 2, rank_main, settings, analyse, report, write=not options.no_write and not options.quick
+    )
 
 
 if __name__ == "__main__":

@@ -191,7 +191,9 @@ def measure(settings: Settings, rows: int) -> dict:
             "b_plus_w_ms": 1e3 * total,
             "ratio": total / unsplit,
             # the ratio within each repeat (unsplit and split ran side by side), then the median
-            "ratio_paired": med([(s[0] + s[1]) / u for s, u in zip(samples[f"{lib}_split"], samples[f"{lib}_unsplit"])]),
+            "ratio_paired": med(
+                [(s[0] + s[1]) / u for s, u in zip(samples[f"{lib}_split"], samples[f"{lib}_unsplit"])]
+            ),
             "w_share": w / (b + w) if b + w > 0 else float("nan"),
         }
     return result
@@ -205,18 +207,27 @@ def report(data: dict) -> str:
         f"Stage: {s['layers']} residual MLP blocks (hidden {s['hidden']}, LayerNorm, Linear h->4h, GELU, Linear 4h->h) "
         f"and a Linear head with the MSE loss, the second stage of a 2-stage pipeline; fp32, {s['threads']} thread(s); "
         f"{s['warmup']} warm-up and {s['repeats']} alternating repeats of the four variants; medians.",
-        f"Machine: {_launch.load_line(data['machine_before'])} before, {_launch.load_line(data['machine_after'])} after.",
+        f"Machine: {_launch.load_line(data['machine_before'])} before, {_launch.load_line(data['machine_after'])} "
+        "after.",
         "",
     ]
     rows = []
     for r in data["results"]:
         o, t = r["ours"], r["torch"]
-        rows.append([
-            r["rows"],
-            f"{o['unsplit_ms']:.2f}", f"{o['b_ms']:.2f} + {o['w_ms']:.2f}", f"{o['ratio']:.3f}", f"{o['ratio_paired']:.3f}",
-            f"{t['unsplit_ms']:.2f}", f"{t['b_ms']:.2f} + {t['w_ms']:.2f}", f"{t['ratio']:.3f}", f"{t['ratio_paired']:.3f}",
-            f"{TORCH_REPORTED.get(r['rows'], float('nan')):.2f}",
-        ])
+        rows.append(
+            [
+                r["rows"],
+                f"{o['unsplit_ms']:.2f}",
+                f"{o['b_ms']:.2f} + {o['w_ms']:.2f}",
+                f"{o['ratio']:.3f}",
+                f"{o['ratio_paired']:.3f}",
+                f"{t['unsplit_ms']:.2f}",
+                f"{t['b_ms']:.2f} + {t['w_ms']:.2f}",
+                f"{t['ratio']:.3f}",
+                f"{t['ratio_paired']:.3f}",
+                f"{TORCH_REPORTED.get(r['rows'], float('nan')):.2f}",
+            ]
+        )
     lines.append(_launch.table(
         ["rows", "ours unsplit ms", "ours I + W ms", "ours ratio", "ours paired", "torch unsplit ms", "torch I + W ms",
          "torch ratio", "torch paired", "torch earlier"],
@@ -230,10 +241,15 @@ def report(data: dict) -> str:
         "## Target: ours at most 1.05 at every size",
         "",
     ]
-    lines.append(_launch.table(
-        ["rows", "ours ratio", "holds"],
-        [[r["rows"], f"{r['ours']['ratio']:.3f}", "yes" if r["ours"]["ratio"] <= 1.05 else "NO"] for r in data["results"]],
-    ))
+    lines.append(
+        _launch.table(
+            ["rows", "ours ratio", "holds"],
+            [
+                [r["rows"], f"{r['ours']['ratio']:.3f}", "yes" if r["ours"]["ratio"] <= 1.05 else "NO"]
+                for r in data["results"]
+            ],
+        )
+    )
     return "\n".join(lines)
 
 
@@ -253,7 +269,10 @@ def main() -> None:
     results = []
     for rows in settings.rows:
         results.append(measure(settings, rows))
-        print(f"rows {rows}: ours {results[-1]['ours']['ratio']:.3f}, torch {results[-1]['torch']['ratio']:.3f}", flush=True)
+        print(
+            f"rows {rows}: ours {results[-1]['ours']['ratio']:.3f}, torch {results[-1]['torch']['ratio']:.3f}",
+            flush=True,
+        )
     data = {
         "settings": asdict(settings),
         "machine_before": before,

@@ -95,7 +95,13 @@ def write_results(path: str, pipelined: dict, eager: dict) -> None:
     for run, style in ((pipelined, dict(linewidth=3, alpha=0.45)), (eager, dict(linewidth=1, linestyle="--"))):
         name = "pipelined" if run is pipelined else "eager"
         steps = sorted(run["train"])
-        axes.plot([s + 1 for s in steps], [run["train"][s] for s in steps], label=f"training loss, {name}", color="C0", **style)
+        axes.plot(
+            [s + 1 for s in steps],
+            [run["train"][s] for s in steps],
+            label=f"training loss, {name}",
+            color="C0",
+            **style,
+        )
         steps = sorted(run["eval"])
         marker = dict(marker="o", markersize=9, alpha=0.45) if run is pipelined else dict(marker="x", markersize=7)
         axes.plot([s + 1 for s in steps], [run["eval"][s] for s in steps], label=f"held-out loss, {name}", color="C1",
@@ -174,7 +180,12 @@ def main() -> None:
         write_results(args.out, history, eager)
         print(f"{'step':>5} {'pipelined':>10} {'eager':>10} {'held-out':>10} {'eager':>10}")
         for step in range(args.steps):
-            row = [history["train"].get(step), eager["train"].get(step), history["eval"].get(step), eager["eval"].get(step)]
+            row = [
+                history["train"].get(step),
+                eager["train"].get(step),
+                history["eval"].get(step),
+                eager["eval"].get(step),
+            ]
             print(f"{step:5d} " + " ".join(f"{v:10.6f}" if v is not None else f"{'':>10}" for v in row))
         print(f"wrote {args.out} and its .json in {time.perf_counter() - started:.1f}s")
     dist.destroy_process_group()

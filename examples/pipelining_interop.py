@@ -89,7 +89,15 @@ def pipelined_step(schedule: str) -> dict:
         inputs = torch.empty(microbatch, HIDDEN, requires_grad=index > 0)
         outputs = torch.empty(microbatch, HIDDEN, requires_grad=True)
         stages.append(
-            PipelineStage(module, index, STAGES, torch.device("cpu"), input_args=inputs, output_args=outputs, dw_builder=dw_builder)
+            PipelineStage(
+                module,
+                index,
+                STAGES,
+                torch.device("cpu"),
+                input_args=inputs,
+                output_args=outputs,
+                dw_builder=dw_builder,
+            )
         )
     runner = SCHEDULES[schedule](stages, n_microbatches=MICROBATCHES, loss_fn=nn.functional.mse_loss)
     losses: list[torch.Tensor] = []

@@ -5,6 +5,7 @@
                  zbcompile/_torch_internals.py
     value names  no value-name prefix (zbcompile/value_names.py's) written as a literal elsewhere
     sizes        zbcompile's files at most 500 lines, functions at most 80 (allow-lists that only shrink)
+    line length  ruff's E501 at 120 characters selected in pyproject.toml, and the repository passing it
 
 Each checker is a function of sources ({path: text}); each rule is also shown to fail on a small
 source that breaks it.
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import networkx as nx
@@ -210,6 +213,14 @@ def over_limit(lengths: dict[str, int], limit: int, allowed: dict[str, str]) -> 
     return sorted(problems)
 
 
+def long_lines(paths: list[str], cwd: Path, limit: int = 120) -> list[str]:
+    """Lines over `limit` characters in `paths`, as ruff's E501 reports them (ruff's own config
+    under `cwd`: its per-file ignores apply)."""
+    command = [sys.executable, "-m", "ruff", "check", "--no-cache", "--select", "E501", "--line-length", str(limit)]
+    result = subprocess.run([*command, "--output-format", "concise", *paths], cwd=cwd, capture_output=True, text=True)
+    return [line for line in result.stdout.splitlines() if "E501" in line]
+
+
 VALUE_PREFIXES = tuple(value for name, value in vars(value_names).items() if name.isupper() and isinstance(value, str))
 LAYERS = read_layers((ROOT / "docs/architecture.md").read_text())
 
@@ -241,6 +252,13 @@ def test_file_and_function_sizes():
     assert len(LONG_FUNCTIONS) <= 3
     assert over_limit(file_lengths(sources), MAX_FILE_LINES, LONG_FILES) == []
     assert over_limit(function_lengths(sources), MAX_FUNCTION_LINES, LONG_FUNCTIONS) == []
+
+
+def test_lines_at_most_120_characters():
+    config = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r"^line-length = 120$", config, re.M)
+    assert '"E501"' in re.search(r"^select = \[(.*)\]$", config, re.M).group(1)
+    assert long_lines(["zbcompile", "tests", "benchmarks", "examples"], ROOT) == []
 
 
 # --- each rule fails on a source that breaks it -------------------------------------------------------------
@@ -308,3 +326,8 @@ def test_long_files_and_functions_are_found_and_the_allow_lists_only_shrink():
         "zbcompile/a.py: 82 lines (at most 80)",
         "zbcompile/gone.py: allow-listed but gone; remove its entry",
     ]
+
+
+def test_a_long_line_is_found(tmp_path):
+    (tmp_path / "wide.py").write_text(f"x = {'1' * 117}\ny = {'1' * 116}\n")  # 121 and 120 characters
+    assert [line.split(":")[1] for line in long_lines(["wide.py"], tmp_path)] == ["1"]

@@ -154,7 +154,9 @@ def annotate_nodes(annotation: dict[str, Any]) -> contextlib.AbstractContextMana
 
 
 @contextlib.contextmanager
-def annotated_checkpoints(annotate: Callable[[int], contextlib.AbstractContextManager], refuse_reentrant: Callable[[], None]):
+def annotated_checkpoints(
+    annotate: Callable[[int], contextlib.AbstractContextManager], refuse_reentrant: Callable[[], None]
+):
     """While active, every non-reentrant `torch.utils.checkpoint.checkpoint` call runs its
     function directly inside `annotate(region)` (region: 0, 1, 2, ... in call order) instead of
     installing checkpoint's saved-tensor hooks, so that a trace sees the region's ops, tagged;

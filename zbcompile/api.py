@@ -90,7 +90,9 @@ class PipelinedModule:
         self._builder.ownership.check_filled()
         runner.set_state(self._builder.ownership.state())  # the module's current tensors, even if reassigned
         feeds, targets = batch.feeds(built.compiled, micro_inputs, micro_targets)
-        reduction = self._builder.loss_reduction(built.compiled.traced, micro_inputs, feeds, targets, runner.executors, runner.schedule.stages)
+        reduction = self._builder.loss_reduction(
+            built.compiled.traced, micro_inputs, feeds, targets, runner.executors, runner.schedule.stages
+        )
         for hook in self.pre_step_hooks:
             hook()
         losses = runner.step(feeds, targets, reduction.tangent)
@@ -110,7 +112,9 @@ class PipelinedModule:
         for hook in self.pre_step_hooks:  # a post-validated optimizer's last step is final
             hook()
         with _eval_mode(self.module):
-            runner, micro_inputs, micro_targets, absent = self._builder.prepare_forward(inputs, kwargs, target, return_outputs)
+            runner, micro_inputs, micro_targets, absent = self._builder.prepare_forward(
+                inputs, kwargs, target, return_outputs
+            )
             stages = len(runner.compiled.programs)
             batch.check_given(absent, stages, runner.executors)
             self._builder.ownership.check_filled()
@@ -121,7 +125,9 @@ class PipelinedModule:
                 names = runner.compiled.result_names
                 structure = runner.compiled.traced.output_structure
                 return None if results is None else structure.rebuild([[r[n] for n in names] for r in results])
-            reduction = self._builder.loss_reduction(runner.compiled.traced, micro_inputs, feeds, targets, runner.executors, stages)
+            reduction = self._builder.loss_reduction(
+                runner.compiled.traced, micro_inputs, feeds, targets, runner.executors, stages
+            )
             results = runner.run(feeds, targets)
             return reduction.loss([r["loss"] for r in results] if results is not None else None)
 
@@ -130,7 +136,9 @@ class PipelinedModule:
         self._builder.prepare(inputs, kwargs, target)
         return self
 
-    def set_schedule(self, schedule: str | Schedule, memory_limit: float | str | Sequence[float | str] | None = None) -> "PipelinedModule":
+    def set_schedule(
+        self, schedule: str | Schedule, memory_limit: float | str | Sequence[float | str] | None = None
+    ) -> "PipelinedModule":
         """Run `schedule` (a name, or a `Schedule` such as `Schedule.from_csv(text)`, checked against the
         compile: stages, microbatches, placement) from the next step on, without recompiling (distributed: every
         stage must stay on its rank). recompute="auto" keeps the recomputation chosen at compile, and its limit
@@ -180,16 +188,24 @@ class PipelinedModule:
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         return (p for _, p in self.named_parameters(recurse=recurse))
 
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
         """The module's parameters; in a distributed run, the ones this rank holds (a tied weight
         on every rank that uses it, so each rank's optimizer keeps its copy in step)."""
-        yield from self._builder.ownership.held_only(self.module.named_parameters(prefix, recurse, remove_duplicate), prefix)
+        yield from self._builder.ownership.held_only(
+            self.module.named_parameters(prefix, recurse, remove_duplicate), prefix
+        )
 
     def buffers(self, recurse: bool = True) -> Iterator[torch.Tensor]:
         return (b for _, b in self.named_buffers(recurse=recurse))
 
-    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from self._builder.ownership.held_only(self.module.named_buffers(prefix, recurse, remove_duplicate), prefix)
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self._builder.ownership.held_only(
+            self.module.named_buffers(prefix, recurse, remove_duplicate), prefix
+        )
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The module's state dict; in a distributed run, the entries this rank owns (every alias
@@ -220,7 +236,10 @@ class PipelinedModule:
 
     def __repr__(self) -> str:
         o = self.options
-        return f"PipelinedModule(stages={o.stages}, microbatches={o.microbatches}, schedule={schedule_label(o.schedule)}, module={self.module!r})"
+        return (
+            f"PipelinedModule(stages={o.stages}, microbatches={o.microbatches}, "
+            f"schedule={schedule_label(o.schedule)}, module={self.module!r})"
+        )
 
 
 @contextlib.contextmanager

@@ -57,7 +57,9 @@ def evaluate_memory(
         schedule = make_schedule(**{**arguments, "memory_limit": None})
     limits = rank_limits(arguments["memory_limit"], len(schedule.actions))
     peaks = compiled.peak_memory_with_transients(schedule, costs)
-    over = frozenset(s for s, r in enumerate(schedule.stage_to_rank) if limits is not None and not fits_memory(peaks[r], limits[r]))
+    over = frozenset(
+        s for s, r in enumerate(schedule.stage_to_rank) if limits is not None and not fits_memory(peaks[r], limits[r])
+    )
     unit = compiled.memory_unit()
     return Evaluation(over, tuple(peaks[r] * unit for r in schedule.stage_to_rank), simulate(schedule, costs).makespan)
 
@@ -69,7 +71,9 @@ def with_levels(compiled: CompiledPipeline, levels: Sequence[int]) -> CompiledPi
     return dataclasses.replace(compiled, programs=programs, recompute_levels=tuple(levels), memory_unit_bytes=unit)
 
 
-def choose_recomputation(compiled: CompiledPipeline, evaluate: Callable[[CompiledPipeline], Evaluation]) -> CompiledPipeline:
+def choose_recomputation(
+    compiled: CompiledPipeline, evaluate: Callable[[CompiledPipeline], Evaluation]
+) -> CompiledPipeline:
     """The levels chosen as the module docstring says. Raises ValueError naming the stages that
     exceed the limit at every level."""
     if not compiled.alternatives:

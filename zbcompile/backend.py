@@ -51,7 +51,9 @@ def zbcompile_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]):
     parameters among `example_inputs` (as the real `nn.Parameter`s)."""
     params = frozenset(i for i, x in enumerate(example_inputs) if isinstance(x, nn.Parameter) and x.requires_grad)
     region = _Region(params)
-    backend = ti.aot_autograd(fw_compiler=_run_as_is, bw_compiler=region.compile_backward, partition_fn=region.partition)
+    backend = ti.aot_autograd(
+        fw_compiler=_run_as_is, bw_compiler=region.compile_backward, partition_fn=region.partition
+    )
     return backend(gm, example_inputs)
 
 
@@ -107,7 +109,9 @@ def _input_index(desc: object) -> int | None:
     return desc.idx if isinstance(desc, ti.PlainAOTInput) else None
 
 
-def _save_params(forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outputs: int, params: frozenset[int]) -> None:
+def _save_params(
+    forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outputs: int, params: frozenset[int]
+) -> None:
     """Make the parameters that the partition did not save saved tensors (first), so that the
     backward receives the very `nn.Parameter` objects of its forward call."""
     fw_output = forward.graph.output_node()
@@ -121,7 +125,10 @@ def _save_params(forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outp
         return
     fw_output.args = ((*outputs[:num_fwd_outputs], *missing, *outputs[num_fwd_outputs:]),)
     # the backward reads the saved SymInts first, then the saved tensors, then the tangents
-    first = next((n for n in backward.graph.find_nodes(op="placeholder") if not isinstance(n.meta.get("val"), torch.SymInt)), None)
+    first = next(
+        (n for n in backward.graph.find_nodes(op="placeholder") if not isinstance(n.meta.get("val"), torch.SymInt)),
+        None,
+    )
     for node in missing:
         if first is not None:
             with backward.graph.inserting_before(first):
@@ -169,7 +176,9 @@ def _named_backward(gm: fx.GraphModule, params: frozenset[int]) -> tuple[Program
     env: dict[fx.Node, fx.Node] = {}
     _fx.copy_nodes(graph, [n for n in gm.graph.nodes if n.op != "output"], env)
     graph.output(tuple(env[n] for n in returned if n is not None))
-    program = Program(_fx.finish(graph, name="RegionBackward"), Signature(tuple(inputs), tuple(n for n in output_names if n)))
+    program = Program(
+        _fx.finish(graph, name="RegionBackward"), Signature(tuple(inputs), tuple(n for n in output_names if n))
+    )
     return program, tuple(output_names)
 
 
@@ -177,7 +186,13 @@ class _SplitBackwardRunner:
     """The compiled backward of one region: unsplit outside `defer_weight_grads`, I plus a queued
     W inside it."""
 
-    def __init__(self, unsplit: fx.GraphModule, input_names: Sequence[str], output_names: Sequence[str | None], split: BackwardSplit) -> None:
+    def __init__(
+        self,
+        unsplit: fx.GraphModule,
+        input_names: Sequence[str],
+        output_names: Sequence[str | None],
+        split: BackwardSplit,
+    ) -> None:
         self.unsplit = unsplit
         self.input_names = tuple(input_names)
         self.output_names = tuple(output_names)

@@ -167,12 +167,22 @@ def compile_pipeline(
         predicates = list(dict.fromkeys(level.recompute for level in levels))  # one separation each
         if reuse_stages:
             programs, _ = timed(
-                "joint+split+cost", _programs_with_reuse, partition, traced.fake_mode, min_deferral_intensity, predicates,
+                "joint+split+cost",
+                _programs_with_reuse,
+                partition,
+                traced.fake_mode,
+                min_deferral_intensity,
+                predicates,
                 reuse_blocks,
             )
         else:
             joints = timed(
-                "joint", export_stage_joints, partition, traced.fake_mode, recompute_levels=predicates, reuse_blocks=reuse_blocks
+                "joint",
+                export_stage_joints,
+                partition,
+                traced.fake_mode,
+                recompute_levels=predicates,
+                reuse_blocks=reuse_blocks,
             )
             splits = timed("split_backward", lambda: [split_backward(j, min_deferral_intensity) for j in joints])
             programs = timed(
@@ -182,15 +192,34 @@ def compile_pipeline(
                     for stage, joint, split in zip(partition.stages, joints, splits)
                 ),
             )
-        alternatives = timed("recompute", lambda: tuple(
-            (program, *(
-                _stage_program(stage, program.joint.alternatives[predicates.index(level.recompute)], level, min_deferral_intensity)
-                for level in levels
-            ))
-            for stage, program in zip(partition.stages, programs)
-        )) if levels else ()
-    return CompiledPipeline(traced, partition, programs, seconds, alternatives=alternatives, phase_cpu_seconds=cpu_seconds)
+        alternatives = (
+            timed("recompute", _recompute_alternatives, partition, programs, predicates, min_deferral_intensity)
+            if levels
+            else ()
+        )
+    return CompiledPipeline(
+        traced, partition, programs, seconds, alternatives=alternatives, phase_cpu_seconds=cpu_seconds
+    )
 
+
+
+def _recompute_alternatives(
+    partition: StagePartition, programs: tuple[StageProgram, ...], predicates: list, min_deferral_intensity: float
+) -> tuple[tuple[StageProgram, ...], ...]:
+    """Per stage, its program and one per level of `RECOMPUTE_LEVELS`, from the joint's
+    separation under that level's predicate (`predicates`: the distinct ones, in order)."""
+    return tuple(
+        (
+            program,
+            *(
+                _stage_program(
+                    stage, program.joint.alternatives[predicates.index(level.recompute)], level, min_deferral_intensity
+                )
+                for level in RECOMPUTE_LEVELS
+            ),
+        )
+        for stage, program in zip(partition.stages, programs)
+    )
 
 @dataclass(frozen=True)
 class CostedPipeline:
@@ -235,11 +264,14 @@ def compile_costs(
         return result
 
     with ti.quiet_torch_logs():
-        traced = timed("trace", lambda: trace_model(model, loss_fn, args, kwargs, target, device, record_stack_traces=False))
+        traced = timed(
+            "trace", lambda: trace_model(model, loss_fn, args, kwargs, target, device, record_stack_traces=False)
+        )
     with ti.quiet_torch_logs(warnings_too=True):
         partition = timed("partition", lambda: partition_stages(traced, stages, split_points))
         costs, representative = timed(
-            "joint+split+cost", lambda: _costs_with_reuse(partition, traced.fake_mode, min_deferral_intensity, reuse_blocks)
+            "joint+split+cost",
+            lambda: _costs_with_reuse(partition, traced.fake_mode, min_deferral_intensity, reuse_blocks),
         )
     return CostedPipeline(traced, partition, costs, representative, seconds, cpu_seconds)
 
@@ -247,7 +279,9 @@ def compile_costs(
 def _costs_with_reuse(
     partition: StagePartition, fake_mode: Any, min_deferral_intensity: float, reuse_blocks: bool
 ) -> tuple[tuple[StageGraphCost, ...], tuple[int, ...]]:
-    programs, representative = _programs_with_reuse(partition, fake_mode, min_deferral_intensity, reuse_blocks=reuse_blocks)
+    programs, representative = _programs_with_reuse(
+        partition, fake_mode, min_deferral_intensity, reuse_blocks=reuse_blocks
+    )
     return tuple(p.cost for p in programs), representative
 
 
@@ -328,7 +362,9 @@ def compile_forward_only(
     return CompiledForward(traced, partition, programs, peaks, result_names)
 
 
-def _stage_program(stage: Stage, joint: StageJoint, level: RecomputeLevel, min_deferral_intensity: float) -> StageProgram:
+def _stage_program(
+    stage: Stage, joint: StageJoint, level: RecomputeLevel, min_deferral_intensity: float
+) -> StageProgram:
     """The stage at one recompute level (`joint` separated with its predicate)."""
     intensity = min_deferral_intensity if level.defer_weights else math.inf
     split = split_backward(joint, intensity, level.weight_recomputes)

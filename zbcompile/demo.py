@@ -110,7 +110,9 @@ class DemoLayout:
         threads = f"{self.threads} thread{'s' if self.threads != 1 else ''} each"
         why = f"at most {MAX_RANKS}, {threads}" if self.cores > MAX_RANKS else f"one per core, {threads}"
         if self.shares_cores:
-            why = f"sharing {'it' if self.cores == 1 else 'them'}: a pipeline needs 2; the comparison will be unreliable"
+            why = (
+                f"sharing {'it' if self.cores == 1 else 'them'}: a pipeline needs 2; the comparison will be unreliable"
+            )
         return f"{cores}{gpu_note} -> {self.ranks} gloo ranks ({why}), {stages}"
 
 
@@ -155,13 +157,17 @@ class ModelSize:
         # untied: a tied embedding and LM head would exchange gradients between the first and the
         # last rank at the end of every step, lining the ranks up as a barrier does, so steps
         # could not overlap and zb-auto (solved for steps run back to back) would lose its edge
-        return GPTConfig(vocab_size=VOCAB, seq_len=SEQ_LEN, hidden=self.hidden, heads=HEADS, layers=self.layers, tie_embeddings=False)
+        return GPTConfig(
+            vocab_size=VOCAB, seq_len=SEQ_LEN, hidden=self.hidden, heads=HEADS, layers=self.layers, tie_embeddings=False
+        )
 
     def describe(self) -> str:
         low, high = STEP_RANGE_S
         return (
-            f"GPT (untied embeddings) with {self.layers} layers, hidden {self.hidden}, {ROWS} sequences of {SEQ_LEN} bytes per microbatch: "
-            f"a 1F1B step ~{self.step_s:.2f} s ({low}-{high} s wanted; one block measured at {self.block_s * 1e3:.1f} ms)"
+            f"GPT (untied embeddings) with {self.layers} layers, hidden {self.hidden}, {ROWS} sequences of {SEQ_LEN} "
+            "bytes per microbatch: "
+            f"a 1F1B step ~{self.step_s:.2f} s ({low}-{high} s wanted; one block measured at {self.block_s * 1e3:.1f} "
+            "ms)"
         )
 
 
@@ -235,7 +241,11 @@ class Summary:
         for name in SCHEDULES:
             loss = losses.get(name)
             rows.append(f"{name:>9s}  {self.step_s[name] * 1e3:8.1f} ms  {'-' if loss is None else f'{loss:.4f}':>10s}")
-        same = " (the same: every schedule computes the same gradients)" if losses.get(reference) == losses.get(other) else ""
+        same = (
+            " (the same: every schedule computes the same gradients)"
+            if losses.get(reference) == losses.get(other)
+            else ""
+        )
         rows[-1] += same
         faster = "faster" if self.speedup >= 1 else "SLOWER"
         rows.append(
@@ -247,7 +257,8 @@ class Summary:
             f"simulator's predicted gain for {layout.stages} stages x {layout.microbatches} microbatches: "
             f"{self.predicted:.3f}x (steady state, each schedule timed by its own measured actions, the optimizer step "
             "and batch as measured; "
-            f"{self.predicted_solved:.3f}x under the {self.cost_source} costs zb-auto was solved with); captured: {captured}"
+            f"{self.predicted_solved:.3f}x under the {self.cost_source} costs zb-auto was solved with); captured: "
+            f"{captured}"
         )
         rows.append(self.machine_line(layout))
         return rows
@@ -258,7 +269,8 @@ class Summary:
             used = "other processes' CPU use during the run is unknown here (no /proc/stat)"
         if layout.shares_cores:
             return (
-                f"UNRELIABLE: {layout.ranks} ranks shared {layout.cores} core(s), so a rank's bubble was another rank's "
+                f"UNRELIABLE: {layout.ranks} ranks shared {layout.cores} core(s), so a rank's bubble was another "
+                "rank's "
                 f"compute time and this measured the operating system's scheduler more than the pipeline; {used}"
             )
         if self.busy:
@@ -330,7 +342,12 @@ class _Training:
         with torch.device("meta"):
             model = GPT(size.config())
         self.pipe = zbcompile.pipeline(
-            model, stages=layout.stages, microbatches=layout.microbatches, loss_fn=lm_loss, schedule=schedule, dump_dir=dump_dir
+            model,
+            stages=layout.stages,
+            microbatches=layout.microbatches,
+            loss_fn=lm_loss,
+            schedule=schedule,
+            dump_dir=dump_dir,
         )
         self.device = device
         self.batches = text_batches(layout.microbatches * ROWS, SEQ_LEN)
@@ -452,7 +469,10 @@ def _write_pictures(out_dir: str) -> None:
     page = write_report(dumps[-1], os.path.join(out_dir, "report.html"), compared=dumps[:-1])
     png = write_compared_png(dumps, os.path.join(out_dir, "timelines.png"))
     print(f"report: {page} (both schedules' measured steps, bubbles shaded); picture: {png}")
-    print(f"dumps (graphs, schedules, trace.json for Perfetto): {os.path.join(out_dir, 'dump')}; summary: zbcompile inspect DIR")
+    print(
+        f"dumps (graphs, schedules, trace.json for Perfetto): {os.path.join(out_dir, 'dump')}; summary: zbcompile "
+        "inspect DIR"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -467,7 +487,9 @@ def run(args: argparse.Namespace) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_rank_main, args=(layout, size, port, out_dir, args.rounds), nprocs=layout.ranks, start_method="spawn")
+    mp.start_processes(
+        _rank_main, args=(layout, size, port, out_dir, args.rounds), nprocs=layout.ranks, start_method="spawn"
+    )
     return 0
 
 

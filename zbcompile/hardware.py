@@ -89,7 +89,9 @@ class Hardware:
     def named(cls, name: str) -> "Hardware":
         """A well-known accelerator by name (`NAMED`); ValueError naming the choices otherwise."""
         if name not in NAMED:
-            raise ValueError(f"unknown hardware {name!r}; choose one of {', '.join(NAMED)}, or pass a Hardware or a JSON file")
+            raise ValueError(
+                f"unknown hardware {name!r}; choose one of {', '.join(NAMED)}, or pass a Hardware or a JSON file"
+            )
         return NAMED[name]
 
     @classmethod
@@ -144,7 +146,9 @@ class Hardware:
             roofline = [base.roofline_seconds(stage[kind]) for stage in static]
             scale = sum(x * t for x, t in zip(roofline, seconds))
             if scale <= 0:
-                raise ValueError(f"Hardware.from_measured: no measured time or no work for pass {kind}; cannot calibrate it")
+                raise ValueError(
+                    f"Hardware.from_measured: no measured time or no work for pass {kind}; cannot calibrate it"
+                )
             fitted[kind] = min(1.0, sum(x * x for x in roofline) / scale)
         link = base.link_bandwidth
         sent = [b for b in boundary_bytes if b > 0]
@@ -163,7 +167,9 @@ def resolve_hardware(hardware: "Hardware | str | os.PathLike") -> Hardware:
         return Hardware.load(hardware)
     if isinstance(hardware, str):
         return Hardware.named(hardware)
-    raise TypeError(f"hardware must be a Hardware, a name ({', '.join(NAMED)}) or a JSON file, got {type(hardware).__name__}")
+    raise TypeError(
+        f"hardware must be a Hardware, a name ({', '.join(NAMED)}) or a JSON file, got {type(hardware).__name__}"
+    )
 
 
 def _check_positive(label: str, value: Any) -> None:

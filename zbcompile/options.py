@@ -31,23 +31,31 @@ class PipelineOptions:
     microbatches: int = 1
     # (output, target) -> a microbatch's mean loss, or (loss_sum, count) for the whole batch's; None: forward returns it
     loss_fn: Callable[..., Any] | None = None
-    schedule: str | Schedule = DEFAULT_SCHEDULE  # one of SCHEDULE_NAMES (docs/schedules.md), or a Schedule to run as given
+    schedule: str | Schedule = (
+        DEFAULT_SCHEDULE  # one of SCHEDULE_NAMES (docs/schedules.md), or a Schedule to run as given
+    )
     split_points: tuple[str, ...] | None = None  # module FQNs where a stage begins; None: stages balanced by cost
-    memory_limit: float | str | Sequence[float | str] | None = None  # per stage, in microbatches' activations, or bytes ("12GiB")
-    process_group: ProcessGroup | DeviceMesh | None = None  # one pipeline's ranks, or a DeviceMesh with "pp" (and "dp"); None: the world
+    memory_limit: float | str | Sequence[float | str] | None = None
+    process_group: ProcessGroup | DeviceMesh | None = (
+        None  # one pipeline's ranks, or a DeviceMesh with "pp" (and "dp"); None: the world
+    )
     timeout: timedelta = DEFAULT_TIMEOUT  # bounds every wait on a peer
     solver_time_budget: float | None = None  # seconds zb-auto improves its heuristic
     profile: bool | None = None  # measure costs and re-solve (runtime/profile.py); None: where the schedule table says
     profile_steps: int = 2  # steps timed after the warm-up step before the first re-solve
     objective: str = "span"  # "span" (steps back to back) or "makespan" (a synchronisation ends every step)
     compiler: str | None = None  # "inductor" compiles each stage's graphs; None or "eager": op by op
-    dump_dir: str | None = None  # every compile's graphs, schedule and trace (default $ZBCOMPILE_DUMP; `zbcompile inspect`)
+    dump_dir: str | None = (
+        None  # every compile's graphs, schedule and trace (default $ZBCOMPILE_DUMP; `zbcompile inspect`)
+    )
     init_fn: Callable[[nn.Module], None] | None = None  # fills a module's own tensors materialised from `meta`
     costs: Costs | None = None  # solve with these instead of the static estimates (any one time unit)
     follow_readiness: bool = True  # W run in waits and past sends, in order (runtime/dispatch.py)
     grad_dtype: torch.dtype | None = None  # dtype `.grad` accumulates in (torch's param.grad_dtype); None: as set
     recompute: str | None = None  # "auto": recompute forward values per stage to fit memory_limit (auto_recompute.py)
-    data_parallel: str = "replicate"  # replicas keep parameters whole, or "shard": DTensors over "dp" (runtime/sharding.py)
+    data_parallel: str = (
+        "replicate"  # replicas keep parameters whole, or "shard": DTensors over "dp" (runtime/sharding.py)
+    )
 
     @property
     def distributed(self) -> bool:
@@ -62,13 +70,21 @@ class PipelineOptions:
             object.__setattr__(self, "timeout", timedelta(seconds=self.timeout))
         check_compiler(self.compiler)
         if self.data_parallel not in DATA_PARALLEL_MODES:
-            raise ValueError(f"pipeline(): data_parallel must be one of {DATA_PARALLEL_MODES}, got {self.data_parallel!r}")
+            raise ValueError(
+                f"pipeline(): data_parallel must be one of {DATA_PARALLEL_MODES}, got {self.data_parallel!r}"
+            )
         if self.recompute not in (None, "auto"):
             raise ValueError(f"pipeline(): recompute must be None or 'auto', got {self.recompute!r}")
         if self.recompute == "auto" and self.memory_limit is None:
-            raise ValueError("pipeline(): recompute='auto' chooses recomputation to fit memory_limit; give a memory_limit")
-        if self.grad_dtype is not None and not (isinstance(self.grad_dtype, torch.dtype) and self.grad_dtype.is_floating_point):
-            raise TypeError(f"pipeline(): grad_dtype must be a floating-point torch.dtype or None, got {self.grad_dtype!r}")
+            raise ValueError(
+                "pipeline(): recompute='auto' chooses recomputation to fit memory_limit; give a memory_limit"
+            )
+        if self.grad_dtype is not None and not (
+            isinstance(self.grad_dtype, torch.dtype) and self.grad_dtype.is_floating_point
+        ):
+            raise TypeError(
+                f"pipeline(): grad_dtype must be a floating-point torch.dtype or None, got {self.grad_dtype!r}"
+            )
         if self.profile not in (None, True, False):
             raise ValueError(f"pipeline(): profile must be None (automatic), True or False, got {self.profile!r}")
         if self.costs is not None and not isinstance(self.costs, Costs):

@@ -68,9 +68,13 @@ class Plan:
     def svg(self, name: str) -> str:
         """The predicted timeline of the planned schedule `name`, as an SVG document."""
         if name not in self.schedules:
-            raise ValueError(f"schedule {name!r} was not planned (or did not fit); planned: {', '.join(self.schedules)}")
+            raise ValueError(
+                f"schedule {name!r} was not planned (or did not fit); planned: {', '.join(self.schedules)}"
+            )
         schedule = self.schedules[name]
-        title = f"{name}: {schedule.stages} stages, {schedule.microbatches} microbatches, predicted on {self.hardware.name}"
+        title = (
+            f"{name}: {schedule.stages} stages, {schedule.microbatches} microbatches, predicted on {self.hardware.name}"
+        )
         return to_svg(layout(schedule, self.costs), title=title, legend=True)
 
     def write_svg(self, name: str, path: str | os.PathLike) -> None:
@@ -110,8 +114,12 @@ def plan(
     hardware = resolve_hardware(hardware)
     # traced as on a CPU (fake tensors, nothing allocated): its attention kernel saves what a GPU's
     # flash attention saves (no sequence x sequence scores); the meta device's would keep them
-    costed = compile_costs(model, loss_fn, args, call_kwargs, micro_target, stages, split_points, device=torch.device("cpu"))
-    options = PlanOptions(microbatches, dp, data_parallel, memory_limit, tuple(schedules), optimizer_factor, grad_factor, time_budget)
+    costed = compile_costs(
+        model, loss_fn, args, call_kwargs, micro_target, stages, split_points, device=torch.device("cpu")
+    )
+    options = PlanOptions(
+        microbatches, dp, data_parallel, memory_limit, tuple(schedules), optimizer_factor, grad_factor, time_budget
+    )
     return plan_compiled(costed, hardware, options, _shapes(args, call_kwargs))
 
 
@@ -163,14 +171,23 @@ def plan_compiled(costed: CostedPipeline, hardware: Hardware, options: PlanOptio
     result = Plan(costed, hardware, costs, unit, state, {}, {}, o, microbatch)
     entries = [_plan_schedule(result, name, o.microbatches, limit, o.time_budget) for name in o.schedules]
     record = {
-        "model": type(model).__name__, "stages": len(costed.costs), "microbatches": o.microbatches,
-        "microbatch": microbatch, "dp": o.dp, "data_parallel": o.data_parallel,
-        "hardware": hardware.to_dict(), "phase_seconds": costed.phase_seconds, "phase_cpu_seconds": costed.phase_cpu_seconds,
-        "representative": list(costed.representative), "stage_rows": rows,
+        "model": type(model).__name__,
+        "stages": len(costed.costs),
+        "microbatches": o.microbatches,
+        "microbatch": microbatch,
+        "dp": o.dp,
+        "data_parallel": o.data_parallel,
+        "hardware": hardware.to_dict(),
+        "phase_seconds": costed.phase_seconds,
+        "phase_cpu_seconds": costed.phase_cpu_seconds,
+        "representative": list(costed.representative),
+        "stage_rows": rows,
         "tied": {fqn: list(ks) for fqn, ks in costed.partition.shared_params.items()},
-        "comm_seconds": comm, "memory_limit_bytes": limit,
+        "comm_seconds": comm,
+        "memory_limit_bytes": limit,
         "allreduce_seconds": hardware.allreduce_seconds(max(r["param_bytes"] * o.grad_factor for r in rows), o.dp),
-        "schedules": [e for e, _ in entries], "zb_auto": _zb_auto_choice([e for e, _ in entries]),
+        "schedules": [e for e, _ in entries],
+        "zb_auto": _zb_auto_choice([e for e, _ in entries]),
     }
     schedules = {e["name"]: s for e, s in entries if s is not None}
     return Plan(costed, hardware, costs, unit, state, schedules, record, o, microbatch)
@@ -181,7 +198,9 @@ def pass_costs(cost: Any) -> dict[str, Any]:
     return {"F": cost.forward, "I": cost.input_backward, "W": cost.weight_backward}
 
 
-def _plan_schedule(plan_: Plan, name: str, microbatches: int, limit: float, time_budget: float) -> tuple[dict[str, Any], Schedule | None]:
+def _plan_schedule(
+    plan_: Plan, name: str, microbatches: int, limit: float, time_budget: float
+) -> tuple[dict[str, Any], Schedule | None]:
     """One schedule's entry of the report, and the schedule (None where it cannot be made)."""
     stages = len(plan_.state)
     memory_limit = None
@@ -191,11 +210,15 @@ def _plan_schedule(plan_: Plan, name: str, microbatches: int, limit: float, time
         short = [r for r in range(stages) if room[r] < needs[r]]
         if short:
             r = short[0]
-            return {"name": name, "error": (
-                f"rank {r} has {si(max(room[r], 0) * plan_.unit_bytes, 'B')} left after its state "
-                f"({si(plan_.state[r], 'B')}), below one microbatch's activations ({si(needs[r] * plan_.unit_bytes, 'B')})"
-                + (f"; so do ranks {', '.join(map(str, short[1:]))}" if len(short) > 1 else "")
-            )}, None
+            return {
+                "name": name,
+                "error": (
+                    f"rank {r} has {si(max(room[r], 0) * plan_.unit_bytes, 'B')} left after its state "
+                    f"({si(plan_.state[r], 'B')}), below one microbatch's activations "
+                    f"({si(needs[r] * plan_.unit_bytes, 'B')})"
+                    + (f"; so do ranks {', '.join(map(str, short[1:]))}" if len(short) > 1 else "")
+                ),
+            }, None
         memory_limit = room
     try:
         schedule, peaks = _solve_within(plan_, name, microbatches, memory_limit, limit, time_budget)
@@ -210,14 +233,26 @@ def _plan_schedule(plan_: Plan, name: str, microbatches: int, limit: float, time
 
 
 def _solve_within(
-    plan_: Plan, name: str, microbatches: int, memory_limit: list[float] | None, limit: float, time_budget: float, tries: int = 3
+    plan_: Plan,
+    name: str,
+    microbatches: int,
+    memory_limit: list[float] | None,
+    limit: float,
+    time_budget: float,
+    tries: int = 3,
 ) -> tuple[Schedule, list[float]]:
     """`name` made under `memory_limit` (units; a solved schedule's bound) and its peaks per rank
     in bytes with each action's transients; where those pass `limit` on a rank, the schedule is
     solved again under that rank's bound lowered by the excess (at most `tries` times)."""
     for _ in range(tries):
         schedule = make_schedule(
-            name, len(plan_.state), microbatches, plan_.costs, memory_limit, time_budget=time_budget, placements=("in-line",),
+            name,
+            len(plan_.state),
+            microbatches,
+            plan_.costs,
+            memory_limit,
+            time_budget=time_budget,
+            placements=("in-line",),
         )
         peaks = plan_.peak_bytes(schedule)
         over = [max(0.0, p - limit) / plan_.unit_bytes for p in peaks]
@@ -235,7 +270,9 @@ def _zb_auto_choice(entries: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     if chosen.get("error"):
         return {"error": chosen["error"]}
     reference = by_name.get("1f1b")
-    speedup = reference["span"] / chosen["span"] if reference and not reference.get("error") and chosen["span"] else None
+    speedup = (
+        reference["span"] / chosen["span"] if reference and not reference.get("error") and chosen["span"] else None
+    )
     description = (
         f"zb-auto, one stage per rank, under each rank's memory left after its state; peak "
         f"{si(max(chosen['peak_bytes']), 'B')} on the fullest rank"

@@ -34,7 +34,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("model", help="a transformers config.json (or its directory), or module:function")
     parser.add_argument("--stages", type=int, required=True, help="pipeline stages (one per rank)")
     parser.add_argument("--microbatches", type=int, required=True)
-    parser.add_argument("--batch", type=int, default=None, help="sequences per replica per step (default: one per microbatch)")
+    parser.add_argument(
+        "--batch", type=int, default=None, help="sequences per replica per step (default: one per microbatch)"
+    )
     parser.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (config models)")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="parameter dtype (config models)")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
@@ -94,8 +96,16 @@ def build(args: argparse.Namespace) -> tuple[Any, tuple, dict, Any, Any]:
     if isinstance(made, torch.nn.Module):
         return (made, *language_model_batch)
     if not isinstance(made, dict) or "model" not in made:
-        raise TypeError(f"{args.model} must return an nn.Module or a dict with 'model' (and the batch); got {type(made).__name__}")
-    return made["model"], tuple(made.get("inputs", ())), dict(made.get("kwargs", {})), made.get("target"), made.get("loss_fn")
+        raise TypeError(
+            f"{args.model} must return an nn.Module or a dict with 'model' (and the batch); got {type(made).__name__}"
+        )
+    return (
+        made["model"],
+        tuple(made.get("inputs", ())),
+        dict(made.get("kwargs", {})),
+        made.get("target"),
+        made.get("loss_fn"),
+    )
 
 
 def config_model(path: str, dtype: Any) -> Any:

@@ -35,7 +35,9 @@ class Program:
     signature: Signature
     _boxed: dict[str, fx.GraphModule] = field(default_factory=dict, compare=False, repr=False)
 
-    def run(self, env: dict[str, torch.Tensor], state: Mapping[str, torch.Tensor], consumed: Collection[str] = ()) -> None:
+    def run(
+        self, env: dict[str, torch.Tensor], state: Mapping[str, torch.Tensor], consumed: Collection[str] = ()
+    ) -> None:
         """Call the graph on the values named in its signature, looked up in `env` and then in
         `state` (parameters and buffers), and store its results into `env`. The values named in
         `consumed` leave `env`, and the graph frees each at its last use (unless the caller holds
@@ -47,7 +49,9 @@ class Program:
                 results = self.graph(*self._inputs(env, state, ()))
         env.update(zip(self.signature.outputs, results))
 
-    def _inputs(self, env: dict[str, torch.Tensor], state: Mapping[str, torch.Tensor], consumed: Collection[str]) -> list:
+    def _inputs(
+        self, env: dict[str, torch.Tensor], state: Mapping[str, torch.Tensor], consumed: Collection[str]
+    ) -> list:
         """The graph's inputs in order; those named in `consumed` taken out of `env`."""
         return [env.pop(n) if n in consumed else env[n] if n in env else state[n] for n in self.signature.inputs]
 

@@ -25,7 +25,9 @@ STAGE_COMPILERS = ("eager", "inductor")
 
 def check_compiler(compiler: str | None) -> None:
     if compiler is not None and compiler not in STAGE_COMPILERS:
-        raise ValueError(f"pipeline(): unknown compiler {compiler!r}; choose one of {', '.join(STAGE_COMPILERS)} (or None, eager)")
+        raise ValueError(
+            f"pipeline(): unknown compiler {compiler!r}; choose one of {', '.join(STAGE_COMPILERS)} (or None, eager)"
+        )
 
 
 def compile_stage_programs(compiled: CompiledPipeline, compiler: str | None) -> CompiledPipeline:
@@ -59,7 +61,9 @@ class InductorProgram(Program):
 
     _compiled: dict[str, Callable] = field(default_factory=dict, compare=False, repr=False)
 
-    def run(self, env: dict[str, torch.Tensor], state: Mapping[str, torch.Tensor], consumed: Collection[str] = ()) -> None:
+    def run(
+        self, env: dict[str, torch.Tensor], state: Mapping[str, torch.Tensor], consumed: Collection[str] = ()
+    ) -> None:
         inputs = self._inputs(env, state, consumed)
         with torch.no_grad():
             results = self._compiled_for(inputs)(inputs)

@@ -40,7 +40,9 @@ def _pipelines(config: GPTConfig = CONFIG) -> dict[bool, tuple]:
     for checkpointed in (False, True):
         torch.manual_seed(0)
         model = GPT(dataclasses.replace(config, checkpoint=checkpointed))
-        pipe = zbcompile.pipeline(model, stages=STAGES, microbatches=MICROBATCHES, loss_fn=lm_loss, schedule="1f1b", solver_time_budget=0.5)
+        pipe = zbcompile.pipeline(
+            model, stages=STAGES, microbatches=MICROBATCHES, loss_fn=lm_loss, schedule="1f1b", solver_time_budget=0.5
+        )
         tokens, target = _batch(config)
         pipe.compile(tokens, target=target)
         pipe.runner.measure_transients()
@@ -87,7 +89,9 @@ def _eager(config: GPTConfig, checkpointed: bool) -> tuple[torch.Tensor, dict]:
     return torch.stack(losses).mean(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def _assert_matches(loss: torch.Tensor, grads: dict, reference: tuple[torch.Tensor, dict], what: str, **tolerance) -> None:
+def _assert_matches(
+    loss: torch.Tensor, grads: dict, reference: tuple[torch.Tensor, dict], what: str, **tolerance
+) -> None:
     """Bit for bit, or within `tolerance` (the traced embedding backward sums in another order)."""
     torch.testing.assert_close(loss, reference[0], **(tolerance or dict(rtol=0, atol=0)))
     assert_grads_close(grads, reference[1], what, **(tolerance or dict(rtol=0, atol=0)))
@@ -100,7 +104,9 @@ def test_checkpointed_pipeline_equals_eager_with_and_without_torch_checkpoint():
     plain, checkpointed = _eager(GPT12, False), _eager(GPT12, True)
     _assert_matches(*checkpointed, plain, "eager with torch.utils.checkpoint")
     for schedule in ("1f1b", "zb-h1"):
-        _assert_matches(*_step(*_pipelines(GPT12)[True], schedule, GPT12), checkpointed, f"pipeline, {schedule}", **FP32)
+        _assert_matches(
+            *_step(*_pipelines(GPT12)[True], schedule, GPT12), checkpointed, f"pipeline, {schedule}", **FP32
+        )
 
 
 def test_forward_saves_only_block_inputs_and_the_backward_pays_the_recomputation():
@@ -183,7 +189,9 @@ def test_zb_auto_always_fits_the_default_limit_and_is_no_slower_than_1f1b():
         p = rng.choice([2, 3, 4, 6])
         m = rng.choice([p, 2 * p, 3 * p + 1])
         draw = lambda low, high: [rng.uniform(low, high) for _ in range(p)]  # noqa: E731
-        costs = Costs(f=draw(0.5, 2), i=draw(0.5, 2), w=draw(0.2, 2), comm=0.1, mem_b=draw(0.05, 1), mem_w=draw(0.05, 12))
+        costs = Costs(
+            f=draw(0.5, 2), i=draw(0.5, 2), w=draw(0.2, 2), comm=0.1, mem_b=draw(0.05, 1), mem_w=draw(0.05, 12)
+        )
         limit = default_limit(DEFAULT_SCHEDULE, p, m, costs, checkpointed=True)
         schedule = make_schedule(DEFAULT_SCHEDULE, p, m, costs, limit, time_budget=0, placements=("in-line",))
         assert simulate(schedule, costs).span <= simulate(make_schedule("1f1b", p, m), costs).span * (1 + 1e-9)
@@ -214,7 +222,9 @@ def test_reentrant_checkpoint_is_refused_naming_the_module():
 
     model = Reentrant(dataclasses.replace(CONFIG, layers=2))
     pipe = zbcompile.pipeline(model, stages=2, microbatches=2, loss_fn=lm_loss, schedule="1f1b")
-    with pytest.raises(ValueError, match=r"module '<root>' \(Reentrant\) calls torch.utils.checkpoint with use_reentrant=True"):
+    with pytest.raises(
+        ValueError, match=r"module '<root>' \(Reentrant\) calls torch.utils.checkpoint with use_reentrant=True"
+    ):
         pipe.step(*_batch(CONFIG)[:1], target=_batch(CONFIG)[1])
 
 
@@ -233,7 +243,13 @@ def test_auto_recompute_fits_a_limit_30_percent_below_zb_h1s_measured_peak():
     torch.manual_seed(0)
     auto_model = GPT(config)
     auto = zbcompile.pipeline(
-        auto_model, stages=STAGES, microbatches=MICROBATCHES, loss_fn=lm_loss, schedule="zb-h1", memory_limit=f"{int(0.7 * peak)}B", recompute="auto"
+        auto_model,
+        stages=STAGES,
+        microbatches=MICROBATCHES,
+        loss_fn=lm_loss,
+        schedule="zb-h1",
+        memory_limit=f"{int(0.7 * peak)}B",
+        recompute="auto",
     )
     auto.compile(*_batch(config)[:1], target=_batch(config)[1])
     auto.runner.measure_transients()
@@ -252,7 +268,9 @@ def test_auto_recompute_needs_a_limit_and_says_when_none_fits():
         zbcompile.pipeline(GPT(CONFIG), stages=2, recompute="auto")
     with pytest.raises(ValueError, match="recompute"):
         zbcompile.pipeline(GPT(CONFIG), stages=2, recompute="always", memory_limit=2)
-    pipe = zbcompile.pipeline(GPT(CONFIG), stages=2, microbatches=2, loss_fn=lm_loss, schedule="1f1b", memory_limit=0.01, recompute="auto")
+    pipe = zbcompile.pipeline(
+        GPT(CONFIG), stages=2, microbatches=2, loss_fn=lm_loss, schedule="1f1b", memory_limit=0.01, recompute="auto"
+    )
     with pytest.raises(ValueError, match=r"stages \[0, 1\] exceed the memory limit at every recompute level"):
         pipe.compile(*_batch(CONFIG)[:1], target=_batch(CONFIG)[1])
 
@@ -270,5 +288,7 @@ def test_auto_recompute_keeps_recomputing_where_that_is_faster_within_the_limit(
         return Evaluation(over, (0.0, 0.0), 10.0 - 2 * (first == 2) - 2 * (second >= 1) - 3 * (second == 2))
 
     options = (("a0", "a1", "a2"), ("b0", "b1", "b2"))
-    compiled = CompiledPipeline(None, None, ("a0", "b0"), alternatives=options, recompute_levels=(0, 0), memory_unit_bytes=1)
+    compiled = CompiledPipeline(
+        None, None, ("a0", "b0"), alternatives=options, recompute_levels=(0, 0), memory_unit_bytes=1
+    )
     assert choose_recomputation(compiled, evaluate).recompute_levels == (2, 1)

@@ -89,7 +89,11 @@ def test_summary_arithmetic_and_lines():
     layout = demo.choose_layout(cores=2, gpus=0)
     text = "\n".join(summary.lines(layout, {"1f1b": 2.5, "zb-auto": 2.5}))
     assert "zb-auto vs 1f1b: 1.200x the speed (faster; median over 3 rounds" in text
-    assert "predicted gain for 2 stages x 4 microbatches: 1.250x (steady state, each schedule timed by its own measured actions, the optimizer step and batch as measured; 1.300x under the measured costs" in text
+    assert (
+        "predicted gain for 2 stages x 4 microbatches: 1.250x (steady state, each schedule timed by its own measured "
+        "actions, the optimizer step and batch as measured; 1.300x under the measured costs"
+        in text
+    )
     assert "captured: 80%" in text
     assert "the same: every schedule computes the same gradients" in text
     assert "machine quiet: other processes used 2% of a core" in text
@@ -130,4 +134,6 @@ def test_idle_boxes_are_the_gaps_inside_each_rank_span():
 def test_summary_without_proc_stat_says_the_load_is_unknown():
     summary = demo.summarize({"1f1b": [0.3], "zb-auto": [0.25]}, (1.25, 1.25, "static"), float("nan"), 0)
     assert not summary.busy
-    assert summary.machine_line(demo.choose_layout(cores=2, gpus=0)).startswith("other processes' CPU use during the run is unknown")
+    assert summary.machine_line(demo.choose_layout(cores=2, gpus=0)).startswith(
+        "other processes' CPU use during the run is unknown"
+    )

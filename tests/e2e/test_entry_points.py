@@ -23,7 +23,9 @@ def _two_cores() -> None:
 
 def _run(command: list[str], cwd: str, timeout: float) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, preexec_fn=_two_cores)
+    done = subprocess.run(
+        command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, preexec_fn=_two_cores
+    )
     assert done.returncode == 0, f"{command} exited with {done.returncode}:\n{done.stdout}\n{done.stderr}"
     return done.stdout
 
@@ -31,9 +33,13 @@ def _run(command: list[str], cwd: str, timeout: float) -> str:
 @pytest.mark.xdist_group("distributed")
 def test_demo_one_round_writes_the_report_and_the_picture(tmp_path):
     out = tmp_path / "demo"
-    stdout = _run([sys.executable, "-m", "zbcompile.cli", "demo", "--rounds", "1", "--out", str(out)], str(tmp_path), 600)
+    stdout = _run(
+        [sys.executable, "-m", "zbcompile.cli", "demo", "--rounds", "1", "--out", str(out)], str(tmp_path), 600
+    )
     assert re.search(r"zb-auto vs 1f1b: \d+\.\d{3}x the speed \((faster|SLOWER); median over 1 rounds", stdout), stdout
-    assert re.search(r"1f1b\s+[\d.]+ ms\s+\d+\.\d{4}", stdout) and re.search(r"zb-auto\s+[\d.]+ ms\s+\d+\.\d{4}", stdout), stdout
+    assert re.search(r"1f1b\s+[\d.]+ ms\s+\d+\.\d{4}", stdout) and re.search(
+        r"zb-auto\s+[\d.]+ ms\s+\d+\.\d{4}", stdout
+    ), stdout
     assert "simulator's predicted gain" in stdout, stdout
     html = (out / "report.html").read_text()
     svgs = re.findall(r"<svg.*?</svg>", html, flags=re.S)
@@ -50,7 +56,11 @@ def test_demo_one_round_writes_the_report_and_the_picture(tmp_path):
 def test_train_gpt_example_runs_a_few_steps_under_torchrun(tmp_path):
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     script = os.path.join(ROOT, "examples", "train_gpt.py")
-    stdout = _run([torchrun, "--nproc-per-node", "2", script, "--stages", "2", "--microbatches", "2", "--steps", "4"], str(tmp_path), 300)
+    stdout = _run(
+        [torchrun, "--nproc-per-node", "2", script, "--stages", "2", "--microbatches", "2", "--steps", "4"],
+        str(tmp_path),
+        300,
+    )
     losses = [float(x) for x in re.findall(r"rank \d step +\d+ loss (\d+\.\d+)", stdout)]  # the last stage's rank
     assert len(losses) == 4, stdout
     assert all(0 < loss < 10 for loss in losses) and losses[-1] < losses[0], losses
@@ -64,7 +74,16 @@ def test_finetune_llama_example_resumes_and_matches_eager(tmp_path):
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     script = os.path.join(ROOT, "examples", "finetune_llama.py")
     out = tmp_path / "losses.png"
-    common = ["--eval-every", "2", "--checkpoint-every", "2", "--checkpoint-dir", str(tmp_path / "ckpt"), "--out", str(out)]
+    common = [
+        "--eval-every",
+        "2",
+        "--checkpoint-every",
+        "2",
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+        "--out",
+        str(out),
+    ]
     first = _run([torchrun, "--nproc-per-node", "2", script, "--steps", "4", *common], str(tmp_path), 300)
     second = _run([torchrun, "--nproc-per-node", "2", script, "--steps", "6", "--resume", *common], str(tmp_path), 300)
     assert re.search(r"rank 0: resumed from \S+step_000004 at step 4", second), second

@@ -55,7 +55,9 @@ def _pipeline(name: str, dtype: torch.dtype, stages: int, microbatches: int):
     its compile (`set_schedule`); the zoo's forwards update no buffers, so a step leaves nothing
     but `.grad` behind, which each run clears."""
     case = build(name, dtype=dtype)
-    pipe = zbcompile.pipeline(case.model, stages=stages, microbatches=microbatches, loss_fn=case.loss_fn, schedule="1f1b")
+    pipe = zbcompile.pipeline(
+        case.model, stages=stages, microbatches=microbatches, loss_fn=case.loss_fn, schedule="1f1b"
+    )
     return case, pipe
 
 

@@ -232,7 +232,9 @@ def test_an_op_failing_in_the_backward_names_the_action_module_and_line(schedule
     """Any op's error while a stage program runs keeps its type and names where it was traced:
     here a backward op (I, W or the fused B) that only the real kernel refuses."""
     lineno, line = _source_line(BackwardRefuses.forward, "_triple(x)")
-    pipe = zbcompile.pipeline(GatedNet(BackwardRefuses()), stages=2, microbatches=2, loss_fn=F.mse_loss, schedule=schedule)
+    pipe = zbcompile.pipeline(
+        GatedNet(BackwardRefuses()), stages=2, microbatches=2, loss_fn=F.mse_loss, schedule=schedule
+    )
     with pytest.raises(ValueError) as info:
         pipe.step(torch.randn(BATCH, 4), target=torch.randn(BATCH, 2))
     message = str(info.value)

@@ -117,7 +117,11 @@ def test_a_model_loss_that_ignores_the_item_count_is_the_mean_and_unread_inputs_
     prediction."""
     model = MeanLossIgnoringItemCount()
     g = torch.Generator().manual_seed(1)
-    x, unused, labels = torch.randn(16, 8, generator=g), torch.randn(16, 64, generator=g), torch.randint(0, 3, (16,), generator=g)
+    x, unused, labels = (
+        torch.randn(16, 8, generator=g),
+        torch.randn(16, 64, generator=g),
+        torch.randint(0, 3, (16,), generator=g),
+    )
     pipe = zbcompile.pipeline(model, stages=2, microbatches=4)
     trained = pipe.step(x, unused=unused, labels=labels)
     pipe.evaluate(x, unused=unused, labels=labels)
@@ -125,7 +129,9 @@ def test_a_model_loss_that_ignores_the_item_count_is_the_mean_and_unread_inputs_
     runner.measure_transients()
     loss = pipe.evaluate(x, unused=unused, labels=labels)
     with torch.no_grad():
-        expected = torch.stack([F.cross_entropy(model.b(torch.tanh(model.a(a))), b) for a, b in zip(x.chunk(4), labels.chunk(4))]).mean()
+        expected = torch.stack(
+            [F.cross_entropy(model.b(torch.tanh(model.a(a))), b) for a, b in zip(x.chunk(4), labels.chunk(4))]
+        ).mean()
     torch.testing.assert_close(loss, expected, **EXACT)
     torch.testing.assert_close(trained, expected, **EXACT)
     per_stage = [e.peak_activation_bytes for e in runner.executors.values()]

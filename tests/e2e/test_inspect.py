@@ -23,7 +23,8 @@ from helpers.multiprocess import run_ranks
 from zbcompile import cli
 from zbcompile.inspect.html import write_compared_png, write_report
 from zbcompile.inspect.read import GRAPH_FILES, SCHEDULE_FILE, Dump, load, stage_dir
-from zbcompile.inspect.text import split_diff, summary_text
+from zbcompile.inspect.split_diff import split_diff
+from zbcompile.inspect.text import summary_text
 from zbcompile.inspect.trace import action_events, load_trace, validate_trace
 from zbcompile.inspect.write import DUMP_ENV, CompileDump, program_code
 from zbcompile.schedules import Action, make_schedule
@@ -43,7 +44,9 @@ def _mask_compile_times(text: str) -> str:
 def _local_pipeline(directory: str | None, schedule: str = "zb-h1"):
     """The test zoo's MLP on 2 stages, 4 microbatches, one step in this process."""
     case = build("mlp")
-    pipe = zbcompile.pipeline(case.model, stages=2, microbatches=4, loss_fn=case.loss_fn, schedule=schedule, dump_dir=directory)
+    pipe = zbcompile.pipeline(
+        case.model, stages=2, microbatches=4, loss_fn=case.loss_fn, schedule=schedule, dump_dir=directory
+    )
     case.step(pipe)
     return pipe
 
@@ -61,7 +64,16 @@ class LocalDump(TestCase):
 
     def test_dump_layout(self):
         directory = os.path.join(self.root, "compile-0")
-        expected = {"compile.json", "stages.txt", "forward.py", "schedule.txt", "schedule.csv", "schedule.json", "stage0", "stage1"}
+        expected = {
+            "compile.json",
+            "stages.txt",
+            "forward.py",
+            "schedule.txt",
+            "schedule.csv",
+            "schedule.json",
+            "stage0",
+            "stage1",
+        }
         self.assertEqual(set(os.listdir(directory)), expected)
         for stage in ("stage0", "stage1"):
             self.assertEqual(set(os.listdir(os.path.join(directory, stage))), {"F.py", "I.py", "W.py", "B.py"})
@@ -69,7 +81,9 @@ class LocalDump(TestCase):
             self.assertEqual(f.read(), self.pipe.schedule.compute_only().to_csv())
         with open(os.path.join(directory, "schedule.json")) as f:
             version = json.load(f)["versions"][0]
-        self.assertEqual(version["lowered"], [[str(a) for a in row] for row in zbcompile.schedules.lower(self.pipe.schedule).actions])
+        self.assertEqual(
+            version["lowered"], [[str(a) for a in row] for row in zbcompile.schedules.lower(self.pipe.schedule).actions]
+        )
         self.assertEqual(version["cost_source"], "static")
 
     def test_summary_text(self):
@@ -228,15 +242,24 @@ class FusedOpDiff(TestCase):
         program = compiled.programs[1]
         with tempfile.TemporaryDirectory() as directory:
             os.makedirs(stage_dir(directory, 1))
-            for graph, prog in {"I": program.input_backward, "W": program.weight_backward, "B": program.joint.backward}.items():
+            for graph, prog in {
+                "I": program.input_backward,
+                "W": program.weight_backward,
+                "B": program.joint.backward,
+            }.items():
                 with open(os.path.join(stage_dir(directory, 1), GRAPH_FILES[graph]), "w") as f:
                     f.write(program_code(prog, 1, graph))
             text = split_diff(Dump(directory, {"stages": 2}, [], None), 1)
         lines = text.splitlines()
         fused = next(i for i, line in enumerate(lines) if line.startswith("  I    native_layer_norm_backward = "))
         self.assertTrue(lines[fused].endswith("[True, True, True])"), lines[fused])
-        self.assertRegex(lines[fused + 1], r"^ +I computes: aten\.native_layer_norm_backward\.default\(.*\[True, False, False\]\)$")
-        self.assertRegex(text, r"\n  \+W   native_layer_norm_backward_default = .*\[False, True, True\]\)  \(not in the unsplit backward\)")
+        self.assertRegex(
+            lines[fused + 1], r"^ +I computes: aten\.native_layer_norm_backward\.default\(.*\[True, False, False\]\)$"
+        )
+        self.assertRegex(
+            text,
+            r"\n  \+W   native_layer_norm_backward_default = .*\[False, True, True\]\)  \(not in the unsplit backward\)",
+        )
 
 
 class _FakeRunner:
@@ -251,17 +274,34 @@ class ScheduleVersions(TestCase):
         pipe = _local_pipeline(None, schedule="1f1b")
         with tempfile.TemporaryDirectory() as directory:
             recorder = CompileDump(directory, 0, pipe.compiled, pipe.schedule)
-            recorder.start_timeline({"rank": 0, "pp_rank": 0, "dp_rank": 0, "stages": [0], "host": "h", "clock": {"perf_counter": 0.0, "time": 0.0}})
+            recorder.start_timeline(
+                {
+                    "rank": 0,
+                    "pp_rank": 0,
+                    "dp_rank": 0,
+                    "stages": [0],
+                    "host": "h",
+                    "clock": {"perf_counter": 0.0, "time": 0.0},
+                }
+            )
             other = make_schedule("zb-h1", 2, 4)
             for step, schedule in enumerate([pipe.schedule, other, other]):
                 actions = [a for a in zbcompile.schedules.lower(schedule).actions[0]]
                 timeline = [(str(a), step + i * 0.01, step + i * 0.01 + 0.005) for i, a in enumerate(actions)]
-                recorder.record_step(_FakeRunner(schedule, [e for e in timeline if Action.parse(e[0]).is_compute], [e for e in timeline if not Action.parse(e[0]).is_compute]))
+                recorder.record_step(
+                    _FakeRunner(
+                        schedule,
+                        [e for e in timeline if Action.parse(e[0]).is_compute],
+                        [e for e in timeline if not Action.parse(e[0]).is_compute],
+                    )
+                )
             with open(os.path.join(directory, SCHEDULE_FILE)) as f:
                 versions = json.load(f)["versions"]
             self.assertEqual([v["name"] for v in versions], ["1f1b", "zb-h1"])
             trace = load_trace(directory)
-            self.assertEqual({e["args"]["step"]: e["args"]["schedule_version"] for e in action_events(trace)}, {0: 0, 1: 1, 2: 1})
+            self.assertEqual(
+                {e["args"]["step"]: e["args"]["schedule_version"] for e in action_events(trace)}, {0: 0, 1: 1, 2: 1}
+            )
             self.assertEqual(validate_trace(trace, [[v["lowered"][0]] for v in versions]), [])
 
 
@@ -286,7 +326,10 @@ def test_trace_has_one_row_per_rank_and_every_action_once_per_step(distributed_d
         trace = json.load(f)
     metadata = [e for e in trace["traceEvents"] if e["ph"] == "M"]
     actions = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-    assert {e["pid"]: e["args"]["name"] for e in metadata if e["name"] == "process_name"} == {0: "rank 0 (stage 0)", 1: "rank 1 (stage 1)"}
+    assert {e["pid"]: e["args"]["name"] for e in metadata if e["name"] == "process_name"} == {
+        0: "rank 0 (stage 0)",
+        1: "rank 1 (stage 1)",
+    }
     assert {e["ph"] for e in trace["traceEvents"]} == {"M", "X"}
     for e in actions:
         assert isinstance(e["ts"], (int, float)) and isinstance(e["dur"], (int, float)) and e["dur"] >= 0, e
@@ -348,7 +391,14 @@ def test_report_draws_one_box_per_action(distributed_dump):
 
 
 def _chromium() -> str | None:
-    return next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome", "headless_shell") if shutil.which(n)), None)
+    return next(
+        (
+            shutil.which(n)
+            for n in ("chromium", "chromium-browser", "google-chrome", "headless_shell")
+            if shutil.which(n)
+        ),
+        None,
+    )
 
 
 @pytest.mark.xdist_group("distributed")
@@ -393,7 +443,12 @@ def test_report_compares_measured_steps_with_the_bubble_shaded(distributed_dump,
         busy = [(y, x, x + w) for kind, _, x, y, w in rects if kind != "idle"]
         for kind, _, x, y, w in rects:
             if kind == "idle":  # inside a rank's span, overlapping none of its actions
-                assert not any(by == y and bx < x + w - 0.6 and x + 0.6 < bend for by, bx, bend in busy)  # boxes are >= 0.5 px wide
-                assert min(bx for by, bx, _ in busy if by == y) <= x and x + w <= max(bend for by, _, bend in busy if by == y) + 0.01
+                assert not any(
+                    by == y and bx < x + w - 0.6 and x + 0.6 < bend for by, bx, bend in busy
+                )  # boxes are >= 0.5 px wide
+                assert (
+                    min(bx for by, bx, _ in busy if by == y) <= x
+                    and x + w <= max(bend for by, _, bend in busy if by == y) + 0.01
+                )
     png = write_compared_png([load(root)] * 2, str(tmp_path / "timelines.png"))
     assert os.path.getsize(png) > 1000

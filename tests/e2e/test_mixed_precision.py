@@ -23,7 +23,9 @@ def _assert_equal(actual: dict, expected: dict, what: str) -> None:
     assert actual.keys() == expected.keys(), what
     for fqn, grad in expected.items():
         assert actual[fqn].dtype == grad.dtype, f"{what}: {fqn}: {actual[fqn].dtype} != {grad.dtype}"
-        assert torch.equal(actual[fqn], grad), f"{what}: {fqn} differs by {(actual[fqn].float() - grad.float()).abs().max()}"
+        assert torch.equal(actual[fqn], grad), (
+            f"{what}: {fqn} differs by {(actual[fqn].float() - grad.float()).abs().max()}"
+        )
 
 
 @pytest.mark.parametrize("mode", workers.MODES)
@@ -50,9 +52,17 @@ def test_autocast_casts_are_in_the_traced_graph_and_boundaries_carry_their_dtype
     case.step(pipe)
     compiled = pipe.compiled
     graph = compiled.traced.graph_module.graph
-    matmuls = [n for n in graph.nodes if n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)]
+    matmuls = [
+        n
+        for n in graph.nodes
+        if n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+    ]
     assert matmuls and all(n.meta["val"].dtype == torch.bfloat16 for n in matmuls), "autocast runs matmuls in bf16"
-    casts = [n for n in graph.nodes if n.target is torch.ops.aten._to_copy.default and n.kwargs.get("dtype") == torch.bfloat16]
+    casts = [
+        n
+        for n in graph.nodes
+        if n.target is torch.ops.aten._to_copy.default and n.kwargs.get("dtype") == torch.bfloat16
+    ]
     assert casts, "the fp32 weights are cast to bf16 in the graph"
     assert all(p.dtype == torch.float32 for p in case.model.parameters())
     boundary = compiled.partition.stages[0].outputs
@@ -65,7 +75,9 @@ def test_grad_dtype_float32_accumulates_like_eager_autograd_with_param_grad_dtyp
     eager_loss, eager_grads = workers.eager_microbatches(reference, grad_dtype=torch.float32)
     plain_loss, plain_grads = workers.eager_microbatches(workers.llama("bf16"))
     case = workers.llama("bf16")
-    pipe = zbcompile.pipeline(case.model, stages=2, microbatches=MICROBATCHES, schedule="zb-h1", grad_dtype=torch.float32)
+    pipe = zbcompile.pipeline(
+        case.model, stages=2, microbatches=MICROBATCHES, schedule="zb-h1", grad_dtype=torch.float32
+    )
     for schedule in ("zb-h1", "1f1b"):  # split and fused backward
         pipe.set_schedule(schedule)
         pipe.zero_grad()
@@ -73,7 +85,9 @@ def test_grad_dtype_float32_accumulates_like_eager_autograd_with_param_grad_dtyp
         grads = {n: p.grad for n, p in case.model.named_parameters()}
         _assert_equal(grads, eager_grads, f"grad_dtype=float32 {schedule}")
     assert all(p.dtype == torch.bfloat16 for p in case.model.parameters())
-    assert any(not torch.equal(g.bfloat16(), plain_grads[n]) for n, g in grads.items()), "fp32 accumulation rounds differently"
+    assert any(not torch.equal(g.bfloat16(), plain_grads[n]) for n, g in grads.items()), (
+        "fp32 accumulation rounds differently"
+    )
     case.step(pipe)  # a second step adds to .grad, in fp32
     assert all(p.grad.dtype == torch.float32 for p in case.model.parameters())
 

@@ -65,7 +65,9 @@ def _cast(tree: Any, dtype: torch.dtype) -> Any:
     return pytree.tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, tree)
 
 
-def check_matches_eager(model: Model, stages: int, microbatches: int, schedule: str, **pipeline_kwargs) -> zbcompile.PipelinedModule:
+def check_matches_eager(
+    model: Model, stages: int, microbatches: int, schedule: str, **pipeline_kwargs
+) -> zbcompile.PipelinedModule:
     """One pipelined step against the eager reference (loss and every gradient)."""
     torch.manual_seed(0)
     module = model.build()
@@ -138,7 +140,9 @@ class Encoder(nn.Module):
         super().__init__()
         self.batch_first = batch_first
         self.emb = nn.Embedding(20, 16)
-        layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=batch_first, norm_first=norm_first, activation="gelu")
+        layer = nn.TransformerEncoderLayer(
+            16, 4, 32, dropout=0.0, batch_first=batch_first, norm_first=norm_first, activation="gelu"
+        )
         self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
         self.head = nn.Linear(16, 20)
 
@@ -422,8 +426,12 @@ def _bf16_inputs(g: torch.Generator):
 
 
 MODELS = {
-    "transformer-encoder-seq-first": Model(lambda: Encoder(False, False), _token_inputs(20, extra=_padding), _token_loss),
-    "transformer-encoder-norm-first": Model(lambda: Encoder(True, True), _token_inputs(20, extra=_padding), _token_loss),
+    "transformer-encoder-seq-first": Model(
+        lambda: Encoder(False, False), _token_inputs(20, extra=_padding), _token_loss
+    ),
+    "transformer-encoder-norm-first": Model(
+        lambda: Encoder(True, True), _token_inputs(20, extra=_padding), _token_loss
+    ),
     "attention-mha-sdpa": Model(Attention, _attention_inputs),
     "convolutions-pools": Model(Convolutions, _convolution_inputs, F.cross_entropy),
     "embedding-bag": Model(Embeddings, _embedding_inputs, F.cross_entropy),
@@ -433,9 +441,17 @@ MODELS = {
     "cross-entropy-ignore-index": Model(Tokens, _ignored_tokens, _token_loss, per_microbatch=True),
     "shared-frozen-buffers-weight-norm": Model(Parameters, _vector_inputs(8)),
     "functional-ops": Model(Functional, _functional_inputs),
-    "strided-boundaries": Model(Strided, lambda g: ((torch.randn(BATCH, 5, 7, generator=g),), {}, torch.randn(BATCH, 3, generator=g))),
-    "batch-group-layer-norm": Model(_normalised, lambda g: ((torch.randn(BATCH, 3, 6, 6, generator=g),), {}, torch.randn(BATCH, 3, generator=g)), per_microbatch=True),
-    "bfloat16": Model(lambda: LowPrecision().bfloat16(), _bf16_inputs, per_microbatch=True, tolerance=dict(rtol=0, atol=0)),
+    "strided-boundaries": Model(
+        Strided, lambda g: ((torch.randn(BATCH, 5, 7, generator=g),), {}, torch.randn(BATCH, 3, generator=g))
+    ),
+    "batch-group-layer-norm": Model(
+        _normalised,
+        lambda g: ((torch.randn(BATCH, 3, 6, 6, generator=g),), {}, torch.randn(BATCH, 3, generator=g)),
+        per_microbatch=True,
+    ),
+    "bfloat16": Model(
+        lambda: LowPrecision().bfloat16(), _bf16_inputs, per_microbatch=True, tolerance=dict(rtol=0, atol=0)
+    ),
 }
 
 # (stages, microbatches, schedule) per model: every schedule and stage count appears somewhere
@@ -546,11 +562,17 @@ class PassThrough(nn.Module):
 def test_stage_whose_input_gradient_is_its_output_gradient():
     model = Model(
         PassThrough,
-        lambda g: ((torch.randn(BATCH, 6, generator=g), torch.randint(0, 10, (BATCH,), generator=g)), {}, torch.randn(BATCH, 3, generator=g)),
+        lambda g: (
+            (torch.randn(BATCH, 6, generator=g), torch.randint(0, 10, (BATCH,), generator=g)),
+            {},
+            torch.randn(BATCH, 3, generator=g),
+        ),
     )
     pipe = check_matches_eager(model, 3, 2, "1f1b", split_points=["bump", "c"])
     joint = pipe.compiled.programs[1].joint
-    assert not any(n.op == "call_function" for n in joint.backward.graph.graph.nodes), "the case is gone: stage 1's backward computes"
+    assert not any(n.op == "call_function" for n in joint.backward.graph.graph.nodes), (
+        "the case is gone: stage 1's backward computes"
+    )
 
 
 class _ViewedWeightConv(nn.Conv1d):
@@ -575,7 +597,10 @@ class ViewedWeightConv(nn.Module):
 
 def test_weight_view_read_by_both_input_and_weight_gradients():
     """B and W each recompute the weight's views (the stage has an input gradient: not the first)."""
-    model = Model(ViewedWeightConv, lambda g: ((torch.randn(BATCH, 6, 4, generator=g),), {}, torch.randn(BATCH, 6, 2, generator=g)))
+    model = Model(
+        ViewedWeightConv,
+        lambda g: ((torch.randn(BATCH, 6, 4, generator=g),), {}, torch.randn(BATCH, 6, 2, generator=g)),
+    )
     check_matches_eager(model, 2, 2, "zb-h1", split_points=["conv"])
 
 
@@ -732,7 +757,10 @@ class _Unsupported(nn.Module):
     [
         ("hook", r"module '<root>' registers a gradient hook"),
         ("function", r"cannot trace the autograd use in module '<root>' \(_Unsupported\) at .*_Reverse\.apply"),
-        ("autograd.grad", r"cannot trace the autograd use in module '<root>' \(_Unsupported\) at .*torch\.autograd\.grad"),
+        (
+            "autograd.grad",
+            r"cannot trace the autograd use in module '<root>' \(_Unsupported\) at .*torch\.autograd\.grad",
+        ),
         ("max_norm", r"module 'emb' uses an embedding with max_norm"),
     ],
 )
@@ -781,7 +809,9 @@ def test_dropout_with_one_microbatch_draws_what_eager_draws():
     """Random draws happen in F, in stage order: with one microbatch the same seed gives the
     eager masks, so the step equals eager."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.3), nn.Tanh(), nn.Linear(8, 8), nn.Dropout(0.3), nn.Linear(8, 3))
+    model = nn.Sequential(
+        nn.Linear(6, 8), nn.Dropout(0.3), nn.Tanh(), nn.Linear(8, 8), nn.Dropout(0.3), nn.Linear(8, 3)
+    )
     reference = copy.deepcopy(model)
     x, y = torch.randn(BATCH, 6), torch.randn(BATCH, 3)
     pipe = zbcompile.pipeline(model, stages=2, microbatches=1, loss_fn=F.mse_loss, schedule="1f1b")

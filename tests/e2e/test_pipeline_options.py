@@ -20,7 +20,9 @@ GIVEN = Costs(f=[1.0, 3.0], i=[1.0, 3.0], w=[1.0, 3.0], mem_b=1.0, mem_w=0.5)
 
 def test_given_costs_solve_the_schedule_and_are_reported():
     case = build("mlp")
-    pipe = zbcompile.pipeline(case.model, stages=2, microbatches=4, loss_fn=case.loss_fn, costs=GIVEN, solver_time_budget=0)
+    pipe = zbcompile.pipeline(
+        case.model, stages=2, microbatches=4, loss_fn=case.loss_fn, costs=GIVEN, solver_time_budget=0
+    )
     case.step(pipe)
     expected = make_schedule("zb-auto", 2, 4, costs=GIVEN, time_budget=0)
     static = make_schedule("zb-auto", 2, 4, costs=pipe.compiled.schedule_costs(), time_budget=0)
@@ -57,18 +59,27 @@ def test_memory_limit_in_bytes_is_the_same_limit_in_microbatch_units():
     """"NB" bytes solve the schedule as memory_limit = N / memory_unit: the compiler's own sizes
     (a limit that binds zb-auto, above 1F1B's, so one stage per rank stays)."""
     case = build("mlp")
-    pipe = zbcompile.pipeline(case.model, stages=2, microbatches=4, loss_fn=case.loss_fn, memory_limit=2.5, solver_time_budget=0)
+    pipe = zbcompile.pipeline(
+        case.model, stages=2, microbatches=4, loss_fn=case.loss_fn, memory_limit=2.5, solver_time_budget=0
+    )
     case.step(pipe)
     unlimited = make_schedule("zb-auto", 2, 4, costs=pipe.compiled.schedule_costs(), time_budget=0)
     assert unlimited.actions != pipe.schedule.actions  # the limit binds
     unit = pipe.compiled.memory_unit()
     in_bytes = zbcompile.pipeline(
-        build("mlp").model, stages=2, microbatches=4, loss_fn=case.loss_fn, memory_limit=f"{2.5 * unit}B", solver_time_budget=0
+        build("mlp").model,
+        stages=2,
+        microbatches=4,
+        loss_fn=case.loss_fn,
+        memory_limit=f"{2.5 * unit}B",
+        solver_time_budget=0,
     )
     case.step(in_bytes)
     assert in_bytes.schedule.actions == pipe.schedule.actions
     assert max(simulate(in_bytes.schedule, in_bytes.compiled.schedule_costs()).peak_memory) <= 2.5 + 1e-9
-    tight = zbcompile.pipeline(build("mlp").model, stages=2, microbatches=4, loss_fn=case.loss_fn, memory_limit=f"{unit // 4}B")
+    tight = zbcompile.pipeline(
+        build("mlp").model, stages=2, microbatches=4, loss_fn=case.loss_fn, memory_limit=f"{unit // 4}B"
+    )
     with pytest.raises(ValueError, match=r"memory_limit '\d+B' is 0.2\d* microbatch activations .* no schedule fits"):
         case.step(tight)
 
@@ -92,7 +103,9 @@ def test_zb_auto_picks_a_v_under_a_limit_below_one_f_one_b():
     in_line.compile(*case.args, target=case.target, **case.kwargs)
     assert max(simulate(in_line.schedule, in_line.compiled.schedule_costs()).peak_memory) > limit
 
-    pipe = zbcompile.pipeline(case.model, stages=2, microbatches=4, loss_fn=case.loss_fn, memory_limit=limit, solver_time_budget=0)
+    pipe = zbcompile.pipeline(
+        case.model, stages=2, microbatches=4, loss_fn=case.loss_fn, memory_limit=limit, solver_time_budget=0
+    )
     loss = case.step(pipe)
     schedule = pipe.schedule
     assert schedule.stages == 4 and schedule.ranks == 2 and schedule.info["placement"] == "v"
@@ -125,7 +138,9 @@ def test_zb_auto_weighs_the_v_by_predicted_time_with_default_options():
     case = build("gpt")
     in_line = zbcompile.pipeline(case.model, stages=2, microbatches=2, loss_fn=case.loss_fn, schedule="1f1b")
     in_line.compile(*case.args, target=case.target, **case.kwargs)
-    expected_in_line = make_schedule("zb-auto", 2, 2, static_costs(in_line.compiled), time_budget=0, placements=("in-line",))
+    expected_in_line = make_schedule(
+        "zb-auto", 2, 2, static_costs(in_line.compiled), time_budget=0, placements=("in-line",)
+    )
 
     pipe = zbcompile.pipeline(case.model, stages=2, microbatches=2, loss_fn=case.loss_fn, solver_time_budget=0)
     loss = case.step(pipe)

@@ -24,7 +24,11 @@ def test_zero_bubble_schedules_over_compiled_stages_match_eager():
         for rank, results in enumerate(per_rank):
             result = results[schedule]
             # each of the rank's two stages deferred one W per microbatch and handed it over
-            assert [n > 0 for n in result["handed_over"]] == [True] * (2 * microbatches), (schedule, rank, result["handed_over"])
+            assert [n > 0 for n in result["handed_over"]] == [True] * (2 * microbatches), (
+                schedule,
+                rank,
+                result["handed_over"],
+            )
             assert result["left_in_store"] == 0, (schedule, rank)
             grads.update(result["grads"])
         assert grads.keys() == reference.keys(), schedule

@@ -41,10 +41,18 @@ class HardwareTest(unittest.TestCase):
             Hardware(flops=1e12, memory_bandwidth=1e12, link_bandwidth=1e9, memory=1e9, efficiency=2.0)
 
     def test_from_measured_recovers_the_efficiencies_that_made_the_times(self):
-        truth = Hardware(flops=1e12, memory_bandwidth=1e11, link_bandwidth=1e9, memory=1e9, pass_efficiency={"F": 0.5, "I": 0.4, "W": 0.8})
+        truth = Hardware(
+            flops=1e12,
+            memory_bandwidth=1e11,
+            link_bandwidth=1e9,
+            memory=1e9,
+            pass_efficiency={"F": 0.5, "I": 0.4, "W": 0.8},
+        )
         static = [{k: GraphCost(flops=f * 10**9, written_bytes=b * 10**6) for k, (f, b) in zip("FIW", work)}
                   for work in ([(3, 5), (4, 9), (2, 1)], [(6, 2), (5, 3), (4, 4)])]
-        measured = Costs(**{k.lower(): [truth.pass_seconds(stage[k], k) for stage in static] for k in "FIW"}, comm=0.002)
+        measured = Costs(
+            **{k.lower(): [truth.pass_seconds(stage[k], k) for stage in static] for k in "FIW"}, comm=0.002
+        )
         fitted = Hardware.from_measured(measured, static, like=truth, boundary_bytes=[4e6])
         for kind in "FIW":
             self.assertAlmostEqual(fitted.efficiency_of(kind), truth.efficiency_of(kind), places=12)
@@ -69,7 +77,9 @@ class PlanTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.model, tokens = meta_gpt()
-        cls.plan = zbcompile.plan(cls.model, tokens, target=tokens, loss_fn=lm_loss, stages=3, microbatches=4, dp=2, hardware="A100-80GB")
+        cls.plan = zbcompile.plan(
+            cls.model, tokens, target=tokens, loss_fn=lm_loss, stages=3, microbatches=4, dp=2, hardware="A100-80GB"
+        )
 
     def test_nothing_is_materialised(self):
         self.assertTrue(all(p.is_meta for p in self.model.parameters()))
@@ -93,7 +103,9 @@ class PlanTest(unittest.TestCase):
         row = self.plan.record["stage_rows"][1]
         cost = self.plan.costed.costs[1].forward
         hw = NAMED["A100-80GB"]
-        self.assertAlmostEqual(row["seconds"]["F"], (cost.flops / hw.flops + cost.written_bytes / hw.memory_bandwidth) / hw.efficiency)
+        self.assertAlmostEqual(
+            row["seconds"]["F"], (cost.flops / hw.flops + cost.written_bytes / hw.memory_bandwidth) / hw.efficiency
+        )
 
     def test_each_stages_gradient_reduction_is_counted_after_its_last_w(self):
         """dp=2: each stage's reduction is a ring all-reduce of its gradients over the link
@@ -111,7 +123,9 @@ class PlanTest(unittest.TestCase):
             self.assertEqual(entry["span"], with_tail.span)
             self.assertGreater(with_tail.span, without.span)  # rank 0's last W ends its compute
         self.assertIn("counted in the times above, after the stage's last W", str(self.plan))
-        shard = plan_compiled(self.plan.costed, hw, PlanOptions(microbatches=4, dp=2, data_parallel="shard", schedules=("1f1b",)))
+        shard = plan_compiled(
+            self.plan.costed, hw, PlanOptions(microbatches=4, dp=2, data_parallel="shard", schedules=("1f1b",))
+        )
         self.assertEqual(list(shard.costs.reduce), [t / 2 for t in expected])
         single = plan_compiled(self.plan.costed, hw, PlanOptions(microbatches=4, dp=1, schedules=("1f1b",)))
         self.assertFalse(any(single.costs.reduce))
@@ -165,8 +179,26 @@ class PlanCommandTest(unittest.TestCase):
                 json.dump(config, file)
             out = io.StringIO()
             with contextlib.redirect_stdout(out):
-                code = main(["plan", path, "--stages", "2", "--microbatches", "4", "--seq-len", "8", "--dp", "2",
-                             "--hardware", "H200", "--svg", os.path.join(root, "t.svg"), "--json", os.path.join(root, "p.json")])
+                code = main(
+                    [
+                        "plan",
+                        path,
+                        "--stages",
+                        "2",
+                        "--microbatches",
+                        "4",
+                        "--seq-len",
+                        "8",
+                        "--dp",
+                        "2",
+                        "--hardware",
+                        "H200",
+                        "--svg",
+                        os.path.join(root, "t.svg"),
+                        "--json",
+                        os.path.join(root, "p.json"),
+                    ]
+                )
             self.assertEqual(code, 0)
             self.assertIn("plan: LlamaForCausalLM, 2 stages", out.getvalue())
             self.assertIn("model.embed_tokens, model.layers.0", out.getvalue())
@@ -177,7 +209,18 @@ class PlanCommandTest(unittest.TestCase):
     def test_factory(self):
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            code = main(["plan", "helpers.plan_factories:tiny_gpt", "--stages", "2", "--microbatches", "2", "--schedules", "1f1b,zb-auto"])
+            code = main(
+                [
+                    "plan",
+                    "helpers.plan_factories:tiny_gpt",
+                    "--stages",
+                    "2",
+                    "--microbatches",
+                    "2",
+                    "--schedules",
+                    "1f1b,zb-auto",
+                ]
+            )
         self.assertEqual(code, 0)
         self.assertIn("plan: GPT, 2 stages, 2 microbatches of (2, 16)", out.getvalue())
         self.assertIn("zb-auto would choose: zb-auto", out.getvalue())

@@ -41,7 +41,9 @@ def test_pipelined_step_matches_eager_under_every_schedule(name, stages):
     """One compile, one step per schedule: the loss and every gradient equal eager's, and the
     gradients are bitwise equal across schedules."""
     case, eager_loss, eager_grads = _eager(name)
-    pipe = zbcompile.pipeline(case.model, stages=stages, microbatches=MICROBATCHES, loss_fn=case.loss_fn, schedule=SCHEDULES[0])
+    pipe = zbcompile.pipeline(
+        case.model, stages=stages, microbatches=MICROBATCHES, loss_fn=case.loss_fn, schedule=SCHEDULES[0]
+    )
     grads = {}
     for schedule in SCHEDULES:
         pipe.set_schedule(schedule)
@@ -105,7 +107,9 @@ def test_meta_model_loads_a_state_dict_before_compiling():
     entry; `init_fn` fills the rotary frequencies, which no state dict holds."""
     case, eager_loss, eager_grads = _eager("llama")
     meta = build("llama", meta=True)
-    pipe = zbcompile.pipeline(meta.model, stages=2, microbatches=MICROBATCHES, schedule="zb-h1", init_fn=meta.model._init_weights)
+    pipe = zbcompile.pipeline(
+        meta.model, stages=2, microbatches=MICROBATCHES, schedule="zb-h1", init_fn=meta.model._init_weights
+    )
     result = pipe.load_state_dict(case.model.state_dict())
     assert result.missing_keys == [] and result.unexpected_keys == []
     torch.testing.assert_close(meta.step(pipe), eager_loss, **FP32)
@@ -154,7 +158,9 @@ def test_meta_model_trains_from_init_fn_alone():
     standard deviation, norms at 1, the rotary frequencies computed), and a step gives what the
     eager model with those same weights gives."""
     meta = build("llama", meta=True)
-    pipe = zbcompile.pipeline(meta.model, stages=2, microbatches=MICROBATCHES, schedule="zb-h1", init_fn=meta.model._init_weights)
+    pipe = zbcompile.pipeline(
+        meta.model, stages=2, microbatches=MICROBATCHES, schedule="zb-h1", init_fn=meta.model._init_weights
+    )
     loss = meta.step(pipe)
     std = meta.model.config.initializer_range
     for name, p in meta.model.named_parameters():
@@ -164,7 +170,9 @@ def test_meta_model_trains_from_init_fn_alone():
         else:
             assert abs(p.std().item() - std) < 0.25 * std, (name, p.std().item())
     reference = build("llama")
-    assert torch.equal(meta.model.get_buffer("model.rotary_emb.inv_freq"), reference.model.get_buffer("model.rotary_emb.inv_freq"))
+    assert torch.equal(
+        meta.model.get_buffer("model.rotary_emb.inv_freq"), reference.model.get_buffer("model.rotary_emb.inv_freq")
+    )
     reference.model.load_state_dict(meta.model.state_dict())
     eager = reference.eager_loss()
     eager.backward()
@@ -179,7 +187,9 @@ def test_reset_parameters_fills_the_buffers_it_writes():
         model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), _MaskedLinear(), nn.Linear(4, 2))
     pipe = zbcompile.pipeline(model, stages=2, microbatches=2, loss_fn=F.mse_loss)
     x, target = torch.randn(8, 4), torch.randn(8, 2)
-    with pytest.raises(ValueError, match=r"neither initialised nor loaded, e\.g\. \['2\.mask'\] \(owned by _MaskedLinear\)"):
+    with pytest.raises(
+        ValueError, match=r"neither initialised nor loaded, e\.g\. \['2\.mask'\] \(owned by _MaskedLinear\)"
+    ):
         pipe.step(x, target=target)
     assert torch.equal(model[1].running_var, torch.ones(4)) and int(model[1].num_batches_tracked) == 0
     pipe.load_state_dict({"2.mask": torch.tril(torch.ones(4, 4))}, strict=False)
@@ -333,7 +343,9 @@ class OwnLoss(nn.Module):
     def forward(self, x: torch.Tensor, labels: torch.Tensor):
         logits = self.b(torch.tanh(self.a(x)))
         loss = F.cross_entropy(logits, labels)
-        return {"tuple": (loss, logits), "dict": {"logits": logits, "loss": loss}, "dataclass": Output(logits, loss)}[self.kind]
+        return {"tuple": (loss, logits), "dict": {"logits": logits, "loss": loss}, "dataclass": Output(logits, loss)}[
+            self.kind
+        ]
 
 
 @pytest.mark.parametrize("kind", ["tuple", "dict", "dataclass"])

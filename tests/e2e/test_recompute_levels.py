@@ -41,7 +41,9 @@ def _grads_at(name: str, level: int, schedule_name: str) -> dict[str, torch.Tens
     case, compiled, feeds = _compiled_with_levels(name)
     state = {param_name(n): p for n, p in case.model.named_parameters()}
     state.update({buffer_name(n): b for n, b in case.model.named_buffers()})
-    runner = LocalRunner(with_levels(compiled, [level] * STAGES), make_schedule(schedule_name, STAGES, MICROBATCHES), state)
+    runner = LocalRunner(
+        with_levels(compiled, [level] * STAGES), make_schedule(schedule_name, STAGES, MICROBATCHES), state
+    )
     runner.step(*feeds)
     return runner.reduce_grads()
 

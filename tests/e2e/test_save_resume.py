@@ -143,7 +143,11 @@ def test_loads_across_replicate_and_shard_at_pp2_dp2():
             _assert_equal(result[(saved, loading, "resumed")], result[(saved, "uninterrupted")], f"{what}, resumed")
             assert result[(saved, loading, "extra")] == {"next_step": workers.SAVED_AT}, what
             assert (result[(saved, loading, "dtensors")] > 0) == (loading == "shard"), what
-            moved = [n for n, p in result[(saved, "uninterrupted")]["params"].items() if not torch.equal(p, result[(saved, "saved")]["params"][n])]
+            moved = [
+                n
+                for n, p in result[(saved, "uninterrupted")]["params"].items()
+                if not torch.equal(p, result[(saved, "saved")]["params"][n])
+            ]
             assert moved, f"{what}: the steps after the save changed nothing"
         for part in ("params", "optimizer"):  # each pipeline rank's entries, whole
             for pp_rank in range(2):

@@ -52,7 +52,9 @@ def test_torch_loads_and_validates_our_csv(tmp_path):
 def _torch_order(schedule_class, ranks: int, stages: int, microbatches: int) -> list[list[str]]:
     """torch's per-rank compute order (an overlapped F|B pair as its two sub-actions, F first;
     torch's FULL_BACKWARD "B" is our fused B), from the class's own generator."""
-    fake = types.SimpleNamespace(pp_group_size=ranks, _n_microbatches=microbatches, _num_stages=stages, _stages=[None] * (stages // ranks))
+    fake = types.SimpleNamespace(
+        pp_group_size=ranks, _n_microbatches=microbatches, _num_stages=stages, _stages=[None] * (stages // ranks)
+    )
     rows = []
     for rank in range(ranks):
         actions = schedule_class._calculate_single_rank_operations(fake, rank)
@@ -104,7 +106,9 @@ def _torch_lowered(text: str, ranks: int, stages: int, microbatches: int) -> str
     runtime = _PipelineScheduleRuntime.__new__(_PipelineScheduleRuntime)
     runtime.pp_group_size, runtime._num_stages, runtime._n_microbatches = ranks, stages, microbatches
     runtime._stages, runtime._defer_pp_recv = [], False
-    runtime.pipeline_order = {r: [_Action.from_str(c) for c in row] for r, row in enumerate(csv.reader(io.StringIO(text)))}
+    runtime.pipeline_order = {
+        r: [_Action.from_str(c) for c in row] for r, row in enumerate(csv.reader(io.StringIO(text)))
+    }
     runtime._prepare_schedule_with_comms(runtime.pipeline_order)
     out = io.StringIO()
     writer = csv.writer(out)
@@ -175,9 +179,13 @@ def test_a_schedule_that_does_not_fit_the_pipeline_is_refused():
     with pytest.raises(ValueError, match="runs 10 microbatches.*in 5; pass microbatches=10"):
         zbcompile.pipeline(case.model, stages=8, microbatches=5, loss_fn=case.loss_fn, schedule=sched)
     with pytest.raises(TypeError, match="schedule must be a name .* or a zbcompile.schedules.Schedule"):
-        zbcompile.pipeline(case.model, stages=8, microbatches=10, loss_fn=case.loss_fn, schedule=sched.to_csv().splitlines())
+        zbcompile.pipeline(
+            case.model, stages=8, microbatches=10, loss_fn=case.loss_fn, schedule=sched.to_csv().splitlines()
+        )
     with pytest.raises(ValueError, match=r"ranks \[1\] run no stage"):
-        zbcompile.pipeline(case.model, stages=1, microbatches=1, loss_fn=case.loss_fn, schedule=Schedule.from_csv("0F0,0B0\n\n"))
+        zbcompile.pipeline(
+            case.model, stages=1, microbatches=1, loss_fn=case.loss_fn, schedule=Schedule.from_csv("0F0,0B0\n\n")
+        )
     incomplete = Schedule.from_csv(TORCH_DUALPIPEV.read_text().replace(",0W9\n", "\n"))
     pipe = zbcompile.pipeline(case.model, stages=8, microbatches=10, loss_fn=case.loss_fn, schedule=incomplete)
     with pytest.raises(ValueError, match="cannot run: rank 0: 0W9 missing"):

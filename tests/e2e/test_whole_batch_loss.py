@@ -41,7 +41,14 @@ def _token_model() -> nn.Module:
 def _gpt2() -> nn.Module:
     torch.manual_seed(0)
     config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+        vocab_size=VOCAB,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        n_positions=16,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
     )
     return transformers.GPT2LMHeadModel(config)
 
@@ -60,7 +67,9 @@ def _steps(pipe, model: nn.Module, *args, **kwargs) -> tuple[dict, torch.Tensor]
         loss = pipe.step(*args, **kwargs)
         grads[schedule] = grads_of(model)
     for schedule, other in grads.items():
-        assert all(torch.equal(grads[SCHEDULES[0]][n], other[n]) for n in other), f"{schedule} differs from {SCHEDULES[0]}"
+        assert all(torch.equal(grads[SCHEDULES[0]][n], other[n]) for n in other), (
+            f"{schedule} differs from {SCHEDULES[0]}"
+        )
     return grads[SCHEDULES[0]], loss
 
 
@@ -79,7 +88,9 @@ def test_loss_sum_and_count_train_as_eager_full_batch():
     grads, loss = _steps(pipe, model, ids, target=labels)
     torch.testing.assert_close(loss, eager.detach(), **FP32)
     assert_grads_close(grads, grads_of(reference), "(loss_sum, count)", **FP32)
-    means = [F.cross_entropy(per_microbatch(i).flatten(0, 1), t.flatten()) for i, t in zip(ids.chunk(4), labels.chunk(4))]
+    means = [
+        F.cross_entropy(per_microbatch(i).flatten(0, 1), t.flatten()) for i, t in zip(ids.chunk(4), labels.chunk(4))
+    ]
     torch.stack(means).mean().backward()
     _assert_not_close(grads, grads_of(per_microbatch))
 
@@ -125,7 +136,12 @@ def test_a_model_that_ignores_the_count_keeps_the_mean_of_microbatch_means():
 
 
 def test_a_count_read_from_the_output_is_refused():
-    pipe = zbcompile.pipeline(_token_model(), stages=2, microbatches=MICROBATCHES, loss_fn=lambda out, t: (out.sum(), out.shape[0] + out.sum()))
+    pipe = zbcompile.pipeline(
+        _token_model(),
+        stages=2,
+        microbatches=MICROBATCHES,
+        loss_fn=lambda out, t: (out.sum(), out.shape[0] + out.sum()),
+    )
     with pytest.raises(ValueError, match=r"count must come from the target alone"):
         pipe.step(*_batch()[:1], target=_batch()[1])
 

@@ -60,8 +60,18 @@ def train(runs: list[tuple[str, str, int, str, str]], directory: str) -> dict:
         if (name, stages, mode) != previous:
             case = case_of(name)
             pipe = zbcompile.pipeline(
-                case.model, stages=stages, microbatches=MICROBATCHES, loss_fn=case.loss_fn, schedule=schedule, timeout=120, solver_time_budget=0.2, data_parallel=mode,
-                profile=False, dump_dir=os.path.join(directory, "dump") if (name, schedule, stages, mode, variant) == runs[-1] else None,
+                case.model,
+                stages=stages,
+                microbatches=MICROBATCHES,
+                loss_fn=case.loss_fn,
+                schedule=schedule,
+                timeout=120,
+                solver_time_budget=0.2,
+                data_parallel=mode,
+                profile=False,
+                dump_dir=os.path.join(directory, "dump")
+                if (name, schedule, stages, mode, variant) == runs[-1]
+                else None,
             )
             pipe.compile(*case.args, target=case.target, **case.kwargs)
             previous = (name, stages, mode)
@@ -142,11 +152,23 @@ def post_validation(steps: int = 5, fault_step: int = 2) -> dict:
     an Inf in pipeline rank 0's first gradient at `fault_step`, post-validated ("exact") and
     synchronously; this rank's whole parameters and optimizer state after each."""
     case = case_of("gpt")
-    pipe = zbcompile.pipeline(case.model, stages=PP, microbatches=MICROBATCHES, loss_fn=case.loss_fn, schedule="zb-h1", timeout=120, data_parallel="shard", profile=False)
+    pipe = zbcompile.pipeline(
+        case.model,
+        stages=PP,
+        microbatches=MICROBATCHES,
+        loss_fn=case.loss_fn,
+        schedule="zb-h1",
+        timeout=120,
+        data_parallel="shard",
+        profile=False,
+    )
     pipe.compile(*case.args, target=case.target)
     initial = models.build("gpt").model.state_dict()
     result = {}
-    for label, wrap in (("post", lambda o: PostValidatedOptimizer(o, pipe, max_norm=0.5)), ("sync", lambda o: SynchronousClipOptimizer(o, pipe, max_norm=0.5))):
+    for label, wrap in (
+        ("post", lambda o: PostValidatedOptimizer(o, pipe, max_norm=0.5)),
+        ("sync", lambda o: SynchronousClipOptimizer(o, pipe, max_norm=0.5)),
+    ):
         pipe.load_state_dict(initial, strict=False)
         pipe.zero_grad()
         optimizer = wrap(make_optimizer("adamw", pipe.parameters()))
@@ -187,7 +209,9 @@ def errors() -> dict:
     ranks do not divide, a scalar parameter under "shard", and replica 1 passing twice the rows
     replica 0 passes."""
     result = {}
-    group = dist.new_group(list(range(dist.get_rank() // PP * PP, dist.get_rank() // PP * PP + PP)), use_local_synchronization=True)
+    group = dist.new_group(
+        list(range(dist.get_rank() // PP * PP, dist.get_rank() // PP * PP + PP)), use_local_synchronization=True
+    )
     uneven = case_of("mlp")
     if replica_of(PP)[1] == 1:
         uneven.args = tuple(torch.cat([a, a]) for a in uneven.args)

@@ -35,7 +35,10 @@ def battery_runs(ranks: int) -> list[tuple[str, str, int, int]]:
     runs = []
     for name in NAMES:
         more = MORE_TWO_CHUNK + MIRRORED if ranks == 2 or name == SMALLEST else ()
-        schedules = sorted(SINGLE_CHUNK + TWO_CHUNK + more, key=lambda s: (schedule_spec(s).placement(2 * ranks), schedule_spec(s).mirrored))
+        schedules = sorted(
+            SINGLE_CHUNK + TWO_CHUNK + more,
+            key=lambda s: (schedule_spec(s).placement(2 * ranks), schedule_spec(s).mirrored),
+        )
         runs += [(name, s, ranks * schedule_spec(s).chunks_per_rank, 4) for s in schedules]
     if ranks == TORCH_DUALPIPEV.ranks:  # a schedule given in torch's CSV format
         runs.append((SMALLEST, TORCH_DUALPIPEV, TORCH_DUALPIPEV.stages, TORCH_DUALPIPEV.microbatches))
@@ -65,7 +68,9 @@ def one_step(runs: list[tuple[str, str | Schedule, int, int]]) -> dict:
     for name, schedule, stages, microbatches in runs:
         placement = (name, stages, microbatches, *_placement(schedule, stages))
         if placement != previous:
-            case = build(name, batch=batch_for(microbatches)).share(*replica_of(pipeline_ranks(schedule, stages)))  # each replica its share
+            case = build(name, batch=batch_for(microbatches)).share(
+                *replica_of(pipeline_ranks(schedule, stages))
+            )  # each replica its share
             pipe = zbcompile.pipeline(
                 case.model, stages=stages, microbatches=microbatches, loss_fn=case.loss_fn,
                 schedule=schedule, timeout=60, solver_time_budget=0.5,
@@ -201,7 +206,9 @@ def profiled(max_steps: int, **options) -> dict:
     then one more step; returns the costs, the steps run, this rank's gradients, the schedule and
     the recompute levels."""
     case = build("gpt")
-    pipe = zbcompile.pipeline(case.model, stages=2, microbatches=4, loss_fn=case.loss_fn, timeout=60, solver_time_budget=0, **options)
+    pipe = zbcompile.pipeline(
+        case.model, stages=2, microbatches=4, loss_fn=case.loss_fn, timeout=60, solver_time_budget=0, **options
+    )
     steps = 0
     while pipe.measured_costs is None and steps < max_steps:
         case.step(pipe)
@@ -286,13 +293,22 @@ def misplaced_batches() -> dict:
             errors[label] = f"{type(error).__name__}: {error}"
 
     def fresh(timeout: float, stages: int = 2):
-        return zbcompile.pipeline(case.model, stages=stages, microbatches=2, loss_fn=case.loss_fn, schedule="1f1b", timeout=timeout)
+        return zbcompile.pipeline(
+            case.model, stages=stages, microbatches=2, loss_fn=case.loss_fn, schedule="1f1b", timeout=timeout
+        )
 
     rows = 4 if rank == 0 else 8
     attempt("different sizes", fresh(30), case.args[0][:rows], target=case.target[:rows])
     # the first stage's rank passes only the inputs, the last stage's only a target of another size
-    attempt("first and last differ", fresh(30), case.args[0][:4] if rank == 0 else None, target=None if rank == 0 else case.target)
-    attempt("replicas differ", fresh(30, stages=1), case.args[0][:rows], target=case.target[:rows])  # 2 replicas of one stage
+    attempt(
+        "first and last differ",
+        fresh(30),
+        case.args[0][:4] if rank == 0 else None,
+        target=None if rank == 0 else case.target,
+    )
+    attempt(
+        "replicas differ", fresh(30, stages=1), case.args[0][:rows], target=case.target[:rows]
+    )  # 2 replicas of one stage
     inputs = (None,) if rank == 0 else case.args
     attempt("first stage without inputs", fresh(5), *inputs, target=case.target)
     return errors
@@ -321,7 +337,9 @@ def pipelines_in_process_groups() -> dict:
         loss = case.step(pipe)
         results[label] = {"name": name, "loss": loss, "grads": {n: p.grad.clone() for n, p in pipe.named_parameters()}}
     case = build("mlp")  # a process group of two pipelines' ranks: replicas need a DeviceMesh
-    pipe = zbcompile.pipeline(case.model, stages=2, microbatches=2, loss_fn=case.loss_fn, process_group=dist.group.WORLD)
+    pipe = zbcompile.pipeline(
+        case.model, stages=2, microbatches=2, loss_fn=case.loss_fn, process_group=dist.group.WORLD
+    )
     try:
         case.step(pipe)
         results["error"] = "no error"

@@ -303,7 +303,9 @@ def snapshot(model: nn.Module, loss: torch.Tensor | None) -> dict:
     }
 
 
-def microbatch_by_microbatch(model: nn.Module, x: torch.Tensor, target: torch.Tensor, loss_fn, microbatches: int) -> torch.Tensor:
+def microbatch_by_microbatch(
+    model: nn.Module, x: torch.Tensor, target: torch.Tensor, loss_fn, microbatches: int
+) -> torch.Tensor:
     """What a pipelined step computes, eagerly: for each microbatch in order, its forward
     (updating the buffers) and `(loss / microbatches).backward()`; returns the mean loss."""
     losses = []

@@ -186,12 +186,16 @@ def run_step(schedule: Schedule, follow_readiness: bool, fill_waits: bool, monke
     memory = resolve_costs(Costs(mem_b=[1.0] * stages, mem_w=[0.5] * stages), stages) if follow_readiness else None
     for rank in range(schedule.ranks):
         model.rank = rank
-        program = rank_program(schedule, rank, schedule.rank_of, lambda direction, stage: NAMES, LAYOUTS.__getitem__, memory)
+        program = rank_program(
+            schedule, rank, schedule.rank_of, lambda direction, stage: NAMES, LAYOUTS.__getitem__, memory
+        )
         program = edit(program) if edit is not None else program
         transport = p2p.Transport(rank, timedelta(seconds=60))
         transport.device = torch.device("cpu")
         executors = {s: Stage(model, s, stages - 1) for s in schedule.stages_on(rank)}
-        interpreter = Interpreter(executors, transport, torch.device("cpu"), follow_readiness, clock=EventClock(lambda: Event(model)))
+        interpreter = Interpreter(
+            executors, transport, torch.device("cpu"), follow_readiness, clock=EventClock(lambda: Event(model))
+        )
         interpreter.load(program, schedule)
         if fill_waits:
             interpreter.forecast.fits = lambda *args: True
@@ -213,7 +217,9 @@ def check_overlap(model: Model, stages: int) -> None:
             if item[0] == "stream_wait":
                 consumer = next((c[1] for c in computations[i:] if c[0] == "compute"), None)
                 if consumer not in _consumers(item[1].tag, stages):
-                    raise NeedlessWait(f"rank {rank}: the compute stream waits for {_op_text(item[1])} before {consumer}")
+                    raise NeedlessWait(
+                        f"rank {rank}: the compute stream waits for {_op_text(item[1])} before {consumer}"
+                    )
 
 
 def _consumers(tag: int, stages: int) -> tuple[str, ...]:
@@ -284,8 +290,10 @@ def _rendezvous(r: int, comm, ran, sent) -> bool:
     if partner is None or partner.peer != r or partner.kind != wanted or partner.index != op.index:
         return False
     if (partner.tag, partner.nbytes) != (op.tag, op.nbytes):
-        raise Mismatch(f"rank {r}'s {op.kind} #{op.index} (tag {op.tag}, {op.nbytes} B) would pair with rank {op.peer}'s "
-                       f"{partner.kind} of tag {partner.tag}, {partner.nbytes} B")
+        raise Mismatch(
+            f"rank {r}'s {op.kind} #{op.index} (tag {op.tag}, {op.nbytes} B) would pair with rank {op.peer}'s "
+            f"{partner.kind} of tag {partner.tag}, {partner.nbytes} B"
+        )
     op.done = partner.done = True
     sent[r] += 1
     sent[op.peer] += 1
@@ -296,7 +304,9 @@ def _blocked(r, logs, host, compute, ran, comm, sent) -> str:
     waits = []
     if host[r] < len(logs[r]):
         item = logs[r][host[r]]
-        waits.append(f"host at {item[0]}" + (f" on {_op_text(item[1])}" if len(item) > 1 and isinstance(item[1], Op) else ""))
+        waits.append(
+            f"host at {item[0]}" + (f" on {_op_text(item[1])}" if len(item) > 1 and isinstance(item[1], Op) else "")
+        )
     if ran[r] < len(compute[r]):
         item = compute[r][ran[r]]
         waits.append(f"compute stream at {item[1] if item[0] == 'compute' else 'a wait for ' + _op_text(item[1])}")

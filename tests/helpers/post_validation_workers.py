@@ -44,7 +44,10 @@ def batches(replicas: int = 1, replica: int = 0) -> list[tuple[torch.Tensor, tor
     generator = torch.Generator().manual_seed(1234)
     shape = (BATCH, GPT_CONFIG.seq_len)
     return [
-        tuple(share(torch.randint(0, GPT_CONFIG.vocab_size, shape, generator=generator), replicas, replica) for _ in range(2))
+        tuple(
+            share(torch.randint(0, GPT_CONFIG.vocab_size, shape, generator=generator), replicas, replica)
+            for _ in range(2)
+        )
         for _ in range(STEPS)
     ]
 
@@ -89,7 +92,10 @@ def _snapshot(pipe, optimizer: torch.optim.Optimizer) -> dict:
     names = {p: n for n, p in params.items()}
     return {
         "params": {n: p.detach().clone() for n, p in params.items()},
-        "state": {names[p]: {k: v.clone() for k, v in s.items() if isinstance(v, torch.Tensor)} for p, s in optimizer.state.items()},
+        "state": {
+            names[p]: {k: v.clone() for k, v in s.items() if isinstance(v, torch.Tensor)}
+            for p, s in optimizer.state.items()
+        },
     }
 
 
@@ -105,7 +111,9 @@ def _refusals(pipe, opt) -> list[str]:
     return said
 
 
-def train_case(pipe, initial: dict, optimizer_name: str, mode: str, max_norm: float | None, fault_rank: int | None) -> dict:
+def train_case(
+    pipe, initial: dict, optimizer_name: str, mode: str, max_norm: float | None, fault_rank: int | None
+) -> dict:
     """`STEPS` steps from `initial`; with `fault_rank`, an Inf in this pipeline rank's first
     gradient at `FAULT_STEP` (the validated state before and after that step is recorded)."""
     with torch.no_grad():
@@ -148,7 +156,9 @@ def train_all(pipelines: list[tuple[int, tuple[str, ...]]]) -> dict:
     for stages, optimizers in pipelines:
         started = time.perf_counter()
         case = build("gpt")
-        pipe = zbcompile.pipeline(case.model, stages=stages, microbatches=MICROBATCHES, loss_fn=case.loss_fn, schedule="zb-h1", timeout=60)
+        pipe = zbcompile.pipeline(
+            case.model, stages=stages, microbatches=MICROBATCHES, loss_fn=case.loss_fn, schedule="zb-h1", timeout=60
+        )
         tokens, target = batches(*replica_of(stages))[0]
         pipe.compile(tokens, target=target)
         initial = {n: p.detach().clone() for n, p in pipe.named_parameters()}
@@ -156,7 +166,9 @@ def train_all(pipelines: list[tuple[int, tuple[str, ...]]]) -> dict:
         for name in optimizers:
             runs = [(m, False) for m in ("sync", "torch", "exact", "reverse")] + [("sync", True), ("exact", True)]
             for mode, fault in runs + ([("reverse", True)] if name == "adamw" else []):
-                results[(stages, name, mode, fault)] = train_case(pipe, initial, name, mode, MAX_NORM[name], fault_rank if fault else None)
+                results[(stages, name, mode, fault)] = train_case(
+                    pipe, initial, name, mode, MAX_NORM[name], fault_rank if fault else None
+                )
         results[(stages, "layout")] = {
             "pp_rank": pipe.runner.layout.pp_rank,
             "dp_rank": pipe.runner.layout.dp_rank,

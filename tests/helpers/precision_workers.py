@@ -44,7 +44,9 @@ def llama(mode: str):
     return case
 
 
-def eager_microbatches(case, microbatches: int = MICROBATCHES, grad_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, dict]:
+def eager_microbatches(
+    case, microbatches: int = MICROBATCHES, grad_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, dict]:
     """Mean loss and gradients of an eager loop over the microbatches (on `case.model` itself),
     each parameter's gradient accumulated in `grad_dtype` (torch's `param.grad_dtype`) when given.
     transformers chooses its attention-mask code by `torch.compiler.is_compiling()` and
@@ -95,14 +97,24 @@ def train_all_schedules() -> dict:
     for mode in MODES:
         for stages, names in _layouts():
             case = llama(mode)
-            pipe = zbcompile.pipeline(case.model, stages=stages, microbatches=MICROBATCHES, schedule=names[0], profile=False, solver_time_budget=0.5, timeout=60)
+            pipe = zbcompile.pipeline(
+                case.model,
+                stages=stages,
+                microbatches=MICROBATCHES,
+                schedule=names[0],
+                profile=False,
+                solver_time_budget=0.5,
+                timeout=60,
+            )
             for name in names:
                 pipe.set_schedule(name)
                 pipe.zero_grad()
                 loss = case.step(pipe)
                 results[(mode, name)] = {"loss": loss, "grads": _own_grads(pipe)}
     case = llama("bf16")
-    pipe = zbcompile.pipeline(case.model, stages=2, microbatches=MICROBATCHES, schedule="zb-h1", grad_dtype=torch.float32, timeout=60)
+    pipe = zbcompile.pipeline(
+        case.model, stages=2, microbatches=MICROBATCHES, schedule="zb-h1", grad_dtype=torch.float32, timeout=60
+    )
     results["grad_dtype"] = {"loss": case.step(pipe), "grads": _own_grads(pipe)}
     results["post_validation"] = _post_validation_bf16()
     return results

@@ -11,9 +11,11 @@ from helpers.real_models import MICROBATCHES, NAMES, build
 
 # (model, stages, schedule) on 2 ranks: GPT-2 and Llama one stage per rank, or two (zbv); every
 # other family of `real_models` one stage per rank under zb-h1
-RUNS = [(name, stages, schedule) for name in ("gpt2", "llama") for stages, schedule in ((2, "1f1b"), (2, "zb-h1"), (4, "zbv"))] + [
-    (name, 2, "zb-h1") for name in NAMES if name not in ("gpt2", "llama")
-]
+RUNS = [
+    (name, stages, schedule)
+    for name in ("gpt2", "llama")
+    for stages, schedule in ((2, "1f1b"), (2, "zb-h1"), (4, "zbv"))
+] + [(name, 2, "zb-h1") for name in NAMES if name not in ("gpt2", "llama")]
 STEPS = 2
 
 
@@ -47,7 +49,9 @@ def meta_train(runs: list[tuple[str, int, str]]) -> dict:
         state = {k: v.clone() for k, v in pipe.state_dict().items()}
         evaluation = _evaluate(pipe, case)
         if schedule == "zb-h1":  # the model's outputs, once per model
-            evaluation["logits"] = _logits(pipe.evaluate(*case.args, return_outputs=True, use_cache=False, **case.kwargs))
+            evaluation["logits"] = _logits(
+                pipe.evaluate(*case.args, return_outputs=True, use_cache=False, **case.kwargs)
+            )
         results[(name, stages, schedule)] = {**first, "state": state, "evaluation": evaluation}
     return results
 
@@ -92,10 +96,14 @@ def eager_evaluation(name: str, state: dict[str, torch.Tensor]) -> torch.Tensor:
     case.model.eval()
     chunks = lambda value: value.chunk(MICROBATCHES) if value is not None else [None] * MICROBATCHES  # noqa: E731
     args = list(zip(*[chunks(a) for a in case.args])) or [()] * MICROBATCHES
-    kwargs = [dict(zip(case.kwargs, values)) for values in zip(*[chunks(v) for v in case.kwargs.values()])] or [{}] * MICROBATCHES
+    kwargs = [dict(zip(case.kwargs, values)) for values in zip(*[chunks(v) for v in case.kwargs.values()])] or [
+        {}
+    ] * MICROBATCHES
     with torch.no_grad():
         if case.loss_fn is not None:
-            return torch.stack([case.loss_fn(case.model(*a, **k), t) for a, k, t in zip(args, kwargs, chunks(case.target))]).mean()
+            return torch.stack(
+                [case.loss_fn(case.model(*a, **k), t) for a, k, t in zip(args, kwargs, chunks(case.target))]
+            ).mean()
         labels = case.kwargs["labels"]
         items = ((labels if case.model.config.is_encoder_decoder else labels[..., 1:]) != -100).sum()
         means = [case.model(*a, **k).loss for a, k in zip(args, kwargs)]

@@ -73,10 +73,18 @@ def _tokens(g: torch.Generator) -> torch.Tensor:
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], tuple], Callable | None]] = {
     # tied input and output embeddings; loss from the logits
     "gpt2": (
-        lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
-            attn_pdrop=0.0,
-        )),
+        lambda: transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(
+                vocab_size=VOCAB,
+                n_embd=32,
+                n_layer=2,
+                n_head=2,
+                n_positions=32,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+            )
+        ),
         lambda g: ((_tokens(g),), {"attention_mask": _padding_mask()}, _tokens(g)),
         next_token_loss,
     ),
@@ -93,34 +101,67 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], tup
     ),
     # mixture of experts with the default experts implementation
     "mixtral": (
-        _decoder(transformers.MixtralConfig, transformers.MixtralForCausalLM, num_local_experts=4, num_experts_per_tok=2),
+        _decoder(
+            transformers.MixtralConfig, transformers.MixtralForCausalLM, num_local_experts=4, num_experts_per_tok=2
+        ),
         lambda g: ((_tokens(g),), {"attention_mask": _padding_mask(), "labels": _tokens(g)}, None),
         None,
     ),
     # encoder with a 2-D padding mask
     "bert": (
-        lambda: transformers.BertForSequenceClassification(transformers.BertConfig(
-            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-            max_position_embeddings=32, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-        )),
-        lambda g: ((_tokens(g),), {"attention_mask": _padding_mask(), "labels": torch.randint(0, 3, (BATCH,), generator=g)}, None),
+        lambda: transformers.BertForSequenceClassification(
+            transformers.BertConfig(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                intermediate_size=64,
+                max_position_embeddings=32,
+                num_labels=3,
+                hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
+            )
+        ),
+        lambda g: (
+            (_tokens(g),),
+            {"attention_mask": _padding_mask(), "labels": torch.randint(0, 3, (BATCH,), generator=g)},
+            None,
+        ),
         None,
     ),
     # encoder-decoder; the decoder's inputs are the shifted labels
     "t5": (
-        lambda: transformers.T5ForConditionalGeneration(transformers.T5Config(
-            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0,
-            decoder_start_token_id=0, pad_token_id=0,
-        )),
+        lambda: transformers.T5ForConditionalGeneration(
+            transformers.T5Config(
+                vocab_size=VOCAB,
+                d_model=32,
+                d_kv=8,
+                d_ff=64,
+                num_layers=2,
+                num_heads=4,
+                dropout_rate=0.0,
+                decoder_start_token_id=0,
+                pad_token_id=0,
+            )
+        ),
         lambda g: ((), {"input_ids": _tokens(g), "attention_mask": _padding_mask(), "labels": _tokens(g)}, None),
         None,
     ),
     # vision transformer on images
     "vit": (
-        lambda: transformers.ViTForImageClassification(transformers.ViTConfig(
-            hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=16,
-            patch_size=4, num_labels=5, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-        )),
+        lambda: transformers.ViTForImageClassification(
+            transformers.ViTConfig(
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                intermediate_size=64,
+                image_size=16,
+                patch_size=4,
+                num_labels=5,
+                hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
+            )
+        ),
         lambda g: ((torch.randn(BATCH, 3, 16, 16, generator=g),), {}, torch.randint(0, 5, (BATCH,), generator=g)),
         classification_loss,
     ),

@@ -168,7 +168,10 @@ def make_dp_run(seed: int, data_parallel: str) -> tuple[Any, Any]:
 def whole_snapshot(pipe: Any, optimizer: Any) -> dict[str, dict[str, Any]]:
     """`snapshot` with every DTensor gathered whole (a collective over the replicas)."""
     taken = snapshot(pipe, optimizer)
-    return {part: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in values.items()} for part, values in taken.items()}
+    return {
+        part: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in values.items()}
+        for part, values in taken.items()
+    }
 
 
 def dp_checkpoints() -> dict:

@@ -20,7 +20,9 @@ def files_before_first_send(stages: int = 2, microbatches: int = 4) -> tuple[lis
     second `step()` enters up to the first `Transport.send`, with `sys.setprofile`, and whether
     that send was reached; other ranks: None. The first step compiles; the second is the steady path."""
     case = build("mlp")
-    pipe = zbcompile.pipeline(case.model, stages=stages, microbatches=microbatches, loss_fn=case.loss_fn, schedule="1f1b", timeout=60)
+    pipe = zbcompile.pipeline(
+        case.model, stages=stages, microbatches=microbatches, loss_fn=case.loss_fn, schedule="1f1b", timeout=60
+    )
     case.step(pipe)
     entered: list[str] = []
     sent = []

@@ -28,7 +28,9 @@ def main(rank: int, port: int, count: int) -> None:
     x, y = torch.randn(4, 6, generator=generator), torch.randn(4, 3, generator=generator)
     for _ in range(count):
         model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
-        pipe = zbcompile.pipeline(model, stages=2, microbatches=2, loss_fn=nn.functional.mse_loss, schedule="zb-h1", timeout=60)
+        pipe = zbcompile.pipeline(
+            model, stages=2, microbatches=2, loss_fn=nn.functional.mse_loss, schedule="zb-h1", timeout=60
+        )
         pipe.step(x, target=y)
     transport = pipe.runner.transport
     if rank == 1:  # leaves while its helper thread still waits for this message

@@ -42,7 +42,11 @@ def deeper_llama() -> real_models.RealCase:
 def cases() -> dict[str, tuple[object, int]]:
     """name -> (case, stages): the zoo's Llama and real_models' Llama in one stage (two blocks), a
     six-layer Llama in two (a stage whose outputs take gradients from the next)."""
-    return {"zoo llama": (models.build("llama"), 1), "llama": (real_models.build("llama"), 1), "llama 6x2": (deeper_llama(), 2)}
+    return {
+        "zoo llama": (models.build("llama"), 1),
+        "llama": (real_models.build("llama"), 1),
+        "llama 6x2": (deeper_llama(), 2),
+    }
 
 
 def graph_form(graph_module: torch.fx.GraphModule) -> list:
@@ -63,7 +67,9 @@ def stage_joints(case, stages: int):
     results, grads_from_next = [], set()
     for stage in reversed(partition.stages):
         loss = "loss" if stage.index == stages - 1 else None
-        whole = ti.export_joint(_prepare_outputs(stage, grads_from_next, loss), _example_inputs(stage, partition, traced.fake_mode))
+        whole = ti.export_joint(
+            _prepare_outputs(stage, grads_from_next, loss), _example_inputs(stage, partition, traced.fake_mode)
+        )
         with mock.patch.object(ti, "export_joint", wraps=ti.export_joint) as exports:
             stitched = block_joint.stitched_joint(stage, partition, grads_from_next, loss, traced.fake_mode)
         forms = [None if g is None else (graph_fingerprint(g), graph_form(g)) for g in (whole, stitched)]
@@ -107,7 +113,9 @@ class StitchedJointTest(unittest.TestCase):
             self.assertEqual(costed.costs, tuple(p.cost for p in whole.programs), name)
             self.assert_same_gradients(case, by_blocks, whole, stages, name, micro_inputs, micro_targets)
 
-    def assert_same_gradients(self, case, by_blocks, whole, stages: int, name: str, micro_inputs, micro_targets) -> None:
+    def assert_same_gradients(
+        self, case, by_blocks, whole, stages: int, name: str, micro_inputs, micro_targets
+    ) -> None:
         state = {param_name(n): p for n, p in case.model.named_parameters()}
         state.update((buffer_name(n), b) for n, b in case.model.named_buffers())
         grads = []
@@ -139,7 +147,9 @@ class TiedBlocks(nn.Module):
 
 def tiny_case(tied: bool) -> real_models.RealCase:
     torch.manual_seed(0)
-    return real_models.RealCase("tied", TiedBlocks(tied), (torch.randn(4, 8),), {}, torch.randn(4), nn.functional.mse_loss)
+    return real_models.RealCase(
+        "tied", TiedBlocks(tied), (torch.randn(4, 8),), {}, torch.randn(4), nn.functional.mse_loss
+    )
 
 
 class FallbackTest(unittest.TestCase):
@@ -151,7 +161,9 @@ class FallbackTest(unittest.TestCase):
             self.assertIsNone(stitched, f"tied={tied}")
             self.assertEqual(exports, 0, f"tied={tied}")
             by_blocks = compile_pipeline(case.model, case.loss_fn, case.args, case.kwargs, case.target, 1)
-            whole = compile_pipeline(case.model, case.loss_fn, case.args, case.kwargs, case.target, 1, reuse_blocks=False)
+            whole = compile_pipeline(
+                case.model, case.loss_fn, case.args, case.kwargs, case.target, 1, reuse_blocks=False
+            )
             self.assertEqual(by_blocks.programs[0].forward.graph.code, whole.programs[0].forward.graph.code)
 
 

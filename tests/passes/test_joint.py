@@ -28,7 +28,9 @@ from zbcompile.value_names import (
 )
 
 
-def _run_joints(case, partition: StagePartition, joints: tuple[StageJoint, ...]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _run_joints(
+    case, partition: StagePartition, joints: tuple[StageJoint, ...]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One microbatch through the joints: every F in stage order, then every backward in reverse.
     Returns the loss and the parameter gradients (summed over the stages sharing a weight)."""
     state = {param_name(fqn): p.detach() for fqn, p in case.model.named_parameters()}
@@ -88,7 +90,9 @@ def test_signatures_follow_the_calling_convention():
         assert joint.tangents == (("loss",) if last else stage.outputs)
         assert joint.output_grads == (() if last else stage.outputs)
         assert {tangent_name(v) for v in joint.tangents} <= set(backward.inputs)
-        assert set(backward.outputs) == {grad_name(v) for v in joint.input_grads} | {param_grad_name(f) for f in joint.param_grads}
+        assert set(backward.outputs) == {grad_name(v) for v in joint.input_grads} | {
+            param_grad_name(f) for f in joint.param_grads
+        }
         assert set(joint.param_grads) == set(stage.param_fqns)
         # the model's input needs no gradient; every boundary value after it does
         assert joint.input_grads == (() if stage.index == 0 else stage.inputs)

@@ -111,7 +111,10 @@ class TransformerBlockSplit(TestCase):
 
     def test_layer_norm_backward_is_split_by_output_mask(self):
         block = _block_pipeline(hidden=8, seq=4, heads=2)
-        for program, mask in ((block.input_backward, [True, False, False]), (block.weight_backward, [False, True, True])):
+        for program, mask in (
+            (block.input_backward, [True, False, False]),
+            (block.weight_backward, [False, True, True]),
+        ):
             nodes = _calls(program, aten.native_layer_norm_backward.default)
             self.assertEqual(len(nodes), 2)
             self.assertEqual({tuple(n.args[-1]) for n in nodes}, {tuple(mask)})
@@ -141,7 +144,9 @@ class TransformerBlockSplit(TestCase):
 
     def test_graph_listings(self):
         block = _block_pipeline(hidden=8, seq=4, heads=2)
-        self.assertExpectedInline(_listing(block.forward), """\
+        self.assertExpectedInline(
+            _listing(block.forward),
+            """\
 inputs: param:1.ln1.weight, param:1.ln1.bias, param:1.attn.qkv.weight, param:1.attn.qkv.bias, param:1.attn.proj.weight, param:1.attn.proj.bias, param:1.ln2.weight, param:1.ln2.bias, param:1.mlp.fc.weight, param:1.mlp.fc.bias, param:1.mlp.proj.weight, param:1.mlp.proj.bias, in:view_1
 native_layer_norm = native_layer_norm.default(view_1_input, [8], _1_ln1_weight, _1_ln1_bias, 1e-05)
 getitem = getitem(native_layer_norm, 0)
@@ -185,8 +190,11 @@ view_10 = view.default(gelu, [8, 32])
 addmm_3 = addmm.default(_1_mlp_proj_bias, view_10, t_3)
 view_11 = view.default(addmm_3, [2, 4, 8])
 add_1 = add.Tensor(add, view_11)
-outputs: out:add_1, saved:getitem_1, saved:getitem_2, saved:view, saved:transpose, saved:transpose_1, saved:transpose_2, saved:getitem_6, saved:getitem_7, saved:view_6, saved:add, saved:getitem_9, saved:getitem_10, saved:view_8, saved:view_9, saved:view_10""")
-        self.assertExpectedInline(_listing(block.input_backward), """\
+outputs: out:add_1, saved:getitem_1, saved:getitem_2, saved:view, saved:transpose, saved:transpose_1, saved:transpose_2, saved:getitem_6, saved:getitem_7, saved:view_6, saved:add, saved:getitem_9, saved:getitem_10, saved:view_8, saved:view_9, saved:view_10""",
+        )
+        self.assertExpectedInline(
+            _listing(block.input_backward),
+            """\
 inputs: param:1.ln1.weight, param:1.ln1.bias, param:1.attn.qkv.weight, param:1.attn.proj.weight, param:1.ln2.weight, param:1.ln2.bias, param:1.mlp.fc.weight, param:1.mlp.proj.weight, in:view_1, tangent:add_1, saved:getitem_1, saved:getitem_2, saved:transpose, saved:transpose_1, saved:transpose_2, saved:getitem_6, saved:getitem_7, saved:add, saved:getitem_9, saved:getitem_10, saved:view_9
 t = t.default(_1_attn_qkv_weight)
 detach = detach.default(saved_getitem_6)
@@ -230,8 +238,11 @@ view_27 = view.default(mm_6, [2, 4, 8])
 native_layer_norm_backward_1 = native_layer_norm_backward.default(view_27, view_1, [8], saved_getitem_1, saved_getitem_2, _1_ln1_weight, _1_ln1_bias, [True, False, False])
 getitem_17 = getitem(native_layer_norm_backward_1, 0)
 add_3 = add.Tensor(add_2, getitem_17)
-outputs: grad:view_1, stash:view_12, stash:view_15, stash:view_17, stash:view_18, stash:view_25, stash:view_27""")
-        self.assertExpectedInline(_listing(block.weight_backward), """\
+outputs: grad:view_1, stash:view_12, stash:view_15, stash:view_17, stash:view_18, stash:view_25, stash:view_27""",
+        )
+        self.assertExpectedInline(
+            _listing(block.weight_backward),
+            """\
 inputs: param:1.ln1.weight, param:1.ln1.bias, param:1.ln2.weight, param:1.ln2.bias, in:view_1, saved:getitem_1, saved:getitem_2, saved:view, saved:view_6, saved:add, saved:getitem_9, saved:getitem_10, saved:view_8, saved:view_10, stash:view_12, stash:view_15, stash:view_17, stash:view_18, stash:view_25, stash:view_27
 t_5 = t.default(stash_view_12)
 mm_1 = mm.default(t_5, saved_view_10)
@@ -263,7 +274,8 @@ t_19 = t.default(t_18)
 native_layer_norm_backward_default_1 = native_layer_norm_backward.default(stash_view_27, view_1, [8], saved_getitem_1, saved_getitem_2, _1_ln1_weight, _1_ln1_bias, [False, True, True])
 getitem_22 = getitem(native_layer_norm_backward_default_1, 2)
 getitem_21 = getitem(native_layer_norm_backward_default_1, 1)
-outputs: grad:param:1.ln1.weight, grad:param:1.ln1.bias, grad:param:1.attn.qkv.weight, grad:param:1.attn.qkv.bias, grad:param:1.attn.proj.weight, grad:param:1.attn.proj.bias, grad:param:1.ln2.weight, grad:param:1.ln2.bias, grad:param:1.mlp.fc.weight, grad:param:1.mlp.fc.bias, grad:param:1.mlp.proj.weight, grad:param:1.mlp.proj.bias""")
+outputs: grad:param:1.ln1.weight, grad:param:1.ln1.bias, grad:param:1.attn.qkv.weight, grad:param:1.attn.qkv.bias, grad:param:1.attn.proj.weight, grad:param:1.attn.proj.bias, grad:param:1.ln2.weight, grad:param:1.ln2.bias, grad:param:1.mlp.fc.weight, grad:param:1.mlp.fc.bias, grad:param:1.mlp.proj.weight, grad:param:1.mlp.proj.bias""",
+        )
 
 
 def _listing(program) -> str:

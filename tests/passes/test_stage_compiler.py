@@ -19,7 +19,13 @@ def test_inductor_stage_programs_match_eager():
     reference = copy.deepcopy(model)
     x, target = torch.randn(4, 8), torch.randn(4, 4)
     pipe = zbcompile.pipeline(
-        model, stages=2, microbatches=2, loss_fn=nn.functional.mse_loss, schedule="zb-h1", split_points=["2"], compiler="inductor"
+        model,
+        stages=2,
+        microbatches=2,
+        loss_fn=nn.functional.mse_loss,
+        schedule="zb-h1",
+        split_points=["2"],
+        compiler="inductor",
     )
     loss = pipe.step(x, target=target)
 

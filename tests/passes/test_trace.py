@@ -21,7 +21,9 @@ def _run(case, model: nn.Module | None = None) -> list[torch.Tensor]:
     model = model or case.model
     state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     t = case.traced
-    return list(t.graph_module(*[state[f] for f in t.param_fqns], *[state[f] for f in t.buffer_fqns], case.x, case.target))
+    return list(
+        t.graph_module(*[state[f] for f in t.param_fqns], *[state[f] for f in t.buffer_fqns], case.x, case.target)
+    )
 
 
 def test_traced_graph_computes_the_models_loss():

@@ -22,7 +22,19 @@ from helpers.multiprocess import run_ranks
 MICROBATCHES = 4
 STEPS = 2  # the second step's forwards read the statistics the first step left
 SCHEDULES = {
-    2: ("1f1b", "zb-h1", "zb-h2", "zb-auto", "zbv", "interleaved-1f1b", "v-min", "v-half", "v-zb", "looped-bfs", "dualpipev"),
+    2: (
+        "1f1b",
+        "zb-h1",
+        "zb-h2",
+        "zb-auto",
+        "zbv",
+        "interleaved-1f1b",
+        "v-min",
+        "v-half",
+        "v-zb",
+        "looped-bfs",
+        "dualpipev",
+    ),
     3: ("1f1b", "gpipe", "zb-h1", "zb-h2", "zb-auto"),
 }
 
@@ -37,7 +49,9 @@ def pipelined_records(model: nn.Module, x, target, loss_fn, stages: int, schedul
     """STEPS SGD steps of `model` pipelined under each schedule, each from the model's initial
     state (one compile, shared through set_schedule); returns the pipeline and the records."""
     initial = copy.deepcopy(model.state_dict())
-    pipe = zbcompile.pipeline(model, stages=stages, microbatches=MICROBATCHES, loss_fn=loss_fn, schedule=schedules[0], **options)
+    pipe = zbcompile.pipeline(
+        model, stages=stages, microbatches=MICROBATCHES, loss_fn=loss_fn, schedule=schedules[0], **options
+    )
     records = {}
     for schedule in schedules:
         model.load_state_dict(initial)
@@ -97,10 +111,16 @@ def test_two_copies_of_a_stage_that_updates_buffers_are_refused():
     statistics would see neither all the microbatches nor them in order. Refused, naming the stage
     and its buffers, in one process (at compile, and on set_schedule) and so on every rank."""
     model, x, target, _ = _convnet_reference()
-    pipe = zbcompile.pipeline(copy.deepcopy(model), stages=2, microbatches=MICROBATCHES, loss_fn=F.cross_entropy, schedule="dualpipe")
-    with pytest.raises(ValueError, match=r"stage 0 updates buffers in its forward \(block1\.1\.num_batches_tracked, .*dualpipev"):
+    pipe = zbcompile.pipeline(
+        copy.deepcopy(model), stages=2, microbatches=MICROBATCHES, loss_fn=F.cross_entropy, schedule="dualpipe"
+    )
+    with pytest.raises(
+        ValueError, match=r"stage 0 updates buffers in its forward \(block1\.1\.num_batches_tracked, .*dualpipev"
+    ):
         pipe.step(x, target=target)
-    pipe = zbcompile.pipeline(copy.deepcopy(model), stages=2, microbatches=MICROBATCHES, loss_fn=F.cross_entropy, schedule="1f1b")
+    pipe = zbcompile.pipeline(
+        copy.deepcopy(model), stages=2, microbatches=MICROBATCHES, loss_fn=F.cross_entropy, schedule="1f1b"
+    )
     pipe.step(x, target=target)
     with pytest.raises(ValueError, match="two copies of the pipeline"):
         pipe.set_schedule("dualpipe")
@@ -168,7 +188,9 @@ def test_forwards_out_of_microbatch_order_are_refused_where_buffers_update():
     torch.manual_seed(0)
     x, target = image_batch()
     # one stage per rank, so that stage 0 holds the first BatchNorm
-    pipe = zbcompile.pipeline(BatchNormConvNet(), stages=2, microbatches=MICROBATCHES, loss_fn=F.cross_entropy, schedule="1f1b")
+    pipe = zbcompile.pipeline(
+        BatchNormConvNet(), stages=2, microbatches=MICROBATCHES, loss_fn=F.cross_entropy, schedule="1f1b"
+    )
     pipe.compile(x, target=target)
     first = pipe.executors[0]
     first.forward(0, {"input_0": x[:2]})
@@ -365,7 +387,11 @@ def test_batchnorm_convnet_on_two_ranks_equals_eager():
             torch.testing.assert_close(losses[0], expected[step]["loss"], **close)
             for field in ("grads", "state"):
                 gathered = {k: v for r in per_rank for k, v in r[run][step][field].items()}
-                want = expected[step]["grads"] if field == "grads" else {**expected[step]["buffers"], **expected[step]["params"]}
+                want = (
+                    expected[step]["grads"]
+                    if field == "grads"
+                    else {**expected[step]["buffers"], **expected[step]["params"]}
+                )
                 assert gathered.keys() == want.keys(), (run, field)
                 for name, value in want.items():
                     torch.testing.assert_close(gathered[name], value, **close, msg=f"{run} step {step} {field} {name}")
@@ -373,7 +399,9 @@ def test_batchnorm_convnet_on_two_ranks_equals_eager():
     for rank, result in enumerate(per_rank):
         for step in range(STEPS):
             for name, value in replicas[rank][step].items():
-                torch.testing.assert_close(result["1f1b"][step]["state"][name], value, **close, msg=f"replica {rank} {name}")
+                torch.testing.assert_close(
+                    result["1f1b"][step]["state"][name], value, **close, msg=f"replica {rank} {name}"
+                )
     own = [r["1f1b"][-1]["state"]["block1.1.running_mean"] for r in per_rank]
     assert not torch.equal(own[0], own[1]), "each replica's statistics are those of its own half of the batch"
 

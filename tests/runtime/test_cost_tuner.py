@@ -67,7 +67,11 @@ def test_first_solve_switch_calibration_and_drift():
     _wait_for_switch(tuner, runner, 1.0)
     assert runner.schedule.info["cost_source"] == "measured" and not tuner.solving
     measured = tuner.measured
-    assert (measured.f, measured.i, measured.w) == (pytest.approx([1e-3] * 2), pytest.approx([2e-3] * 2), pytest.approx([1e-3] * 2))
+    assert (measured.f, measured.i, measured.w) == (
+        pytest.approx([1e-3] * 2),
+        pytest.approx([2e-3] * 2),
+        pytest.approx([1e-3] * 2),
+    )
     _run(tuner, runner, 1.0, profile.DRIFT_WINDOW)  # the first window after the switch calibrates
     assert tuner.history[-1]["event"] == "calibrated"
     _run(tuner, runner, 1.05, profile.DRIFT_WINDOW)  # within the threshold: nothing
@@ -89,7 +93,9 @@ def _auto_recompute_gpt(limit: float = 1.5):
     """The zoo GPT in one process, recompute="auto" under `limit` (static costs choose levels
     (4, 0): stage 0 recomputes everything, W recomputing too)."""
     case = build("gpt")
-    pipe = zbcompile.pipeline(case.model, stages=2, microbatches=4, loss_fn=case.loss_fn, recompute="auto", memory_limit=limit)
+    pipe = zbcompile.pipeline(
+        case.model, stages=2, microbatches=4, loss_fn=case.loss_fn, recompute="auto", memory_limit=limit
+    )
     pipe.compile(*case.args, target=case.target, **case.kwargs)
     return case, pipe
 
@@ -107,7 +113,9 @@ def test_measured_recomputation_keeps_the_static_choice_for_proportional_costs_a
     compiled = pipe.compiled
     choice = MeasuredRecomputation(compiled, pipe._builder.choice.solve_arguments)
     static = compiled.schedule_costs()
-    measured = Costs(f=[t * 1e-9 for t in static.f], i=[t * 1e-9 for t in static.i], w=[t * 1e-9 for t in static.w], comm=1e-6)
+    measured = Costs(
+        f=[t * 1e-9 for t in static.f], i=[t * 1e-9 for t in static.i], w=[t * 1e-9 for t in static.w], comm=1e-6
+    )
     assert calibrated_costs(compiled, measured, compiled).f == measured.f  # the running levels: as measured
     levels, costs = choice.choose(measured)
     assert levels == compiled.recompute_levels and costs.i == measured.i
@@ -147,7 +155,9 @@ def test_the_tuner_chooses_recomputation_again_with_measured_costs_and_the_runne
     skewed = _skewed(static, (20.0, 1.0))
     seconds = {(s, kind): getattr(skewed, kind.lower())[s] * 1e-9 for s in range(2) for kind in "FIW"}
     recompute = MeasuredRecomputation(pipe.compiled, pipe._builder.choice.solve_arguments)
-    tuner = profile.CostTuner(2, functools.partial(pipe._builder.choice.solve_arguments, compiled=pipe.compiled), static, recompute)
+    tuner = profile.CostTuner(
+        2, functools.partial(pipe._builder.choice.solve_arguments, compiled=pipe.compiled), static, recompute
+    )
     rank = _OneRank(pipe.runner)
     for _ in range(400):
         clock, rank.timeline = 0.0, []
@@ -162,7 +172,10 @@ def test_the_tuner_chooses_recomputation_again_with_measured_costs_and_the_runne
     else:
         raise AssertionError(f"no switch: {tuner.history}")
     events = [e["event"] for e in tuner.history]
-    assert events[-2:] == [f"recompute levels {list(before)} -> {list(recompute.levels)} (measured costs)", "switched"], events
+    assert events[-2:] == [
+        f"recompute levels {list(before)} -> {list(recompute.levels)} (measured costs)",
+        "switched",
+    ], events
     assert recompute.levels != before and pipe.compiled.recompute_levels == recompute.levels
     assert [e.program for e in pipe.runner.executors.values()] == list(pipe.compiled.programs)
     assert tuner.static.mem_b == pipe.compiled.schedule_costs().mem_b

@@ -112,7 +112,10 @@ def test_shard_equals_replicate_bitwise(per_rank):
 
 def test_shard_holds_dtensors_and_at_most_0_55_of_replicate_bytes(per_rank):
     for result in per_rank:
-        replicate, shard = result[("gpt", "zb-h1", 2, "replicate", "foreach")], result[("gpt", "zb-h1", 2, "shard", "foreach")]
+        replicate, shard = (
+            result[("gpt", "zb-h1", 2, "replicate", "foreach")],
+            result[("gpt", "zb-h1", 2, "shard", "foreach")],
+        )
         assert all(shard["dtensor"].values()) and not any(replicate["dtensor"].values())
         assert set(shard["state_dict"].values()) == {"DTensor"}, shard["state_dict"]
         total = {label: sum(run["bytes"].values()) for label, run in (("replicate", replicate), ("shard", shard))}
@@ -148,7 +151,9 @@ def test_zb_auto_counts_each_stages_reduction(per_rank):
         shard = per_rank[0][(name, "zb-auto", 2, "shard", "foreach")]["reduction"]
         assert len(replicate) == 2 and all(r > 0 for r in replicate), replicate
         assert list(shard) == [r / 2 for r in replicate], (replicate, shard)
-        assert "gradient reduction over the replicas" in per_rank[0][(name, "zb-auto", 2, "shard", "foreach")]["explain"]
+        assert (
+            "gradient reduction over the replicas" in per_rank[0][(name, "zb-auto", 2, "shard", "foreach")]["explain"]
+        )
         for result in per_rank:
             assert result[(name, "zb-auto", 2, "shard", "foreach")]["reduction"] == shard
             assert result[(name, "1f1b", 2, "shard", "foreach")]["reduction"] == shard
@@ -173,7 +178,9 @@ def test_gradient_reduction_starts_before_the_ranks_last_action(per_rank):
     for key in (("gpt", "zbv", 4, "replicate", "foreach"), ("gpt", "zbv", 4, "shard", "foreach")):
         for rank, result in enumerate(per_rank):
             last = max(end for _, _, end in result[key]["timeline"])
-            reductions = [(label, start) for label, start, _ in result[key]["comm_timeline"] if label.startswith("REDUCE")]
+            reductions = [
+                (label, start) for label, start, _ in result[key]["comm_timeline"] if label.startswith("REDUCE")
+            ]
             assert any(start < last for _, start in reductions), (key, rank, reductions, last)
 
 

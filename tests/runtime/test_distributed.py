@@ -126,7 +126,9 @@ def test_gradients_bitwise_equal_across_schedules(battery):
             first = grads[first_schedule]
             for schedule, other in grads.items():
                 for fqn in first:
-                    assert torch.equal(first[fqn], other[fqn]), f"{name}: {fqn} differs between {first_schedule} and {schedule}"
+                    assert torch.equal(first[fqn], other[fqn]), (
+                        f"{name}: {fqn} differs between {first_schedule} and {schedule}"
+                    )
 
 
 def test_torch_dualpipev_csv_runs_on_four_ranks():
@@ -181,7 +183,12 @@ def test_dualpipe_ranks_hold_both_their_stages(battery):
     for rank, result in enumerate(per_rank):
         ran = sorted(Action.parse(a) for a, _, _ in result[mirrored]["timeline"])
         assert ran == sorted(schedule.actions[rank])
-        assert {(a.stage, a.microbatch) for a in ran if a.kind == "F"} == {(rank, 0), (rank, 1), (ranks - 1 - rank, 2), (ranks - 1 - rank, 3)}
+        assert {(a.stage, a.microbatch) for a in ran if a.kind == "F"} == {
+            (rank, 0),
+            (rank, 1),
+            (ranks - 1 - rank, 2),
+            (ranks - 1 - rank, 3),
+        }
 
 
 def test_dualpipe_in_one_process_gives_the_bits_of_its_ranks(battery):
@@ -453,7 +460,9 @@ def test_late_messages_move_w_into_the_wait_and_change_no_bit():
         assert step["moved"]["into_wait"], step["moved"]
         ran = [text for text, _, _ in sorted(step["timeline"], key=lambda e: e[1])]
         for w in step["moved"]["into_wait"]:  # it ran before a computation the program puts first
-            planned_before = {a for a in late["program"][: late["program"].index(w)] if "SEND" not in a and "RECV" not in a}
+            planned_before = {
+                a for a in late["program"][: late["program"].index(w)] if "SEND" not in a and "RECV" not in a
+            }
             assert planned_before - set(ran[: ran.index(w)]), (w, ran)
     reference = build("gpt")
     for _ in range(steps):

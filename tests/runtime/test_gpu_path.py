@@ -87,7 +87,12 @@ def test_claim_device_sets_local_ranks_device_and_publishes_it():
 
 
 def test_a_message_of_several_tensors_is_one_buffer_with_their_bits():
-    tensors = [torch.randn(3, 5).t(), torch.tensor([True, False, True]), torch.randn(2, dtype=torch.bfloat16), torch.arange(7)]
+    tensors = [
+        torch.randn(3, 5).t(),
+        torch.tensor([True, False, True]),
+        torch.randn(2, dtype=torch.bfloat16),
+        torch.arange(7),
+    ]
     flat = flat_message.pack(tensors)
     assert flat.dtype == torch.uint8 and flat.dim() == 1
     layouts = [(t.shape, t.dtype) for t in tensors]
@@ -123,7 +128,9 @@ def _nccl_transport(monkeypatch, group="the pipeline's group"):
 
         return call
 
-    monkeypatch.setattr(p2p, "dist", SimpleNamespace(get_backend=lambda group=None: "nccl", isend=post("isend"), irecv=post("irecv")))
+    monkeypatch.setattr(
+        p2p, "dist", SimpleNamespace(get_backend=lambda group=None: "nccl", isend=post("isend"), irecv=post("irecv"))
+    )
     transport = p2p.Transport(0, timedelta(seconds=5), group)
     transport.device = torch.device("cpu")
     return transport, log, works
@@ -140,7 +147,10 @@ def test_a_message_is_one_isend_and_one_irecv_on_the_pipelines_group(monkeypatch
     assert [t.shape for t in received] == [torch.Size([3]), torch.Size([2])] and received[1].dtype == torch.int64
     assert log[-1] == ("wait", "irecv", False)  # the stream waits, the host does not
     transport.complete_messages()
-    assert log[-2:] == [("wait", "isend", True), ("wait", "irecv", True)]  # confirmed at the step's end, with the timeout
+    assert log[-2:] == [
+        ("wait", "isend", True),
+        ("wait", "irecv", True),
+    ]  # confirmed at the step's end, with the timeout
 
 
 def test_a_sent_buffer_is_counted_until_its_send_completes(monkeypatch):

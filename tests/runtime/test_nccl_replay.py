@@ -22,7 +22,9 @@ def _schedule(name: str, ranks: int, microbatches: int):
     """`name` at `ranks` ranks, or None where the schedule does not exist at these sizes."""
     spec = schedule_spec(name)
     try:
-        return make_schedule(name, ranks * spec.chunks_per_rank, microbatches, time_budget=0, deterministic=True, ranks=ranks)
+        return make_schedule(
+            name, ranks * spec.chunks_per_rank, microbatches, time_budget=0, deterministic=True, ranks=ranks
+        )
     except ValueError:
         return None
 
@@ -35,7 +37,12 @@ def _sizes(ranks: int) -> list[int]:
     return [ranks, 2 * ranks + 1, 3 * ranks]
 
 
-CASES = [(name, ranks) for name in SCHEDULE_NAMES for ranks in range(2, 9) if not (schedule_spec(name).mirrored and ranks % 2)]
+CASES = [
+    (name, ranks)
+    for name in SCHEDULE_NAMES
+    for ranks in range(2, 9)
+    if not (schedule_spec(name).mirrored and ranks % 2)
+]
 """Every schedule at 2 to 8 ranks; a mirrored one (dualpipe) needs an even rank count."""
 
 
@@ -57,7 +64,9 @@ def test_every_schedule_runs_without_deadlock_under_nccl_rules(name, ranks, monk
                 nccl_model.replay(model)
                 nccl_model.check_overlap(model, schedule.stages)
             except AssertionError as error:
-                raise AssertionError(f"{name} p={ranks} m={microbatches} readiness={follow_readiness}: {error}") from None
+                raise AssertionError(
+                    f"{name} p={ranks} m={microbatches} readiness={follow_readiness}: {error}"
+                ) from None
         replayed += 1
     assert replayed >= 1, f"{name} has no size at {ranks} ranks among {_sizes(ranks)} microbatches"
 
@@ -101,9 +110,13 @@ def _after_sends_to_the_same_peer_only(program):
 
     def last_send(receive):
         peer = receive.message.peer
-        return max((i for i in range(receive.index) if messages[i] is not None and messages[i].peer == peer), default=-1)
+        return max(
+            (i for i in range(receive.index) if messages[i] is not None and messages[i].peer == peer), default=-1
+        )
 
-    return dataclasses.replace(program, receives=tuple(dataclasses.replace(r, after=last_send(r)) for r in program.receives))
+    return dataclasses.replace(
+        program, receives=tuple(dataclasses.replace(r, after=last_send(r)) for r in program.receives)
+    )
 
 
 def test_the_model_pairs_by_order_and_catches_crossed_messages():

@@ -77,7 +77,12 @@ def check_exact_rollback_is_bitwise_equal_to_the_synchronous_reference(launch):
     for rank, result in enumerate(per_rank):
         for name in _optimizers(per_rank, stages):
             for fault in (False, True):
-                _compare(result[(stages, name, "exact", fault)], result[(stages, name, "sync", fault)], f"rank {rank} {name} fault={fault}", True)
+                _compare(
+                    result[(stages, name, "exact", fault)],
+                    result[(stages, name, "sync", fault)],
+                    f"rank {rank} {name} fault={fault}",
+                    True,
+                )
 
 
 def check_within_rtol_1e6_of_torch_clipping_and_with_reverse_rollback(launch):
@@ -85,10 +90,20 @@ def check_within_rtol_1e6_of_torch_clipping_and_with_reverse_rollback(launch):
     for rank, result in enumerate(per_rank):
         for name in _optimizers(per_rank, stages):
             sync = result[(stages, name, "sync", False)]
-            _compare(result[(stages, name, "exact", False)], result[(stages, name, "torch", False)], f"rank {rank} {name} exact vs torch", False)
+            _compare(
+                result[(stages, name, "exact", False)],
+                result[(stages, name, "torch", False)],
+                f"rank {rank} {name} exact vs torch",
+                False,
+            )
             _compare(result[(stages, name, "reverse", False)], sync, f"rank {rank} {name} reverse", False)
             if (stages, name, "reverse", True) in result:
-                _compare(result[(stages, name, "reverse", True)], result[(stages, name, "sync", True)], f"rank {rank} {name} reverse+fault", False)
+                _compare(
+                    result[(stages, name, "reverse", True)],
+                    result[(stages, name, "sync", True)],
+                    f"rank {rank} {name} reverse+fault",
+                    False,
+                )
 
 
 def check_clipping_happens_on_some_steps_and_the_norm_counts_each_parameter_once(launch):

@@ -74,7 +74,11 @@ def test_optimizer_options_against_torch_in_one_process(max_norm, skip_nonfinite
             for n, p in pipe.named_parameters():
                 p.copy_(initial[n])
         inner = torch.optim.AdamW(pipe.parameters(), lr=0.05)
-        opt = zbcompile.PostValidatedOptimizer(inner, pipe, max_norm=max_norm, skip_nonfinite=skip_nonfinite) if wrapped else None
+        opt = (
+            zbcompile.PostValidatedOptimizer(inner, pipe, max_norm=max_norm, skip_nonfinite=skip_nonfinite)
+            if wrapped
+            else None
+        )
         for step in range(3):
             case.step(pipe)
             if step == 1:
@@ -128,7 +132,9 @@ ROLLBACK_CASES = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
     "sgd-wd": lambda ps: torch.optim.SGD(ps, lr=0.1, weight_decay=0.05),
     "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
-    "sgd-dampening-wd-maximize": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.8, dampening=0.3, weight_decay=0.02, maximize=True),
+    "sgd-dampening-wd-maximize": lambda ps: torch.optim.SGD(
+        ps, lr=0.1, momentum=0.8, dampening=0.3, weight_decay=0.02, maximize=True
+    ),
     "sgd-nesterov-wd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.05),
     "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
     "adam-wd": lambda ps: torch.optim.Adam(ps, lr=0.01, weight_decay=0.1),
@@ -162,10 +168,14 @@ def test_rollback_restores_parameters_and_state(name, mode):
             after_state = _state_copy(optimizer)
             assert after_state.keys() == before_state.keys(), f"{name}: state after undo of step {step}"
             for a, p in zip(before_params, params):
-                (torch.testing.assert_close if mode == "reverse" else _assert_equal)(p.detach(), a, rtol=1e-6, atol=1e-7)
+                (torch.testing.assert_close if mode == "reverse" else _assert_equal)(
+                    p.detach(), a, rtol=1e-6, atol=1e-7
+                )
             for key, state in before_state.items():
                 for k, v in state.items():
-                    (torch.testing.assert_close if mode == "reverse" else _assert_equal)(after_state[key][k], v, rtol=1e-5, atol=1e-7)
+                    (torch.testing.assert_close if mode == "reverse" else _assert_equal)(
+                        after_state[key][k], v, rtol=1e-5, atol=1e-7
+                    )
         optimizer.step()
 
 
@@ -195,7 +205,9 @@ def test_reverse_rollback_refuses_what_it_cannot_undo():
     with pytest.raises(ValueError, match='"exact" or "reverse"'):
         make_rollback(torch.optim.Adam(params), "undo")
     bf16 = [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3, 2, dtype=torch.bfloat16))]
-    with pytest.raises(ValueError, match=r'torch.bfloat16 parameters \(param group 0, e.g. one of shape \(3, 2\)\).*rollback="exact"'):
+    with pytest.raises(
+        ValueError, match=r'torch.bfloat16 parameters \(param group 0, e.g. one of shape \(3, 2\)\).*rollback="exact"'
+    ):
         ReverseRollback(torch.optim.AdamW(bf16))
     make_rollback(torch.optim.AdamW(bf16), "exact")  # a snapshot restores any dtype bit for bit
     case = build("mlp")

@@ -23,7 +23,9 @@ def gpt_batch():
 
 
 def _peaks(model, tokens, targets, schedule):
-    pipe = zbcompile.pipeline(model, stages=4, microbatches=8, loss_fn=lm_loss, schedule=schedule, solver_time_budget=0.5)
+    pipe = zbcompile.pipeline(
+        model, stages=4, microbatches=8, loss_fn=lm_loss, schedule=schedule, solver_time_budget=0.5
+    )
     pipe.compile(tokens, target=targets)
     pipe.runner.measure_transients()
     pipe.step(tokens, target=targets)
@@ -41,7 +43,9 @@ def test_measured_peak_matches_the_simulator(gpt_batch, schedule):
     with_transients = [p * unit for p in pipe.compiled.peak_memory_with_transients(pipe.schedule)]
     for rank, (e, p) in enumerate(zip(pipe.executors, with_transients)):
         m = e.peak_activation_bytes
-        assert e.peak_live_bytes < m and abs(m - p) <= 0.05 * p, f"{schedule} rank {rank}: measured {m} B inside actions, predicted {p:.0f} B"
+        assert e.peak_live_bytes < m and abs(m - p) <= 0.05 * p, (
+            f"{schedule} rank {rank}: measured {m} B inside actions, predicted {p:.0f} B"
+        )
 
 
 def test_zb_h1_peak_is_no_higher_than_1f1b():
@@ -56,7 +60,9 @@ def test_zb_h1_peak_is_no_higher_than_1f1b():
     x = torch.randn(16, 32, 64)
     peaks = {}
     for schedule in ("1f1b", "zb-h1"):
-        pipe = zbcompile.pipeline(blocks, stages=4, microbatches=8, loss_fn=torch.nn.functional.mse_loss, schedule=schedule)
+        pipe = zbcompile.pipeline(
+            blocks, stages=4, microbatches=8, loss_fn=torch.nn.functional.mse_loss, schedule=schedule
+        )
         pipe.step(x, target=torch.randn(16, 32, 64))
         peaks[schedule] = [e.peak_live_bytes for e in pipe.executors]
         blocks.zero_grad()
@@ -103,7 +109,9 @@ def test_an_input_relayed_to_the_next_stage_outlives_the_forward_that_frees_its_
     pipe = zbcompile.pipeline(model, stages=3, microbatches=4, loss_fn=torch.nn.functional.mse_loss, schedule="zb-h1")
     loss = pipe.step(x, offset, target=torch.zeros(8, 8))
     assert pipe.compiled.partition.stages[0].relays
-    expected = torch.stack([torch.nn.functional.mse_loss(model(a, b), torch.zeros(2, 8)) for a, b in zip(x.chunk(4), offset.chunk(4))]).mean()
+    expected = torch.stack(
+        [torch.nn.functional.mse_loss(model(a, b), torch.zeros(2, 8)) for a, b in zip(x.chunk(4), offset.chunk(4))]
+    ).mean()
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -113,7 +121,9 @@ def _allocator_peak(step) -> int:
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities, profile_memory=True) as profiler:
         step()
-    events = sorted((e.start_ns(), e.nbytes()) for e in profiler.profiler.kineto_results.events() if e.name() == "[memory]")
+    events = sorted(
+        (e.start_ns(), e.nbytes()) for e in profiler.profiler.kineto_results.events() if e.name() == "[memory]"
+    )
     live = peak = 0
     for _, nbytes in events:
         live += nbytes
@@ -141,5 +151,10 @@ def test_measured_peak_agrees_with_the_allocator():
         allocated[schedule] = _allocator_peak(lambda: pipe.step(tokens, target=tokens))
         counted = pipe.executors[0].peak_activation_bytes
         assert counted > gradients, "activations dominate"
-        assert 0.98 * counted <= allocated[schedule] <= 1.02 * (counted + gradients), (schedule, allocated, counted, gradients)
+        assert 0.98 * counted <= allocated[schedule] <= 1.02 * (counted + gradients), (
+            schedule,
+            allocated,
+            counted,
+            gradients,
+        )
     assert allocated["gpipe"] > 2 * allocated["1f1b"], allocated

@@ -88,7 +88,9 @@ def _step(schedule, rank: int, matches_by_tag: bool, deferred: bool):
     else the lowered list as it is."""
     stages = schedule.stages
     memory = resolve_costs(Costs(mem_b=[1.0] * stages, mem_w=[0.5] * stages), stages) if deferred else None
-    program = rank_program(schedule, rank, schedule.rank_of, lambda direction, stage: NAMES, lambda name: LAYOUT, memory)
+    program = rank_program(
+        schedule, rank, schedule.rank_of, lambda direction, stage: NAMES, lambda name: LAYOUT, memory
+    )
     log: list[tuple[str, int, str]] = []
     executors = {s: _RecordingStage(s, stages - 1, log) for s in schedule.stages_on(rank)}
     interpreter = Interpreter(executors, _RecordingTransport(matches_by_tag, log), torch.device("cpu"), deferred)
@@ -120,7 +122,9 @@ def _check_list_order_of_operations(schedule, rank: int, deferred: bool) -> None
     program, log = _step(schedule, rank, matches_by_tag=False, deferred=deferred)
     posted = [(kind, peer, action) for kind, peer, action in log if kind != "compute"]
     expected = [
-        ("send" if a.kind.startswith("SEND") else "recv", _peer(schedule, a), str(a)) for a in program.actions if not a.is_compute
+        ("send" if a.kind.startswith("SEND") else "recv", _peer(schedule, a), str(a))
+        for a in program.actions
+        if not a.is_compute
     ]
     assert posted == expected, f"rank {rank}"
 
@@ -143,9 +147,10 @@ def _schedule(name: str, ranks: int, microbatches: int):
 def test_every_receive_is_posted_once_by_the_time_the_list_reaches_it(name, ranks, microbatches):
     schedule = _schedule(name, ranks, microbatches)
     for rank in range(ranks):
-        assert [a for a in rank_program(schedule, rank, schedule.rank_of, lambda d, s: NAMES, lambda n: LAYOUT, None).actions] == list(
-            lower(schedule).actions[rank]
-        )
+        assert [
+            a
+            for a in rank_program(schedule, rank, schedule.rank_of, lambda d, s: NAMES, lambda n: LAYOUT, None).actions
+        ] == list(lower(schedule).actions[rank])
         for by_tag in (True, False):
             for deferred in (False, True):
                 _check_every_receive_posted_in_time(schedule, rank, by_tag, deferred)

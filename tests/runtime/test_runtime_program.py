@@ -78,7 +78,9 @@ def test_memory_bound_w_stay_in_place():
 def test_program_resolves_messages():
     schedule = make_schedule("zb-h1", 2, 4)
     shapes = {"x": (torch.Size([2, 3]), torch.float32), "g": (torch.Size([2, 3]), torch.float16)}
-    program = rank_program(schedule, 1, lambda s, k: 10 + s, lambda d, s: ("x",) if d == "F" else ("g",), shapes.__getitem__, None)
+    program = rank_program(
+        schedule, 1, lambda s, k: 10 + s, lambda d, s: ("x",) if d == "F" else ("g",), shapes.__getitem__, None
+    )
     assert program.actions == lower(schedule).actions[1]
     assert [r.message.text for r in program.receives] == [str(a) for a in program.actions if a.kind.startswith("RECV")]
     first = program.receives[0]
@@ -96,10 +98,21 @@ def test_overtaken_w_are_those_the_plan_ran_before_the_waiting_computation():
     schedule = make_schedule("zb-auto", 2, 8, costs=costs, time_budget=0)
     for rank in range(2):
         plan = lower(schedule).actions[rank]
-        program = rank_program(schedule, rank, lambda s, k: s, lambda d, s: ("x",), lambda n: (torch.Size([1]), torch.float32), resolve_costs(costs, 2))
+        program = rank_program(
+            schedule,
+            rank,
+            lambda s, k: s,
+            lambda d, s: ("x",),
+            lambda n: (torch.Size([1]), torch.float32),
+            resolve_costs(costs, 2),
+        )
         assert program.overtaken or not program.deferred
         for (direction, stage, k), weights in program.overtaken.items():
-            waiting = next(a for a in program.actions if a.stage == stage and a.microbatch == k and a.kind == ("F" if direction == "F" else "I"))
+            waiting = next(
+                a
+                for a in program.actions
+                if a.stage == stage and a.microbatch == k and a.kind == ("F" if direction == "F" else "I")
+            )
             for w in weights:
                 assert plan.index(w) < plan.index(waiting) and program.actions.index(w) > program.actions.index(waiting)
 

@@ -19,9 +19,17 @@ WORKER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "helpers", "te
 def test_twenty_two_rank_pipelines_start_and_tear_down_with_exit_code_zero():
     port = free_port()
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests"), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests"), os.environ.get("PYTHONPATH", "")])
+    )
     ranks = [
-        subprocess.Popen([sys.executable, WORKER, str(rank), str(port), "20"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, WORKER, str(rank), str(port), "20"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for rank in range(2)
     ]
     outcomes = []

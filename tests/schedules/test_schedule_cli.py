@@ -74,6 +74,8 @@ def test_cli_counts_each_stages_reduction(capsys):
     """--reduce 3,0: 1F1B's span grows by stage 0's reduction, the tail after its last B."""
     rows = []
     for reduce in ("0", "3,0"):
-        _run(["schedule", "--stages", "2", "--microbatches", "4", "--reduce", reduce, "--schedule", "1f1b", "--no-grid"])
+        _run(
+            ["schedule", "--stages", "2", "--microbatches", "4", "--reduce", reduce, "--schedule", "1f1b", "--no-grid"]
+        )
         rows.append(capsys.readouterr().out.splitlines()[2].split())
     assert float(rows[1][4]) == float(rows[0][4]) + 3.0  # span

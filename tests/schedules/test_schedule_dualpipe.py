@@ -78,10 +78,14 @@ def test_deepseeks_phases(p):
         near = 0 if r < p // 2 else half  # the first microbatch of the copy where rank r is at position h
         far = half - near
         warmup = [Action(h, "F", near + k) for k in range(2 * (p // 2 - h - 1))]
-        pairs = [a for k in range(h + 1) for a in (Action(h, "F", near + len(warmup) + k), Action(p - 1 - h, "F", far + k))]
+        pairs = [
+            a for k in range(h + 1) for a in (Action(h, "F", near + len(warmup) + k), Action(p - 1 - h, "F", far + k))
+        ]
         assert list(row[: len(warmup) + len(pairs)]) == warmup + pairs, (p, r)
         mirror = sched.actions[p - 1 - r]
-        assert [(a.stage, a.kind, (a.microbatch + half) % m) for a in row] == [(a.stage, a.kind, a.microbatch) for a in mirror]
+        assert [(a.stage, a.kind, (a.microbatch + half) % m) for a in row] == [
+            (a.stage, a.kind, a.microbatch) for a in mirror
+        ]
 
 
 def test_less_bubble_than_1f1b_at_one_more_microbatch_of_memory():

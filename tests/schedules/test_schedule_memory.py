@@ -102,7 +102,9 @@ def test_generated_schedules_validate_and_peak_matches_replay(instance, name):
 @given(instances(), st.sampled_from(["span", "makespan"]))
 def test_zb_auto_within_every_feasible_limit(instance, objective):
     p, m, costs, limit = instance
-    auto = make_schedule("zb-auto", p, m, costs, memory_limit=limit, objective=objective, time_budget=0, placements=("in-line",))
+    auto = make_schedule(
+        "zb-auto", p, m, costs, memory_limit=limit, objective=objective, time_budget=0, placements=("in-line",)
+    )
     validate(auto, costs, limit)
     res = simulate(auto, costs)
     assert list(res.peak_memory) == pytest.approx(replay_peaks(auto, costs))
@@ -134,7 +136,9 @@ def test_below_the_minimum_is_rejected_with_the_reason():
     costs = Costs(mem_b=1.0, mem_w=1.5)
     with pytest.raises(ValueError, match=r"below one microbatch's peak \[1.5\].*mem_w"):
         make_schedule("zb-auto", 4, 8, costs, memory_limit=[4.0, 4.0, 4.0, 1.4], time_budget=0, placements=("in-line",))
-    make_schedule("zb-auto", 4, 8, costs, memory_limit=1.5, time_budget=0, placements=("in-line",))  # exactly the minimum fits
+    make_schedule(
+        "zb-auto", 4, 8, costs, memory_limit=1.5, time_budget=0, placements=("in-line",)
+    )  # exactly the minimum fits
 
 
 @pytest.mark.parametrize("p,m", [(4, 4), (4, 12), (6, 3), (8, 24)])
@@ -166,7 +170,9 @@ def test_closed_form_peaks_at_mem_w_one_and_a_quarter_mem_b(p, m):
 
     assert peaks("1f1b") == pytest.approx([min(p - s, m) * mf + e for s in range(p)])
     ev = Evaluator(p, m, tuple(range(p)), sc)
-    assert [ev.peak(r) for r in handcrafted_rows(ev, "1f1b")] == pytest.approx([min(p - s, m) * mf + e for s in range(p)])
+    assert [ev.peak(r) for r in handcrafted_rows(ev, "1f1b")] == pytest.approx(
+        [min(p - s, m) * mf + e for s in range(p)]
+    )
     assert peaks("gpipe") == pytest.approx([m * mf + e] * p)
     h2 = []
     for s in range(p):
@@ -190,7 +196,9 @@ def test_zb_auto_under_1f1b_memory_when_i_raises_memory():
     limit = one_f_one_b_peak(1.0, 1.25, p)
     h1 = make_schedule("zb-h1", p, m, costs)
     assert max(simulate(h1, costs).peak_memory) > limit
-    auto = make_schedule("zb-auto", p, m, costs, memory_limit=limit, time_budget=0.5, placements=("in-line",), deterministic=True)
+    auto = make_schedule(
+        "zb-auto", p, m, costs, memory_limit=limit, time_budget=0.5, placements=("in-line",), deterministic=True
+    )
     res = simulate(auto, costs)
     assert max(res.peak_memory) <= limit + TOL
     assert res.span <= simulate(make_schedule("1f1b", p, m, costs), costs).span + 1e-9

@@ -38,7 +38,9 @@ def _fits(sched, costs, limit):
 @given(instances(), st.sampled_from(["span", "makespan"]))
 def test_zb_auto_never_worse_than_handcrafted_and_within_memory(instance, objective):
     p, m, costs, limit = instance
-    auto = make_schedule("zb-auto", p, m, costs, memory_limit=limit, objective=objective, time_budget=0, placements=("in-line",))
+    auto = make_schedule(
+        "zb-auto", p, m, costs, memory_limit=limit, objective=objective, time_budget=0, placements=("in-line",)
+    )
     validate(auto, costs, limit)
     res = simulate(auto, costs)
     if limit is not None:

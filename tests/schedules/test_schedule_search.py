@@ -116,7 +116,10 @@ def test_zb_auto_matches_or_beats_table5(key):
 def test_zb_auto_is_deterministic():
     p, f, b, w, comm = PROFILES["1.5B"]
     costs = Costs(f=f, i=b, w=w, comm=comm)
-    runs = [make_schedule("zb-auto", p, 24, costs, memory_limit=2 * p, time_budget=0.5, deterministic=True) for _ in range(2)]
+    runs = [
+        make_schedule("zb-auto", p, 24, costs, memory_limit=2 * p, time_budget=0.5, deterministic=True)
+        for _ in range(2)
+    ]
     assert runs[0].actions == runs[1].actions
 
 

@@ -10,7 +10,15 @@ PROFILE = Costs(f=18.522, i=18.086, w=9.337, comm=0.601)
 @pytest.mark.parametrize("objective", ["span", "makespan"])
 def test_solver_proves_optimum_on_a_small_instance(objective):
     sched = make_schedule(
-        "zb-auto", 3, 4, PROFILE, memory_limit=3.0, objective=objective, time_budget=20, placements=("in-line",), deterministic=True
+        "zb-auto",
+        3,
+        4,
+        PROFILE,
+        memory_limit=3.0,
+        objective=objective,
+        time_budget=20,
+        placements=("in-line",),
+        deterministic=True,
     )
     info = sched.info
     value = simulate(sched, PROFILE).objective(objective)
@@ -24,7 +32,9 @@ def test_solver_proves_optimum_on_a_small_instance(objective):
 def test_solver_result_never_worse_and_valid():
     costs = Costs(f=[1.0, 1.4, 0.8, 1.1], i=[0.0, 1.3, 1.0, 1.6], w=[0.9, 0.5, 0.7, 0.6], comm=0.2)
     limit = [2.0, 3.0, 2.0, 2.0]
-    sched = make_schedule("zb-auto", 4, 8, costs, memory_limit=limit, time_budget=4, placements=("in-line",), deterministic=True)
+    sched = make_schedule(
+        "zb-auto", 4, 8, costs, memory_limit=limit, time_budget=4, placements=("in-line",), deterministic=True
+    )
     validate(sched, costs, limit)
     res = simulate(sched, costs)
     assert res.span <= sched.info["heuristic_value"] + 1e-9

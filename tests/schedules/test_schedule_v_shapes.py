@@ -69,12 +69,29 @@ def test_v_schedules_order_memory_and_bubble():
         assert res["v-zb"].stage_bubble_rate <= h1.stage_bubble_rate + 1e-9, (p, m)
         assert max(res["v-min"].peak_memory) <= max(res["v-half"].peak_memory) <= max(res["v-zb"].peak_memory)
         if m >= 2 * p:
-            assert res["v-zb"].stage_bubble_rate <= res["v-half"].stage_bubble_rate <= res["v-min"].stage_bubble_rate + 1e-9
+            assert (
+                res["v-zb"].stage_bubble_rate
+                <= res["v-half"].stage_bubble_rate
+                <= res["v-min"].stage_bubble_rate + 1e-9
+            )
 
 
 def test_looped_bfs_runs_all_forwards_first():
     sched = make_schedule("looped-bfs", 4, 3)
-    assert [str(a) for a in sched.actions[1]] == ["1F0", "1F1", "1F2", "3F0", "3F1", "3F2", "3B0", "3B1", "3B2", "1B0", "1B1", "1B2"]
+    assert [str(a) for a in sched.actions[1]] == [
+        "1F0",
+        "1F1",
+        "1F2",
+        "3F0",
+        "3F1",
+        "3F2",
+        "3B0",
+        "3B1",
+        "3B2",
+        "1B0",
+        "1B1",
+        "1B2",
+    ]
     assert sched.stage_to_rank == (0, 1, 0, 1)
 
 
@@ -174,7 +191,9 @@ def test_zb_auto_v_runs_on_the_chunks_costs_it_is_given():
     assert stage_costs.chunked(2).merged(2) == stage_costs
     uneven = Costs(f=1.0, mem_b=[1.2, 0.2, 0.4, 0.4, 0.9, 0.1], mem_w=0.3).resolve(2 * p)
     limit = 0.7 * max(simulate(make_schedule("1f1b", p, m, uneven.merged(2)), uneven.merged(2)).peak_memory)
-    auto = make_schedule("zb-auto", p, m, uneven.merged(2), memory_limit=limit, time_budget=0, placements=("v",), chunk_costs=uneven)
+    auto = make_schedule(
+        "zb-auto", p, m, uneven.merged(2), memory_limit=limit, time_budget=0, placements=("v",), chunk_costs=uneven
+    )
     assert auto.info["placement"] == "v" and auto.stages == 2 * p
     assert max(simulate(auto, uneven).peak_memory) <= limit + 1e-9
     assert auto.info["value"] == pytest.approx(simulate(auto, uneven).span)

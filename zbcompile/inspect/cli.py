@@ -17,12 +17,18 @@ import sys
 
 from zbcompile.inspect.html import write_report
 from zbcompile.inspect.read import GRAPHS, graph_text, load
-from zbcompile.inspect.text import split_diff, summary_text
+from zbcompile.inspect.split_diff import split_diff
+from zbcompile.inspect.text import summary_text
 from zbcompile.inspect.trace import TRACE_FILE
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("inspect", help="what the compiler did: summary, graphs, split, report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = subparsers.add_parser(
+        "inspect",
+        help="what the compiler did: summary, graphs, split, report",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("dir", help="a dump: ZBCOMPILE_DUMP's directory or one compile-<n> in it")
     parser.add_argument("--stage", type=int, default=None, help="the stage of --graph (or of --diff)")
     parser.add_argument("--graph", choices=GRAPHS, default=None, help="print one graph")
@@ -38,7 +44,9 @@ def run(args: argparse.Namespace) -> int:
             print(graph_text(dump, args.stage, args.graph), end="")
         elif args.diff:
             if args.stage is not None and not 0 <= args.stage < dump.record["stages"]:
-                raise ValueError(f"--stage {args.stage} does not exist: this pipeline has stages 0..{dump.record['stages'] - 1}")
+                raise ValueError(
+                    f"--stage {args.stage} does not exist: this pipeline has stages 0..{dump.record['stages'] - 1}"
+                )
             print(split_diff(dump, args.stage))
         else:
             print(f"{dump.directory}\n")

@@ -20,7 +20,8 @@ from html import escape
 from typing import Any, Sequence
 
 from zbcompile.inspect.read import Dump, graph_text, load
-from zbcompile.inspect.text import comparison, si, split_diff, summary_text
+from zbcompile.inspect.split_diff import split_diff
+from zbcompile.inspect.text import comparison, si, summary_text
 from zbcompile.inspect.trace import action_events, median
 from zbcompile.schedules.ir import COMPUTE_KINDS, Action, format_grid
 from zbcompile.schedules.render import COLOURS, Box, idle_boxes, to_png_panels, to_svg
@@ -33,7 +34,14 @@ def predicted_boxes(version: dict[str, Any], scale: float) -> list[Box]:
     """The simulator's timing of every compute action, times multiplied by `scale`."""
     start, end = version["prediction"]["start"], version["prediction"]["end"]
     return [
-        Box(rank, start[text] * scale, end[text] * scale, str(Action.parse(text).microbatch), Action.parse(text).kind, text)
+        Box(
+            rank,
+            start[text] * scale,
+            end[text] * scale,
+            str(Action.parse(text).microbatch),
+            Action.parse(text).kind,
+            text,
+        )
         for rank, row in enumerate(version["actions"])
         for text in row
     ]
@@ -72,7 +80,10 @@ def compared_panels(dumps: Sequence[Dump]) -> list[tuple[str, list[Box]]]:
         step = found["representative"]
         compute = [b for b in measured_boxes(run.trace, step) if b.kind in COMPUTE_KINDS]
         idle = idle_boxes(compute)
-        spans = [max(b.end for b in compute if b.rank == r) - min(b.start for b in compute if b.rank == r) for r in {b.rank for b in compute}]
+        spans = [
+            max(b.end for b in compute if b.rank == r) - min(b.start for b in compute if b.rank == r)
+            for r in {b.rank for b in compute}
+        ]
         share = sum(b.end - b.start for b in idle) / max(sum(spans), 1e-12)
         title = (
             f"{version['name']}, step {step} (the median of {len(found['steps'])} steady steps): longest rank span "
@@ -102,7 +113,8 @@ def bar_chart(title: str, groups: Sequence[tuple[str, Sequence[tuple[str, float]
     top = max([v for _, bars in groups for _, v in bars] + [1e-30])
     height = 24 + sum(len(bars) * row + 8 for _, bars in groups)
     out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height}" font-family="sans-serif" font-size="11">',
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height}" font-family="sans-serif" '
+        'font-size="11">',
         f'<text x="4" y="14" font-size="13">{escape(title)}</text>',
     ]
     y = 24
@@ -113,7 +125,8 @@ def bar_chart(title: str, groups: Sequence[tuple[str, Sequence[tuple[str, float]
             name = f"{label} {series}" if i == 0 else series
             out.append(f'<text x="4" y="{y + 12}">{escape(name)}</text>')
             out.append(
-                f'<rect class="bar" data-series="{escape(series)}" data-group="{escape(label)}" x="{label_width}" y="{y + 2}" '
+                f'<rect class="bar" data-series="{escape(series)}" data-group="{escape(label)}" x="{label_width}" '
+                f'y="{y + 2}" '
                 f'width="{max(w, 0.5):.2f}" height="{row - 4}" fill="{colour}"/>'
             )
             out.append(f'<text x="{label_width + w + 4:.2f}" y="{y + 12}">{escape(fmt(value))}</text>')
@@ -138,17 +151,23 @@ def _timelines(dump: Dump, version: dict[str, Any], found: dict[str, Any] | None
     if found is None:
         label, scale = ("ms", 1e3) if unit == "s" else ("FLOP-equivalents", 1.0)
         boxes = predicted_boxes(version, scale)
-        return to_svg(boxes, f"predicted ({label}): {version['name']}", _TIMELINE_WIDTH) + "<p>measured: no trace recorded</p>"
+        return (
+            to_svg(boxes, f"predicted ({label}): {version['name']}", _TIMELINE_WIDTH)
+            + "<p>measured: no trace recorded</p>"
+        )
     predicted = predicted_boxes(version, found["scale"] * 1e3)
     measured = measured_boxes(dump.trace, found["representative"])
     # both from the first compute action; a RECV wait may begin before it
     span = (min([0.0, *(b.start for b in measured)]), max(b.end for b in [*predicted, *measured]))
     return "\n".join(
         [
-            to_svg(predicted, f"predicted (ms): makespan {found['predicted_makespan'] * 1e3:.2f} ms", _TIMELINE_WIDTH, span),
+            to_svg(
+                predicted, f"predicted (ms): makespan {found['predicted_makespan'] * 1e3:.2f} ms", _TIMELINE_WIDTH, span
+            ),
             to_svg(
                 measured,
-                f"measured, step {found['representative']} (ms; grey: SEND posts and RECV waits): makespan of the median step",
+                f"measured, step {found['representative']} (ms; grey: SEND posts and RECV waits): makespan of the "
+                "median step",
                 _TIMELINE_WIDTH,
                 span,
             ),
@@ -169,7 +188,9 @@ def _bars(dump: Dump, version: dict[str, Any], found: dict[str, Any] | None) -> 
             if (s, kind) in measured:
                 bars.append(("measured", measured[(s, kind)]))
             time_groups.append((f"stage {s} {kind}", bars))
-    memory_groups = [(f"stage {row['stage']}", [("M_B", row["mem_b"]), ("M_W", row["mem_w"])]) for row in record["stage_rows"]]
+    memory_groups = [
+        (f"stage {row['stage']}", [("M_B", row["mem_b"]), ("M_W", row["mem_w"])]) for row in record["stage_rows"]
+    ]
     peak_groups = []
     for rank, peak in enumerate(version["prediction"]["peak_memory_bytes"]):
         bars = [("predicted", peak)]
@@ -186,12 +207,18 @@ def _bars(dump: Dump, version: dict[str, Any], found: dict[str, Any] | None) -> 
 
 
 def _listings(dump: Dump) -> str:
-    parts = [f"<details><summary>traced forward with stages</summary><pre>{escape(graph_text(dump, None, 'forward'))}</pre></details>"]
+    parts = [
+        "<details><summary>traced forward with "
+        f"stages</summary><pre>{escape(graph_text(dump, None, 'forward'))}</pre></details>"
+    ]
     for s in range(dump.record["stages"]):
         for graph in ("F", "I", "W", "B"):
             code = graph_text(dump, s, graph)
             parts.append(f"<details><summary>stage {s} {graph}</summary><pre>{escape(code)}</pre></details>")
-    parts.append(f"<details><summary>the backward before and after the I/W split</summary><pre>{escape(split_diff(dump))}</pre></details>")
+    parts.append(
+        "<details><summary>the backward before and after the I/W "
+        f"split</summary><pre>{escape(split_diff(dump))}</pre></details>"
+    )
     return "\n".join(parts)
 
 
@@ -222,7 +249,8 @@ def report_html(dump: Dump, compared: Sequence[Dump] = ()) -> str:
             '<html><head><meta charset="utf-8">',
             f"<title>zbcompile report: {escape(dump.record['model'])}</title>",
             f"<style>{_STYLE}</style></head><body>",
-            f"<h1>zbcompile: {escape(dump.record['model'])}, {dump.record['stages']} stages, schedule {escape(version['name'])}</h1>",
+            f"<h1>zbcompile: {escape(dump.record['model'])}, {dump.record['stages']} stages, schedule "
+            f"{escape(version['name'])}</h1>",
             headline,
             _compared_section([*compared, dump]) if compared else "",
             "<h2>Timelines</h2>",

@@ -32,8 +32,19 @@ def format_schedules(record: dict[str, Any]) -> str:
     (span) and the stage bubble; then zb-auto's choice."""
     limit = record["memory_limit_bytes"]
     largest = max([max(e["peak_bytes"]) for e in record["schedules"] if not e.get("error")] + [1.0])
-    scale, unit = next((f, u) for f, u in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB"), (1.0, "B")) if largest >= f or f == 1.0)
-    header = ("schedule", "peak (max rank)", "fits", "step", "steady step", "bubble", "stage bubble", f"peak per rank ({unit})")
+    scale, unit = next(
+        (f, u) for f, u in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB"), (1.0, "B")) if largest >= f or f == 1.0
+    )
+    header = (
+        "schedule",
+        "peak (max rank)",
+        "fits",
+        "step",
+        "steady step",
+        "bubble",
+        "stage bubble",
+        f"peak per rank ({unit})",
+    )
     lines = []
     for entry in record["schedules"]:
         if entry.get("error"):

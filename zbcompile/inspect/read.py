@@ -72,7 +72,10 @@ def graph_text(dump: Dump, stage: int | None, graph: str) -> str:
     else:
         stages = dump.record["stages"]
         if stage is None or not 0 <= stage < stages:
-            raise ValueError(f"--graph {graph} needs --stage between 0 and {stages - 1} (this pipeline has {stages} stages), got {stage}")
+            raise ValueError(
+                f"--graph {graph} needs --stage between 0 and {stages - 1} (this pipeline has {stages} stages), got "
+                f"{stage}"
+            )
         path = os.path.join(stage_dir(dump.directory, stage), GRAPH_FILES[graph])
     with open(path) as f:
         return f.read()

@@ -1,7 +1,6 @@
 """What the compiler did, as text: the per-stage table (parameters, F/I/W FLOPs, activation
 memory M_B and M_W, boundary bytes), the schedule's costs and predicted makespan and bubble
-against the measured ones (`summary_text`, what `zbcompile inspect` and `pipe.explain()` print),
-and the backward before and after the I/W split (`split_diff`).
+against the measured ones (`summary_text`, what `zbcompile inspect` and `pipe.explain()` print).
 
 `stage_rows` turns a compiled pipeline into plain per-stage facts (JSON-able: the dump stores
 them); `format_stage_table` prints them. Both `stage_table` and `zbcompile inspect` print
@@ -9,12 +8,11 @@ through it, so the table reads the same live and from a dump. Pure Python; no to
 
 from __future__ import annotations
 
-import itertools
 import math
 import re
 from typing import TYPE_CHECKING, Any, Sequence
 
-from zbcompile.inspect.read import Dump, graph_text
+from zbcompile.inspect.read import Dump
 from zbcompile.inspect.trace import MOVED, median, median_step, steady_steps, step_stats
 from zbcompile.options import DATA_PARALLEL_MODES
 
@@ -43,7 +41,12 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 def _value(name: str, info: Any) -> dict[str, Any]:
     if info is None:
         return {"name": name, "shape": None, "dtype": None, "bytes": None}
-    return {"name": name, "shape": list(info.shape), "dtype": str(info.dtype).removeprefix("torch."), "bytes": info.nbytes}
+    return {
+        "name": name,
+        "shape": list(info.shape),
+        "dtype": str(info.dtype).removeprefix("torch."),
+        "bytes": info.nbytes,
+    }
 
 
 def stage_rows(compiled: "CompiledPipeline") -> list[dict[str, Any]]:
@@ -51,7 +54,9 @@ def stage_rows(compiled: "CompiledPipeline") -> list[dict[str, Any]]:
     FLOPs, written bytes and estimated time (FLOP-equivalents) of F, I and W, M_B and M_W in
     bytes, the boundary values it receives and sends (name, shape, dtype, bytes), and the bytes
     crossing the boundary to the next stage."""
-    return stage_rows_of(compiled.traced.model.named_parameters(), compiled.partition, [p.cost for p in compiled.programs])
+    return stage_rows_of(
+        compiled.traced.model.named_parameters(), compiled.partition, [p.cost for p in compiled.programs]
+    )
 
 
 def stage_rows_of(named_parameters: Any, partition: Any, costs: Sequence[Any]) -> list[dict[str, Any]]:
@@ -78,7 +83,9 @@ def stage_rows_of(named_parameters: Any, partition: Any, costs: Sequence[Any]) -
                 "mem_w": cost.mem_w,
                 "inputs": [_value(n, partition.values.get(n)) for n in stage.inputs],
                 "outputs": [_value(n, partition.values.get(n)) for n in stage.outputs],
-                "send_bytes": partition.boundary_bytes[stage.index] if stage.index < len(partition.boundary_bytes) else 0,
+                "send_bytes": partition.boundary_bytes[stage.index]
+                if stage.index < len(partition.boundary_bytes)
+                else 0,
             }
         )
     return rows
@@ -173,7 +180,9 @@ def state_rows(
             if mode == "shard" and p.dim() > 0:
                 numel = math.ceil(p.shape[0] / replicas) * math.prod(p.shape[1:])
             held += numel * p.element_size()
-            grads += numel * (grad_dtype.itemsize if grad_dtype is not None and p.is_floating_point() else p.element_size())
+            grads += numel * (
+                grad_dtype.itemsize if grad_dtype is not None and p.is_floating_point() else p.element_size()
+            )
         rows.append({"rank": rank, "params": held, "grads": grads, "optimizer": 2 * held})
     return rows
 
@@ -205,7 +214,9 @@ def stage_table(compiled: "CompiledPipeline") -> str:
 # --- state memory per rank (shared with the plan's report, inspect/plan_report.py) ---------------
 
 
-def state_bytes(param_bytes: float, dp: int, mode: str, grad_factor: float = 1.0, optimizer_factor: float = 2.0) -> dict[str, float]:
+def state_bytes(
+    param_bytes: float, dp: int, mode: str, grad_factor: float = 1.0, optimizer_factor: float = 2.0
+) -> dict[str, float]:
     """Bytes one rank holds for a stage's `param_bytes` (P) of parameters during a step: "params",
     "grads", "optimizer" and their "total". AdamW by default: two moments per parameter in its
     dtype (`optimizer_factor=2`), gradients in the parameters' dtype (`grad_factor=1`).
@@ -279,16 +290,21 @@ def format_schedule(version: dict[str, Any], count: int = 1, memory_unit: int | 
         "given": "given to pipeline(costs=...)",
     }.get(version["cost_source"], "static estimates in FLOP-equivalents (FLOPs + 4 x bytes written)")
     lines = [
-        f"schedule {version['name']} (version {version['version']} of {count}), {ranks} ranks (stage->rank {placement}), "
+        f"schedule {version['name']} (version {version['version']} of {count}), {ranks} ranks (stage->rank "
+        f"{placement}), "
         f"{version['microbatches']} microbatches",
         f"costs: {source}, comm {_time(costs['comm'], unit)}",
     ]
     info = version.get("info", {})
     if info.get("placement") == "v":
-        lines.insert(1, (
-            f"placement: V, two chunks per rank ({info.get('v_source')} order), chosen by zb-auto under the memory limit, "
-            "below one stage per rank's 1F1B"
-        ))
+        lines.insert(
+            1,
+            (
+                f"placement: V, two chunks per rank ({info.get('v_source')} order), chosen by zb-auto under the memory "
+                "limit, "
+                "below one stage per rank's 1F1B"
+            ),
+        )
     unit_bytes = memory_unit or 1
     rows = [
         (
@@ -304,7 +320,10 @@ def format_schedule(version: dict[str, Any], count: int = 1, memory_unit: int | 
     lines.append(format_table(("stage", "F", "I", "W", "M_B", "M_W"), rows))
     if any(costs.get("reduce", ())):
         shown = ", ".join(f"{s} {_time(t, unit)}" for s, t in enumerate(costs["reduce"]))
-        lines.append(f"gradient reduction over the replicas after each stage's last W (on the link, counted in the prediction): {shown}")
+        lines.append(
+            "gradient reduction over the replicas after each stage's last W (on the link, counted in the prediction): "
+            f"{shown}"
+        )
     if version.get("memory_limit"):
         shown = ", ".join(si(v * unit_bytes, "B") if memory_unit else f"{v:.2f}" for v in version["memory_limit"])
         rule = version.get("info", {}).get("memory_limit_rule", "the schedule's own")
@@ -357,7 +376,10 @@ def comparison(version: dict[str, Any], trace: dict[str, Any] | None) -> dict[st
         "predicted_makespan": predicted["makespan"] * scale,
         "ratio": makespan / (predicted["makespan"] * scale) if predicted["makespan"] > 0 else float("nan"),
         "representative": median_step(steps)["step"],
-        "peak_live_bytes": [info["peak_live_bytes"] for _, info in sorted(trace["otherData"]["ranks"].items(), key=lambda kv: int(kv[0]))],
+        "peak_live_bytes": [
+            info["peak_live_bytes"]
+            for _, info in sorted(trace["otherData"]["ranks"].items(), key=lambda kv: int(kv[0]))
+        ],
     }
 
 
@@ -369,11 +391,13 @@ def format_measured(version: dict[str, Any], trace: dict[str, Any] | None) -> st
     how = (
         "the schedule's measured costs, in seconds"
         if version["time_unit"] == "s"
-        else f"static estimates put in seconds so that predicted busy time equals measured: {found['scale'] * 1e9:.3g} ns per FLOP-eq"
+        else "static estimates put in seconds so that predicted busy time equals measured: "
+        f"{found['scale'] * 1e9:.3g} ns per FLOP-eq"
     )
     return "\n".join(
         [
-            f"measured: {len(steps)} steps of version {version['version']} (steps {steps[0]}-{steps[-1]}; a schedule's first step "
+            f"measured: {len(steps)} steps of version {version['version']} (steps {steps[0]}-{steps[-1]}; a schedule's "
+            "first step "
             "warms up and is left out), medians:",
             f"  makespan {found['makespan'] * 1e3:.2f} ms, span {found['span'] * 1e3:.2f} ms, "
             f"{_rates(found['bubble_rate'], found['stage_bubble_rate'])}",
@@ -420,53 +444,3 @@ def summary_text(dump: Dump) -> str:
 
 
 # --- the I/W split ----------------------------------------------------------------------------
-
-_ASSIGNMENT = re.compile(r'^\s+(\w+)(?:: "[^"]*")? = (.*?)(\s+#.*)?$')
-
-
-def _operations(code: str) -> dict[str, str]:
-    """Node name -> its right-hand side, in graph order, from `inspect.write.readable_code` output."""
-    ops = {}
-    for line in code.splitlines():
-        match = _ASSIGNMENT.match(line)
-        if match:
-            ops[match.group(1)] = match.group(2).replace("torch.ops.", "")
-    return ops
-
-
-def _returns(code: str) -> list[str]:
-    """The environment names a graph returns, from its code's header."""
-    lines = code.splitlines()
-    after = lines[lines.index("# returns, in order:") + 1 :]
-    names = [line.removeprefix("#").strip() for line in itertools.takewhile(lambda line: line.startswith("#   "), after)]
-    return [n for n in names if n != "(nothing)"]
-
-
-def split_diff(dump: Dump, stage: int | None = None) -> str:
-    """Per stage, every operation of the unsplit backward marked with where it went (I, W or
-    both: recomputed), operations I or W compute differently (a fused op asked for part of its
-    outputs), the ones they add (W's copy of such an op, which takes over outputs of the
-    original) and what each returns."""
-    stages = range(dump.record["stages"]) if stage is None else [stage]
-    blocks = []
-    for s in stages:
-        code = {g: graph_text(dump, s, g) for g in ("B", "I", "W")}
-        ops = {g: _operations(text) for g, text in code.items()}
-        whole, i, w = ops["B"], ops["I"], ops["W"]
-        lines = [f"stage {s}: the backward ({len(whole)} ops) split into I ({len(i)} ops) and W ({len(w)} ops)", "  I W  op"]
-        added = [(g, name, rhs) for g, graph_ops in (("I", i), ("W", w)) for name, rhs in graph_ops.items() if name not in whole]
-        for name, rhs in whole.items():
-            mark = f"  {'I' if name in i else ' '} {'W' if name in w else ' '}"
-            if name not in i and name not in w:
-                mark = "  - -"
-                rhs += "  (in neither: computed by an added copy below)" if added else "  (in neither: unused)"
-            lines.append(f"{mark}  {name} = {rhs}")
-            for g, graph_ops in (("I", i), ("W", w)):
-                if name in graph_ops and graph_ops[name].replace("stash_", "") != rhs:
-                    lines.append(f"         {g} computes: {graph_ops[name]}")
-        for g, name, rhs in added:
-            lines.append(f"  +{g}   {name} = {rhs}  (not in the unsplit backward)")
-        for g in ("I", "W"):
-            lines.append(f"  {g} returns: {', '.join(_returns(code[g])) or '(nothing)'}")
-        blocks.append("\n".join(lines))
-    return "\n\n".join(blocks)

@@ -103,24 +103,46 @@ def chrome_trace(timelines: dict[int, tuple[dict, list[dict]]]) -> dict[str, Any
     ranks = {}
     for rank, (header, steps) in sorted(timelines.items()):
         stages = ", ".join(map(str, header.get("stages", [])))
-        events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank} (stage {stages})"}})
+        events.append(
+            {"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank} (stage {stages})"}}
+        )
         events.append({"ph": "M", "name": "process_sort_index", "pid": rank, "args": {"sort_index": rank}})
         for tid, name in ((COMPUTE_THREAD, "compute"), (COMM_THREAD, "communication")):
             events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": name}})
         for step in steps:
             moved = {w: how for key, how in MOVED.items() for w in step.get("moved_w", {}).get(key, [])}
             for text, start, end in step["events"]:
-                timing = {"ts": round((start + offsets[rank] - origin) * 1e6, 3), "dur": round(max(end - start, 0.0) * 1e6, 3)}
+                timing = {
+                    "ts": round((start + offsets[rank] - origin) * 1e6, 3),
+                    "dur": round(max(end - start, 0.0) * 1e6, 3),
+                }
                 if text.startswith(REDUCE):  # a gradient reduction over the replicas: no action of the schedule
                     args = {"step": step["step"], "schedule_version": step["schedule_version"]}
-                    events.append({"ph": "X", "name": text, "cat": REDUCE, "pid": rank, "tid": COMM_THREAD, **timing, "args": args})
+                    events.append(
+                        {
+                            "ph": "X",
+                            "name": text,
+                            "cat": REDUCE,
+                            "pid": rank,
+                            "tid": COMM_THREAD,
+                            **timing,
+                            "args": args,
+                        }
+                    )
                     continue
                 action = Action.parse(text)
-                args = {"step": step["step"], "stage": action.stage, "microbatch": action.microbatch, "schedule_version": step["schedule_version"]}
+                args = {
+                    "step": step["step"],
+                    "stage": action.stage,
+                    "microbatch": action.microbatch,
+                    "schedule_version": step["schedule_version"],
+                }
                 if text in moved:
                     args["moved"] = moved[text]
                 tid = COMPUTE_THREAD if action.is_compute else COMM_THREAD
-                events.append({"ph": "X", "name": text, "cat": action.kind, "pid": rank, "tid": tid, **timing, "args": args})
+                events.append(
+                    {"ph": "X", "name": text, "cat": action.kind, "pid": rank, "tid": tid, **timing, "args": args}
+                )
         ranks[str(rank)] = {
             "pp_rank": header.get("pp_rank"),
             "dp_rank": header.get("dp_rank"),
@@ -225,7 +247,9 @@ def step_stats(trace: dict[str, Any]) -> list[dict[str, Any]]:
         per_rank = defaultdict(list)
         for e in compute:
             per_rank[e["pid"]].append(e)
-        rank_span = {r: (max(e["ts"] + e["dur"] for e in es) - min(e["ts"] for e in es)) / 1e6 for r, es in per_rank.items()}
+        rank_span = {
+            r: (max(e["ts"] + e["dur"] for e in es) - min(e["ts"] for e in es)) / 1e6 for r, es in per_rank.items()
+        }
         busy = {r: sum(e["dur"] for e in per_rank.get(r, [])) / 1e6 for r in ranks}
         waits = {r: sum(e["dur"] for e in events if e["pid"] == r and e["cat"].startswith("RECV")) / 1e6 for r in ranks}
         span = max(rank_span.values())

@@ -110,7 +110,9 @@ def schedule_costs_used(schedule: Schedule, compiled: "CompiledPipeline", measur
     return costs, source
 
 
-def schedule_record(schedule: Schedule, costs: Costs, cost_source: str, memory_unit: int, version: int) -> dict[str, Any]:
+def schedule_record(
+    schedule: Schedule, costs: Costs, cost_source: str, memory_unit: int, version: int
+) -> dict[str, Any]:
     """One entry of `schedule.json`: the schedule, its lowering, its costs, the memory limit it
     was made under (per rank, in units; None: none) and the simulator's prediction under them
     (times in the costs' unit, memory in units and bytes)."""
@@ -192,8 +194,15 @@ def program_code(program: "Program", stage: int, graph: str) -> str:
 def forward_code(compiled: "CompiledPipeline") -> str:
     """The traced forward + loss, each computed node marked with its stage."""
     traced, partition = compiled.traced, compiled.partition
-    header = ["the traced forward + loss of one microbatch; `# stage s`: the stage that computes a node,", "`# every stage that uses it`: depends only on parameters and constants, recomputed where needed", "inputs:"]
-    header += [f"  {n.name} <- {n.meta['zb_role']} {n.meta['zb_name']}" for n in traced.graph_module.graph.find_nodes(op="placeholder")]
+    header = [
+        "the traced forward + loss of one microbatch; `# stage s`: the stage that computes a node,",
+        "`# every stage that uses it`: depends only on parameters and constants, recomputed where needed",
+        "inputs:",
+    ]
+    header += [
+        f"  {n.name} <- {n.meta['zb_role']} {n.meta['zb_name']}"
+        for n in traced.graph_module.graph.find_nodes(op="placeholder")
+    ]
     computed = {n.name for n in traced.graph_module.graph.nodes if n.op == "call_function"}
 
     def note(name: str) -> str | None:
@@ -231,9 +240,16 @@ class CompileDump:
         self._write("stages.txt", format_stages(record["stage_rows"], record["tied"]) + "\n")
         self._write(FORWARD_FILE, forward_code(self.compiled))
         for program in self.compiled.programs:
-            graphs = {"F": program.forward, "I": program.input_backward, "W": program.weight_backward, "B": program.joint.backward}
+            graphs = {
+                "F": program.forward,
+                "I": program.input_backward,
+                "W": program.weight_backward,
+                "B": program.joint.backward,
+            }
             for graph, prog in graphs.items():
-                self._write(os.path.join(f"stage{program.index}", GRAPH_FILES[graph]), program_code(prog, program.index, graph))
+                self._write(
+                    os.path.join(f"stage{program.index}", GRAPH_FILES[graph]), program_code(prog, program.index, graph)
+                )
         self._write_schedules()
 
     def start_timeline(self, header: dict[str, Any]) -> None:
@@ -262,7 +278,9 @@ class CompileDump:
     def _add_version(self, schedule: Schedule, measured: Costs | None) -> None:
         costs, source = schedule_costs_used(schedule, self.compiled, measured)
         self.versions.append(schedule)
-        self.records.append(schedule_record(schedule, costs, source, self.compiled.memory_unit(), len(self.versions) - 1))
+        self.records.append(
+            schedule_record(schedule, costs, source, self.compiled.memory_unit(), len(self.versions) - 1)
+        )
 
     def _write_schedules(self) -> None:
         latest, schedule = self.records[-1], self.versions[-1]
@@ -278,7 +296,13 @@ class CompileDump:
             f.write(text)
 
 
-def start_dump(dump_dir: str | os.PathLike | None, compiled: "CompiledPipeline", schedule: Schedule, options: PipelineOptions, runner: Any) -> CompileDump | None:
+def start_dump(
+    dump_dir: str | os.PathLike | None,
+    compiled: "CompiledPipeline",
+    schedule: Schedule,
+    options: PipelineOptions,
+    runner: Any,
+) -> CompileDump | None:
     """Begin the dump of a compile (None when dumping is off): rank 0 writes the compile's files,
     every rank of a distributed run starts its timeline."""
     root = dump_root(dump_dir)
@@ -314,10 +338,19 @@ def world_of(runner: Any, schedule: Schedule, grad_dtype: Any = None) -> dict[st
     replicas = 1 if layout is None else layout.dp_size
     mode = getattr(runner, "data_parallel", "replicate") if replicas > 1 else "replicate"
     stages_on = [schedule.stages_on(rank) for rank in range(schedule.ranks)]
-    data_parallel = {"replicas": replicas, "data_parallel": mode, "state_bytes": state_rows(runner.compiled, stages_on, replicas, mode, grad_dtype)}
+    data_parallel = {
+        "replicas": replicas,
+        "data_parallel": mode,
+        "state_bytes": state_rows(runner.compiled, stages_on, replicas, mode, grad_dtype),
+    }
     if layout is None:
         return {"distributed": False, "world_size": 1, "ranks_per_pipeline": schedule.ranks, **data_parallel}
-    return {"distributed": True, "world_size": layout.pp_size * layout.dp_size, "ranks_per_pipeline": layout.pp_size, **data_parallel}
+    return {
+        "distributed": True,
+        "world_size": layout.pp_size * layout.dp_size,
+        "ranks_per_pipeline": layout.pp_size,
+        **data_parallel,
+    }
 
 
 def live_dump(pipe: Any, compile_dump: CompileDump | None = None) -> Dump:

@@ -42,7 +42,9 @@ def _requires_grad(tree: object) -> bool:
 def _is_in_place(func: object) -> bool:
     name = getattr(func, "__name__", "")
     if name.startswith("__"):
-        return name == "__setitem__" or (name.startswith("__i") and name not in ("__init__", "__index__", "__int__", "__invert__", "__iter__"))
+        return name == "__setitem__" or (
+            name.startswith("__i") and name not in ("__init__", "__index__", "__int__", "__invert__", "__iter__")
+        )
     return name.endswith("_")
 
 
@@ -68,7 +70,10 @@ class watching_autograd(TorchFunctionMode):
                 "registers a gradient hook on a tensor in its forward",
                 "Remove the hook; change the gradient through the loss, or the parameters' .grad after step().",
             )
-        if func in (F.embedding, F.embedding_bag) and kwargs.get("max_norm", args[3] if len(args) > 3 else None) is not None:
+        if (
+            func in (F.embedding, F.embedding_bag)
+            and kwargs.get("max_norm", args[3] if len(args) > 3 else None) is not None
+        ):
             raise self._refuse(
                 "uses an embedding with max_norm (it renormalises the weight in place during the forward)",
                 "Create the embedding without max_norm and renormalise the weight outside the forward.",
@@ -77,7 +82,8 @@ class watching_autograd(TorchFunctionMode):
             return func(*args, **kwargs)
         if _is_in_place(func) and args and _requires_grad(args[0]):
             raise self._refuse(
-                f"updates a tensor that requires grad in place under torch.no_grad() ({getattr(func, '__qualname__', func)}): "
+                "updates a tensor that requires grad in place under torch.no_grad() "
+                f"({getattr(func, '__qualname__', func)}): "
                 "eager autograd passes the gradient through the update unchanged",
                 "Update a copy (`h = h.detach().clone()` first), or write `h = h + (update - h).detach()` "
                 "outside no_grad.",

@@ -146,7 +146,9 @@ def _positions_reading(node: fx.Node, position: dict[fx.Node, int], unanchored: 
 # --- choosing the cuts -------------------------------------------------------------------------
 
 
-def boundary_values(anchors: list[fx.Node], graph: fx.Graph, results: Sequence[fx.Node] = ()) -> list[tuple[fx.Node, int, int]]:
+def boundary_values(
+    anchors: list[fx.Node], graph: fx.Graph, results: Sequence[fx.Node] = ()
+) -> list[tuple[fx.Node, int, int]]:
     """(value, first position it can cross, last position that reads it) for every tensor
     value an anchored node reads from an earlier position, and every one of the graph's
     `results` (which the last stage returns: read at the last position). Inputs live from
@@ -266,7 +268,11 @@ def balanced_cuts(
 
 
 def cuts_at_split_points(
-    anchors: list[fx.Node], allowed: list[int], split_points: list[str], stages: int, updates: Sequence[BufferUpdate] = ()
+    anchors: list[fx.Node],
+    allowed: list[int],
+    split_points: list[str],
+    stages: int,
+    updates: Sequence[BufferUpdate] = (),
 ) -> list[int]:
     if len(split_points) != stages - 1:
         raise ValueError(

@@ -57,7 +57,10 @@ def graph_fingerprint(graph_module: fx.GraphModule, constants_by_value: bool = F
             if state:
                 identity = _value_form(attribute)
             elif constants_by_value and isinstance(attribute, torch.Tensor) and not attribute.is_meta:
-                identity = (_value_form(attribute), attribute.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+                identity = (
+                    _value_form(attribute),
+                    attribute.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(),
+                )
             else:
                 identity = node.target
             form.append(("get_attr", identity, node.meta.get("zb_role")))
@@ -67,5 +70,7 @@ def graph_fingerprint(graph_module: fx.GraphModule, constants_by_value: bool = F
             region = regions.setdefault(region, len(regions))
         # placeholders by position (their targets are value names); ops by what they call
         target = "" if node.op == "placeholder" else str(node.target)
-        form.append((node.op, str(target), _argument_form(node.args, index), _argument_form(node.kwargs, index), value, region))
+        form.append(
+            (node.op, str(target), _argument_form(node.args, index), _argument_form(node.kwargs, index), value, region)
+        )
     return tuple(form)

@@ -36,11 +36,16 @@ def held_cuts(traced: TracedModel, held: Sequence[frozenset[str]]) -> tuple[int,
     refused = [[n] * (n + 1) for _ in range(stages)]
     for i in range(n - 1, -1, -1):
         node = anchors[i]
-        reads = {a.meta["zb_name"] for a in _free_ancestors([node], dependencies, anchored) if role(a) in (ROLE_PARAM, ROLE_BUFFER)}
+        reads = {
+            a.meta["zb_name"]
+            for a in _free_ancestors([node], dependencies, anchored)
+            if role(a) in (ROLE_PARAM, ROLE_BUFFER)
+        }
         options = [k for k in range(stages) if reads <= held[k]]
         if not options:
             raise ValueError(
-                f"node {node.name} (module '{node.meta.get('custom', {}).get('module', '')}') reads {sorted(reads)[:4]}, "
+                f"node {node.name} (module '{node.meta.get('custom', {}).get('module', '')}') reads "
+                f"{sorted(reads)[:4]}, "
                 "which no one rank of the pipeline holds together; compile this model with split_points=[...] at "
                 "module boundaries"
             )

@@ -50,9 +50,14 @@ def sum_and_count(value: Any) -> tuple[Any, Any]:
         )
     loss_sum, count = value
     if isinstance(count, bool) or not isinstance(count, (int, float, torch.Tensor)):
-        raise TypeError(f"loss_fn returned (loss_sum, count) with a count of type {type(count).__name__}; return a number or a 0-dim tensor")
+        raise TypeError(
+            f"loss_fn returned (loss_sum, count) with a count of type {type(count).__name__}; return a number or a "
+            "0-dim tensor"
+        )
     if isinstance(count, torch.Tensor) and count.dim() != 0:
-        raise TypeError(f"loss_fn returned (loss_sum, count) with a count of shape {tuple(count.shape)}; return a 0-dim tensor")
+        raise TypeError(
+            f"loss_fn returned (loss_sum, count) with a count of shape {tuple(count.shape)}; return a 0-dim tensor"
+        )
     return loss_sum, count
 
 

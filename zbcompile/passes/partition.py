@@ -1,14 +1,14 @@
 """Pass 2: cut the traced forward graph into contiguous pipeline stages.
 
-`partition_stages(traced, stages, split_points=None)` orders the *anchored* nodes (those that
-depend on a model input or the target) as traced and cuts that sequence into `stages` runs.
-Nodes that depend only on parameters, buffers and constants (weight transposes, `arange`,
-masks) are not placed: every stage that needs one recomputes it, so a stage only ever receives
-activations. Without split points the cut minimises the costliest stage (FLOPs plus bytes,
-`graph_cost.node_cost`) and, among cuts within `balance_tolerance` of that optimum, the bytes that
-cross stage boundaries. Where a stage may begin and where the cuts go is `cut_positions.py`'s job;
-this module builds the stage graphs around the cuts. A value needed by a stage further down is relayed through the stages
-in between, so all communication is between neighbours.
+`partition_stages(traced, stages, split_points=None)` orders the *anchored* nodes (those that depend
+on a model input or the target) as traced and cuts that sequence into `stages` runs. Nodes that
+depend only on parameters, buffers and constants (weight transposes, `arange`, masks) are not
+placed: every stage that needs one recomputes it, so a stage only ever receives activations. Without
+split points the cut minimises the costliest stage (FLOPs plus bytes, `graph_cost.node_cost`) and,
+among cuts within `balance_tolerance` of that optimum, the bytes that cross stage boundaries. Where
+a stage may begin and where the cuts go is `cut_positions.py`'s job; this module builds the stage
+graphs around the cuts. A value needed by a stage further down is relayed through the stages in
+between, so all communication is between neighbours.
 
 Example: a 2-layer MLP cut in two (`fc1 -> relu -> fc2 -> mse`):
 
@@ -157,7 +157,9 @@ def _requires_grad(graph: fx.Graph) -> set[fx.Node]:
             result.add(node)
         elif node.op == "call_function" and node.target is not torch.ops.aten.detach.default:
             value = node.meta.get("val")
-            if (isinstance(value, (tuple, list)) or _fx.is_differentiable(value)) and any(a in result for a in node.all_input_nodes):
+            if (isinstance(value, (tuple, list)) or _fx.is_differentiable(value)) and any(
+                a in result for a in node.all_input_nodes
+            ):
                 result.add(node)
     return result
 
@@ -258,7 +260,10 @@ def _build_stages(
     for node in {n for cross in crossing for n in cross}:
         value = node.meta["val"]
         values[_value_name(node)] = ValueInfo(
-            tuple(value.shape), tuple(value.stride()), value.dtype, node in differentiable and _fx.is_differentiable(value)
+            tuple(value.shape),
+            tuple(value.stride()),
+            value.dtype,
+            node in differentiable and _fx.is_differentiable(value),
         )
     return StagePartition(
         stages=tuple(stages),
@@ -332,7 +337,11 @@ def _free_ancestors(own: list[fx.Node], dependencies: nx.DiGraph, anchored: set[
         node = frontier.pop()
         if node in free:
             continue
-        if role(node) in (ROLE_PARAM, ROLE_BUFFER) or node.op == "get_attr" or (node.op == "call_function" and node not in anchored):
+        if (
+            role(node) in (ROLE_PARAM, ROLE_BUFFER)
+            or node.op == "get_attr"
+            or (node.op == "call_function" and node not in anchored)
+        ):
             free.add(node)
             frontier.extend(dependencies.predecessors(node))
     return free

@@ -77,7 +77,9 @@ def split_backward(
     and stashed for W; with `weight_recomputes` W computes it again from what F saved (less
     memory held until W, more time; a level of recompute="auto")."""
     again = frozenset(joint.recomputed) if weight_recomputes else frozenset()
-    split = split_backward_program(joint.backward, min_deferral_intensity, class_prefix=f"Stage{joint.stage}", weight_recomputes=again)
+    split = split_backward_program(
+        joint.backward, min_deferral_intensity, class_prefix=f"Stage{joint.stage}", weight_recomputes=again
+    )
     backward = joint.backward
     saved = [v for v in backward.signature.inputs if v.startswith((SAVED, INPUT, TANGENT))]
     return StageBackwardSplit(
@@ -127,7 +129,9 @@ class _Partition:
     in_input: frozenset[str]
 
 
-def _partition(backward: Program, in_input: frozenset[str], weight_recomputes: frozenset[str] = frozenset()) -> _Partition:
+def _partition(
+    backward: Program, in_input: frozenset[str], weight_recomputes: frozenset[str] = frozenset()
+) -> _Partition:
     """Assign the nodes of a copy of `backward` to I and W, with the gradients named in
     `in_input` (`grad:param:<fqn>`) computed by I; fused ops are split by output mask."""
     graph = copy.deepcopy(backward.graph).graph  # the rewrite below must not touch the input
@@ -147,7 +151,9 @@ def _partition(backward: Program, in_input: frozenset[str], weight_recomputes: f
     weight_body = _fx.with_state_ancestors(weight_body, recompute)
     # W's elements of a tuple that I computes (a recomputed forward op's): taken in I, stashed
     from_input = {
-        n for n in weight_body if n.target is operator.getitem and n.args[0] in input_body and n.args[0] not in weight_body
+        n
+        for n in weight_body
+        if n.target is operator.getitem and n.args[0] in input_body and n.args[0] not in weight_body
     }
     input_body, weight_body = input_body | from_input, weight_body - from_input
 
@@ -219,7 +225,9 @@ def _cheap_weight_grads(partition: _Partition, min_intensity: float) -> set[str]
     cheap: set[str] = set()
     for group in nx.connected_components(groups):
         nodes = set().union(*(body[node_of[g]] for g in group))
-        others = set().union(*(body[n] for n, name in outputs if name not in group)) if len(group) < len(outputs) else set()
+        others = (
+            set().union(*(body[n] for n, name in outputs if name not in group)) if len(group) < len(outputs) else set()
+        )
         held = _read_storage(nodes, held_inputs) - _read_storage(others, held_inputs)
         held_bytes = sum(size for _, size in held)
         work = sum(graph_cost.node_cost(n) for n in nodes)
@@ -247,7 +255,9 @@ def _split_fused_ops(graph: fx.Graph, needed_by_input: set[fx.Node]) -> None:
             continue
         mask = node.args[mask_index]
         with graph.inserting_after(node):
-            weight_node = graph.call_function(node.target, _with_mask(node.args, mask_index, mask, for_weight), node.kwargs)
+            weight_node = graph.call_function(
+                node.target, _with_mask(node.args, mask_index, mask, for_weight), node.kwargs
+            )
             weight_node.meta = {**node.meta, "val": _masked_value(node.meta.get("val"), for_weight)}
         node.args = _with_mask(node.args, mask_index, mask, for_input)
         node.meta["val"] = _masked_value(node.meta.get("val"), for_input)

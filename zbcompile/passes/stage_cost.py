@@ -41,7 +41,11 @@ def forward_peak(program: Program, stage: Stage, partition: StagePartition) -> i
     last use except what it relays and the batch's tensors (the caller holds the batch), plus
     the relayed values it does not read, held throughout."""
     inputs = set(program.signature.inputs)
-    kept = {n for n in inputs if n.removeprefix(INPUT) in stage.relays or n.startswith((f"{INPUT}input_", f"{INPUT}target_"))}
+    kept = {
+        n
+        for n in inputs
+        if n.removeprefix(INPUT) in stage.relays or n.startswith((f"{INPUT}input_", f"{INPUT}target_"))
+    }
     passing = sum(partition.values[v].nbytes for v in stage.relays if f"{INPUT}{v}" not in inputs)
     return peak_bytes(program, kept, passing)
 

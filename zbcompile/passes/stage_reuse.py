@@ -24,7 +24,9 @@ from zbcompile.program import Program, Signature
 from zbcompile.value_names import BUFFER, GRAD, INPUT, OUTPUT, PARAM, PARAM_GRAD, TANGENT, UPDATE
 
 
-def stage_fingerprint(stage: Stage, partition: StagePartition, grads_from_next: set[str], last: bool) -> tuple[Hashable, ...]:
+def stage_fingerprint(
+    stage: Stage, partition: StagePartition, grads_from_next: set[str], last: bool
+) -> tuple[Hashable, ...]:
     """The stage's graph fingerprint with what its joint export depends on besides the graph:
     which inputs may carry a gradient (by position), which outputs get one from the next stage,
     whether it computes the loss, and how many buffers it updates."""

@@ -157,10 +157,18 @@ def trace_model(
     )
     # Traced as torch.export traces: libraries that ask whether they are being compiled or
     # exported (transformers' masks) take their traceable path.
-    with ti.traced_like_export(), ti.preserve_node_meta(), _module_annotations(model) as module_stack, _checkpoint_annotations(module_stack):
+    with (
+        ti.traced_like_export(),
+        ti.preserve_node_meta(),
+        _module_annotations(model) as module_stack,
+        _checkpoint_annotations(module_stack),
+    ):
         try:
             with fake_mode, ti.onednn_disabled():
-                graph_module = ti.make_fx(torch.func.functionalize(forward_and_loss, remove="mutations"), record_stack_traces=record_stack_traces)(*example)
+                graph_module = ti.make_fx(
+                    torch.func.functionalize(forward_and_loss, remove="mutations"),
+                    record_stack_traces=record_stack_traces,
+                )(*example)
         except Exception as error:  # noqa: BLE001 - re-raised, naming where tracing stopped
             if raised_here(error):
                 raise
@@ -175,7 +183,11 @@ def trace_model(
     placeholders = list(graph_module.graph.find_nodes(op="placeholder"))
     for node, (role, name) in zip(placeholders, roles, strict=True):
         node.meta["zb_role"], node.meta["zb_name"] = role, name
-    item_count = None if count[0] is None else cut_out_count(graph_module, count[0], {n: n.meta["zb_role"] for n in placeholders})
+    item_count = (
+        None
+        if count[0] is None
+        else cut_out_count(graph_module, count[0], {n: n.meta["zb_role"] for n in placeholders})
+    )
     results = len(graph_module.graph.output_node().args[0]) if outputs else 1
     buffer_updates = _buffer_updates_as_outputs(graph_module.graph, fake_mode)
     detach_no_grad_results(graph_module.graph)
@@ -292,7 +304,14 @@ def _substituted(model: nn.Module, values: dict[str, torch.Tensor]):
     canonical = {id(t): name for named in (model.named_parameters, model.named_buffers) for name, t in named()}
     modules = list(model.modules())  # each module once, however many names it has
     saved = [
-        (m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules), set(m._non_persistent_buffers_set))
+        (
+            m,
+            dict(m.__dict__),
+            dict(m._parameters),
+            dict(m._buffers),
+            dict(m._modules),
+            set(m._non_persistent_buffers_set),
+        )
         for m in modules
     ]
     try:
@@ -307,7 +326,11 @@ def _substituted(model: nn.Module, values: dict[str, torch.Tensor]):
             for name in [n for n in module.__dict__ if n not in attributes]:
                 del module.__dict__[name]
             module.__dict__.update(attributes)
-            for current, before in ((module._parameters, parameters), (module._buffers, buffers), (module._modules, submodules)):
+            for current, before in (
+                (module._parameters, parameters),
+                (module._buffers, buffers),
+                (module._modules, submodules),
+            ):
                 current.clear()
                 current.update(before)
             module._non_persistent_buffers_set.clear()
@@ -397,7 +420,9 @@ def _functional_batch_norms(graph: fx.Graph, fake_mode: FakeTensorMode) -> None:
         replacement.meta = {**node.meta, "val": value}
         for user in list(node.users):
             if user.args[1] >= 3:  # cudnn's reserve space, which only its backward reads
-                raise ValueError(f"the forward reads result {user.args[1]} of {node.target}, which zbcompile cannot trace")
+                raise ValueError(
+                    f"the forward reads result {user.args[1]} of {node.target}, which zbcompile cannot trace"
+                )
             user.args = (replacement, user.args[1])
         previous = replacement
         for statistic, index in zip(statistics, (3, 4)):
@@ -426,5 +451,8 @@ def _mutation_message(placeholder: fx.Node, node: fx.Node) -> str:
             "buffer (register_buffer), whose updates zbcompile applies microbatch by microbatch."
         )
     else:
-        what, remedy = role, "The stages compute with copies of the inputs; return the new value instead of writing it in place."
+        what, remedy = (
+            role,
+            "The stages compute with copies of the inputs; return the new value instead of writing it in place.",
+        )
     return f"the forward of module '{module}' mutates {what} '{name}' in place ({node.target}). {remedy}"

@@ -26,7 +26,9 @@ class BackgroundSolve:
 
     def __init__(self, arguments: dict[str, Any]) -> None:
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+        env = dict(
+            os.environ, PYTHONPATH=os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        )
         with tempfile.TemporaryFile() as given:
             pickle.dump(arguments, given)
             given.seek(0)
@@ -59,7 +61,9 @@ class BackgroundSolve:
         self._finalizer.detach()
         out, err = self._output
         if self._process.returncode != 0:
-            raise RuntimeError(f"solving the schedule failed: {(err.decode(errors='replace').strip().splitlines() or ['killed'])[-1]}")
+            raise RuntimeError(
+                f"solving the schedule failed: {(err.decode(errors='replace').strip().splitlines() or ['killed'])[-1]}"
+            )
         return pickle.loads(out)
 
 

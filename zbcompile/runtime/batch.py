@@ -27,7 +27,9 @@ class LocalBatch:
         self.agreed: list[BatchDescription] = []  # batches the ranks agreed on, latest last
         self._placeholders: dict[str, tuple[batch_agreement.Part, Any]] = {}
 
-    def of(self, args: tuple, kwargs: dict, target: Any, group: Any, device: torch.device) -> tuple[tuple, dict, Any, tuple[str, ...]]:
+    def of(
+        self, args: tuple, kwargs: dict, target: Any, group: Any, device: torch.device
+    ) -> tuple[tuple, dict, Any, tuple[str, ...]]:
         """(args, kwargs, target, the parts not given: "inputs", "target"); `group` is the
         pipeline's process group (the ranks agree over it when a batch's shapes are new)."""
         mine = BatchDescription.of(args, kwargs, target)
@@ -67,8 +69,9 @@ def check_given(absent: tuple[str, ...], stages: int, held: Collection[int]) -> 
 
 def split(inputs: tuple, kwargs: dict, target: Any, microbatches: int):
     """Every tensor of the batch split along dim 0 in `microbatches` equal parts (under data
-    parallelism, the batch is this replica's own, as with DDP). Returns (per microbatch (args, kwargs), per microbatch target,
-    the compile key: the batch's structure, tensor shapes, dtypes and devices, and constants)."""
+    parallelism, the batch is this replica's own, as with DDP). Returns (per microbatch (args,
+    kwargs), per microbatch target, the compile key: the batch's structure, tensor shapes, dtypes
+    and devices, and constants)."""
     m = microbatches
     leaves, spec = pytree.tree_flatten((tuple(inputs), dict(kwargs)))
     target_leaves, target_spec = pytree.tree_flatten(target)

@@ -52,7 +52,8 @@ class Part:
     def placeholders(self, device: torch.device) -> Any:
         """A tree of this structure: zeros for the tensors, the constants themselves."""
         leaves = [
-            torch.zeros(leaf[1], dtype=leaf[2], device=device) if leaf[0] == "tensor" else leaf[1] for leaf in self.leaves
+            torch.zeros(leaf[1], dtype=leaf[2], device=device) if leaf[0] == "tensor" else leaf[1]
+            for leaf in self.leaves
         ]
         spec = pytree.treespec_loads(self.spec) if isinstance(self.spec, str) else self.spec
         return pytree.tree_unflatten(leaves, spec)
@@ -107,8 +108,10 @@ def agree(mine: BatchDescription, group: dist.ProcessGroup | None) -> BatchDescr
         )
     if target is not None and inputs[1].batch_size != target[1].batch_size:
         raise ValueError(
-            f"the first stage and the last stage would compute with batches of different sizes: rank {inputs[0]} passed "
-            f"inputs of {inputs[1].batch_size} samples {inputs[1]}, rank {target[0]} a target of {target[1].batch_size} "
+            f"the first stage and the last stage would compute with batches of different sizes: rank {inputs[0]} "
+            "passed "
+            f"inputs of {inputs[1].batch_size} samples {inputs[1]}, rank {target[0]} a target of "
+            f"{target[1].batch_size} "
             f"{target[1]}; every rank of a pipeline passes the same batch (its replica's own under data parallelism)"
         )
     return BatchDescription(inputs[1], target[1] if target is not None else None)
@@ -121,7 +124,8 @@ def _common(gathered: dict[int, BatchDescription], field: str) -> tuple[int, Par
         if part != given[0][1]:
             raise ValueError(
                 f"ranks passed different {field} to step(): rank {given[0][0]} {given[0][1]}, rank {rank} {part}; "
-                f"every rank of a pipeline passes the same batch (or None on ranks whose stages do not read the {field})"
+                "every rank of a pipeline passes the same batch (or None on ranks whose stages do not read the "
+                f"{field})"
             )
     return given[0] if given else None
 
@@ -132,7 +136,9 @@ class ReplicaBatches:
     order), started asynchronously when made, so that it costs no wait; `check` waits for it
     (every wait has a timeout) and raises ValueError naming the replicas that differ."""
 
-    def __init__(self, size: int, group: dist.ProcessGroup, replica_ranks: tuple[int, ...], device: torch.device) -> None:
+    def __init__(
+        self, size: int, group: dist.ProcessGroup, replica_ranks: tuple[int, ...], device: torch.device
+    ) -> None:
         self.size, self.replica_ranks = size, replica_ranks
         self.sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in replica_ranks]
         mine = torch.tensor([size], dtype=torch.int64, device=device)

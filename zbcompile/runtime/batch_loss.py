@@ -166,5 +166,7 @@ def _loss_shifts_labels(module: nn.Module) -> bool:
     module = next((m for m in module.modules() if isinstance(m, PreTrainedModel)), None)
     if module is None:
         return False
-    chosen = module.__dict__.get("_loss_function") or LOSS_MAPPING.get(getattr(module, "loss_type", None)) or ForCausalLMLoss
+    chosen = (
+        module.__dict__.get("_loss_function") or LOSS_MAPPING.get(getattr(module, "loss_type", None)) or ForCausalLMLoss
+    )
     return chosen is ForCausalLMLoss and not getattr(module.config, "is_encoder_decoder", False)

@@ -96,7 +96,9 @@ class Builder:
         if self._layout is None:
             o = self.options
             pp_size = pipeline_ranks(o.schedule, o.stages)
-            self._layout = make_layout(pp_size, self.device(), f"schedule {schedule_label(o.schedule)} with stages={o.stages}", o.process_group)
+            self._layout = make_layout(
+                pp_size, self.device(), f"schedule {schedule_label(o.schedule)} with stages={o.stages}", o.process_group
+            )
         return self._layout
 
     def device(self) -> torch.device:
@@ -108,7 +110,9 @@ class Builder:
         targets, and the parts of the batch this rank was not given (`batch.LocalBatch`)."""
         absent: tuple[str, ...] = ()
         if self.distributed:
-            inputs, kwargs, target, absent = self._batch.of(inputs, kwargs, target, self.layout().pp_group, self.device())
+            inputs, kwargs, target, absent = self._batch.of(
+                inputs, kwargs, target, self.layout().pp_group, self.device()
+            )
         micro_inputs, micro_targets, key = batch.split(inputs, kwargs, target, self.options.microbatches)
         micro_inputs = batch_loss.with_item_count(self.module, self.options.loss_fn, micro_inputs)
         if key not in self.builds:
@@ -117,14 +121,18 @@ class Builder:
         self.ownership.set_grad_dtype()
         return self.builds[key], micro_inputs, micro_targets, absent
 
-    def prepare_forward(self, inputs: tuple, kwargs: dict, target: Any, outputs: bool) -> tuple[ForwardRunner, list, list, tuple[str, ...]]:
+    def prepare_forward(
+        self, inputs: tuple, kwargs: dict, target: Any, outputs: bool
+    ) -> tuple[ForwardRunner, list, list, tuple[str, ...]]:
         """As `prepare`, for evaluation in the module's current mode: the forward-only runner for
         this batch (its loss, or with `outputs` the model's outputs), compiled where the latest
         training compile placed the stages."""
         train = self.latest()
         absent: tuple[str, ...] = ()
         if self.distributed:
-            inputs, kwargs, target, absent = self._batch.of(inputs, kwargs, target, self.layout().pp_group, self.device())
+            inputs, kwargs, target, absent = self._batch.of(
+                inputs, kwargs, target, self.layout().pp_group, self.device()
+            )
         if outputs:  # no loss: nothing reads a target
             target, absent = None, tuple(part for part in absent if part != "target")
         micro_inputs, micro_targets, key = batch.split(inputs, kwargs, target, self.options.microbatches)
@@ -154,13 +162,32 @@ class Builder:
         microbatches = self.options.microbatches
         if not self.distributed:
             stage_to_rank = schedule.stage_to_rank
-            return ForwardRunner(compiled, stage_to_rank, microbatches, range(len(stages)), self.ownership.state(), InProcessTransport(), None)
+            return ForwardRunner(
+                compiled,
+                stage_to_rank,
+                microbatches,
+                range(len(stages)),
+                self.ownership.state(),
+                InProcessTransport(),
+                None,
+            )
         runner, layout = train.runner, self.layout()
         mine = [s for s, rank in enumerate(schedule.stage_to_rank) if rank == layout.pp_rank]
         position = (layout.pp_rank, lambda stage, microbatch: layout.pipeline_ranks[schedule.stage_to_rank[stage]])
-        return ForwardRunner(compiled, schedule.stage_to_rank, microbatches, mine, self.ownership.state(), runner.transport, runner.device, position)
+        return ForwardRunner(
+            compiled,
+            schedule.stage_to_rank,
+            microbatches,
+            mine,
+            self.ownership.state(),
+            runner.transport,
+            runner.device,
+            position,
+        )
 
-    def loss_reduction(self, traced: Any, micro_inputs: list, feeds: list, targets: list, held: Any, stages: int) -> batch_loss.LossReduction:
+    def loss_reduction(
+        self, traced: Any, micro_inputs: list, feeds: list, targets: list, held: Any, stages: int
+    ) -> batch_loss.LossReduction:
         """How this step's microbatch losses make its loss (`batch_loss.reduction`); `held`: the
         stages this process runs."""
         layout = self.layout() if self.distributed else None
@@ -186,7 +213,8 @@ class Builder:
             if new.stages != len(built.compiled.programs):
                 raise ValueError(
                     f"schedule {schedule_label(schedule)} runs {new.stages} stages, but this pipeline was compiled in "
-                    f"{len(built.compiled.programs)} (zb-auto chose a V of two chunks per rank under its memory_limit); "
+                    f"{len(built.compiled.programs)} (zb-auto chose a V of two chunks per rank under its "
+                    "memory_limit); "
                     "build a new pipeline for it"
                 )
             built.runner.reschedule(new)
@@ -203,12 +231,18 @@ class Builder:
         if self.distributed:
             runner = self._distributed_runner(compiled, schedule, device)
         else:
-            self.ownership.place(set(placement.canonical_names(self.module).values()), batch.device_of((example, example_target)), move_others=False)
+            self.ownership.place(
+                set(placement.canonical_names(self.module).values()),
+                batch.device_of((example, example_target)),
+                move_others=False,
+            )
             runner = LocalRunner(compiled, schedule, self.ownership.state())
         tuner = self.choice.tuner(compiled)
         return Build(runner, tuner, start_dump(o.dump_dir, compiled, schedule, o, runner))
 
-    def _compile(self, example: tuple, example_target: Any, stages: int, memory_unit_bytes: int | None = None) -> CompiledPipeline:
+    def _compile(
+        self, example: tuple, example_target: Any, stages: int, memory_unit_bytes: int | None = None
+    ) -> CompiledPipeline:
         """The model cut into `stages` stages (recompute="auto" applied), before the stage
         programs are compiled; memory counted in units of `memory_unit_bytes` where given."""
         args, kwargs = example
@@ -235,25 +269,42 @@ class Builder:
         aliases = placement.canonical_names(self.module)
         return {k: v for k, v in state_dict.items() if aliases.get(k, k) in owned}
 
-    def _distributed_runner(self, compiled: CompiledPipeline, schedule: Schedule, device: torch.device) -> DistributedRunner:
+    def _distributed_runner(
+        self, compiled: CompiledPipeline, schedule: Schedule, device: torch.device
+    ) -> DistributedRunner:
         layout = self.layout()
         if schedule.ranks != layout.pp_size:
             raise ValueError(
-                f"schedule {schedule_label(schedule)} runs on {schedule.ranks} ranks per pipeline, but this pipeline was laid "
+                f"schedule {schedule_label(schedule)} runs on {schedule.ranks} ranks per pipeline, but this pipeline "
+                "was laid "
                 f"out for {layout.pp_size}; build a new pipeline for it"
             )
         local_stages = schedule.stages_on(layout.pp_rank)
-        used = {f for s in local_stages for f in (*compiled.partition.stages[s].param_fqns, *compiled.partition.stages[s].buffer_fqns)}
+        used = {
+            f
+            for s in local_stages
+            for f in (*compiled.partition.stages[s].param_fqns, *compiled.partition.stages[s].buffer_fqns)
+        }
 
         def runner() -> DistributedRunner:
             o = self.options
-            return DistributedRunner(compiled, schedule, layout, self.ownership.state(), device, o.timeout, o.follow_readiness, o.data_parallel)
+            return DistributedRunner(
+                compiled,
+                schedule,
+                layout,
+                self.ownership.state(),
+                device,
+                o.timeout,
+                o.follow_readiness,
+                o.data_parallel,
+            )
 
         if self.ownership.held is not None:
             if used - self.ownership.held:
                 raise ValueError(
                     f"these batch shapes cut the model differently from the first compile, and this rank does not "
-                    f"hold {sorted(used - self.ownership.held)[:4]}; pass split_points=[...] to pipeline() to fix the cut"
+                    f"hold {sorted(used - self.ownership.held)[:4]}; pass split_points=[...] to pipeline() to fix the "
+                    "cut"
                 )
             return runner()
         self.ownership.check_shardable(layout)

@@ -98,7 +98,10 @@ class Interpreter:
         self.forecast = WaitForecast()
 
     def step(
-        self, inputs: Sequence[Mapping[str, torch.Tensor]], targets: Sequence[Mapping[str, torch.Tensor]], loss_tangent: float | None = None
+        self,
+        inputs: Sequence[Mapping[str, torch.Tensor]],
+        targets: Sequence[Mapping[str, torch.Tensor]],
+        loss_tangent: float | None = None,
     ) -> list[Values] | None:
         """One step over `len(inputs)` microbatches; returns what the last stage's F returned
         (`{"loss": ...}` in training) for the microbatches this process ran it for, in microbatch
@@ -232,7 +235,9 @@ class Interpreter:
         """Whether the transport should tell when message `key` arrives: readiness asks only
         where a W may run in its wait."""
         program = self.program
-        return self.follow_readiness and (key in program.overtaken or (bool(program.weight_order) and self.forecast.worth_watching(key)))
+        return self.follow_readiness and (
+            key in program.overtaken or (bool(program.weight_order) and self.forecast.worth_watching(key))
+        )
 
 
 def _ignore(stage: int) -> None:

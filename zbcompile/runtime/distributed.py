@@ -65,7 +65,9 @@ class Layout:
     mesh: DeviceMesh | None
 
 
-def make_layout(pp_size: int, device: torch.device, description: str, group: dist.ProcessGroup | DeviceMesh | None = None) -> Layout:
+def make_layout(
+    pp_size: int, device: torch.device, description: str, group: dist.ProcessGroup | DeviceMesh | None = None
+) -> Layout:
     """The layout of pipelines of `pp_size` ranks over `group`: None (the default group: a
     ("dp", "pp") DeviceMesh over the world, every rank calls this), a process group of one
     pipeline's ranks (in group order), or a DeviceMesh with a "pp" dimension and optionally a
@@ -140,7 +142,8 @@ def _layout_of_mesh(mesh: DeviceMesh, pp_size: int, description: str) -> Layout:
         )
     if mesh.size(names.index("pp")) != pp_size:
         raise ValueError(
-            f"the DeviceMesh's 'pp' dimension has {mesh.size(names.index('pp'))} ranks but {description} needs {pp_size}"
+            f"the DeviceMesh's 'pp' dimension has {mesh.size(names.index('pp'))} ranks but {description} needs "
+            f"{pp_size}"
         )
     pp_group = mesh.get_group("pp")
     dp_group = mesh.get_group("dp") if "dp" in names else None
@@ -198,13 +201,17 @@ class DistributedRunner(Runner):
         transport = Transport(self.rank, timeout, layout.pp_group)
         super().__init__(compiled, schedule, executors, transport, device, follow_readiness, clock)
         self.interpreter.step_timeout_s = timeout.total_seconds()
-        self.tied_weights = tied_weights(parameter_users(compiled.partition), schedule.ranks_of, layout.pipeline_ranks, self.rank)
+        self.tied_weights = tied_weights(
+            parameter_users(compiled.partition), schedule.ranks_of, layout.pipeline_ranks, self.rank
+        )
         self._synchronize_state(state)
 
     def _synchronize_state(self, state: Mapping[str, torch.Tensor]) -> None:
         """Start every copy of a parameter equal: a tied weight's copies take its owner's value,
         and replicas take replica 0's (each rank may have initialised its own)."""
-        whole = [t for t in self.tied_weights if not isinstance(state[param_name(t.fqn)], DTensor)]  # shards: kept equal
+        whole = [
+            t for t in self.tied_weights if not isinstance(state[param_name(t.fqn)], DTensor)
+        ]  # shards: kept equal
         with torch.no_grad():
             share_owner_values(whole, state, self.transport)
             if self.layout.dp_group is not None:
@@ -253,7 +260,9 @@ class DistributedRunner(Runner):
             return None
         if self.rank == reporter:
             buffer = torch.empty(len(inputs) - first_mirrored, dtype=losses[0].dtype, device=losses[0].device)
-            received = self.transport.wait(self.transport.post_recv([buffer], mirrored, MIRRORED_LOSS_TAG, action), action)
+            received = self.transport.wait(
+                self.transport.post_recv([buffer], mirrored, MIRRORED_LOSS_TAG, action), action
+            )
             return losses + list(received[0].unbind())
         return losses
 
@@ -269,7 +278,9 @@ class DistributedRunner(Runner):
             reduction, self._reduction = self._reduction, None
             self.interpreter.grads_accumulated = lambda stage: None
             reduced = reduction.finish()
-            reduced.update(reduction.reduce_now([f for f in sorted(grads) if f not in reduced], grads, "REDUCE (after the step)"))
+            reduced.update(
+                reduction.reduce_now([f for f in sorted(grads) if f not in reduced], grads, "REDUCE (after the step)")
+            )
             grads.update(reduced)
             self.interpreter.comm_timeline = [*self.interpreter.comm_timeline, *reduction.timeline]
             super().set_state(self._state)  # sharded: the gathered parameters are freed
@@ -298,7 +309,10 @@ class DistributedRunner(Runner):
             if action.is_compute:
                 first.setdefault(action.stage, index)
         stages = self.compiled.partition.stages
-        return {s: [param_name(f) for f in stages[s].param_fqns] for s in sorted(self.local_stages, key=lambda s: first.get(s, 0))}
+        return {
+            s: [param_name(f) for f in stages[s].param_fqns]
+            for s in sorted(self.local_stages, key=lambda s: first.get(s, 0))
+        }
 
     def reschedule(self, schedule: Schedule) -> None:
         """Run `schedule` from the next step on (same stages on the same ranks)."""
@@ -317,5 +331,7 @@ class DistributedRunner(Runner):
                 Costs(mem_b=[p.cost.mem_b for p in compiled.programs], mem_w=[p.cost.mem_w for p in compiled.programs]),
                 schedule.stages,
             )
-        return rank_program(schedule, self.layout.pp_rank, self.rank_of, self._message_names, self._value_layout, memory)
+        return rank_program(
+            schedule, self.layout.pp_rank, self.rank_of, self._message_names, self._value_layout, memory
+        )
 

@@ -103,7 +103,9 @@ class ForwardRunner:
             program = rank_program(self.schedule, pp_rank, rank_of, names, layout, None)
         self.interpreter.load(program, self.schedule)
 
-    def run(self, inputs: Sequence[Mapping[str, torch.Tensor]], targets: Sequence[Mapping[str, torch.Tensor]]) -> list[Values] | None:
+    def run(
+        self, inputs: Sequence[Mapping[str, torch.Tensor]], targets: Sequence[Mapping[str, torch.Tensor]]
+    ) -> list[Values] | None:
         """One forward of every microbatch; the last stage's results per microbatch where this
         process holds the last stage, else None."""
         return self.interpreter.step(inputs, targets)

@@ -1,11 +1,12 @@
 """Averaging gradients over data-parallel replicas, overlapped with the rest of the step.
 
-A stage's parameter gradients are final once the step's last action producing them (its last W,
-or its last fused B) has run, which a zero-bubble schedule often reaches well before the rank's
-last action. `GradReduction` then flattens them into buckets (at most `BUCKET_BYTES`, one dtype
-each, as DDP does) and posts an asynchronous all-reduce (data_parallel="replicate") or
-reduce-scatter ("shard", `runtime/sharding.py`) of each bucket over the replicas' process group; the rank goes on with its remaining actions while the buckets travel, and the
-step waits for them (with a timeout) only before it returns the gradients.
+A stage's parameter gradients are final once the step's last action producing them (its last W, or
+its last fused B) has run, which a zero-bubble schedule often reaches well before the rank's last
+action. `GradReduction` then flattens them into buckets (at most `BUCKET_BYTES`, one dtype each, as
+DDP does) and posts an asynchronous all-reduce (data_parallel="replicate") or reduce-scatter
+("shard", `runtime/sharding.py`) of each bucket over the replicas' process group; the rank goes on
+with its remaining actions while the buckets travel, and the step waits for them (with a timeout)
+only before it returns the gradients.
 
 Collectives over a group must be posted in the same order on all its ranks: stages post in the
 order of their last gradient action in the program (`ReductionPlan.order`), the same on every
@@ -49,7 +50,9 @@ class ReductionPlan:
     overlapped: Mapping[int, frozenset[str]]
 
     @staticmethod
-    def of(actions: Sequence[Action], param_fqns: Mapping[int, Sequence[str]], shared: Sequence[str]) -> "ReductionPlan":
+    def of(
+        actions: Sequence[Action], param_fqns: Mapping[int, Sequence[str]], shared: Sequence[str]
+    ) -> "ReductionPlan":
         """The plan of `actions` (one rank's program) for stages using `param_fqns` (by stage);
         `shared`: the parameters other ranks of the pipeline also hold."""
         expected: dict[int, int] = {}
@@ -63,7 +66,8 @@ class ReductionPlan:
             for fqn in param_fqns[stage]:
                 users.setdefault(fqn, []).append(stage)
         overlapped = {
-            stage: frozenset(f for f in param_fqns[stage] if users[f] == [stage] and f not in shared) for stage in expected
+            stage: frozenset(f for f in param_fqns[stage] if users[f] == [stage] and f not in shared)
+            for stage in expected
         }
         return ReductionPlan(expected, tuple(sorted(last, key=last.__getitem__)), overlapped)
 
@@ -122,12 +126,15 @@ class GradReduction:
         if self._next < len(self.plan.order):
             stage = self.plan.order[self._next]
             raise RuntimeError(
-                f"rank {dist.get_rank()}: stage {stage} ran {self._ran.get(stage, 0)} of its {self.plan.expected[stage]} "
+                f"rank {dist.get_rank()}: stage {stage} ran {self._ran.get(stage, 0)} of its "
+                f"{self.plan.expected[stage]} "
                 "gradient actions in the step; its gradients were never reduced"
             )
         return self._wait()
 
-    def reduce_now(self, fqns: Sequence[str], grads: Mapping[str, torch.Tensor], label: str = "REDUCE") -> dict[str, torch.Tensor]:
+    def reduce_now(
+        self, fqns: Sequence[str], grads: Mapping[str, torch.Tensor], label: str = "REDUCE"
+    ) -> dict[str, torch.Tensor]:
         """`grads[f]` for `f` in `fqns` averaged over the replicas, posted and waited for now."""
         self._post(list(fqns), grads, label)
         return self._wait()
@@ -153,7 +160,9 @@ class GradReduction:
             wait(bucket.work, self.timeout, f"{bucket.label}: reducing the gradients of {bucket.fqns[:3]}")
             bucket.flat.div_(self.size)
             if bucket.layout is None:
-                parts = [p.view_as(t) for p, t in zip(bucket.flat.split([t.numel() for t in bucket.tensors]), bucket.tensors)]
+                parts = [
+                    p.view_as(t) for p, t in zip(bucket.flat.split([t.numel() for t in bucket.tensors]), bucket.tensors)
+                ]
             else:
                 parts = bucket.layout.shards(bucket.flat, self.mesh)
             reduced.update(zip(bucket.fqns, parts))

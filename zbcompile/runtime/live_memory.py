@@ -1,14 +1,14 @@
 """Bytes of activation memory: what a set of tensors keeps alive (`held_bytes`), and what is
 alive inside an action while a stage's graph runs (`TransientTracker`).
 
-`TransientTracker` counts the storages the action took in (`take`) and every storage an op
-creates, each from then until it dies, each once. It is a dispatch mode (`TorchDispatchMode`, through `_torch_internals`): after
-each op it counts the output storages that none of the op's tensor arguments owns (views and
-in-place results reuse their input's storage and are not new), and a weak reference on each
-counted storage takes its bytes off when the storage dies (torch keeps one Python object per
-live storage, so the reference fires when the last tensor on it goes, wherever that tensor is
-held). `peak` is the most bytes alive at once, seen right after each op (an op's inputs are
-alive while it allocates its output, and memory only rises at allocations). Not seen: memory an
+`TransientTracker` counts the storages the action took in (`take`) and every storage an op creates,
+each from then until it dies, each once. It is a dispatch mode (`TorchDispatchMode`, through
+`_torch_internals`): after each op it counts the output storages that none of the op's tensor
+arguments owns (views and in-place results reuse their input's storage and are not new), and a weak
+reference on each counted storage takes its bytes off when the storage dies (torch keeps one Python
+object per live storage, so the reference fires when the last tensor on it goes, wherever that
+tensor is held). `peak` is the most bytes alive at once, seen right after each op (an op's inputs
+are alive while it allocates its output, and memory only rises at allocations). Not seen: memory an
 op allocates and frees inside itself (a kernel's workspace), and buffers allocated outside the
 dispatcher (Inductor-generated code allocates its intermediates directly; what a compiled graph
 returns is counted by the executor after the action).

@@ -76,7 +76,12 @@ class LocalRunner(Runner):
         if schedule.mirrored_from is None:
             return self._stage_grads()
         own = [
-            merge_stage_grads([self.executors[s] if schedule.stage_to_rank[s] == rank else self.copies[s] for s in schedule.stages_on(rank)])
+            merge_stage_grads(
+                [
+                    self.executors[s] if schedule.stage_to_rank[s] == rank else self.copies[s]
+                    for s in schedule.stages_on(rank)
+                ]
+            )
             for rank in range(schedule.ranks)
         ]
         grads = {}

@@ -127,7 +127,9 @@ class _Position:
 class _PipelineOptimizer:
     """Pass-through of a wrapped torch optimizer plus the clip/skip arithmetic both variants share."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, pipe: Any, max_norm: float | None = None, skip_nonfinite: bool = True) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, pipe: Any, max_norm: float | None = None, skip_nonfinite: bool = True
+    ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"expected a torch.optim.Optimizer to wrap, got {type(optimizer).__name__}")
         if max_norm is not None and not (isinstance(max_norm, (int, float)) and max_norm > 0):
@@ -165,7 +167,9 @@ class _PipelineOptimizer:
         self.optimizer.add_param_group(group)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.optimizer!r}, max_norm={self.max_norm}, skip_nonfinite={self.skip_nonfinite})"
+        return (
+            f"{type(self).__name__}({self.optimizer!r}, max_norm={self.max_norm}, skip_nonfinite={self.skip_nonfinite})"
+        )
 
     # --- shared arithmetic ------------------------------------------------------------------
 
@@ -214,7 +218,9 @@ class _PipelineOptimizer:
                 p.grad = g
 
     def _record(self, state: NormState, coef: torch.Tensor | None, skip: bool) -> None:
-        self.history.append(StepRecord(math.sqrt(state.sumsq) if state.sumsq >= 0 else math.nan, coef is not None, skip))
+        self.history.append(
+            StepRecord(math.sqrt(state.sumsq) if state.sumsq >= 0 else math.nan, coef is not None, skip)
+        )
 
     def _position(self) -> _Position:
         """This rank's chain neighbours and which of its parameters count in the norm."""
@@ -287,7 +293,9 @@ class PostValidatedOptimizer(_PipelineOptimizer):
         grads = self._grads()
         state = self._own_state(position, grads)
         if position.next is not None:
-            state = self._receive(transport, position.next, PARTIAL_TAG, "optimizer step (partial gradient norm)").plus(state)
+            state = self._receive(transport, position.next, PARTIAL_TAG, "optimizer step (partial gradient norm)").plus(
+                state
+            )
         if position.previous is not None:
             transport.complete_messages()
             transport.send([state.to_tensor(self._device())], position.previous, PARTIAL_TAG, "partial gradient norm")

@@ -58,7 +58,9 @@ class MessageTransport(Protocol):
 
     matches_by_tag: bool
 
-    def post_recv(self, buffers: Sequence[torch.Tensor], peer: int, tag: int, action: str, watch: bool = False) -> Any: ...
+    def post_recv(
+        self, buffers: Sequence[torch.Tensor], peer: int, tag: int, action: str, watch: bool = False
+    ) -> Any: ...
 
     def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int, action: str) -> None: ...
 
@@ -256,7 +258,9 @@ class Transport:
         weakref.finalize(self, _stop_helpers, helpers, False)
         return helpers
 
-    def post_recv(self, buffers: Sequence[torch.Tensor], peer: int, tag: int, action: str, watch: bool = False) -> Pending:
+    def post_recv(
+        self, buffers: Sequence[torch.Tensor], peer: int, tag: int, action: str, watch: bool = False
+    ) -> Pending:
         """Receive a message shaped like `buffers`: one tensor is received into; several only
         give the layout of the flat buffer received into (`torch.empty(..., device="meta")`
         allocates nothing), and `wait` returns copies of its parts (each freed at its own last use)."""

@@ -65,11 +65,12 @@ def placed(
     move_others: bool = True,
 ):
     """Keep on `device` the parameters and buffers named in `held` (canonical FQNs); with
-    `move_others`, those on another device move there and the rest move to `meta`. Held tensors
-    on `meta` are materialised (uninitialised memory) and then filled by `init_fn(owner)` for
-    each module owning one, or else by the owner's `reset_parameters()` (see `_initialise`).
-    Yields the names left unfilled: the state dict must provide them (`load_state_dict`). If `init_fn`, `reset_parameters()` or the body of the `with` raises,
-    every module gets back the tensors it had."""
+    `move_others`, those on another device move there and the rest move to `meta`. Held tensors on
+    `meta` are materialised (uninitialised memory) and then filled by `init_fn(owner)` for each
+    module owning one, or else by the owner's `reset_parameters()` (see `_initialise`). Yields the
+    names left unfilled: the state dict must provide them (`load_state_dict`). If `init_fn`,
+    `reset_parameters()` or the body of the `with` raises, every module gets back the tensors it
+    had."""
     slots = _Slots(module)
     before = state_tensors(module)
     materialised: list[str] = []
@@ -80,7 +81,9 @@ def placed(
                 materialised.append(name)
             elif move_others and name in held and tensor.device != device:
                 moved = tensor.detach().to(device)
-                slots.replace(name, nn.Parameter(moved, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else moved)
+                slots.replace(
+                    name, nn.Parameter(moved, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else moved
+                )
             elif move_others and name not in held and not tensor.is_meta:
                 slots.replace(name, _like(tensor, torch.device("meta")))
         yield _initialise(module, materialised, init_fn)
@@ -132,7 +135,9 @@ class LoadResult(NamedTuple):
     unexpected_keys: list[str]
 
 
-def load_held(module: nn.Module, state_dict: Mapping[str, Any], held: set[str], strict: bool) -> tuple[LoadResult, set[str]]:
+def load_held(
+    module: nn.Module, state_dict: Mapping[str, Any], held: set[str], strict: bool
+) -> tuple[LoadResult, set[str]]:
     """Load into the tensors named in `held` (canonical FQNs) their entries of `state_dict`,
     under any of their names, with the module's own `load_state_dict`; a held tensor still on
     `meta` is materialised first, on the entry's device. Entries for tensors not held here

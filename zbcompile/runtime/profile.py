@@ -4,19 +4,18 @@ Costs: per-stage median times of F, I and W from the runners' timelines, gathere
 rank of the pipeline, and the time to send a stage's boundary tensors to the next rank (half a
 measured round trip).
 
-`CostTuner` (a distributed pipeline's default for zb-auto): after the first (warm-up) step it
-times `profile_steps` steps, gathers their costs (one collective), and rank 0 solves the
-schedule with them in a child process (`background_solve`) while the steps go on with the old
-one. After each of those steps rank 0 broadcasts one number, whether the solver has finished;
-the step after which it has is the switch, on every rank, with one broadcast of the new
-schedule. Under recompute="auto", rank 0 first chooses the recompute levels again with the
-measured costs (under the same limit), and the switch broadcasts them with the schedule: every
-rank then runs those levels' stage programs. From then on it compares the measured step (the longest rank's span of actions,
-median over a window of steps, gathered) with the simulator's span of the running schedule
-under the costs it was solved with: when their ratio moves more than `DRIFT_THRESHOLD` away
-from the ratio measured in the first window after the switch, it re-solves with the window's
-costs. Windows are `DRIFT_WINDOW` steps long and double after every re-solve the drift caused
-(up to `MAX_DRIFT_WINDOW`).
+`CostTuner` (a distributed pipeline's default for zb-auto): after the first (warm-up) step it times
+`profile_steps` steps, gathers their costs (one collective), and rank 0 solves the schedule with
+them in a child process (`background_solve`) while the steps go on with the old one. After each of
+those steps rank 0 broadcasts one number, whether the solver has finished; the step after which it
+has is the switch, on every rank, with one broadcast of the new schedule. Under recompute="auto",
+rank 0 first chooses the recompute levels again with the measured costs (under the same limit), and
+the switch broadcasts them with the schedule: every rank then runs those levels' stage programs.
+From then on it compares the measured step (the longest rank's span of actions, median over a window
+of steps, gathered) with the simulator's span of the running schedule under the costs it was solved
+with: when their ratio moves more than `DRIFT_THRESHOLD` away from the ratio measured in the first
+window after the switch, it re-solves with the window's costs. Windows are `DRIFT_WINDOW` steps long
+and double after every re-solve the drift caused (up to `MAX_DRIFT_WINDOW`).
 """
 
 from __future__ import annotations
@@ -99,7 +98,11 @@ def costs_of(parts: Sequence[Medians], comm: float, stages: int, static: Costs) 
         if (stage, kind) in medians:
             return medians[(stage, kind)]
         if kind in ("I", "W") and (stage, "B") in medians:  # only fused backwards ran: split by FLOPs
-            share = static.w[stage] / max(static.i[stage] + static.w[stage], 1e-12) if isinstance(static.w, (list, tuple)) else 0.5
+            share = (
+                static.w[stage] / max(static.i[stage] + static.w[stage], 1e-12)
+                if isinstance(static.w, (list, tuple))
+                else 0.5
+            )
             return medians[(stage, "B")] * (share if kind == "W" else 1 - share)
         return 0.0
 
@@ -126,7 +129,11 @@ class CostTuner:
     programs (`Runner.use_programs`)."""
 
     def __init__(
-        self, profile_steps: int, solve_arguments: Callable[[Costs], dict[str, Any]], static: Costs, recompute: Any = None
+        self,
+        profile_steps: int,
+        solve_arguments: Callable[[Costs], dict[str, Any]],
+        static: Costs,
+        recompute: Any = None,
     ) -> None:
         self.profile_steps = profile_steps
         self.solve_arguments = solve_arguments
@@ -174,7 +181,9 @@ class CostTuner:
         self._window.append(list(runner.timeline))
         if self._solving is not None:
             return self._switch_if_solved(runner, step)
-        window = self.profile_steps if self.measured is None else min(DRIFT_WINDOW << self.drift_resolves, MAX_DRIFT_WINDOW)
+        window = (
+            self.profile_steps if self.measured is None else min(DRIFT_WINDOW << self.drift_resolves, MAX_DRIFT_WINDOW)
+        )
         if len(self._window) < window:
             return None
         self._check(runner, step)
@@ -182,7 +191,11 @@ class CostTuner:
 
     def _check(self, runner: DistributedRunner, step: int) -> None:
         """End of a window: gather its numbers; solve with them at first, or on drift."""
-        local = (action_medians(self._window), statistics.median(_span(t) for t in self._window), round_trip_seconds(runner))
+        local = (
+            action_medians(self._window),
+            statistics.median(_span(t) for t in self._window),
+            round_trip_seconds(runner),
+        )
         gathered = gather_objects(local, runner.layout.pp_group)
         self._window = []
         costs = costs_of([g[0] for g in gathered], max(g[2] for g in gathered), runner.schedule.stages, self.static)
@@ -248,7 +261,9 @@ class CostTuner:
             before = self.recompute.levels
             runner.use_programs(self.recompute.use(levels))
             self.static = runner.compiled.schedule_costs()
-            self.history.append({"step": step, "event": f"recompute levels {list(before)} -> {list(levels)} (measured costs)"})
+            self.history.append(
+                {"step": step, "event": f"recompute levels {list(before)} -> {list(levels)} (measured costs)"}
+            )
         self.measured = costs
         self.predicted_span = simulate(schedule, costs).span
         self.reference = None

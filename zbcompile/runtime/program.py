@@ -156,7 +156,15 @@ def _resolve(
             sender = {"RECV_F": s - 1, "RECV_B": s + 1}.get(kind, s)
             peer = rank_of(receiver if kind.startswith("SEND") else sender, k)
             value_names = tuple(names(direction, receiver))
-            message = Message(direction, receiver, k, peer, message_tag(direction, receiver, k, schedule.stages), value_names, str(action))
+            message = Message(
+                direction,
+                receiver,
+                k,
+                peer,
+                message_tag(direction, receiver, k, schedule.stages),
+                value_names,
+                str(action),
+            )
             if kind.startswith("SEND"):
                 last_send = index
             else:

@@ -33,7 +33,11 @@ class WaitForecast:
         """Whether the wait for message `key` may leave room for a W: it was late by at least
         the shortest W in recent steps."""
         recent = self.lateness.get(key)
-        return bool(recent) and bool(self.weight_seconds) and statistics.median(recent) >= min(self.weight_seconds.values())
+        return (
+            bool(recent)
+            and bool(self.weight_seconds)
+            and statistics.median(recent) >= min(self.weight_seconds.values())
+        )
 
     def fits(self, key: tuple[str, int, int], waited: float, stage: int) -> bool:
         """Whether a W of `stage` should fit in the rest of the wait for message `key`, of which
@@ -109,15 +113,21 @@ overlaps the computation before it. Each one holds a boundary-sized buffer."""
 class ReceivesAhead:
     """One step's receives, posted in program order up to RECEIVE_LOOKAHEAD ahead of the action
     the rank is at, and always by the time the program reaches them. Where the transport matches
-    messages by order rather than tag (every backend but gloo, NCCL among them), a receive is
-    never posted before a send the program has before it, to any peer: NCCL runs a rank's
-    point-to-point operations on one stream in the order they are posted, a receive holding up
-    everything behind it until its sender sends, so the rank's operations keep the program's
-    order, which the lowering proved free of deadlock (docs/runtime.md, "Posting order"). Where `watch(key)`, the transport can tell when a message has arrived. Receive
-    buffers are made on `device`; None: the transport hands over the sent tensors themselves (in
-    one process)."""
+    messages by order rather than tag (every backend but gloo, NCCL among them), a receive is never
+    posted before a send the program has before it, to any peer: NCCL runs a rank's point-to-point
+    operations on one stream in the order they are posted, a receive holding up everything behind it
+    until its sender sends, so the rank's operations keep the program's order, which the lowering
+    proved free of deadlock (docs/runtime.md, "Posting order"). Where `watch(key)`, the transport
+    can tell when a message has arrived. Receive buffers are made on `device`; None: the transport
+    hands over the sent tensors themselves (in one process)."""
 
-    def __init__(self, program: RankProgram, transport: MessageTransport, device: torch.device | None, watch: Callable[[tuple[str, int, int]], bool]) -> None:
+    def __init__(
+        self,
+        program: RankProgram,
+        transport: MessageTransport,
+        device: torch.device | None,
+        watch: Callable[[tuple[str, int, int]], bool],
+    ) -> None:
         self.plan = program.receives
         self.transport = transport
         self.device = device
@@ -148,6 +158,8 @@ class ReceivesAhead:
         if self.device is not None:  # one tensor is received into; several lay out one flat buffer
             device = self.device if len(receive.layouts) == 1 else "meta"
             buffers = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in receive.layouts]
-        pending = self.transport.post_recv(buffers, message.peer, message.tag, message.text, watch=self.watch(message.key))
+        pending = self.transport.post_recv(
+            buffers, message.peer, message.tag, message.text, watch=self.watch(message.key)
+        )
         self.posted[message.key] = (receive, pending)
         self.next += 1

@@ -96,9 +96,11 @@ class ReverseRollback:
             narrow = [p for p in group["params"] if p.is_floating_point() and p.element_size() < 4]
             if narrow:
                 raise ValueError(
-                    f'rollback="reverse" cannot undo steps of {narrow[0].dtype} parameters (param group {i}, e.g. one of '
+                    f'rollback="reverse" cannot undo steps of {narrow[0].dtype} parameters (param group {i}, e.g. one '
+                    'of '
                     f"shape {tuple(narrow[0].shape)}): an update near the value's rounding step does not come back "
-                    'by the inverse formula (off by one unit in the last place, a relative 1e-2 in bfloat16); use rollback="exact"'
+                    'by the inverse formula (off by one unit in the last place, a relative 1e-2 in bfloat16); use '
+                    'rollback="exact"'
                 )
         self.optimizer = optimizer
         self._fresh: set[torch.Tensor] = set()  # parameters without state before the step

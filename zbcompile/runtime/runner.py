@@ -85,7 +85,10 @@ class Runner(ABC):
         """The step's parameter gradients this process holds, by FQN."""
 
     def step(
-        self, inputs: Sequence[Mapping[str, torch.Tensor]], targets: Sequence[Mapping[str, torch.Tensor]], loss_tangent: float | None = None
+        self,
+        inputs: Sequence[Mapping[str, torch.Tensor]],
+        targets: Sequence[Mapping[str, torch.Tensor]],
+        loss_tangent: float | None = None,
     ) -> list[torch.Tensor] | None:
         """One step; returns the microbatch losses where this process holds the last stage, else
         None. `loss_tangent`: the gradient each microbatch loss gets (None: 1/m, the mean's;
@@ -176,6 +179,7 @@ def _check_copies(schedule: Schedule, compiled: CompiledPipeline) -> None:
         if stage.buffer_updates:
             raise ValueError(
                 f"schedule {schedule.name!r} runs every stage in two copies of the pipeline, each for part of the "
-                f"microbatches, but stage {stage.index} updates buffers in its forward ({', '.join(stage.buffer_updates[:3])}), "
+                f"microbatches, but stage {stage.index} updates buffers in its forward "
+                f"({', '.join(stage.buffer_updates[:3])}), "
                 "which need every microbatch in order; use a schedule with one copy, such as dualpipev or zbv"
             )

@@ -81,12 +81,20 @@ class ScheduleChoice:
             except ValueError as error:
                 if not is_bytes(self.options.memory_limit):
                     raise
-                raise ValueError(f"{limit_in_words(self.options.memory_limit, compiled.memory_unit())}: {error}") from error
+                raise ValueError(
+                    f"{limit_in_words(self.options.memory_limit, compiled.memory_unit())}: {error}"
+                ) from error
             limit = arguments["memory_limit"]
-            reduction = with_reduction(costs, self.reduction_per_message(compiled)).reduce  # as solve_arguments counts it
+            reduction = with_reduction(
+                costs, self.reduction_per_message(compiled)
+            ).reduce  # as solve_arguments counts it
             return schedule.with_info(
                 **({"cost_source": "given", "costs": given} if given is not None else {"cost_source": "static"}),
-                **({"reduction": tuple(reduction)} if not isinstance(reduction, (int, float)) and any(reduction) else {}),
+                **(
+                    {"reduction": tuple(reduction)}
+                    if not isinstance(reduction, (int, float)) and any(reduction)
+                    else {}
+                ),
                 **({"memory_limit": limit, "memory_limit_rule": self._limit_rule()} if limit is not None else {}),
             )
 
@@ -114,7 +122,9 @@ class ScheduleChoice:
             value = box[0]
         return value
 
-    def solve_arguments(self, costs: Costs, compiled: CompiledPipeline, placements: tuple[str, ...] = ("in-line",)) -> dict[str, Any]:
+    def solve_arguments(
+        self, costs: Costs, compiled: CompiledPipeline, placements: tuple[str, ...] = ("in-line",)
+    ) -> dict[str, Any]:
         """`make_schedule`'s arguments for this pipeline's schedule under `costs` (a limit in bytes
         in `compiled`'s memory unit; `costs` per compiled stage). A compile in twice the
         schedule's stages is zb-auto's V: the schedule is solved in the V again, on its chunks'
@@ -134,14 +144,18 @@ class ScheduleChoice:
             chunks = resolve_costs(costs, len(compiled.programs))
             arguments.update(costs=chunks.merged(2), chunk_costs=chunks, placements=("v",))
         if limit is None:
-            arguments["memory_limit"] = default_limit(o.schedule, o.stages, o.microbatches, arguments["costs"], compiled.checkpointed())
+            arguments["memory_limit"] = default_limit(
+                o.schedule, o.stages, o.microbatches, arguments["costs"], compiled.checkpointed()
+            )
         return arguments
 
     def reduction_per_message(self, compiled: CompiledPipeline) -> tuple[float, ...]:
         """Per compiled stage, its gradient reduction over the replicas in boundary messages
         (`grad_reduction.reduction_per_message`): what the schedule counts after its last W."""
         replicas = self.layout().dp_size if self.options.distributed else 1
-        return grad_reduction.reduction_per_message(compiled, replicas, self.options.data_parallel, self.options.grad_dtype)
+        return grad_reduction.reduction_per_message(
+            compiled, replicas, self.options.data_parallel, self.options.grad_dtype
+        )
 
     def _is_v_compile(self, compiled: CompiledPipeline) -> bool:
         """Whether `compiled` is zb-auto's V: twice the stages the pipeline was given."""

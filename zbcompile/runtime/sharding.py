@@ -108,7 +108,9 @@ class _StageGather:
         pieces = []
         for p, width in zip(params, self.widths):
             local = p.detach().to_local().reshape(-1)
-            pieces.append(local if local.numel() == width else torch.cat([local, local.new_zeros(width - local.numel())]))
+            pieces.append(
+                local if local.numel() == width else torch.cat([local, local.new_zeros(width - local.numel())])
+            )
         send = torch.cat(pieces) if len(pieces) > 1 else pieces[0].contiguous()
         self.received = send.new_empty(dp * send.numel())
         self.work = dist.all_gather_single(self.received, send, group=group, async_op=True)
@@ -131,7 +133,13 @@ class Gathered(Mapping):
     parameter reads as its whole tensor, gathered per stage (`stage_params`: stage -> its
     parameters' runtime names, in the order stages come first) and waited for on first read."""
 
-    def __init__(self, state: Mapping[str, torch.Tensor], stage_params: Mapping[int, Sequence[str]], group: dist.ProcessGroup, timeout: timedelta) -> None:
+    def __init__(
+        self,
+        state: Mapping[str, torch.Tensor],
+        stage_params: Mapping[int, Sequence[str]],
+        group: dist.ProcessGroup,
+        timeout: timedelta,
+    ) -> None:
         self._values = {k: v for k, v in state.items() if not isinstance(v, DTensor)}
         self._sharded = {k for k, v in state.items() if isinstance(v, DTensor)}
         self._pending: dict[str, _StageGather] = {}

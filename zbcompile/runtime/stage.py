@@ -43,14 +43,14 @@ class StageExecutor:
       M_B and M_W stand for;
     - `peak_activation_bytes`, while `measure_transients` is True (off by default: then it costs
       nothing and stays 0): the most bytes alive at any point inside an action as well, i.e. the
-      saved values of the other microbatches in flight, plus what the running action took in
-      (its microbatch's saved values, the values received from the neighbours or the batch,
-      the output gradients), plus every storage its graph created and still alive
-      (`live_memory.peak_inside`: a TransientTracker, or on CUDA the allocator's statistics): the forward values a checkpointed region recomputes,
-      intermediate gradients, the outputs it hands on, and the per-microbatch parameter
-      gradients before they are added. Not counted: parameters, buffers and the accumulated
-      parameter gradients (not activations: one copy per stage whatever the schedule), values
-      handed to the neighbours once the action has returned (the transport's), received
+      saved values of the other microbatches in flight, plus what the running action took in (its
+      microbatch's saved values, the values received from the neighbours or the batch, the output
+      gradients), plus every storage its graph created and still alive (`live_memory.peak_inside`: a
+      TransientTracker, or on CUDA the allocator's statistics): the forward values a checkpointed
+      region recomputes, intermediate gradients, the outputs it hands on, and the per-microbatch
+      parameter gradients before they are added. Not counted: parameters, buffers and the
+      accumulated parameter gradients (not activations: one copy per stage whatever the schedule),
+      values handed to the neighbours once the action has returned (the transport's), received
       values before the action that takes them starts.
     """
 
@@ -77,7 +77,10 @@ class StageExecutor:
         """An executor of the same stage and state running `program` (the stage at another
         recompute level), measuring as this one does. Between steps only."""
         if self.envs:
-            raise RuntimeError(f"stage {self.program.stage.index}: microbatches {sorted(self.envs)} are in flight; change programs between steps")
+            raise RuntimeError(
+                f"stage {self.program.stage.index}: microbatches {sorted(self.envs)} are in flight; change programs "
+                "between steps"
+            )
         executor = StageExecutor(program, self.state)
         executor.measure_transients = self.measure_transients
         return executor
@@ -95,7 +98,11 @@ class StageExecutor:
         if stage.outputs:
             outputs = {v: env[output_name(v)] if output_name(v) in env else env[input_name(v)] for v in stage.outputs}
         else:
-            outputs = {fqn_of(name): env[name] for name in self.program.joint.forward.signature.outputs if name.startswith(OUTPUT)}
+            outputs = {
+                fqn_of(name): env[name]
+                for name in self.program.joint.forward.signature.outputs
+                if name.startswith(OUTPUT)
+            }
         self.envs[microbatch] = {k: v for k, v in env.items() if k in self._backward_reads}
         self._note_memory(microbatch, "F")
         return outputs
@@ -158,7 +165,9 @@ class StageExecutor:
         self._note_memory(microbatch)
         return self._input_grads(env, output_grads)
 
-    def _run(self, kind: str, program: Program, env: dict[str, torch.Tensor], microbatch: int, keep: Collection[str]) -> None:
+    def _run(
+        self, kind: str, program: Program, env: dict[str, torch.Tensor], microbatch: int, keep: Collection[str]
+    ) -> None:
         """Run `program` (the action `kind`: F, I, W or B) on `microbatch`'s `env` (what the
         action took in). The values the microbatch does not `keep` after this action leave `env`
         and the graph frees each at its last use. While `measure_transients`, note the most bytes
@@ -182,7 +191,9 @@ class StageExecutor:
         for name in self.program.joint.tangents:
             env[tangent_name(name)] = self._as_traced(tangent_name(name), output_grads[name])
 
-    def _input_grads(self, env: Mapping[str, torch.Tensor], output_grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _input_grads(
+        self, env: Mapping[str, torch.Tensor], output_grads: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
         """Gradients of the stage inputs: the backward's own, plus the relayed ones from downstream
         for inputs the stage passes through."""
         grads = {}

@@ -60,8 +60,16 @@ class StateOwnership:
             "pipeline(): a function that fills one module's own parameters and buffers, such as a transformers "
             "model's _init_weights (without it, a module's reset_parameters() fills its parameters and the buffers "
             "it writes)"
-            + ("; or load them with pipe.load_state_dict(state_dict) after compile()" if len(unloadable) < len(names) else "")
-            + (f". No state dict holds {unloadable[:4]} (non-persistent buffers): only init_fn can fill them" if unloadable else "")
+            + (
+                "; or load them with pipe.load_state_dict(state_dict) after compile()"
+                if len(unloadable) < len(names)
+                else ""
+            )
+            + (
+                f". No state dict holds {unloadable[:4]} (non-persistent buffers): only init_fn can fill them"
+                if unloadable
+                else ""
+            )
         )
 
     def held_only(self, named: Iterator[tuple[str, Any]], prefix: str) -> Iterator[tuple[str, Any]]:
@@ -129,7 +137,9 @@ class StateOwnership:
                 "or use data_parallel='replicate'"
             )
 
-    def place(self, held: set[str], device: torch.device, move_others: bool, then: Callable[[], Any] = lambda: None) -> Any:
+    def place(
+        self, held: set[str], device: torch.device, move_others: bool, then: Callable[[], Any] = lambda: None
+    ) -> Any:
         """Materialise and fill what this process holds (`placement.placed`), then run `then()`;
         if either raises, the module keeps the tensors it had."""
         with placement.placed(self.module, held, device, self.options.init_fn, move_others) as unfilled:

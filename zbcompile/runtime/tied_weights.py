@@ -45,7 +45,12 @@ def parameter_users(partition: StagePartition) -> dict[str, tuple[int, ...]]:
     return users
 
 
-def tied_weights(users: Mapping[str, Sequence[int]], ranks_of: Callable[[int], Sequence[int]], pipeline_ranks: Sequence[int], rank: int) -> list[TiedWeight]:
+def tied_weights(
+    users: Mapping[str, Sequence[int]],
+    ranks_of: Callable[[int], Sequence[int]],
+    pipeline_ranks: Sequence[int],
+    rank: int,
+) -> list[TiedWeight]:
     """The parameters used by stages on several ranks that `rank` holds, sorted by FQN.
     `users` maps an FQN to the stages using it, `ranks_of(stage)` gives the pipeline positions
     running a stage (`Schedule.ranks_of`)."""
@@ -73,12 +78,19 @@ def share_owner_values(weights: Sequence[TiedWeight], state: Mapping[str, torch.
                 transport.send([value.detach()], holder, TIED_TAG + index, action)
             transport.complete_messages()
         else:
-            received = transport.wait(transport.post_recv([torch.empty_like(value)], weight.owner, TIED_TAG + index, action), action)
+            received = transport.wait(
+                transport.post_recv([torch.empty_like(value)], weight.owner, TIED_TAG + index, action), action
+            )
             with torch.no_grad():
                 value.copy_(received[0])
 
 
-def sum_gradients(weights: Sequence[TiedWeight], grads: dict[str, torch.Tensor], state: Mapping[str, torch.Tensor], transport: Transport) -> None:
+def sum_gradients(
+    weights: Sequence[TiedWeight],
+    grads: dict[str, torch.Tensor],
+    state: Mapping[str, torch.Tensor],
+    transport: Transport,
+) -> None:
     """Replace each tied weight's gradient in `grads` by the sum over its holders (a holder whose
     stages gave it none counts zeros), the same tensor values on every holder."""
     for index, weight in enumerate(weights):
@@ -89,13 +101,17 @@ def sum_gradients(weights: Sequence[TiedWeight], grads: dict[str, torch.Tensor],
         if transport.rank == weight.owner:
             total = own.clone()
             for holder in weight.holders[1:]:
-                part = transport.wait(transport.post_recv([torch.empty_like(own)], holder, TIED_TAG + index, action), action)
+                part = transport.wait(
+                    transport.post_recv([torch.empty_like(own)], holder, TIED_TAG + index, action), action
+                )
                 total += part[0]
             for holder in weight.holders[1:]:
                 transport.send([total], holder, TIED_TAG + index, action)
             transport.complete_messages()
         else:
             transport.send([own], weight.owner, TIED_TAG + index, action)
-            total = transport.wait(transport.post_recv([torch.empty_like(own)], weight.owner, TIED_TAG + index, action), action)[0]
+            total = transport.wait(
+                transport.post_recv([torch.empty_like(own)], weight.owner, TIED_TAG + index, action), action
+            )[0]
             transport.complete_messages()
         grads[weight.fqn] = total

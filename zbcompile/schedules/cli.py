@@ -24,7 +24,9 @@ def _floats(text: str) -> float | list[float]:
     try:
         values = [float(v) for v in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or a comma-separated list of numbers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected a number or a comma-separated list of numbers, got {text!r}"
+        ) from None
     return values[0] if len(values) == 1 else values
 
 
@@ -46,7 +48,9 @@ def register(subparsers) -> None:
     size = p.add_mutually_exclusive_group(required=True)
     size.add_argument("--stages", type=int, help="pipeline stages (chunks for the two-chunk schedules), costs as given")
     size.add_argument(
-        "--ranks", type=int, help="pipeline ranks: costs per rank's stage, split into chunks for the two-chunk schedules"
+        "--ranks",
+        type=int,
+        help="pipeline ranks: costs per rank's stage, split into chunks for the two-chunk schedules",
     )
     p.add_argument("--microbatches", type=int, required=True)
     p.add_argument("--f", type=_floats, default=1.0, help="forward time, scalar or one per stage (1.2,1,1,1.5)")
@@ -60,7 +64,9 @@ def register(subparsers) -> None:
     p.add_argument("--mem-b", type=_floats, default=1.0, help="activation memory of one microbatch (M_B)")
     p.add_argument("--mem-w", type=_floats, default=0.5, help="memory W still needs after I (M_W)")
     p.add_argument("--memory-limit", default=None, help="1p, 2p (multiples of 1F1B's peak) or a number")
-    p.add_argument("--schedule", default="1f1b,zb-h1,zb-h2,zb-auto", help=f"comma-separated: {','.join(SCHEDULE_NAMES)}")
+    p.add_argument(
+        "--schedule", default="1f1b,zb-h1,zb-h2,zb-auto", help=f"comma-separated: {','.join(SCHEDULE_NAMES)}"
+    )
     p.add_argument("--objective", choices=OBJECTIVES, default="span")
     p.add_argument("--time-budget", type=float, default=None, help="zb-auto solver seconds (default 3)")
     p.add_argument("--out", default=None, help="timeline picture path (.svg; a .png is written beside it)")
@@ -81,7 +87,16 @@ def _built(name: str, args: argparse.Namespace, costs: Costs) -> tuple[Schedule,
         stages, sc = args.stages, costs.resolve(args.stages)
         # only the solved schedules are shaped by a limit; the others are only measured
         limit = memory_limit_for(args.memory_limit, name, stages, costs) if spec.solved else None
-        sched = make_schedule(name, stages, args.microbatches, sc, limit, args.objective, time_budget=args.time_budget, placements=("in-line",))
+        sched = make_schedule(
+            name,
+            stages,
+            args.microbatches,
+            sc,
+            limit,
+            args.objective,
+            time_budget=args.time_budget,
+            placements=("in-line",),
+        )
         return sched, sc
     per_rank = costs.resolve(args.ranks)
     stages = args.ranks * spec.chunks_per_rank
@@ -112,7 +127,9 @@ def run(args: argparse.Namespace) -> int:
             boxes = layout(sched, sc)
             boxes += idle_boxes(boxes)
             res = simulate(sched, sc)
-            title = f"{sched.name}: p={sched.stages} m={sched.microbatches} span={res.span:.3f} makespan={res.makespan:.3f}"
+            title = (
+                f"{sched.name}: p={sched.stages} m={sched.microbatches} span={res.span:.3f} makespan={res.makespan:.3f}"
+            )
             with open(svg_path, "w") as fh:
                 fh.write(to_svg(boxes, title, legend=True))
             to_png(boxes, png_path, title)

@@ -1,10 +1,10 @@
 """Per-stage costs and the memory model.
 
 Times (``f``, ``i``, ``w``, ``comm``) are in any one unit (ms in the paper), named by the schedule's
-action letters: ``f`` the forward F, ``i`` the input-gradient backward I (the paper's T_B), ``w`` the
-weight-gradient backward W; a fused backward B costs ``i + w``. Memory follows the paper: F adds ``mem_b`` (M_B), I frees ``mem_b - mem_w``,
-W frees ``mem_w`` (M_W), a fused B frees ``mem_b``. Every field is a scalar or one value per stage;
-for multi-chunk schedules a "stage" is a chunk.
+action letters: ``f`` the forward F, ``i`` the input-gradient backward I (the paper's T_B), ``w``
+the weight-gradient backward W; a fused backward B costs ``i + w``. Memory follows the paper: F adds
+``mem_b`` (M_B), I frees ``mem_b - mem_w``, W frees ``mem_w`` (M_W), a fused B frees ``mem_b``.
+Every field is a scalar or one value per stage; for multi-chunk schedules a "stage" is a chunk.
 
 ``reduce`` is the time of a stage's gradient reduction over data-parallel replicas (0 without
 replicas). It starts once the stage's last W (or fused B) has ended and the rank's link has
@@ -131,7 +131,13 @@ class ResolvedCosts:
             return tuple(v / chunks for v in values for _ in range(chunks))
 
         return ResolvedCosts(
-            split(self.f), split(self.i), split(self.w), self.comm, split(self.mem_b), split(self.mem_w), split(self.reduce)
+            split(self.f),
+            split(self.i),
+            split(self.w),
+            self.comm,
+            split(self.mem_b),
+            split(self.mem_w),
+            split(self.reduce),
         )
 
     def merged(self, chunks: int) -> "ResolvedCosts":
@@ -144,7 +150,13 @@ class ResolvedCosts:
             return tuple(sum(values[s : s + chunks]) for s in range(0, len(values), chunks))
 
         return ResolvedCosts(
-            merge(self.f), merge(self.i), merge(self.w), self.comm, merge(self.mem_b), merge(self.mem_w), merge(self.reduce)
+            merge(self.f),
+            merge(self.i),
+            merge(self.w),
+            self.comm,
+            merge(self.mem_b),
+            merge(self.mem_w),
+            merge(self.reduce),
         )
 
 

@@ -17,11 +17,11 @@ stage 2p-1-r. Each rank runs eight phases (p ranks, m microbatches, rank r):
 8. the remaining W.
 
 An overlapped pair is one microbatch's forward computed while another's backward runs (DeepSeek
-overlaps their communication with the other's computation). A pair is its two actions back to
-back, forward first, in the order torch's runtime runs the sub-actions, and is recorded in
-``Schedule.overlapped``, so ``to_csv`` writes it as torch does, ``(0F7;7B3)OVERLAP_F_B``. DualPipeV needs m >= 2p; for fewer microbatches the order for 2p is
-built and the extra microbatches are dropped (removing whole microbatches keeps an order free of
-deadlock, as in ``handcrafted.zb_v``).
+overlaps their communication with the other's computation). A pair is its two actions back to back,
+forward first, in the order torch's runtime runs the sub-actions, and is recorded in
+``Schedule.overlapped``, so ``to_csv`` writes it as torch does, ``(0F7;7B3)OVERLAP_F_B``. DualPipeV
+needs m >= 2p; for fewer microbatches the order for 2p is built and the extra microbatches are
+dropped (removing whole microbatches keeps an order free of deadlock, as in ``handcrafted.zb_v``).
 
 DualPipe (bidirectional): p ranks (p even) and a pipeline of p stages that exists twice. Copy 0
 runs stage s on rank s ("down") and the first ceil(m/2) microbatches; copy 1 runs stage s on rank
@@ -137,7 +137,9 @@ def dualpipe(stages: int, microbatches: int) -> Schedule:
             f"stages (ranks), got {stages}; use dualpipev, or an even stage count"
         )
     if microbatches < 2:
-        raise ValueError(f"dualpipe splits the microbatches between its two directions: it needs at least 2, got {microbatches}")
+        raise ValueError(
+            f"dualpipe splits the microbatches between its two directions: it needs at least 2, got {microbatches}"
+        )
     down = (microbatches + 1) // 2  # copy 0's share; copy 1 runs microbatches down..m-1
     shares = (down, microbatches - down)
     built = max(down, stages)

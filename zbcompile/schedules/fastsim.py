@@ -2,10 +2,11 @@
 
 The search in ``search.py`` re-times thousands of candidate orders, so this module works on plain
 lists of ints instead of ``Action`` objects. An action is ``(kind * S + stage) * M + microbatch``
-with kind 0 = F, 1 = I, 2 = W (split backward only), so every id from ``first_w`` on is a W. The timing rule is ``timing.asap_timing``'s:
-every action starts as soon as its rank is free and its inputs have arrived, in each rank's order,
-a cross-rank input delayed by ``comm``; a rank ends when its last action and its stages' gradient
-reductions (``costs.reduce``, ``simulate.reduction_ends``) have. ``tests/schedules/test_schedule_search.py`` checks that both agree.
+with kind 0 = F, 1 = I, 2 = W (split backward only), so every id from ``first_w`` on is a W. The
+timing rule is ``timing.asap_timing``'s: every action starts as soon as its rank is free and its
+inputs have arrived, in each rank's order, a cross-rank input delayed by ``comm``; a rank ends when
+its last action and its stages' gradient reductions (``costs.reduce``, ``simulate.reduction_ends``)
+have. ``tests/schedules/test_schedule_search.py`` checks that both agree.
 """
 
 from __future__ import annotations
@@ -69,13 +70,18 @@ class Evaluator:
         return Action(s, KINDS[kind], k)
 
     def rows_of(self, schedule: Schedule) -> list[list[int]]:
-        return [[self.id(a.stage, _KIND_INDEX[a.kind], a.microbatch) for a in row if a.is_compute] for row in schedule.actions]
+        return [
+            [self.id(a.stage, _KIND_INDEX[a.kind], a.microbatch) for a in row if a.is_compute]
+            for row in schedule.actions
+        ]
 
     def schedule(self, name: str, rows: Sequence[Sequence[int]], info=None) -> Schedule:
         actions = tuple(tuple(self.action(a) for a in row) for row in rows)
         return Schedule(name, self.S, self.M, self.stage_to_rank, actions, info or {})
 
-    def times(self, rows: Sequence[Sequence[int]], end: list[float] | None = None) -> tuple[list[float], list[float]] | None:
+    def times(
+        self, rows: Sequence[Sequence[int]], end: list[float] | None = None
+    ) -> tuple[list[float], list[float]] | None:
         """Per-rank (first start, last end), or None when the programs cannot finish. ``end``, when
         given (a list of len 3 S M), receives every action's end time."""
         dur, cross, delay, local = self.dur, self.cross, self.delay, self.local

@@ -48,8 +48,10 @@ class GreedyPolicy:
 
 # Large problems try the two policies that win most often (fewest in-flight F first).
 QUICK_POLICIES = (GreedyPolicy("eager", "fill", 0), GreedyPolicy("eager", "fit", 0))
-POLICIES = QUICK_POLICIES + tuple(GreedyPolicy("eager", w, extra) for extra in (None, 0, 1) for w in ("fill", "fit")) + (
-    GreedyPolicy("fit", "fill", None),
+POLICIES = (
+    QUICK_POLICIES
+    + tuple(GreedyPolicy("eager", w, extra) for extra in (None, 0, 1) for w in ("fill", "fit"))
+    + (GreedyPolicy("fit", "fill", None),)
 )
 
 
@@ -104,7 +106,8 @@ class _ListScheduler:
         # shapes), so that the oldest microbatch can always continue down the pipeline and back, and
         # for the increase of this stage's own I (mem_w > mem_b).
         self.reserve = [
-            costs.excess(s) + sum(max(costs.mem_b[d], costs.mem_w[d]) for d in self.stages_of[stage_to_rank[s]] if d > s)
+            costs.excess(s)
+            + sum(max(costs.mem_b[d], costs.mem_w[d]) for d in self.stages_of[stage_to_rank[s]] if d > s)
             for s in range(S)
         ]
         # the delay of stage s's F input (from s - 1) and of its I input (from s + 1)

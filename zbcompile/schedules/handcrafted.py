@@ -158,8 +158,8 @@ def zb_v(stages: int, microbatches: int) -> Schedule:
     With T_F = T_B = T_W per chunk, no communication delay and m >= 2p every rank's own span has no
     gap (stage bubble rate 0) and the peak memory per rank is 2p chunk activations, i.e. p M_B when
     a chunk holds M_B / 2: 1F1B's peak. When M_W > M_B the W this order defers can exceed that;
-    ``heuristic.zbv`` then runs them earlier (``row_edits.make_room``). The order is built for max(m, 2p-1) microbatches and the
-    extra ones are dropped, which keeps it valid for small m.
+    ``heuristic.zbv`` then runs them earlier (``row_edits.make_room``). The order is built for
+    max(m, 2p-1) microbatches and the extra ones are dropped, which keeps it valid for small m.
     """
     if stages < 2 or stages % 2:
         raise ValueError(f"zbv puts two chunks on each rank: stages (chunks) must be even and >= 2, got {stages}")

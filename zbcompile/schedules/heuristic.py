@@ -79,7 +79,8 @@ def one_f_one_b_peaks(stage_to_rank: Sequence[int], costs: ResolvedCosts) -> tup
     ranks = 1 + max(stage_to_rank)
     own = [[s for s, r in enumerate(stage_to_rank) if r == rank] for rank in range(ranks)]
     return tuple(
-        one_f_one_b_peak(sum(costs.mem_b[s] for s in stages), sum(costs.mem_w[s] for s in stages), ranks) for stages in own
+        one_f_one_b_peak(sum(costs.mem_b[s] for s in stages), sum(costs.mem_w[s] for s in stages), ranks)
+        for stages in own
     )
 
 
@@ -155,7 +156,9 @@ def zb_auto_candidates(
 
     for policy in policies:
         try:
-            consider("list", ev.rows_of(list_schedule("zb-auto", stages, microbatches, placement, costs, limits, policy)))
+            consider(
+                "list", ev.rows_of(list_schedule("zb-auto", stages, microbatches, placement, costs, limits, policy))
+            )
         except MemoryTooSmall:
             continue
     warm, defer = analytic_parameters(stages, costs)
@@ -172,7 +175,11 @@ def zb_auto_candidates(
     if reference is not None:
         before = min((t[0][0] for t in scored), default=math.inf)
         consider(*reference)
-        if before < math.inf and scored[-1][2] == reference[0] and not scored[-1][0][0] < before - _STRICTLY_BETTER * max(1.0, abs(before)):
+        if (
+            before < math.inf
+            and scored[-1][2] == reference[0]
+            and not scored[-1][0][0] < before - _STRICTLY_BETTER * max(1.0, abs(before))
+        ):
             scored.pop()
     if not scored:
         raise ValueError(f"zb-auto: no schedule fits memory_limit {list(limits)}; raise it")
@@ -202,7 +209,9 @@ def _uniform(costs: ResolvedCosts) -> bool:
     return all(len(set(v)) <= 1 for v in (costs.f, costs.i, costs.w, costs.mem_b, costs.mem_w))
 
 
-def zbv(stages: int, microbatches: int, costs: ResolvedCosts, limits: Sequence[float] | None = None, objective: str = "span") -> Schedule:
+def zbv(
+    stages: int, microbatches: int, costs: ResolvedCosts, limits: Sequence[float] | None = None, objective: str = "span"
+) -> Schedule:
     """ZB-V: the handcrafted schedule (``handcrafted.zb_v``) at 1F1B's memory unless a limit is
     given; the list scheduler on the same V placement is tried as well when the costs differ between
     chunks or the handcrafted order does not fit the limit, and the better one is kept."""
@@ -212,7 +221,9 @@ def zbv(stages: int, microbatches: int, costs: ResolvedCosts, limits: Sequence[f
     if limits is None:
         # 1F1B's memory, at least one microbatch's peak (chunks whose M_W exceed the other
         # chunk's M_B need more)
-        limits = tuple(max(need, peak) for need, peak in zip(minimum_memory(placement, costs), one_f_one_b_peaks(placement, costs)))
+        limits = tuple(
+            max(need, peak) for need, peak in zip(minimum_memory(placement, costs), one_f_one_b_peaks(placement, costs))
+        )
     check_memory_feasible("zbv", placement, costs, limits)
     candidates = []
     hand = zb_v(stages, microbatches)
@@ -229,7 +240,9 @@ def zbv(stages: int, microbatches: int, costs: ResolvedCosts, limits: Sequence[f
         for policy in POLICIES:
             try:
                 candidates.append(
-                    list_schedule("zbv", stages, microbatches, placement, costs, limits, policy).with_info(zbv_source="list")
+                    list_schedule("zbv", stages, microbatches, placement, costs, limits, policy).with_info(
+                        zbv_source="list"
+                    )
                 )
             except MemoryTooSmall:
                 continue
@@ -239,7 +252,9 @@ def zbv(stages: int, microbatches: int, costs: ResolvedCosts, limits: Sequence[f
     return best.with_info(memory_limit=list(limits))
 
 
-def analytic_lower_bound(schedule_stages: int, microbatches: int, stage_to_rank: Sequence[int], costs: ResolvedCosts, objective: str) -> float:
+def analytic_lower_bound(
+    schedule_stages: int, microbatches: int, stage_to_rank: Sequence[int], costs: ResolvedCosts, objective: str
+) -> float:
     """Memory-free bound. span: the busiest rank's work. makespan: a rank cannot start before the
     first forward reaches its earliest stage, and then has all its own work to do."""
     ranks = 1 + max(stage_to_rank)

@@ -107,7 +107,9 @@ class Schedule:
         )
         object.__setattr__(self, "info", dict(self.info))
         object.__setattr__(
-            self, "overlapped", tuple(tuple(a if isinstance(a, Action) else Action.parse(a) for a in g) for g in self.overlapped)
+            self,
+            "overlapped",
+            tuple(tuple(a if isinstance(a, Action) else Action.parse(a) for a in g) for g in self.overlapped),
         )
         if len(self.stage_to_rank) != self.stages:
             raise ValueError(
@@ -206,7 +208,9 @@ class Schedule:
                 try:
                     parsed, overlap, skipped = _parse_cell(cell)
                 except ValueError as error:
-                    raise ValueError(f"schedule {name!r}, rank {rank} (row {rank + 1}), column {column + 1}: {error}") from None
+                    raise ValueError(
+                        f"schedule {name!r}, rank {rank} (row {rank + 1}), column {column + 1}: {error}"
+                    ) from None
                 actions += parsed
                 if overlap:
                     overlapped.append(tuple(parsed))
@@ -245,7 +249,9 @@ class Schedule:
         if missing:
             raise ValueError(f"stages {missing} have no compute action, so their rank is unknown")
         groups = tuple(tuple(group) for group in overlapped)
-        return cls(name, stages, microbatches, tuple(placement[s] for s in range(stages)), tuple(parsed), overlapped=groups)
+        return cls(
+            name, stages, microbatches, tuple(placement[s] for s in range(stages)), tuple(parsed), overlapped=groups
+        )
 
 
 def _parse_cell(cell: str) -> tuple[list[Action], bool, str | None]:
@@ -262,10 +268,15 @@ def _parse_cell(cell: str) -> tuple[list[Action], bool, str | None]:
         return [Action.parse(text)], False, None
     inner, kind = composite.groups()
     if kind != OVERLAP_KIND:
-        raise ValueError(f"cannot parse action {text!r}: the only composite action is '(<action>;<action>){OVERLAP_KIND}'")
+        raise ValueError(
+            f"cannot parse action {text!r}: the only composite action is '(<action>;<action>){OVERLAP_KIND}'"
+        )
     parts = [Action.parse(part) for part in inner.split(";") if part.strip()]
     if len(parts) < 2 or not all(a.is_compute for a in parts):
-        raise ValueError(f"cannot parse action {text!r}: {OVERLAP_KIND} groups two or more compute actions, such as '(0F7;7B3){OVERLAP_KIND}'")
+        raise ValueError(
+            f"cannot parse action {text!r}: {OVERLAP_KIND} groups two or more compute actions, such as "
+            f"'(0F7;7B3){OVERLAP_KIND}'"
+        )
     return parts, True, None
 
 

@@ -70,7 +70,9 @@ def lower(schedule: Schedule, costs: Costs | ResolvedCosts | None = None) -> Sch
             heapq.heappush(heap, item)
         deferred.clear()
     if deferred:
-        raise ScheduleError(f"cannot order messages for {[str(compute.actions[r][position[r]]) for _, _, r in deferred]}")
+        raise ScheduleError(
+            f"cannot order messages for {[str(compute.actions[r][position[r]]) for _, _, r in deferred]}"
+        )
     lowered = replace(schedule, actions=tuple(tuple(row) for row in out), info={**schedule.info, "lowered": True})
     check_rendezvous(lowered)
     return lowered
@@ -143,5 +145,7 @@ def check_rendezvous(schedule: Schedule) -> None:
                 details.append(f"rank {r} blocks at {action} waiting for {inputs_ready(r, action)}")
             else:
                 peer_rank, partner = peer_of(action)
-                details.append(f"rank {r} blocks at {action} until rank {peer_rank} reaches {partner} (it is at {head(peer_rank)})")
+                details.append(
+                    f"rank {r} blocks at {action} until rank {peer_rank} reaches {partner} (it is at {head(peer_rank)})"
+                )
         raise ScheduleError("lowered schedule deadlocks under blocking send/recv: " + "; ".join(details))

@@ -87,7 +87,9 @@ def limit_in_words(limit: Limit, unit_bytes: float) -> str:
 DEFAULT_LIMIT_RULE = "none given, the model checkpoints: 1F1B's peak on each rank"
 
 
-def default_limit(schedule: str | Schedule, stages: int, microbatches: int, costs: Costs, checkpointed: bool) -> list[float] | None:
+def default_limit(
+    schedule: str | Schedule, stages: int, microbatches: int, costs: Costs, checkpointed: bool
+) -> list[float] | None:
     """The limit (per rank, in the schedule's unit) a pipeline runs `schedule` under when it was
     given none. None (a solved schedule then uses all the memory it gains time with), except for a
     model with checkpointed regions (`checkpointed`) under a solved schedule of one stage per rank

@@ -173,7 +173,10 @@ QUICK_FLAGS = ((True, False, False), (True, True, True))  # the winners on the p
 
 
 def reference_rows(
-    ev: Evaluator, limits: Sequence[float] | None, objective: str = "span", flags: Sequence[tuple[bool, bool, bool]] = ALL_FLAGS
+    ev: Evaluator,
+    limits: Sequence[float] | None,
+    objective: str = "span",
+    flags: Sequence[tuple[bool, bool, bool]] = ALL_FLAGS,
 ) -> tuple[str, list[list[int]]] | None:
     """The best flag combination of the paper's construction by its own timing (the simulator's
     rule, so the value is exact), labelled by its flags, or None when none could be built (one

@@ -89,41 +89,65 @@ def _build_zbv(r: BuildRequest) -> Schedule:
 
 def _build_zb_auto(r: BuildRequest) -> Schedule:
     def in_line() -> Schedule:
-        return zb_auto(r.stages, r.microbatches, r.costs, r.limits, r.objective, r.time_budget, r.deterministic, r.started)
+        return zb_auto(
+            r.stages, r.microbatches, r.costs, r.limits, r.objective, r.time_budget, r.deterministic, r.started
+        )
 
     return choose_placement(
         in_line, r.stages, r.microbatches, r.costs, r.limits, r.objective, r.placements, r.chunk_costs, r.v_always
     )
 
 
-SCHEDULES: Mapping[str, ScheduleSpec] = MappingProxyType({
-    spec.name: spec
-    for spec in (
-        ScheduleSpec("gpipe", lambda r: gpipe(r.stages, r.microbatches)),
-        ScheduleSpec("1f1b", lambda r: one_f_one_b(r.stages, r.microbatches)),
-        ScheduleSpec(
-            "interleaved-1f1b",
-            lambda r: interleaved_one_f_one_b(r.stages, r.microbatches, r.ranks),
-            placement=lambda stages: round_robin(stages, stages // 2),
-            chunks_per_rank=2,
-        ),
-        ScheduleSpec("zb-h1", lambda r: zb_h1(r.stages, r.microbatches)),
-        ScheduleSpec("zb-h2", lambda r: zb_h2(r.stages, r.microbatches)),
-        ScheduleSpec("zb-auto", _build_zb_auto, solved=True, measures_costs=True),
-        ScheduleSpec("zbv", _build_zbv, placement=v_placement, chunks_per_rank=2, min_stages=2, solved=True),
-        ScheduleSpec("v-min", lambda r: v_min(r.stages, r.microbatches), placement=v_placement, chunks_per_rank=2, min_stages=2),
-        ScheduleSpec("v-half", lambda r: v_half(r.stages, r.microbatches), placement=v_placement, chunks_per_rank=2, min_stages=2),
-        ScheduleSpec("v-zb", lambda r: v_zb(r.stages, r.microbatches), placement=v_placement, chunks_per_rank=2, min_stages=2),
-        ScheduleSpec(
-            "looped-bfs",
-            lambda r: looped_bfs(r.stages, r.microbatches, r.ranks),
-            placement=lambda stages: round_robin(stages, stages // 2),
-            chunks_per_rank=2,
-        ),
-        ScheduleSpec("dualpipev", lambda r: dualpipev(r.stages, r.microbatches), placement=v_placement, chunks_per_rank=2, min_stages=2),
-        ScheduleSpec("dualpipe", lambda r: dualpipe(r.stages, r.microbatches), min_stages=2, mirrored=True),
-    )
-})
+SCHEDULES: Mapping[str, ScheduleSpec] = MappingProxyType(
+    {
+        spec.name: spec
+        for spec in (
+            ScheduleSpec("gpipe", lambda r: gpipe(r.stages, r.microbatches)),
+            ScheduleSpec("1f1b", lambda r: one_f_one_b(r.stages, r.microbatches)),
+            ScheduleSpec(
+                "interleaved-1f1b",
+                lambda r: interleaved_one_f_one_b(r.stages, r.microbatches, r.ranks),
+                placement=lambda stages: round_robin(stages, stages // 2),
+                chunks_per_rank=2,
+            ),
+            ScheduleSpec("zb-h1", lambda r: zb_h1(r.stages, r.microbatches)),
+            ScheduleSpec("zb-h2", lambda r: zb_h2(r.stages, r.microbatches)),
+            ScheduleSpec("zb-auto", _build_zb_auto, solved=True, measures_costs=True),
+            ScheduleSpec("zbv", _build_zbv, placement=v_placement, chunks_per_rank=2, min_stages=2, solved=True),
+            ScheduleSpec(
+                "v-min",
+                lambda r: v_min(r.stages, r.microbatches),
+                placement=v_placement,
+                chunks_per_rank=2,
+                min_stages=2,
+            ),
+            ScheduleSpec(
+                "v-half",
+                lambda r: v_half(r.stages, r.microbatches),
+                placement=v_placement,
+                chunks_per_rank=2,
+                min_stages=2,
+            ),
+            ScheduleSpec(
+                "v-zb", lambda r: v_zb(r.stages, r.microbatches), placement=v_placement, chunks_per_rank=2, min_stages=2
+            ),
+            ScheduleSpec(
+                "looped-bfs",
+                lambda r: looped_bfs(r.stages, r.microbatches, r.ranks),
+                placement=lambda stages: round_robin(stages, stages // 2),
+                chunks_per_rank=2,
+            ),
+            ScheduleSpec(
+                "dualpipev",
+                lambda r: dualpipev(r.stages, r.microbatches),
+                placement=v_placement,
+                chunks_per_rank=2,
+                min_stages=2,
+            ),
+            ScheduleSpec("dualpipe", lambda r: dualpipe(r.stages, r.microbatches), min_stages=2, mirrored=True),
+        )
+    }
+)
 SCHEDULE_NAMES = tuple(SCHEDULES)
 DEFAULT_SCHEDULE = "zb-auto"
 REFERENCE_SCHEDULE = "1f1b"  # what the default is compared with (the demo, benchmarks)
@@ -142,7 +166,8 @@ def _check_sizes(spec: ScheduleSpec, stages: int, microbatches: int) -> None:
             raise ValueError(f"{spec.name}: {label} must be a positive int, got {value!r}")
     if stages < spec.min_stages:
         raise ValueError(
-            f"{spec.name} needs at least {spec.min_stages} stages ({spec.chunks_per_rank} chunks per rank), got {stages}"
+            f"{spec.name} needs at least {spec.min_stages} stages ({spec.chunks_per_rank} chunks per rank), got "
+            f"{stages}"
         )
 
 
@@ -155,7 +180,10 @@ def pipeline_ranks(schedule: str | Schedule, stages: int) -> int:
 def schedule_label(schedule: str | Schedule) -> str:
     """How messages name ``schedule``: its name, or a given Schedule's name and shape."""
     if isinstance(schedule, Schedule):
-        return f"{schedule.name!r} (a Schedule of {schedule.stages} stages, {schedule.microbatches} microbatches on {schedule.ranks} ranks)"
+        return (
+            f"{schedule.name!r} (a Schedule of {schedule.stages} stages, {schedule.microbatches} "
+            f"microbatches on {schedule.ranks} ranks)"
+        )
     return repr(schedule)
 
 
@@ -178,7 +206,9 @@ def check_schedule_sizes(schedule: Schedule, stages: int, microbatches: int, wha
         raise ValueError(f"schedule {label}: ranks {idle} run no stage; every rank of a pipeline must run one")
 
 
-def _given(schedule: Schedule, stages: int, microbatches: int, costs, memory_limit: MemoryLimit, check: bool) -> Schedule:
+def _given(
+    schedule: Schedule, stages: int, microbatches: int, costs, memory_limit: MemoryLimit, check: bool
+) -> Schedule:
     """A schedule given as such: checked against the sizes and, with ``check``, validated under
     the costs and the limit (a fixed order, which a limit only checks)."""
     check_schedule_sizes(schedule, stages, microbatches)
@@ -237,7 +267,18 @@ def make_schedule(
     limits = rank_limits(memory_limit, spec.ranks(stages)) if spec.solved else None
     chunks = None if chunk_costs is None else resolve_costs(chunk_costs, 2 * stages)
     request = BuildRequest(
-        stages, microbatches, sc, limits, objective, time_budget, deterministic, ranks, started, tuple(placements), chunks, v_always
+        stages,
+        microbatches,
+        sc,
+        limits,
+        objective,
+        time_budget,
+        deterministic,
+        ranks,
+        started,
+        tuple(placements),
+        chunks,
+        v_always,
     )
     sched = spec.build(request)
     sched = sched.with_info(solve_time_s=time.perf_counter() - started)

@@ -20,7 +20,13 @@ IDLE = "idle"  # the kind of a box that marks a rank's idle time (the bubble)
 
 COLOURS = {"F": "#8fb4e3", "I": "#7fd1c7", "B": "#7fd1c7", "W": "#a8d98a", IDLE: "#f3b6b0"}
 _ROW_HEIGHT, _LABEL_WIDTH, _TITLE_HEIGHT = 28, 70, 24
-_LEGEND = {"F": "F: forward", "I": "I: input-gradient backward", "B": "B: whole backward", "W": "W: weight gradients", IDLE: "idle (bubble)"}
+_LEGEND = {
+    "F": "F: forward",
+    "I": "I: input-gradient backward",
+    "B": "B: whole backward",
+    "W": "W: weight gradients",
+    IDLE: "idle (bubble)",
+}
 
 
 @dataclass(frozen=True)
@@ -113,7 +119,10 @@ def _svg_legend(kinds: set[str], y: float) -> list[str]:
     for kind, text in _LEGEND.items():
         if kind not in kinds:
             continue
-        out.append(f'<rect class="legend {escape(kind)}" x="{x:.0f}" y="{y:.0f}" width="14" height="14" fill="{COLOURS[kind]}" stroke="#333" stroke-width="0.5"/>')
+        out.append(
+            f'<rect class="legend {escape(kind)}" x="{x:.0f}" y="{y:.0f}" width="14" height="14" '
+            f'fill="{COLOURS[kind]}" stroke="#333" stroke-width="0.5"/>'
+        )
         out.append(f'<text x="{x + 18:.0f}" y="{y + 11:.0f}" font-size="11">{escape(text)}</text>')
         x += 26 + 6.5 * len(text)
     return out
@@ -141,8 +150,15 @@ def to_png_panels(panels: Sequence[tuple[str, Sequence[Box]]], path: str, xlabel
         for b in boxes:
             idle = b.kind == IDLE
             ax.barh(
-                b.rank, b.end - b.start, left=b.start, height=0.85, color=COLOURS.get(b.kind, "#cccccc"),
-                edgecolor="none" if idle else "#333", linewidth=0.3, hatch="///" if idle else None, zorder=1 if idle else 2,
+                b.rank,
+                b.end - b.start,
+                left=b.start,
+                height=0.85,
+                color=COLOURS.get(b.kind, "#cccccc"),
+                edgecolor="none" if idle else "#333",
+                linewidth=0.3,
+                hatch="///" if idle else None,
+                zorder=1 if idle else 2,
             )
             if not idle and ranks <= 16 and len(boxes) <= 2000:
                 ax.text((b.start + b.end) / 2, b.rank, b.label, ha="center", va="center", fontsize=5, zorder=3)
@@ -151,8 +167,12 @@ def to_png_panels(panels: Sequence[tuple[str, Sequence[Box]]], path: str, xlabel
         ax.set_title(title, fontsize=10, loc="left")
     axes[-1, 0].set_xlabel(xlabel)
     kinds = [k for k in _LEGEND if any(b.kind == k for _, boxes in panels for b in boxes)]
-    handles = [Patch(facecolor=COLOURS[k], edgecolor="#333", linewidth=0.3, hatch="///" if k == IDLE else None) for k in kinds]
-    axes[0, 0].legend(handles, [_LEGEND[k] for k in kinds], loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
+    handles = [
+        Patch(facecolor=COLOURS[k], edgecolor="#333", linewidth=0.3, hatch="///" if k == IDLE else None) for k in kinds
+    ]
+    axes[0, 0].legend(
+        handles, [_LEGEND[k] for k in kinds], loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=150)
     plt.close(fig)

@@ -69,7 +69,9 @@ def peak_memory(schedule: Schedule, costs: ResolvedCosts) -> tuple[float, ...]:
     return tuple(peaks)
 
 
-def reduction_ends(rows: Sequence[Sequence[Action]], end: Mapping[Action, float], costs: ResolvedCosts) -> list[dict[int, float]]:
+def reduction_ends(
+    rows: Sequence[Sequence[Action]], end: Mapping[Action, float], costs: ResolvedCosts
+) -> list[dict[int, float]]:
     """Per rank, stage -> the end of that rank's reduction of the stage's gradients, the rank's
     link taking its stages in the order their last gradient action (W or B) ends."""
     per_rank = []

@@ -160,7 +160,11 @@ class _Model:
         """The schedule whose per-rank order is the solution's start order."""
         start, end = self.start, self.end
         order = [
-            tuple(sorted(row, key=lambda a: (solver.value(start[a]), solver.value(end[a]), _KIND_ORDER[a.kind], a.microbatch)))
+            tuple(
+                sorted(
+                    row, key=lambda a: (solver.value(start[a]), solver.value(end[a]), _KIND_ORDER[a.kind], a.microbatch)
+                )
+            )
             for row in self.rows
         ]
         s = self.schedule

@@ -95,7 +95,11 @@ def simulate_steps(
     step_ends = []
     for step in range(steps):
         start, end = _time_step(rows, schedule, sc, free_at)
-        boxes += [Box(r, start[a], end[a], str(a.microbatch), a.kind, f"step{step}:{a}") for r, row in enumerate(rows) for a in row]
+        boxes += [
+            Box(r, start[a], end[a], str(a.microbatch), a.kind, f"step{step}:{a}")
+            for r, row in enumerate(rows)
+            for a in row
+        ]
         last = [max((end[a] for a in row), default=free_at[r]) for r, row in enumerate(rows)]
         if mode == "barrier":
             synced = max(last) + allreduce
@@ -106,7 +110,9 @@ def simulate_steps(
             for r in reversed(range(ranks)):  # the partial state: last -> 0
                 opt_start[r] = last[r] if r == ranks - 1 else max(last[r], opt_start[r + 1] + sc.comm)
         done = [t + optimizer for t in opt_start]
-        boxes += [Box(r, opt_start[r], done[r], "", "OPT", f"step{step}:optimizer") for r in range(ranks) if optimizer > 0]
+        boxes += [
+            Box(r, opt_start[r], done[r], "", "OPT", f"step{step}:optimizer") for r in range(ranks) if optimizer > 0
+        ]
         step_ends.append(max(done))
         if mode == "barrier":
             free_at = done

@@ -22,7 +22,12 @@ from .ir import Schedule
 
 PLACEMENTS = ("in-line", "v")  # one stage per rank; two chunks per rank in a V
 # the fixed V orders, least memory first; zbv is solved under the limit itself
-V_BUILDERS: dict[str, Callable[[int, int], Schedule]] = {"v-min": v_min, "v-half": v_half, "v-zb": v_zb, "dualpipev": dualpipev}
+V_BUILDERS: dict[str, Callable[[int, int], Schedule]] = {
+    "v-min": v_min,
+    "v-half": v_half,
+    "v-zb": v_zb,
+    "dualpipev": dualpipev,
+}
 
 
 def below_one_f_one_b(stages: int, costs: ResolvedCosts, limits: Sequence[float] | None) -> bool:
@@ -79,7 +84,9 @@ def choose_placement(
     unknown = set(placements) - set(PLACEMENTS)
     if unknown or not placements:
         raise ValueError(f"zb-auto: placements must be among {PLACEMENTS}, got {tuple(placements)}")
-    v_allowed = "v" in placements and ("in-line" not in placements or v_always or below_one_f_one_b(stages, costs, limits))
+    v_allowed = "v" in placements and (
+        "in-line" not in placements or v_always or below_one_f_one_b(stages, costs, limits)
+    )
     v = best_v_schedule(stages, microbatches, costs, limits, objective, chunk_costs) if v_allowed else None
     in_line = None
     try:
@@ -90,7 +97,10 @@ def choose_placement(
             raise
     if v is None:
         if in_line is None:
-            raise ValueError(f"zb-auto: no V schedule fits memory_limit {list(limits or [])} and {placements} excludes one stage per rank")
+            raise ValueError(
+                f"zb-auto: no V schedule fits memory_limit {list(limits or [])} and {placements} excludes one stage "
+                "per rank"
+            )
         return in_line.with_info(placement="in-line")
     v_sched, v_value, v_bound = v
     bound = v_bound if in_line is None else min(in_line.info["lower_bound"], v_bound)

@@ -71,7 +71,8 @@ def _check_complete(schedule: Schedule) -> None:
             if "B" not in has and has != {"F", "I", "W"}:
                 missing = sorted({"I", "W"} - has)
                 raise ScheduleError(
-                    f"rank {rank}: {', '.join(str(Action(stage, k, mb)) for k in missing)} missing (needs B, or I and W)"
+                    f"rank {rank}: {', '.join(str(Action(stage, k, mb)) for k in missing)} missing (needs B, or I and "
+                    "W)"
                 )
 
 
@@ -110,7 +111,9 @@ def _check_messages(schedule: Schedule) -> None:
     if expected != actual:
         extra = sorted(str(a) for a in (actual - expected))
         missing = sorted(str(a) for a in (expected - actual))
-        raise ScheduleError(f"lowered schedule messages do not match its edges: missing {missing[:5]}, extra {extra[:5]}")
+        raise ScheduleError(
+            f"lowered schedule messages do not match its edges: missing {missing[:5]}, extra {extra[:5]}"
+        )
     for rank, row in enumerate(schedule.actions):
         for a in row:
             if a.kind in ("SEND_F", "SEND_B") and schedule.rank_of(a.stage, a.microbatch) != rank:
