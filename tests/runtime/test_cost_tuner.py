@@ -5,6 +5,7 @@ recompute="auto", the recompute levels chosen again with the measured costs."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from datetime import timedelta
@@ -17,14 +18,14 @@ import zbcompile
 from helpers.models import build
 from zbcompile.auto_recompute import MeasuredRecomputation, calibrated_costs, evaluate_memory, with_levels
 from zbcompile.runtime import profile
-from zbcompile.schedules import Costs, make_schedule
+from zbcompile.schedules import Costs, make_schedule, simulate
 
 
 def _runner(schedule):
     layout = SimpleNamespace(pp_group=None, pp_rank=0, pipeline_ranks=(0,))
     compiled = SimpleNamespace(partition=SimpleNamespace(values={"x": torch.zeros(4)}))
     return SimpleNamespace(schedule=schedule, layout=layout, compiled=compiled, device=torch.device("cpu"),
-                           transport=SimpleNamespace(timeout=timedelta(seconds=60)), timeline=[])
+                           transport=SimpleNamespace(timeout=timedelta(seconds=60)), timeline=[], comm_timeline=[])
 
 
 def _timeline(schedule, scale: float):
@@ -37,10 +38,15 @@ def _timeline(schedule, scale: float):
     return timeline
 
 
-def _run(tuner, runner, scale: float, steps: int) -> list:
+def _run(tuner, runner, scale: float, steps: int, reduction_s: float = 0.0) -> list:
+    """`steps` steps at `scale`; with `reduction_s`, a gradient reduction posted at the last
+    action's end and waited for `reduction_s` later (as the runner's comm timeline has it)."""
     switched = []
     for _ in range(steps):
         runner.timeline = _timeline(runner.schedule, scale)
+        end = max(e for _, _, e in runner.timeline)
+        reductions = [("REDUCE 1", end, end + reduction_s)] if reduction_s else []
+        runner.comm_timeline = [("SEND_F 0 0", 0.0, 0.0), *reductions]
         new = tuner.after_step(runner)
         if new is not None:
             runner.schedule = new
@@ -84,6 +90,28 @@ def test_first_solve_switch_calibration_and_drift():
     assert tuner.history[-1]["event"] == "switched"
     _run(tuner, runner, 2.0, profile.DRIFT_WINDOW)
     assert tuner.history[-1]["event"] == "calibrated"
+
+
+def test_measured_costs_count_each_stages_reduction_and_a_step_lasts_until_it_ends(monkeypatch):
+    """With replicas, the measured costs carry each stage's reduction (its bytes in messages x the
+    measured message time), the prediction counts it after the stage's last W, the per-action
+    medians leave it out, and a reduction that slows while the actions do not is drift."""
+    monkeypatch.setattr(profile, "round_trip_seconds", lambda runner: 1e-3)
+    static = Costs(f=[1.0, 1.0], i=[1.0, 1.0], w=[1.0, 1.0])
+    schedule = make_schedule("zb-auto", 2, 4, costs=static, time_budget=0)
+    runner = _runner(schedule)
+    arguments = lambda costs: dict(name="zb-auto", stages=2, microbatches=4, costs=costs, time_budget=0)  # noqa: E731
+    tuner = profile.CostTuner(2, arguments, static, reduction=(3.0, 5.0))
+    _run(tuner, runner, 1.0, 3, reduction_s=5e-3)
+    _wait_for_switch(tuner, runner, 1.0)
+    measured = tuner.measured
+    assert measured.reduce == pytest.approx((3e-3, 5e-3)) and measured.f == pytest.approx([1e-3] * 2)
+    assert tuner.predicted_span == pytest.approx(simulate(runner.schedule, measured).span)
+    assert tuner.predicted_span > simulate(runner.schedule, dataclasses.replace(measured, reduce=0.0)).span
+    _run(tuner, runner, 1.0, profile.DRIFT_WINDOW, reduction_s=5e-3)
+    assert tuner.history[-1]["event"] == "calibrated"
+    _run(tuner, runner, 1.0, profile.DRIFT_WINDOW, reduction_s=30e-3)  # the same actions, a slower reduction
+    assert tuner.history[-1]["event"].startswith("solving (drift +"), tuner.history
 
 
 # --- recompute="auto" chosen again with measured costs ------------------------------------------
@@ -135,6 +163,7 @@ class _OneRank:
         self.device = torch.device("cpu")
         self.transport = SimpleNamespace(timeout=timedelta(seconds=60))
         self.timeline: list = []
+        self.comm_timeline: list = []
         self.schedule = runner.schedule
 
     @property

@@ -34,7 +34,7 @@ from zbcompile.compiler import CompiledPipeline
 from zbcompile.runtime.action_clock import EventClock, HostClock
 from zbcompile.runtime.batch_agreement import ReplicaBatches
 from zbcompile.runtime.cuda_device import claim_device
-from zbcompile.runtime.grad_reduction import GradReduction, ReductionPlan
+from zbcompile.runtime.grad_reduction import REDUCE, GradReduction, ReductionPlan
 from zbcompile.runtime.p2p import Transport
 from zbcompile.runtime.program import RankProgram, rank_program
 from zbcompile.runtime.runner import Runner
@@ -278,9 +278,8 @@ class DistributedRunner(Runner):
             reduction, self._reduction = self._reduction, None
             self.interpreter.grads_accumulated = lambda stage: None
             reduced = reduction.finish()
-            reduced.update(
-                reduction.reduce_now([f for f in sorted(grads) if f not in reduced], grads, "REDUCE (after the step)")
-            )
+            rest = [f for f in sorted(grads) if f not in reduced]
+            reduced.update(reduction.reduce_now(rest, grads, f"{REDUCE} (after the step)"))
             grads.update(reduced)
             self.interpreter.comm_timeline = [*self.interpreter.comm_timeline, *reduction.timeline]
             super().set_state(self._state)  # sharded: the gathered parameters are freed

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from zbcompile.compiler import CompiledPipeline
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
+REDUCE = "REDUCE"  # how timelines name a gradient reduction: "REDUCE <stage>", "REDUCE (after the step)"
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ class GradReduction:
             stage = order[self._next]
             grads = self.grads_of(stage)
             fqns = [f for f in sorted(self.plan.overlapped[stage]) if f in grads]
-            self._post(fqns, grads, f"REDUCE {stage}")
+            self._post(fqns, grads, f"{REDUCE} {stage}")
             self.released(sorted(self.plan.overlapped[stage]))
             self._next += 1
 
@@ -133,7 +134,7 @@ class GradReduction:
         return self._wait()
 
     def reduce_now(
-        self, fqns: Sequence[str], grads: Mapping[str, torch.Tensor], label: str = "REDUCE"
+        self, fqns: Sequence[str], grads: Mapping[str, torch.Tensor], label: str = REDUCE
     ) -> dict[str, torch.Tensor]:
         """`grads[f]` for `f` in `fqns` averaged over the replicas, posted and waited for now."""
         self._post(list(fqns), grads, label)

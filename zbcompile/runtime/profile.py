@@ -11,11 +11,12 @@ those steps rank 0 broadcasts one number, whether the solver has finished; the s
 has is the switch, on every rank, with one broadcast of the new schedule. Under recompute="auto",
 rank 0 first chooses the recompute levels again with the measured costs (under the same limit), and
 the switch broadcasts them with the schedule: every rank then runs those levels' stage programs.
-From then on it compares the measured step (the longest rank's span of actions, median over a window
-of steps, gathered) with the simulator's span of the running schedule under the costs it was solved
-with: when their ratio moves more than `DRIFT_THRESHOLD` away from the ratio measured in the first
-window after the switch, it re-solves with the window's costs. Windows are `DRIFT_WINDOW` steps long
-and double after every re-solve the drift caused (up to `MAX_DRIFT_WINDOW`).
+From then on it compares the measured step (the longest rank's span of actions and gradient
+reductions, median over a window of steps, gathered) with the simulator's span of the running
+schedule under the costs it was solved with: when their ratio moves more than `DRIFT_THRESHOLD` away
+from the ratio measured in the first window after the switch, it re-solves with the window's costs.
+Windows are `DRIFT_WINDOW` steps long and double after every re-solve the drift caused (up to
+`MAX_DRIFT_WINDOW`).
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ import torch.distributed as dist
 
 from zbcompile.runtime.background_solve import BackgroundSolve
 from zbcompile.runtime.distributed import DistributedRunner
+from zbcompile.runtime.grad_reduction import REDUCE
 from zbcompile.runtime.p2p import gather_objects
 from zbcompile.schedules import Action, Costs, Schedule, simulate
+from zbcompile.schedules.costs import with_reduction
 
 Timeline = Sequence[tuple[str, float, float]]
 Medians = dict[tuple[int, str], float]
@@ -126,7 +129,11 @@ class CostTuner:
     `recompute` (recompute="auto": `auto_recompute.MeasuredRecomputation`): every solve first
     chooses the recompute levels again with the measured costs, on rank 0; the switch takes
     rank 0's levels with its schedule on every rank, whose runner then runs those levels'
-    programs (`Runner.use_programs`)."""
+    programs (`Runner.use_programs`). `reduction`: per compiled stage, its gradient reduction
+    over the replicas in boundary messages (`grad_reduction.reduction_per_message`; empty or
+    zeros without replicas): measured costs carry it as a reduction time (`costs.with_reduction`
+    on the measured message time), so solves, predictions and the drift check count each stage's
+    reduction after its last W, and a measured step lasts until this rank's last reduction ends."""
 
     def __init__(
         self,
@@ -134,8 +141,10 @@ class CostTuner:
         solve_arguments: Callable[[Costs], dict[str, Any]],
         static: Costs,
         recompute: Any = None,
+        reduction: Sequence[float] = (),
     ) -> None:
         self.profile_steps = profile_steps
+        self.reduction = tuple(reduction)
         self.solve_arguments = solve_arguments
         self.static = static
         self.recompute = recompute
@@ -146,7 +155,7 @@ class CostTuner:
         self.drift_resolves = 0
         self.history: list[dict[str, Any]] = []  # one entry per decision, for people
         self._steps = 0
-        self._window: list[Timeline] = []
+        self._window: list[Timeline] = []  # per step, its actions and its gradient reductions
         # the solve under way: rank 0's child process (None elsewhere), the costs and levels it solves for
         self._solving: tuple[BackgroundSolve | None, Costs, tuple[int, ...] | None] | None = None
 
@@ -178,7 +187,7 @@ class CostTuner:
         step, self._steps = self._steps, self._steps + 1
         if step == 0:
             return None  # the first step warms up (allocator, caches): not representative
-        self._window.append(list(runner.timeline))
+        self._window.append([*runner.timeline, *_reductions(runner.comm_timeline)])
         if self._solving is not None:
             return self._switch_if_solved(runner, step)
         window = (
@@ -192,13 +201,14 @@ class CostTuner:
     def _check(self, runner: DistributedRunner, step: int) -> None:
         """End of a window: gather its numbers; solve with them at first, or on drift."""
         local = (
-            action_medians(self._window),
+            action_medians([[e for e in t if not _is_reduction(e)] for t in self._window]),
             statistics.median(_span(t) for t in self._window),
             round_trip_seconds(runner),
         )
         gathered = gather_objects(local, runner.layout.pp_group)
         self._window = []
-        costs = costs_of([g[0] for g in gathered], max(g[2] for g in gathered), runner.schedule.stages, self.static)
+        measured = costs_of([g[0] for g in gathered], max(g[2] for g in gathered), runner.schedule.stages, self.static)
+        costs = with_reduction(measured, self.reduction)
         span = max(g[1] for g in gathered)
         reason = "first measurement"
         if self.measured is not None:
@@ -226,9 +236,10 @@ class CostTuner:
         if self.recompute is None:
             return None, measured
         try:
-            return self.recompute.choose(measured)
+            levels, costs = self.recompute.choose(measured)
         except ValueError:
             return self.recompute.levels, measured
+        return levels, with_reduction(costs, self.reduction)
 
     def _switch_if_solved(self, runner: DistributedRunner, step: int) -> Schedule | None:
         """While rank 0 solves: one broadcast per step says whether it has finished (or given up
@@ -271,6 +282,15 @@ class CostTuner:
         return schedule.with_info(cost_source="measured")
 
 
+def _is_reduction(entry: tuple[Any, float, float]) -> bool:
+    return isinstance(entry[0], str) and entry[0].startswith(REDUCE)
+
+
+def _reductions(comm_timeline: Sequence[tuple[Any, float, float]]) -> list[tuple[Any, float, float]]:
+    """A step's gradient reductions (posted, waited for) among its communication intervals."""
+    return [e for e in comm_timeline if _is_reduction(e)]
+
+
 def _span(timeline: Timeline) -> float:
-    """First start to last end of one rank's actions in a step."""
+    """First start to last end of one rank's actions and gradient reductions in a step."""
     return max(e for _, _, e in timeline) - min(s for _, s, _ in timeline) if timeline else 0.0

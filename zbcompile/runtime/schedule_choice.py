@@ -182,7 +182,10 @@ class ScheduleChoice:
         if self.options.recompute == "auto":
             finish = functools.partial(compile_stage_programs, compiler=self.options.compiler)
             recompute = auto_recompute.MeasuredRecomputation(compiled, self.solve_arguments, finish)
-        return profile.CostTuner(self.options.profile_steps, solve_arguments, compiled.schedule_costs(), recompute)
+        reduction = self.reduction_per_message(compiled)
+        return profile.CostTuner(
+            self.options.profile_steps, solve_arguments, compiled.schedule_costs(), recompute, reduction
+        )
 
 
 def static_costs(compiled: CompiledPipeline) -> Costs:
