@@ -7,13 +7,18 @@ AdamW state outside a step (a DTensor's local shard only), measured after a step
 in which both modes' pipelines run the overlapped reduction (a stage's gradients posted at its last
 W or B) and the reduction after the drain (`DistributedRunner.overlap_reduction = False`),
 `steps_per_round` steps each between barriers, the four variants in a rotating order: seconds per
-step and the paired ratios per round (after the drain / overlapped; shard / replicate). On this
+step and the paired ratios per round (after the drain / overlapped; shard / replicate), beside the
+simulator's prediction of after the drain / overlapped: the schedule timed under the measured
+per-action medians, each stage's reduction (its measured after-the-drain time) once after the
+stage's last W on the rank's link against after the rank's last action. On this
 machine the 4 processes share 2 cores, so a collective running "in the
 background" competes with the computation for a core: the overlap gains less than on hardware
 where the network moves the bytes.
 
     python benchmarks/dp_memory_time.py           # ~4 minutes on 2 cores
     python benchmarks/dp_memory_time.py --quick   # a smoke run, writes nothing
+    python benchmarks/dp_memory_time.py --schedule zbv   # two stages per rank: the first one's
+                                                         # reduction can run under the second's work
 
 Writes benchmarks/results/dp_memory_time.{json,md}.
 """
@@ -24,7 +29,7 @@ import argparse
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
 
@@ -56,6 +61,7 @@ def rank_main(settings: Settings) -> dict:
     import zbcompile
     from zbcompile.models import GPT, GPTConfig
     from zbcompile.models.gpt import lm_loss
+    from zbcompile.schedules import schedule_spec
 
     replica = dist.get_rank() // 2
     generator = torch.Generator().manual_seed(replica)  # each replica its own batch
@@ -81,8 +87,9 @@ def rank_main(settings: Settings) -> dict:
             heads=settings.heads,
             layers=settings.layers,
         )
+        stages = 2 * schedule_spec(settings.schedule).chunks_per_rank
         pipes[mode] = pipe = zbcompile.pipeline(
-            GPT(config), stages=2, microbatches=settings.microbatches, loss_fn=lm_loss, schedule=settings.schedule,
+            GPT(config), stages=stages, microbatches=settings.microbatches, loss_fn=lm_loss, schedule=settings.schedule,
             data_parallel=mode, profile=False, timeout=settings.timeout_s,
         )
         pipe.compile(tokens, target=target)
@@ -98,6 +105,8 @@ def rank_main(settings: Settings) -> dict:
         (mode, name, overlap) for mode in MODES for name, overlap in (("overlapped", True), ("after drain", False))
     ]
     times = {mode: {"overlapped": [], "after drain": []} for mode in MODES}
+    timelines = {mode: [] for mode in MODES}  # this rank's actions per step, reduced after the drain
+    reductions = {mode: [] for mode in MODES}  # this rank's reduction seconds per step, after the drain
     for round_ in range(settings.rounds):
         for mode, name, overlap in variants[round_ % 4 :] + variants[: round_ % 4]:
             pipes[mode].runner.overlap_reduction = overlap
@@ -105,9 +114,42 @@ def rank_main(settings: Settings) -> dict:
             started = time.perf_counter()
             for _ in range(settings.steps_per_round):
                 step(pipes[mode], optimizers[mode])
+                if not overlap:
+                    runner = pipes[mode].runner
+                    timelines[mode].append(list(runner.timeline))
+                    reduced = [e - s for label, s, e in runner.comm_timeline if label.startswith("REDUCE")]
+                    reductions[mode].append(sum(reduced))
             dist.barrier()
             times[mode][name].append((time.perf_counter() - started) / settings.steps_per_round)
-    return {mode: {"memory": memory[mode], "times": times[mode]} for mode in MODES}
+    predicted = {mode: predicted_ratio(pipes[mode].runner, timelines[mode], reductions[mode]) for mode in MODES}
+    return {mode: {"memory": memory[mode], "times": times[mode], "predicted": predicted[mode]} for mode in MODES}
+
+
+def predicted_ratio(runner, timelines: list, reductions: list) -> float:
+    """The simulator's step time with each stage's reduction after the drain over with it after
+    the stage's last W, under this pipeline's measured per-action medians and reduction times
+    (gathered over the pipeline's ranks; the same on each)."""
+    import statistics
+
+    from zbcompile.runtime.p2p import gather_objects
+    from zbcompile.runtime.profile import action_medians
+    from zbcompile.schedules import Costs, simulate
+
+    schedule = runner.schedule
+    local = (action_medians(timelines), statistics.median(reductions), schedule.stages_on(runner.layout.pp_rank))
+    gathered = gather_objects(local, runner.layout.pp_group)
+    medians = {key: value for g in gathered for key, value in g[0].items()}
+    reduce = [0.0] * schedule.stages
+    for _, seconds, stages in gathered:  # a rank's reduction time, shared among its stages
+        for stage in stages:
+            reduce[stage] = seconds / len(stages)
+    per_stage = {k: [medians.get((s, k), 0.0) for s in range(schedule.stages)] for k in "FIW"}
+    costs = Costs(f=per_stage["F"], i=per_stage["I"], w=per_stage["W"], reduce=reduce)
+    overlapped = simulate(schedule, costs).makespan
+    drained = simulate(schedule, Costs(f=per_stage["F"], i=per_stage["I"], w=per_stage["W"]))
+    ends = [max(drained.end[a] for a in row if a.is_compute) for row in schedule.actions]
+    after_drain = [end + sum(reduce[s] for s in schedule.stages_on(r)) for r, end in enumerate(ends)]
+    return max(after_drain) / overlapped
 
 
 def analyse(per_rank: list[dict], settings: Settings, before: dict, after: dict, seconds: float) -> dict:
@@ -121,6 +163,7 @@ def analyse(per_rank: list[dict], settings: Settings, before: dict, after: dict,
             "memory_per_rank": memory,
             "step_s": {k: statistics.median(v) for k, v in times.items()},
             "after_drain_over_overlapped": statistics.median(ratios),
+            "predicted_after_drain_over_overlapped": per_rank[0][mode]["predicted"],
             "ratios": ratios,
         }
     shard_over_replicate = [
@@ -141,7 +184,7 @@ def report(data: dict) -> str:
         rows.append([
             mode, ", ".join(f"{b / 1e6:.2f} MB" for b in m["bytes_per_rank"]),
             f"{m['step_s']['overlapped'] * 1e3:.1f}", f"{m['step_s']['after drain'] * 1e3:.1f}",
-            f"{m['after_drain_over_overlapped']:.3f}",
+            f"{m['after_drain_over_overlapped']:.3f}", f"{m['predicted_after_drain_over_overlapped']:.3f}",
         ])
     header = [
         "data_parallel",
@@ -149,6 +192,7 @@ def report(data: dict) -> str:
         "step ms (overlapped)",
         "step ms (after drain)",
         "after drain / overlapped",
+        "predicted",
     ]
     s, cpus = data["settings"], data["machine_before"]["cpus"]
     return "\n".join(
@@ -167,6 +211,10 @@ def report(data: dict) -> str:
             "shard / replicate step time (overlapped, paired per round): median "
             f"{data['shard_over_replicate_step']:.3f} "
             f"(rounds: {', '.join(f'{r:.3f}' for r in data['shard_over_replicate_step_ratios'])})",
+            "predicted: the simulator's after drain / overlapped under the measured per-action medians and reduction "
+            "times. Where a rank holds one stage, its last W is the rank's last action, so the reduction cannot start "
+            "earlier and the prediction is 1; with two stages per rank (a V) the first stage's reduction runs under "
+            "the second's work.",
             "after drain / overlapped: median over rounds, per mode; every round times the four variants back to back "
             "in a rotating order (rounds: "
             + "; ".join(f"{mode} {', '.join(f'{r:.3f}' for r in m['ratios'])}" for mode, m in data["modes"].items())
@@ -178,8 +226,11 @@ def report(data: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run (writes nothing)")
+    parser.add_argument("--schedule", default=Settings.schedule, help="the pipeline schedule (default %(default)s)")
     args = parser.parse_args()
-    settings = Settings(rounds=1, steps_per_round=1, layers=2, hidden=32, seq_len=16) if args.quick else Settings()
+    settings = Settings(schedule=args.schedule)
+    if args.quick:
+        settings = replace(settings, rounds=1, steps_per_round=1, layers=4, hidden=32, seq_len=16)
     _launch.run_and_report("dp_memory_time", 4, rank_main, settings, analyse, report, write=not args.quick)
 
 

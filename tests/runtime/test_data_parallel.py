@@ -34,6 +34,8 @@ RUNS = [
     ("masked", "dualpipe", 2, "shard", "foreach"),
     *[("llama", s, 2, "replicate", "foreach") for s in ("zb-h1", "1f1b", "zb-auto")],
     *[("llama", s, 2, "shard", "foreach") for s in ("zb-h1", "1f1b", "zb-auto")],
+    ("llama", "zbv", 4, "replicate", "foreach"),
+    ("llama", "zbv", 4, "shard", "foreach"),
     ("gpt", "zbv", 4, "replicate", "foreach"),
     ("gpt", "zbv", 4, "shard", "foreach"),  # last: its pipeline goes through a checkpoint round trip
 ]
@@ -103,7 +105,7 @@ def test_shard_equals_replicate_bitwise(per_rank):
     """The same schedule and optimizer, gradients reduce-scattered instead of all-reduced: with
     two replicas every element is the same sum (a + b), so the same bits."""
     pairs = [(k, (*k[:3], "shard", k[4])) for k in RUNS if k[3] == "replicate"]
-    assert len(pairs) == 8
+    assert len(pairs) == 9
     for replicate, shard in pairs:
         for result in per_rank:
             for fqn, value in result[replicate]["params"].items():
