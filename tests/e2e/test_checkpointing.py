@@ -25,6 +25,9 @@ from zbcompile.schedules.registry import DEFAULT_SCHEDULE, SCHEDULE_NAMES
 
 CONFIG = GPTConfig(vocab_size=64, seq_len=16, hidden=32, heads=2, layers=4, dropout=0.1)
 BATCH, MICROBATCHES, STAGES = 8, 4, 4
+# the tests that read one config's `_pipelines` share an xdist group: `pytest -n` compiles them in one worker
+SHARES_GPT4 = pytest.mark.xdist_group("checkpointing-gpt4")
+SHARES_GPT12 = pytest.mark.xdist_group("checkpointing-gpt12")
 
 
 def _batch(config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,6 +66,7 @@ def _step(model, pipe, schedule: str, config: GPTConfig = CONFIG, order=None):
     return loss, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+@SHARES_GPT4
 def test_checkpointed_blocks_give_the_same_gradients_bitwise_under_every_schedule():
     """In the order the checkpointed pipeline runs (zb-auto solves a different one for it: its
     default limit); in one process the dropout masks are drawn in that order."""
@@ -97,6 +101,7 @@ def _assert_matches(
     assert_grads_close(grads, reference[1], what, **(tolerance or dict(rtol=0, atol=0)))
 
 
+@SHARES_GPT12
 def test_checkpointed_pipeline_equals_eager_with_and_without_torch_checkpoint():
     """12-layer GPT without dropout: eager with every block under torch.utils.checkpoint and eager
     without it give the same bits; the checkpointed pipeline, under a fused and a split backward,
@@ -109,6 +114,7 @@ def test_checkpointed_pipeline_equals_eager_with_and_without_torch_checkpoint():
         )
 
 
+@SHARES_GPT4
 def test_forward_saves_only_block_inputs_and_the_backward_pays_the_recomputation():
     plain, checkpointed = (_pipelines()[c][1].compiled.programs for c in (False, True))
     for before, after in zip(plain, checkpointed):
@@ -133,6 +139,7 @@ def _backward_flops(program) -> int:
     return program.cost.input_backward.flops + program.cost.weight_backward.flops
 
 
+@SHARES_GPT4
 def test_each_region_runs_its_forward_once_per_input_and_weight_backward():
     """Counted at run time: F computes each block's GELU once per microbatch; the backward of a
     checkpointed block (I and W, or the fused B) computes it once more, never twice."""
@@ -151,6 +158,7 @@ def test_each_region_runs_its_forward_once_per_input_and_weight_backward():
 GPT12 = dataclasses.replace(CONFIG, layers=12, dropout=0.0)
 
 
+@SHARES_GPT12
 def test_measured_peak_activation_bytes_drop_by_40_percent_on_a_12_layer_gpt():
     """1F1B; measured with the recomputed activations that live inside the backward."""
     peaks = {}
@@ -161,6 +169,7 @@ def test_measured_peak_activation_bytes_drop_by_40_percent_on_a_12_layer_gpt():
     assert peaks[True] <= 0.6 * peaks[False], peaks
 
 
+@SHARES_GPT12
 def test_the_default_schedule_gives_checkpointing_its_memory_back():
     """zb-auto with no memory_limit on a model that checkpoints runs under 1F1B's peak per rank
     (`memory_limit.default_limit`): the measured peak is at most 60% of the same GPT's without
@@ -231,6 +240,7 @@ def test_reentrant_checkpoint_is_refused_naming_the_module():
 # --- recompute="auto" ---------------------------------------------------------------------------
 
 
+@SHARES_GPT12
 def test_auto_recompute_fits_a_limit_30_percent_below_zb_h1s_measured_peak():
     """12-layer GPT, zb-h1, the limit in bytes: the measured peak with recompute="auto" stays
     within it, the memory unit stays M_B before recomputation, the gradients are the same bits,

@@ -2,7 +2,9 @@
 
 Every zoo model (tests/helpers/models.py) runs under several schedules, stage counts and microbatch
 counts; the reference is an eager forward of the whole batch and `loss.backward()` on a deep copy.
-Pipelines are built once per (model, dtype, stages, microbatches) and worker; schedules share them.
+Pipelines are built once per (model, dtype, stages, microbatches) and test process; schedules
+share them, and the tests that read one pipeline share an xdist group (`compile_group`), so that
+`pytest -n` builds each in one worker only.
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ FLOAT64_MODELS = ("mlp", "gpt")
 def schedules_for(name: str, dtype: torch.dtype) -> tuple[str, ...]:
     """Every schedule for the fp32 GPT; the three base ones elsewhere (compiles are the cost)."""
     return ALL_SCHEDULES if name == "gpt" and dtype == torch.float32 else BASE_SCHEDULES
+
+
+def compile_group(name: str, dtype: torch.dtype, stages: int, microbatches: int) -> pytest.MarkDecorator:
+    """The xdist group of the tests that read `_pipeline(name, dtype, stages, microbatches)`."""
+    return pytest.mark.xdist_group(f"equivalence-{name}-{DTYPE_ID[dtype]}-S{stages}-m{microbatches}")
 
 
 # --- cached runs ---------------------------------------------------------------------------------
@@ -91,6 +98,7 @@ def _matrix():
                             microbatches,
                             schedule,
                             id=f"{name}-{DTYPE_ID[dtype]}-S{stages}-m{microbatches}-{schedule}",
+                            marks=compile_group(name, dtype, stages, microbatches),
                         )
 
 
@@ -120,6 +128,7 @@ def test_one_microbatch_gpipe_is_1f1b():
         assert make_schedule("gpipe", stages, 1).actions == make_schedule("1f1b", stages, 1).actions
 
 
+@compile_group("convnet", torch.float32, 8, 4)
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
 def test_stage_whose_output_is_a_view_of_its_input_passes_the_gradient_on(schedule):
     """Cut into 8 stages, the ConvNet has a stage that only flattens (its output is a view of its
@@ -170,7 +179,9 @@ def test_recurrent_layers_match_eager(schedule):
 # --- tied weights, names and state ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("stages", [2, 4], ids=lambda s: f"S{s}")
+@pytest.mark.parametrize(
+    "stages", [pytest.param(s, id=f"S{s}", marks=compile_group("gpt", torch.float32, s, 4)) for s in (2, 4)]
+)
 def test_tied_embedding_is_one_parameter_with_summed_gradient(stages):
     """The GPT's embedding/LM-head weight is reported once, used by the first and the last
     stage, and its gradient is the sum of both uses."""

@@ -12,6 +12,7 @@ import os
 import tempfile
 import unittest
 
+import pytest
 import torch
 
 import zbcompile
@@ -73,6 +74,8 @@ def meta_gpt() -> tuple[torch.nn.Module, torch.Tensor]:
     return model, torch.zeros(8, 16, dtype=torch.long, device="meta")
 
 
+# one xdist group: `pytest -n` runs setUpClass's compiles in one worker
+@pytest.mark.xdist_group("plan")
 class PlanTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):

@@ -24,6 +24,8 @@ from zbcompile.value_names import buffer_name, param_name
 
 STAGES, MICROBATCHES = 2, 2
 SCHEDULES = ("zb-h1", "1f1b")
+# the tests that read the Llama's `_compiled_with_levels` share an xdist group: `pytest -n` compiles it once
+SHARES_LLAMA = pytest.mark.xdist_group("recompute-levels-llama")
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,7 +61,7 @@ def _levels_that_differ(schedule_name: str) -> list[int]:
     return [0, *first.values()]
 
 
-@pytest.mark.parametrize("name", [*NAMES, "llama"])
+@pytest.mark.parametrize("name", [*NAMES, pytest.param("llama", marks=SHARES_LLAMA)])
 def test_every_recompute_level_keeps_the_gradients_bitwise(name):
     case = build(name)
     eager_model = build(name).model
@@ -79,6 +81,7 @@ def test_every_recompute_level_keeps_the_gradients_bitwise(name):
                 assert torch.equal(grads[fqn], grad), f"{what}: {fqn}"
 
 
+@SHARES_LLAMA
 def test_the_llama_style_model_recomputes_at_the_higher_levels():
     """The levels the test above runs do recompute on the Llama-style model (the test can fail)."""
     _, compiled, _ = _compiled_with_levels("llama")

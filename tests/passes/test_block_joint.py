@@ -9,6 +9,7 @@ from __future__ import annotations
 import unittest
 from unittest import mock
 
+import pytest
 import torch
 import transformers
 from torch import nn
@@ -79,6 +80,8 @@ def stage_joints(case, stages: int):
     return results
 
 
+# one xdist group: `pytest -n` runs setUpClass's compiles in one worker
+@pytest.mark.xdist_group("stitched-joint")
 class StitchedJointTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):

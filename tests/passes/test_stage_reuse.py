@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import unittest
 
+import pytest
 import torch
 
 from zbcompile.compiler import compile_costs, compile_pipeline
@@ -20,6 +21,8 @@ from zbcompile.schedules import make_schedule
 from zbcompile.value_names import param_name
 
 
+# one xdist group: `pytest -n` runs setUpClass's compiles in one worker
+@pytest.mark.xdist_group("stage-reuse")
 class StageReuseTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
