@@ -16,6 +16,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+# torchrun's default rendezvous port (29500) takes one run at a time: the torchrun tests share a worker
+TORCHRUN = pytest.mark.xdist_group("torchrun-default-port")
+
+
 def _two_cores() -> None:
     """In the child: the first two cores this process may use (the demo lays out one rank per core)."""
     os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])
@@ -30,7 +34,6 @@ def _run(command: list[str], cwd: str, timeout: float) -> str:
     return done.stdout
 
 
-@pytest.mark.xdist_group("distributed")
 def test_demo_one_round_writes_the_report_and_the_picture(tmp_path):
     out = tmp_path / "demo"
     stdout = _run(
@@ -52,7 +55,7 @@ def test_demo_one_round_writes_the_report_and_the_picture(tmp_path):
     assert {"1f1b", "zb-auto"} <= set(os.listdir(out / "dump"))
 
 
-@pytest.mark.xdist_group("distributed")
+@TORCHRUN
 def test_train_gpt_example_runs_a_few_steps_under_torchrun(tmp_path):
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     script = os.path.join(ROOT, "examples", "train_gpt.py")
@@ -66,7 +69,7 @@ def test_train_gpt_example_runs_a_few_steps_under_torchrun(tmp_path):
     assert all(0 < loss < 10 for loss in losses) and losses[-1] < losses[0], losses
 
 
-@pytest.mark.xdist_group("distributed")
+@TORCHRUN
 def test_finetune_llama_example_resumes_and_matches_eager(tmp_path):
     """4 steps with a checkpoint every 2, then `--resume` to 6: the resumed run starts at step 4
     with the history the checkpoint kept, and the picture's numbers (training loss every step,

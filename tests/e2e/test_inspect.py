@@ -17,9 +17,8 @@ import pytest
 from expecttest import TestCase
 
 import zbcompile
-from helpers import inspect_workers
+from helpers import launches
 from helpers.models import build
-from helpers.multiprocess import run_ranks
 from zbcompile import cli
 from zbcompile.inspect.html import write_compared_png, write_report
 from zbcompile.inspect.read import GRAPH_FILES, SCHEDULE_FILE, Dump, load, stage_dir
@@ -51,6 +50,8 @@ def _local_pipeline(directory: str | None, schedule: str = "zb-h1"):
     return pipe
 
 
+# one xdist group: `pytest -n` runs setUpClass's compiles in one worker
+@pytest.mark.xdist_group("local-dump")
 class LocalDump(TestCase):
     @classmethod
     def setUpClass(cls):
@@ -307,17 +308,16 @@ class ScheduleVersions(TestCase):
 
 # --- a real two-rank run -----------------------------------------------------------------------
 
-STEPS = 3
+STEPS = launches.INSPECT_STEPS
 
 
 @pytest.fixture(scope="module")
-def distributed_dump(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("dump"))
-    per_rank = run_ranks(2, inspect_workers.dumped_steps, root, "zb-h1", STEPS)
-    return root, per_rank
+def distributed_dump():
+    """(the dump's directory, each rank's results) of the shared two-rank launch's dumped zb-h1 run."""
+    return launches.directory("two-ranks"), launches.two_rank_results("inspect")
 
 
-@pytest.mark.xdist_group("distributed")
+@launches.READS_TWO_RANKS
 def test_trace_has_one_row_per_rank_and_every_action_once_per_step(distributed_dump):
     root, per_rank = distributed_dump
     code, printed, _ = _inspect(root)
@@ -349,7 +349,7 @@ def test_trace_has_one_row_per_rank_and_every_action_once_per_step(distributed_d
     assert validate_trace(trace, [v["lowered"] for v in versions]) == []
 
 
-@pytest.mark.xdist_group("distributed")
+@launches.READS_TWO_RANKS
 def test_explain_equals_inspect_with_measured_times(distributed_dump):
     root, per_rank = distributed_dump
     text = summary_text(load(root))
@@ -374,7 +374,7 @@ def _svgs(html: str) -> list[str]:
     return re.findall(r"<svg.*?</svg>", html, flags=re.S)
 
 
-@pytest.mark.xdist_group("distributed")
+@launches.READS_TWO_RANKS
 def test_report_draws_one_box_per_action(distributed_dump):
     root, per_rank = distributed_dump
     path = write_report(root, os.path.join(root, "report.html"))
@@ -401,7 +401,7 @@ def _chromium() -> str | None:
     )
 
 
-@pytest.mark.xdist_group("distributed")
+@launches.READS_TWO_RANKS
 def test_report_screenshot_shows_the_timelines(distributed_dump):
     """The report opened in a real browser. `make test` installs Chromium (`make browser`); in CI a
     missing browser fails the test instead of skipping it."""
@@ -430,7 +430,7 @@ def test_report_screenshot_shows_the_timelines(distributed_dump):
         assert count(colour) > 200, colour
 
 
-@pytest.mark.xdist_group("distributed")
+@launches.READS_TWO_RANKS
 def test_report_compares_measured_steps_with_the_bubble_shaded(distributed_dump, tmp_path):
     root, per_rank = distributed_dump
     html = open(write_report(root, str(tmp_path / "compared.html"), compared=[root])).read()

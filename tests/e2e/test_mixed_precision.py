@@ -97,7 +97,7 @@ def test_grad_dtype_must_be_a_floating_dtype():
         zbcompile.pipeline(torch.nn.Linear(2, 2), stages=1, grad_dtype=torch.int32)
 
 
-@pytest.mark.xdist_group("distributed")
+@launches.READS_TWO_RANK_MODELS
 def test_two_ranks_every_schedule_grad_dtype_and_post_validation_in_bf16():
     per_rank = launches.two_rank_results("precision")  # the shared two-rank launch
     references = {mode: workers.eager_microbatches(workers.llama(mode)) for mode in workers.MODES}

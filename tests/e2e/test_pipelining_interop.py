@@ -4,13 +4,12 @@ taken through `dw_builder`."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from helpers import launches
 from helpers import pipelining_workers as workers
 
-pytestmark = pytest.mark.xdist_group("distributed")
+pytestmark = launches.READS_TWO_RANK_MODELS
 
 SCHEDULES = launches.PIPELINING_SCHEDULES
 

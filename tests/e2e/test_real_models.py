@@ -57,7 +57,7 @@ def test_pipelined_step_matches_eager_under_every_schedule(name, stages):
             assert torch.equal(grad, other[fqn]), f"{fqn}: {SCHEDULES[0]} and {schedule} differ"
 
 
-@pytest.mark.xdist_group("distributed")
+@launches.READS_TWO_RANK_MODELS
 def test_meta_models_loaded_from_a_full_state_dict_train_on_two_ranks():
     """Every library family (GPT-2 and Llama under three schedules, the others under zb-h1) built
     on the meta device on each of 2 ranks (gloo), filled from the eager model's full state dict:

@@ -21,6 +21,9 @@ from helpers.models import build
 from helpers.multiprocess import Failed, run_ranks
 from zbcompile import checkpoint
 
+# the tests of `saved_run` share an xdist group, so that `pytest -n` launches its ranks once
+SAVED_RUN = pytest.mark.xdist_group("save-resume")
+
 
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory) -> tuple[str, list[dict], dict]:
@@ -58,6 +61,7 @@ def _assert_equal(actual: dict[str, dict], expected: dict[str, dict], what: str)
                 assert value == expected[part][name], f"{what}: {part} {name}"
 
 
+@SAVED_RUN
 def test_loads_at_two_ranks_under_another_schedule_and_cut(saved_run):
     directory, per_rank, _ = saved_run
     written = sorted(f for f in os.listdir(os.path.join(directory, "a")) if f.endswith(".distcp"))
@@ -72,6 +76,7 @@ def test_loads_at_two_ranks_under_another_schedule_and_cut(saved_run):
     assert any(s["optimizer"] for s in (per_rank[0]["saved"], per_rank[1]["saved"]))
 
 
+@SAVED_RUN
 def test_the_schedule_in_use_comes_back_on_the_layout_it_ran_on(saved_run):
     """Run A's schedule in use was replaced (as measured costs do); a pipeline with A's options
     and cut runs it again after loading, with A's tuner state; another cut keeps its own."""
@@ -82,6 +87,7 @@ def test_the_schedule_in_use_comes_back_on_the_layout_it_ran_on(saved_run):
         assert result["c_schedule"] == "zb-auto"
 
 
+@SAVED_RUN
 def test_resumed_run_is_bitwise_the_uninterrupted_one(saved_run):
     """Run B (other init, other schedule, a process whose RNG had moved on) loads and runs the
     same 3 steps as run A after its save: dropout masks, clipping and AdamW give the same bits."""
@@ -93,6 +99,7 @@ def test_resumed_run_is_bitwise_the_uninterrupted_one(saved_run):
         assert moved, "the steps after the save changed nothing"
 
 
+@SAVED_RUN
 def test_loads_in_one_process(saved_run):
     directory, per_rank, _ = saved_run
     pipe, opt = workers.make_run(4)
@@ -105,6 +112,7 @@ def test_loads_in_one_process(saved_run):
     assert set(loaded["params"]) == set(saved["params"]) and set(loaded["optimizer"]) == set(saved["optimizer"])
 
 
+@SAVED_RUN
 def test_loads_at_four_ranks(saved_run):
     directory, per_rank, _ = saved_run
     saved = _merged(per_rank, "saved")
@@ -116,6 +124,7 @@ def test_loads_at_four_ranks(saved_run):
     assert set().union(*(r["loaded"]["params"] for r in four)) == set(saved["params"])
 
 
+@SAVED_RUN
 def test_a_checkpoint_interrupted_while_written_is_never_the_latest(saved_run):
     """Rank 1 was killed writing checkpoint "b": rank 0's save failed naming it, within the
     timeout, and "b" stays an incomplete temporary directory that `latest` skips."""
@@ -130,12 +139,12 @@ def test_a_checkpoint_interrupted_while_written_is_never_the_latest(saved_run):
         checkpoint.load(os.path.join(directory, "b" + checkpoint.PARTIAL), _mlp_run(0)[1])
 
 
-@pytest.mark.xdist_group("distributed")
+@launches.READS_FOUR_RANKS
 def test_loads_across_replicate_and_shard_at_pp2_dp2():
     """At pp=2 x dp=2 (the shared four-rank launch): what "replicate" or "shard" saved loads
     under "shard", and what "shard" saved under "replicate": every parameter and optimizer
     state bitwise the saved run's, and the 3 steps after it bitwise the uninterrupted run's."""
-    per_rank = [r["dp_checkpoints"] for r in launches.four_ranks()]
+    per_rank = launches.four_rank_results("dp_checkpoints")
     for saved, loading in workers.DP_LOADS:
         for r, result in enumerate(per_rank):
             what = f"rank {r}: saved under {saved!r}, loaded under {loading!r}"

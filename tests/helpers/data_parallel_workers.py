@@ -20,6 +20,22 @@ from zbcompile.runtime.optimizer import PostValidatedOptimizer, SynchronousClipO
 STEPS = 3
 PP = 2
 MICROBATCHES = 4  # one row each: the replica's half of the 8-row batch
+# (model, schedule, stages, data_parallel, optimizer variant) of `train`, in order
+RUNS = [
+    *[("gpt", s, 2, "replicate", "foreach") for s in ("1f1b", "zb-h1", "zb-auto")],
+    *[("gpt", s, 2, "shard", "foreach") for s in ("1f1b", "zb-h1", "zb-auto")],
+    ("gpt", "zb-h1", 2, "shard", "fused"),
+    # dualpipe: every parameter on two ranks of a pipeline, reduced after the drain; the masked
+    # model's output layer has 3 rows, which 2 replicas do not divide (padded in the collectives)
+    ("masked", "dualpipe", 2, "replicate", "foreach"),
+    ("masked", "dualpipe", 2, "shard", "foreach"),
+    *[("llama", s, 2, "replicate", "foreach") for s in ("zb-h1", "1f1b", "zb-auto")],
+    *[("llama", s, 2, "shard", "foreach") for s in ("zb-h1", "1f1b", "zb-auto")],
+    ("llama", "zbv", 4, "replicate", "foreach"),
+    ("llama", "zbv", 4, "shard", "foreach"),
+    ("gpt", "zbv", 4, "replicate", "foreach"),
+    ("gpt", "zbv", 4, "shard", "foreach"),  # last: its pipeline goes through a checkpoint round trip
+]
 
 
 def case_of(name: str, meta: bool = False, dtype: torch.dtype = torch.float32):

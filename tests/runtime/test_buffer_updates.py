@@ -15,12 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import zbcompile
-from helpers import distributed_workers as workers
+from helpers import launches
 from helpers.models import BATCH, BatchNormConvNet, image_batch, microbatch_by_microbatch, sgd_steps
-from helpers.multiprocess import run_ranks
 
-MICROBATCHES = 4
-STEPS = 2  # the second step's forwards read the statistics the first step left
+# the second step's forwards read the statistics the first step left (the two-rank launch's too)
+MICROBATCHES, STEPS = launches.BUFFER_MICROBATCHES, launches.BUFFER_STEPS
 SCHEDULES = {
     2: (
         "1f1b",
@@ -371,14 +370,14 @@ def test_input_updated_in_place_is_refused():
 # --- several processes -----------------------------------------------------------------------------
 
 
-@pytest.mark.xdist_group("distributed")
+@launches.READS_TWO_RANKS
 def test_batchnorm_convnet_on_two_ranks_equals_eager():
     """Two pipeline ranks (zb-h1, then zbv with two chunks per rank): gradients, loss and the
     gathered state dict (parameters and running statistics) after two SGD steps equal eager's
     microbatch-by-microbatch run; two data-parallel replicas of one stage each keep the running
     statistics of their own half of the batch."""
     model, x, target, expected = _convnet_reference()
-    per_rank = run_ranks(2, workers.buffer_update_steps, [(2, "zb-h1"), (4, "zbv"), (1, "1f1b")], MICROBATCHES, STEPS)
+    per_rank = launches.two_rank_results("buffers")  # the shared two-rank launch
     close = dict(rtol=1e-5, atol=1e-6)
     for run in ("zb-h1", "zbv"):
         for step in range(STEPS):

@@ -3,7 +3,7 @@ half of the batch (DDP's convention): "replicate" and "shard" (DTensors over "dp
 V and mirrored schedules, a zoo model and a transformers Llama, 3 AdamW steps against eager over
 the whole batch; the gradient reduction overlapped with the step and counted by zb-auto;
 explain()'s bytes against the tensors'; grad_dtype under "shard"; post-validation, checkpoints
-and errors. One launch for all of it."""
+and errors. All of it in the shared four-rank launch (`helpers/launches.py`)."""
 
 from __future__ import annotations
 
@@ -15,45 +15,24 @@ import pytest
 import torch
 
 from helpers import data_parallel_workers as workers
-from helpers import models, real_models
+from helpers import launches, models, real_models
 from helpers.distributed_workers import make_optimizer
-from helpers.multiprocess import run_ranks
 from zbcompile.inspect.read import SCHEDULE_FILE
 from zbcompile.inspect.text import si
 from zbcompile.inspect.trace import action_events, load_trace, reduction_events, validate_trace
 from zbcompile.schedules import Action
 
-pytestmark = pytest.mark.xdist_group("distributed")
+pytestmark = launches.READS_FOUR_RANKS
 
-RUNS = [
-    *[("gpt", s, 2, "replicate", "foreach") for s in ("1f1b", "zb-h1", "zb-auto")],
-    *[("gpt", s, 2, "shard", "foreach") for s in ("1f1b", "zb-h1", "zb-auto")],
-    ("gpt", "zb-h1", 2, "shard", "fused"),
-    # dualpipe: every parameter on two ranks of a pipeline, reduced after the drain; the masked
-    # model's output layer has 3 rows, which 2 replicas do not divide (padded in the collectives)
-    ("masked", "dualpipe", 2, "replicate", "foreach"),
-    ("masked", "dualpipe", 2, "shard", "foreach"),
-    *[("llama", s, 2, "replicate", "foreach") for s in ("zb-h1", "1f1b", "zb-auto")],
-    *[("llama", s, 2, "shard", "foreach") for s in ("zb-h1", "1f1b", "zb-auto")],
-    ("llama", "zbv", 4, "replicate", "foreach"),
-    ("llama", "zbv", 4, "shard", "foreach"),
-    ("gpt", "zbv", 4, "replicate", "foreach"),
-    ("gpt", "zbv", 4, "shard", "foreach"),  # last: its pipeline goes through a checkpoint round trip
-]
+RUNS = workers.RUNS
+
 CLOSE = dict(rtol=1e-5, atol=1e-6)
 
 
 @pytest.fixture(scope="module")
-def launch(tmp_path_factory):
-    """(the directory of the last run's dump and checkpoint, every rank's results of `RUNS` and
-    of the checks after them): the one 4-process launch."""
-    directory = str(tmp_path_factory.mktemp("data_parallel"))
-    return directory, run_ranks(4, workers.train, RUNS, directory)
-
-
-@pytest.fixture(scope="module")
-def per_rank(launch):
-    return launch[1]
+def per_rank():
+    """Every rank's results of `RUNS` and of the checks after them, from the shared four-rank launch."""
+    return launches.four_rank_results("data_parallel")
 
 
 @functools.cache
@@ -194,13 +173,12 @@ def test_a_leading_dimension_the_replicas_do_not_divide_is_sharded_unevenly(per_
     assert sorted(held) == [1, 1, 2, 2], held  # both ranks of each replica hold it under dualpipe
 
 
-def test_the_trace_shows_reductions_under_the_ranks_remaining_work(launch):
+def test_the_trace_shows_reductions_under_the_ranks_remaining_work(per_rank):
     """The dump's trace of the last run (zbv, shard): every step, each stage's reduction is posted
     when its last W or B ends, before the rank's next action starts; so every stage whose last
     gradient action is not the rank's last action is reduced under the rank's remaining work
     (with two stages per rank, one of them). The actions are the schedule's, once each."""
-    directory, _ = launch
-    compiled = os.path.join(directory, "dump", "compile-0")
+    compiled = os.path.join(launches.directory("four-ranks"), "dump", "compile-0")
     trace = load_trace(compiled)
     with open(os.path.join(compiled, SCHEDULE_FILE)) as f:
         versions = json.load(f)["versions"]

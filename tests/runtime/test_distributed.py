@@ -3,8 +3,6 @@ model; optimizer steps, state dicts, data parallelism, meta-device models, failu
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
@@ -15,54 +13,23 @@ from helpers.models import NAMES, batch_for, build
 from helpers.multiprocess import Failed, run_ranks
 from zbcompile.schedules import Action, make_schedule, schedule_spec
 
-pytestmark = pytest.mark.xdist_group("distributed")
-
 SINGLE_CHUNK, TWO_CHUNK, MORE_TWO_CHUNK, MIRRORED, SMALLEST = (
     workers.SINGLE_CHUNK, workers.TWO_CHUNK, workers.MORE_TWO_CHUNK, workers.MIRRORED, workers.SMALLEST
 )
 TORCH_DUALPIPEV = workers.TORCH_DUALPIPEV
 
 
-@functools.cache
+PARTIAL_RUNS, LATE_STEPS, PROFILED = launches.PARTIAL_RUNS, launches.LATE_STEPS, launches.PROFILED
+
+
 def _battery(ranks: int) -> list[dict]:
-    """Every rank's results of `workers.battery_runs(ranks)` (on 4 ranks, from the shared launch)."""
-    if ranks == 4:
-        return [r["battery"] for r in launches.four_ranks()]
-    return run_ranks(ranks, workers.one_step, workers.battery_runs(ranks))
-
-
-PARTIAL_RUNS = [("masked", "zb-h1", 2), ("gpt", "zbv", 4)]
-LATE_STEPS = 3
-# (max_steps, options) of the profiled runs
-PROFILED = {
-    "default": (400, {}),
-    "below 1f1b": (400, {"memory_limit": 1.5}),
-    "profile=False": (5, {"profile": False}),
-    "profile=True": (400, {"schedule": "zb-h1", "profile": True, "profile_steps": 3}),
-    "recompute auto": (400, {"memory_limit": 1.5, "recompute": "auto"}),
-}
-
-
-# two-rank checks that share one launch, in this order (the batches that fail on purpose come last)
-SHARED_CALLS = [
-    ("train", workers.train, ("gpt", ("zb-h1", "dualpipe"), 2, ("sgd", "adamw"), 3)),
-    ("meta_init", workers.meta_init, (2,)),
-    ("profiled", workers.profiled_runs, (list(PROFILED.values()),)),
-    ("new_shapes", workers.new_shapes_recompile, ()),
-    ("partial", workers.partial_batches, (PARTIAL_RUNS,)),
-    ("late", workers.late_messages, (0.1, LATE_STEPS)),  # late enough for a W to fit on a loaded machine
-    ("misplaced", workers.misplaced_batches, ()),
-]
-
-
-@functools.cache
-def _two_ranks() -> list[dict]:
-    return run_ranks(2, launches.several, SHARED_CALLS)
+    """Every rank's results of `workers.battery_runs(ranks)`, from the shared launch of `ranks` ranks."""
+    return {2: launches.two_rank_results, 4: launches.four_rank_results}[ranks]("battery")
 
 
 def _shared(label: str) -> list:
-    """Every rank's result of the `SHARED_CALLS` entry `label` (one launch for all of them)."""
-    return [r[label] for r in _two_ranks()]
+    """Every rank's result of the entry `label` of the shared two-rank launch (`launches.two_rank_calls`)."""
+    return launches.two_rank_results(label)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +39,12 @@ def profiled():
     return {name: [r[i] for r in per_rank] for i, name in enumerate(PROFILED)}
 
 
-@pytest.fixture(params=[2, 4], ids=lambda r: f"{r}ranks")
+@pytest.fixture(
+    params=[
+        pytest.param(2, id="2ranks", marks=launches.READS_TWO_RANKS),
+        pytest.param(4, id="4ranks", marks=launches.READS_FOUR_RANKS),
+    ]
+)
 def battery(request):
     """Every rank's results of `workers.battery_runs(ranks)`, computed once per session whatever the test order."""
     return request.param, _battery(request.param)
@@ -131,6 +103,7 @@ def test_gradients_bitwise_equal_across_schedules(battery):
                     )
 
 
+@launches.READS_FOUR_RANKS
 def test_torch_dualpipev_csv_runs_on_four_ranks():
     """torch's own DualPipeV file, read with Schedule.from_csv and given to pipeline(): every rank
     runs its row's actions (an OVERLAP_F_B pair as its two actions), and loss and gradients equal
@@ -221,10 +194,11 @@ def test_timeline_has_every_compute_action_once(battery):
         assert all(end >= start for _, start, end in r[key]["timeline"])
 
 
+@launches.READS_TWO_RANKS
 def test_three_optimizer_steps_match_eager():
     """SGD with momentum and AdamW: three steps each, every parameter equal to eager's; under
     dualpipe both ranks' copies of every parameter stay the same bits."""
-    name, schedules, _, _, steps = SHARED_CALLS[0][2]
+    name, schedules, _, _, steps = launches.TRAIN
     per_rank = _shared("train")
     for optimizer in ("sgd", "adamw"):
         reference = build(name)
@@ -244,12 +218,13 @@ def test_three_optimizer_steps_match_eager():
             assert torch.equal(value, copies[1][fqn]), f"dualpipe {optimizer}: {fqn}"
 
 
+@launches.READS_FOUR_RANKS
 def test_two_data_parallel_replicas_of_a_two_stage_pipeline():
     """zb-h1, and dualpipe (each replica's two copies summed, then the replicas averaged); a
     (loss_sum, count) loss over targets padded so that the replicas hold different numbers of
     tokens: both replicas return the whole batch's loss, and the averaged gradient is eager
     full-batch training's (the count is summed over the replicas)."""
-    per_rank = [r["replicas"] for r in launches.four_ranks()]
+    per_rank = launches.four_rank_results("replicas")
     for key in workers.REPLICA_RUNS:
         case, loss = _reference(key[0])
         losses = [r[key]["loss"] for r in per_rank if r[key]["loss"] is not None]
@@ -263,6 +238,7 @@ def test_two_data_parallel_replicas_of_a_two_stage_pipeline():
                 torch.testing.assert_close(grads[fqn], p.grad, rtol=1e-5, atol=1e-6, msg=f"{key} {fqn}")
 
 
+@launches.READS_TWO_RANKS
 def test_meta_device_model_materialises_only_local_parameters():
     per_rank = _shared("meta_init")
     case, loss = _reference("gpt")
@@ -285,6 +261,7 @@ def test_a_dead_peer_fails_the_others_within_the_timeout():
     assert "rank 0" in survivor and "RECV" in survivor, survivor
 
 
+@launches.READS_TWO_RANKS
 def test_zb_auto_measures_its_costs_by_default(profiled):
     """Without options, a distributed zb-auto pipeline times its first steps, solves with what it
     measured while steps go on, and switches on every rank after the same step."""
@@ -301,6 +278,7 @@ def test_zb_auto_measures_its_costs_by_default(profiled):
     _assert_eager_grads_after_steps(per_rank)
 
 
+@launches.READS_TWO_RANKS
 def test_zb_auto_under_a_limit_below_one_f_one_b_runs_a_v_on_the_same_ranks(profiled):
     """memory_limit below 1F1B's: zb-auto compiles the model again in two chunks per rank, runs
     a V schedule, re-solves it with measured chunk costs, and gives eager's gradients."""
@@ -313,6 +291,7 @@ def test_zb_auto_under_a_limit_below_one_f_one_b_runs_a_v_on_the_same_ranks(prof
     _assert_eager_grads_after_steps(per_rank)
 
 
+@launches.READS_TWO_RANKS
 def test_profile_false_keeps_the_static_schedule_and_profile_true_measures_any_schedule(profiled):
     """profile=False: zb-auto times nothing and keeps the schedule solved from static estimates.
     profile=True on zb-h1 (which measures nothing by default): after a warm-up step and
@@ -329,6 +308,7 @@ def test_profile_false_keeps_the_static_schedule_and_profile_true_measures_any_s
         _assert_eager_grads_after_steps(profiled[name])
 
 
+@launches.READS_TWO_RANKS
 def test_auto_recompute_is_chosen_again_with_the_measured_costs_on_every_rank(profiled):
     """recompute="auto" under a limit: when zb-auto re-solves with measured costs, rank 0 chooses
     the levels again with them and every rank switches to those levels' programs with the new
@@ -368,6 +348,7 @@ def test_world_size_that_does_not_fit_the_pipeline():
     assert "world size 1" in message and "2 ranks per pipeline" in message, message
 
 
+@launches.READS_TWO_RANKS
 def test_new_batch_shape_recompiles_on_every_rank():
     per_rank = _shared("new_shapes")
     reference = build("gpt")
@@ -380,6 +361,7 @@ def test_new_batch_shape_recompiles_on_every_rank():
         torch.testing.assert_close(grads[fqn], p.grad, rtol=1e-5, atol=1e-6, msg=fqn)
 
 
+@launches.READS_TWO_RANKS
 def test_ranks_may_pass_none_for_what_their_stages_do_not_read():
     """The inputs only on the first stage's rank, the target only on the last stage's: keyword
     inputs and a constant argument (masked), and zbv, whose V puts both ends on rank 0 (rank 1
@@ -398,6 +380,7 @@ def test_ranks_may_pass_none_for_what_their_stages_do_not_read():
             torch.testing.assert_close(grads[fqn], p.grad, rtol=1e-5, atol=1e-6, msg=f"{run}: {fqn}")
 
 
+@launches.READS_TWO_RANKS
 def test_batches_the_ranks_disagree_on_are_clear_errors():
     first, second = _shared("misplaced")
     for errors in (first, second):  # both ranks see what every rank passed
@@ -415,8 +398,9 @@ def test_batches_the_ranks_disagree_on_are_clear_errors():
     assert second["first stage without inputs"].startswith("PeerError"), second
 
 
+@launches.READS_FOUR_RANKS
 def test_pipelines_over_a_process_group_or_a_device_mesh():
-    per_rank = [r["groups"] for r in launches.four_ranks()]
+    per_rank = launches.four_rank_results("groups")
     for members in (per_rank[:2], per_rank[2:]):  # one pipeline per process group
         name = members[0]["group"]["name"]
         case, loss = _reference(name)
@@ -443,6 +427,7 @@ def test_pipelines_over_a_process_group_or_a_device_mesh():
         assert "process_group of 4 ranks" in r["error"] and "DeviceMesh" in r["error"], r["error"]
 
 
+@launches.READS_TWO_RANKS
 def test_late_messages_move_w_into_the_wait_and_change_no_bit():
     """Rank 0 sends every forward message 100 ms late. Following readiness, rank 1 runs pending W
     while it waits, and W that preceded a send run after it; without, every W stays where the

@@ -14,29 +14,27 @@ import torch
 
 from helpers import launches
 from helpers import post_validation_workers as workers
-from helpers.multiprocess import run_ranks
-
-pytestmark = pytest.mark.xdist_group("distributed")
-
-OPTIMIZERS = ("sgd", "adam", "adamw")
-
 
 # --- multi-process equivalence -------------------------------------------------------------------
 
 
 def _launch(world: int) -> list[tuple[int, list[dict]]]:
-    """(stages, every rank's results) per pipeline: 2 ranks run a 2-stage pipeline; 4 ranks a
-    4-stage pipeline, then 2 replicas x 2 stages (in the shared four-rank launch). One launch per
-    world size, checked by one test (so that no two test workers launch the same processes)."""
+    """(stages, every rank's results) per pipeline, from the shared launch of `world` ranks: 2
+    ranks run a 2-stage pipeline; 4 ranks a 4-stage pipeline, then 2 replicas x 2 stages."""
     if world == 4:
-        per_rank = [r["post_validation"] for r in launches.four_ranks()]
-        return [(stages, per_rank) for stages, _ in launches.POST_VALIDATION_PIPELINES]
-    pipelines = [(2, OPTIMIZERS)]
-    per_rank = run_ranks(world, workers.train_all, pipelines)
+        per_rank, pipelines = launches.four_rank_results("post_validation"), launches.POST_VALIDATION_PIPELINES
+    else:
+        per_rank, pipelines = launches.two_rank_results("post_validation"), launches.POST_VALIDATION_TWO_RANKS
     return [(stages, per_rank) for stages, _ in pipelines]
 
 
-@pytest.mark.parametrize("world", [2, 4], ids=["2ranks", "4ranks+2replicas-x-2stages"])
+@pytest.mark.parametrize(
+    "world",
+    [
+        pytest.param(2, id="2ranks", marks=launches.READS_TWO_RANKS),
+        pytest.param(4, id="4ranks+2replicas-x-2stages", marks=launches.READS_FOUR_RANKS),
+    ],
+)
 def test_post_validation_across_processes(world):
     for launch in _launch(world):
         check_exact_rollback_is_bitwise_equal_to_the_synchronous_reference(launch)

@@ -7,12 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
-
-from helpers.multiprocess import run_ranks
-from helpers.step_path_workers import files_before_first_send
-
-pytestmark = pytest.mark.xdist_group("distributed")
+from helpers import launches
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 
@@ -28,8 +23,9 @@ def test_the_documented_heading_is_read():
     assert documented_files() > 0
 
 
+@launches.READS_TWO_RANKS
 def test_a_step_reaches_its_first_send_through_the_documented_files():
-    files, sent = run_ranks(2, files_before_first_send)[0]
+    files, sent = launches.two_rank_results("step_path")[0]  # the shared two-rank launch runs it first
     assert sent and files[0] == "api.py"
     assert len(files) == documented_files(), (
         f"a step enters {len(files)} library files before its first send ({files}); docs/architecture.md "

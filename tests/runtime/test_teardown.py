@@ -7,11 +7,7 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from helpers.multiprocess import free_port
-
-pytestmark = pytest.mark.xdist_group("distributed")
 
 WORKER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "helpers", "teardown_worker.py")
 
