@@ -77,6 +77,13 @@ def check(schedule: str, ranks: int, device: torch.device) -> dict:
     return {"schedule": schedule, "ranks": ranks, "step_s": step_s, "max_abs_grad_diff": worst, "action_ms": times}
 
 
+def rank_device_index(distributed: bool) -> int:
+    """cuda:LOCAL_RANK under torchrun where there is such a GPU; else the current device (two ranks
+    on one GPU then meet the pipeline's refusal, which this script checks for)."""
+    local = int(os.environ.get("LOCAL_RANK", -1)) if distributed else -1
+    return local if 0 <= local < torch.cuda.device_count() else torch.cuda.current_device()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -93,11 +100,7 @@ def main() -> None:
     ranks = dist.get_world_size() if distributed else 1
     rows = []
     for schedule in SCHEDULES if ranks > 1 else ("1f1b", "zb-h1", "zb-auto"):
-        row = check(
-            schedule,
-            ranks,
-            torch.device("cuda", torch.cuda.current_device() if not distributed else int(os.environ["LOCAL_RANK"])),
-        )
+        row = check(schedule, ranks, torch.device("cuda", rank_device_index(distributed)))
         rows.append(row)
         if not distributed or dist.get_rank() == 0:
             print(
