@@ -24,6 +24,7 @@ from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch._functorch.partitioners import default_partition
 from torch._ops import OpOverload
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
@@ -41,6 +42,7 @@ __all__ = [
     "TENSOR_REQUIRES_GRAD",
     "pytree",
     "use_plain_codegen",
+    "graph_module_coded_on_use",
     "boxed_copy",
     "TorchDispatchMode",
     "BufferAOTInput",
@@ -79,11 +81,17 @@ TENSOR_DATA = torch._C.TensorBase.__dict__["data"]
 TENSOR_REQUIRES_GRAD = torch._C.TensorBase.__dict__["requires_grad"]
 
 
-def use_plain_codegen(graph_module: torch.fx.GraphModule) -> None:
-    """Replace the graph's code generator (make_fx's pytree flattening of inputs) by the plain one:
-    flat positional placeholders."""
+def use_plain_codegen(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """`graph_module` with the plain code generator (flat positional placeholders) in place of
+    make_fx's pytree flattening of inputs; its code is generated when first run or read."""
     graph_module.graph._codegen = torch.fx.graph.CodeGen()
-    graph_module.recompile()
+    return _LazyGraphModule.from_graphmodule(graph_module)
+
+
+def graph_module_coded_on_use(root: torch.nn.Module | dict, graph: torch.fx.Graph, name: str) -> torch.fx.GraphModule:
+    """A GraphModule of `graph` whose Python code is generated when it is first run or its code
+    read (torch.fx's lazy GraphModule): for graphs that later passes read but may never run."""
+    return _LazyGraphModule(root, graph, class_name=name)
 
 
 def boxed_copy(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:

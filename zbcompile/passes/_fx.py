@@ -46,12 +46,17 @@ def copy_nodes(graph: fx.Graph, nodes: Iterable[fx.Node], env: dict[fx.Node, fx.
         env[node] = graph.node_copy(node, lambda n: env[n])
 
 
-def finish(graph: fx.Graph, root: torch.nn.Module | dict | None = None, name: str = "GraphModule") -> fx.GraphModule:
-    """Lint `graph` and wrap it in a recompiled GraphModule named `name`."""
+def finish(
+    graph: fx.Graph, root: torch.nn.Module | dict | None = None, name: str = "GraphModule", read_only: bool = False
+) -> fx.GraphModule:
+    """Lint `graph` and wrap it in a GraphModule named `name` (the constructor generates its
+    code); `read_only`: a graph later passes read and may never run, its code generated on first
+    use instead (`ti.graph_module_coded_on_use`)."""
     graph.lint()
-    module = fx.GraphModule(root if root is not None else {}, graph, class_name=name)
-    module.recompile()
-    return module
+    root = root if root is not None else {}
+    if read_only:
+        return ti.graph_module_coded_on_use(root, graph, name)
+    return fx.GraphModule(root, graph, class_name=name)
 
 
 def is_view_op(node: fx.Node) -> bool:

@@ -278,4 +278,4 @@ def _segment_module(part: Segment, root: fx.GraphModule) -> fx.GraphModule:
             value = graph.call_function(torch.ops.aten.detach.default, (value,))
         outputs.append(value)
     graph.output(tuple(outputs))
-    return _fx.finish(graph, root, name="Segment")
+    return _fx.finish(graph, root, name="Segment", read_only=True)

@@ -281,11 +281,8 @@ def _separate_forward(
     recomputed = recompute_closure(backward_nodes, checkpointed_nodes(forward_nodes, recompute_also))
     backward_nodes = _fx.with_state_ancestors(backward_nodes | recomputed | (returned & recompute), recompute)
     forward_values = forward_nodes | {n for n in placeholders if names[n].startswith(INPUT)}
-    saved = [
-        n
-        for n in graph.nodes
-        if n in forward_values - recompute - recomputed and (n in returned or any(u in backward_nodes for u in n.users))
-    ]
+    kept = forward_values - recompute - recomputed
+    saved = [n for n in graph.nodes if n in kept and (n in returned or any(u in backward_nodes for u in n.users))]
     for node in saved:
         names.setdefault(node, saved_name(node.name))
     roots = _fx.storage_roots(graph)
@@ -302,10 +299,11 @@ def _separate_forward(
         names=names,
         class_name=f"Stage{stage.index}Forward",
     )
+    backward_reads = state | tangents | set(saved)
     backward_inputs = [
         n
         for n in graph.nodes
-        if (n in state or n in tangents or n in saved) and (n in returned or any(u in backward_nodes for u in n.users))
+        if n in backward_reads and (n in returned or any(u in backward_nodes for u in n.users))
     ]
     backward = extract_program(
         graph,
@@ -368,7 +366,8 @@ def extract_program(
     (`StageJoint.recomputed`) in the program by its name."""
     new_graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    copied = [n for n in graph.nodes if n in body and n not in inputs]
+    given = set(inputs)
+    copied = [n for n in graph.nodes if n in body and n not in given]
     taken = {n.name for n in copied}
     for node in inputs:
         env[node] = new_graph.placeholder(_fresh(_safe(names[node]), taken))

@@ -87,7 +87,7 @@ def stitch(
         descs.append(None if grad is None else ti.GradAOTOutput(of))
     graph.output(list(outputs))
     graph.output_node().meta["desc"] = descs
-    return _fx.finish(graph, _constants(parts), name=type(stage.module).__name__)
+    return _fx.finish(graph, _constants(parts), name=type(stage.module).__name__, read_only=True)
 
 
 def _stitch_placeholders(

@@ -238,7 +238,7 @@ def _build_stages(
         body = [n for n in graph.nodes if (n in free and n.op == "call_function") or n in own_set]
         _fx.copy_nodes(new_graph, body, env)
         new_graph.output(tuple(env[n] for n in [*graph_outputs, *(u.value for u in mine)]))
-        module = _fx.finish(new_graph, root, name=f"Stage{k}")
+        module = _fx.finish(new_graph, root, name=f"Stage{k}", read_only=True)
         stages.append(
             Stage(
                 index=k,

@@ -193,7 +193,7 @@ def trace_model(
     detach_no_grad_results(graph_module.graph)
     _differentiable_copies(graph_module.graph, fake_mode)
     graph_module.graph.eliminate_dead_code()  # autograd's unused `detach`es of saved values
-    ti.use_plain_codegen(graph_module)  # make_fx flattens inputs with pytree
+    graph_module = ti.use_plain_codegen(graph_module)  # make_fx flattens inputs with pytree
     return TracedModel(
         graph_module=graph_module,
         model=model,
