@@ -300,13 +300,14 @@ def _programs_with_reuse(
     programs: dict[int, StageProgram] = {}
     representative: dict[int, int] = {}
     grads_from_next: set[str] = set()
+    blocks: dict | None = {} if reuse_blocks else None  # block segments exported so far, for all stages
     last = len(partition.stages) - 1
     for stage in reversed(partition.stages):
         key = stage_fingerprint(stage, partition, grads_from_next, stage.index == last)
         if key not in seen:
             loss = "loss" if stage.index == last else None
             joint, alternatives = export_stage_joint(
-                stage, partition, grads_from_next, loss, fake_mode, predicates, reuse_blocks
+                stage, partition, grads_from_next, loss, fake_mode, predicates, blocks
             )
             joint = dataclasses.replace(joint, alternatives=alternatives)
             split = split_backward(joint, min_deferral_intensity)

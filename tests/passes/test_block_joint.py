@@ -59,20 +59,22 @@ def graph_form(graph_module: torch.fx.GraphModule) -> list:
     return form
 
 
-def stage_joints(case, stages: int):
+def stage_joints(case, stages: int, shared: bool = True):
     """Per stage, last first: (the stage, the forms (`graph_fingerprint`, `graph_form`) of its own
     joint export and of the stitched joint (None where not stitched), exports the stitch made,
-    the stage's segments)."""
+    the stage's segments). `shared`: the stages' stitches share one record of exported segments
+    (as `export_stage_joints` does), so a block alike in two stages is exported once."""
     traced = trace_model(case.model, case.loss_fn, case.args, case.kwargs, case.target)
     partition = partition_stages(traced, stages)
-    results, grads_from_next = [], set()
+    results, grads_from_next, exported = [], set(), {}
     for stage in reversed(partition.stages):
         loss = "loss" if stage.index == stages - 1 else None
         whole = ti.export_joint(
             _prepare_outputs(stage, grads_from_next, loss), _example_inputs(stage, partition, traced.fake_mode)
         )
+        record = exported if shared else None
         with mock.patch.object(ti, "export_joint", wraps=ti.export_joint) as exports:
-            stitched = block_joint.stitched_joint(stage, partition, grads_from_next, loss, traced.fake_mode)
+            stitched = block_joint.stitched_joint(stage, partition, grads_from_next, loss, traced.fake_mode, record)
         forms = [None if g is None else (graph_fingerprint(g), graph_form(g)) for g in (whole, stitched)]
         results.append((stage, *forms, exports.call_count, len(block_joint.segments(stage))))
         joint = _separate_forward(whole, stage, loss)
@@ -95,6 +97,16 @@ class StitchedJointTest(unittest.TestCase):
                 self.assertLess(exports, segments, f"{where}: no block reused")
                 self.assertEqual(stitched[0], whole[0], where)
                 self.assertEqual(stitched[1], whole[1], where)
+
+    def test_a_block_alike_in_two_stages_is_exported_once(self):
+        case, stages = self.cases["llama 6x2"]
+        alone = stage_joints(case, stages, shared=False)
+        shared = stage_joints(case, stages)
+        for (stage, whole, stitched, _, _), (_, _, stitched_alone, _, _) in zip(shared, alone, strict=True):
+            self.assertEqual(stitched, whole, f"stage {stage.index}")
+            self.assertEqual(stitched_alone, whole, f"stage {stage.index}")
+        # the first stage's middle layers are the second stage's: exported there already
+        self.assertLess(sum(r[3] for r in shared), sum(r[3] for r in alone))
 
     def test_programs_costs_and_gradients_equal_exporting_stages_whole(self):
         for name, (case, stages) in self.cases.items():

@@ -100,13 +100,20 @@ def _requires_grad(stage: Stage, partition: StagePartition) -> set[fx.Node]:
 
 
 def stitched_joint(
-    stage: Stage, partition: StagePartition, grads_from_next: set[str], loss_name: str | None, fake_mode: Any
+    stage: Stage,
+    partition: StagePartition,
+    grads_from_next: set[str],
+    loss_name: str | None,
+    fake_mode: Any,
+    exported: dict[Hashable, Segment] | None = None,
 ) -> fx.GraphModule | None:
     """The whole stage's joint graph (as `ti.export_joint` of `joint._prepare_outputs`' module
     gives it) from its segments' joints, or None where that is not evidently exact (see the
-    module docstring)."""
+    module docstring). `exported`: the segments exported so far, by key (fingerprint, which
+    inputs carry a gradient, which outputs receive one); pass one dict for all stages of a
+    partition, and a block alike in two stages is exported once."""
     try:
-        return _stitched_joint(stage, partition, grads_from_next, loss_name, fake_mode)
+        return _stitched_joint(stage, partition, grads_from_next, loss_name, fake_mode, exported)
     except NotStitchable:
         return None
     except Exception:  # noqa: BLE001 - the whole stage's export reports it, naming the stage
@@ -114,7 +121,12 @@ def stitched_joint(
 
 
 def _stitched_joint(
-    stage: Stage, partition: StagePartition, grads_from_next: set[str], loss_name: str | None, fake_mode: Any
+    stage: Stage,
+    partition: StagePartition,
+    grads_from_next: set[str],
+    loss_name: str | None,
+    fake_mode: Any,
+    exported: dict[Hashable, Segment] | None,
 ) -> fx.GraphModule:
     graph = stage.module.graph
     if stage.buffer_updates:
@@ -141,7 +153,8 @@ def _stitched_joint(
     }
     if any(n.op != "call_function" for n in returned):
         raise NotStitchable("a stage output computed outside the segments")
-    _export_last_first(stage, partition, parts, returned, takes_grad, requires_grad, loss_name, fake_mode)
+    exported = {} if exported is None else exported
+    _export_last_first(stage, partition, parts, returned, takes_grad, requires_grad, loss_name, fake_mode, exported)
     return stitch(stage, parts, returned, takes_grad, requires_grad)
 
 
@@ -154,14 +167,15 @@ def _export_last_first(
     requires_grad: set[fx.Node],
     loss_name: str | None,
     fake_mode: Any,
+    exported: dict[Hashable, Segment],
 ) -> None:
     """Each segment's joint, last first (a segment's output wants a gradient where a later
-    segment returns one for it), exported once per fingerprint and reused by the segments alike."""
+    segment returns one for it), exported once per key and reused by the segments alike (in
+    this stage or, through `exported`, in others)."""
     graph = stage.module.graph
     segment_of = {n: k for k, part in enumerate(parts) for n in part.nodes}
     roots = _fx.storage_roots(graph)
     placeholder_names = dict(zip(graph.find_nodes(op="placeholder"), stage.graph_inputs))
-    exported: dict[Hashable, Segment] = {}
     grad_of_input: dict[tuple[int, fx.Node], bool] = {}  # (segment, input node) -> gets a gradient
     for k in reversed(range(len(parts))):
         part = parts[k]

@@ -95,10 +95,17 @@ def export_stage_joints(
     `export_stage_joint`."""
     joints: list[StageJoint] = []
     grads_from_next: set[str] = set()
+    blocks: dict = {}  # the block segments exported so far, for all stages (`stitched_joint`)
     for stage in reversed(partition.stages):
         last = stage.index == len(partition.stages) - 1
         joint, alternatives = export_stage_joint(
-            stage, partition, grads_from_next, loss_name if last else None, fake_mode, recompute_levels, reuse_blocks
+            stage,
+            partition,
+            grads_from_next,
+            loss_name if last else None,
+            fake_mode,
+            recompute_levels,
+            blocks if reuse_blocks else None,
         )
         output_grads = tuple(v for v in stage.outputs if v in grads_from_next)
         alternatives = tuple(dataclasses.replace(a, output_grads=output_grads) for a in alternatives)
@@ -116,12 +123,13 @@ def export_stage_joint(
     loss_name: str | None,
     fake_mode,
     recompute_levels: Sequence[Callable[[fx.Node], bool]] = (),
-    reuse_blocks: bool = False,
+    blocks: dict | None = None,
 ) -> tuple[StageJoint, tuple[StageJoint, ...]]:
-    """The stage's joint, separated as it is and once per recompute level. `reuse_blocks`: the
-    joint graph assembled from its blocks' joints, each distinct block traced once
+    """The stage's joint, separated as it is and once per recompute level. `blocks` (a dict, one
+    for all stages; None: the stage traced whole): the joint graph assembled from its blocks'
+    joints, each distinct block traced once and kept in `blocks` for the next stages
     (`block_joint.stitched_joint`: the same graph op for op), where that is evidently exact."""
-    joint = stitched_joint(stage, partition, grads_from_next, loss_name, fake_mode) if reuse_blocks else None
+    joint = None if blocks is None else stitched_joint(stage, partition, grads_from_next, loss_name, fake_mode, blocks)
     if joint is None:
         module = _prepare_outputs(stage, grads_from_next, loss_name)
         try:
