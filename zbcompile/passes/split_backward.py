@@ -20,7 +20,6 @@ Example (one linear layer y = x @ w.T + b, gradient g of y):
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import itertools
 import math
@@ -134,7 +133,7 @@ def _partition(
 ) -> _Partition:
     """Assign the nodes of a copy of `backward` to I and W, with the gradients named in
     `in_input` (`grad:param:<fqn>`) computed by I; fused ops are split by output mask."""
-    graph = copy.deepcopy(backward.graph).graph  # the rewrite below must not touch the input
+    graph = _copy(backward.graph)  # the rewrite below must not touch the input
     placeholders = list(graph.find_nodes(op="placeholder"))
     names = dict(zip(placeholders, backward.signature.inputs))
     for_input = [not is_param_grad(v) or v in in_input for v in backward.signature.outputs]
@@ -158,10 +157,9 @@ def _partition(
     input_body, weight_body = input_body | from_input, weight_body - from_input
 
     weight_outputs = {n for n, _ in param_grads}
+    computed = input_body - recompute
     stash = [
-        n
-        for n in graph.nodes
-        if n in input_body - recompute and (any(u in weight_body for u in n.users) or n in weight_outputs)
+        n for n in graph.nodes if n in computed and (any(u in weight_body for u in n.users) or n in weight_outputs)
     ]
     for node in stash:
         names[node] = stash_name(node.name)
@@ -169,6 +167,14 @@ def _partition(
         graph, names, input_grads, param_grads, state, recompute, input_body, weight_body, stash,
         _reads(graph, weight_body, weight_outputs), in_input,
     )
+
+
+def _copy(graph_module: fx.GraphModule) -> fx.Graph:
+    """A copy of `graph_module`'s graph (nodes and names as they are, each node's meta a copy of
+    its dict) owned by a module holding its tensor constants, to rewrite apart from the original."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(graph_module.graph, {}))
+    return _fx.finish(graph, graph_module, name=type(graph_module).__name__, read_only=True).graph
 
 
 def _reads(graph: fx.Graph, body: set[fx.Node], returned: set[fx.Node]) -> list[fx.Node]:
