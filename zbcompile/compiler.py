@@ -147,7 +147,7 @@ def compile_pipeline(
     (`CompiledPipeline.alternatives`, for recompute="auto"); `reuse_stages`: stages with equal
     `stage_fingerprint`s share one joint export, split and cost, each under its own names
     (`phase_seconds` then times "joint+split+cost" together); `reuse_blocks`: a stage's joint
-    graph is assembled from its blocks' joints, each distinct block traced once, where that
+    graph is assembled from its blocks' joints, each distinct block traced once for all stages, where that
     gives the same graph op for op (`passes/block_joint.py`), and traced whole otherwise."""
     seconds: dict[str, float] = {}
     cpu_seconds: dict[str, float] = {}
