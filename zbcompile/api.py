@@ -18,7 +18,7 @@ from zbcompile.runtime import batch, profile
 from zbcompile.runtime.build import Builder
 from zbcompile.runtime.forward_only import ForwardRunner
 from zbcompile.runtime.runner import Runner
-from zbcompile.runtime.stage import StageExecutor, accumulate_grads
+from zbcompile.runtime.stage import StageExecutor
 from zbcompile.schedules import Costs, Schedule, schedule_label
 
 
@@ -58,7 +58,6 @@ class PipelinedModule:
     def __init__(self, module: nn.Module, options: PipelineOptions) -> None:
         self.module = module
         self._builder = Builder(module, options)  # the compiles, one per batch shape, and placement
-        self.measured_costs: Costs | None = None  # the costs of the latest schedule solved with measured ones
         # at the start of every step() (optimizer post-validation finishes its last step there); before state_dict()
         self.pre_step_hooks: list[Callable[[], None]] = []
         self.state_dict_hooks: list[Callable[[], None]] = []
@@ -72,6 +71,15 @@ class PipelinedModule:
     def distributed(self) -> bool:
         return self._builder.distributed
 
+    @property
+    def measured_costs(self) -> Costs | None:
+        """The costs of the latest schedule solved with measured ones (None before any)."""
+        return self._builder.measured_costs
+
+    @measured_costs.setter
+    def measured_costs(self, costs: Costs | None) -> None:
+        self._builder.measured_costs = costs
+
     # --- training --------------------------------------------------------------------------
 
     def step(self, *inputs: Any, target: Any = None, **kwargs: Any) -> torch.Tensor | None:
@@ -84,22 +92,9 @@ class PipelinedModule:
         mean of the replicas' (for a mean loss, that of their batches concatenated); the loss
         returned is this replica's mean, or with (loss_sum, count) the whole batch's over every
         replica."""
-        built, micro_inputs, micro_targets, absent = self._builder.prepare(inputs, kwargs, target)
-        runner = built.runner
-        batch.check_given(absent, runner.schedule.stages, runner.executors)
-        self._builder.ownership.check_filled()
-        runner.set_state(self._builder.ownership.state())  # the module's current tensors, even if reassigned
-        feeds, targets = batch.feeds(built.compiled, micro_inputs, micro_targets)
-        reduction = self._builder.loss_reduction(
-            built.compiled.traced, micro_inputs, feeds, targets, runner.executors, runner.schedule.stages
-        )
-        for hook in self.pre_step_hooks:
-            hook()
-        losses = runner.step(feeds, targets, reduction.tangent)
-        accumulate_grads(self.module, runner.reduce_grads())
-        self.measured_costs = built.after_step(self.measured_costs)
+        loss = self._builder.step(inputs, kwargs, target, self.pre_step_hooks)
         self.step_count += 1
-        return reduction.loss(losses)
+        return loss
 
     def evaluate(self, *inputs: Any, target: Any = None, return_outputs: bool = False, **kwargs: Any) -> Any:
         """The batch's loss computed forward only through the pipeline, with every module in eval

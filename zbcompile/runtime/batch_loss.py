@@ -25,7 +25,7 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import torch
 import torch.distributed as dist
@@ -76,15 +76,16 @@ def reduction(
     feeds: list[dict[str, torch.Tensor]],
     targets: Sequence[dict[str, torch.Tensor]],
     module: nn.Module,
-    holds: tuple[bool, bool],
-    replicas: int,
-    group: Any,
+    held: Collection[int],
+    stages: int,
+    layout: Any,
 ) -> LossReduction:
-    """The step's `LossReduction` for `traced` (the compile it runs). `holds`: whether this
-    process runs the (first, last) stage; `group`: the data-parallel group over `replicas`
-    replicas (None: one). For "share" the ranks holding the first stage count the labels and
-    write the count into `feeds` (in place)."""
-    first, last = holds
+    """The step's `LossReduction` for `traced` (the compile it runs). `held`: the stages of
+    `stages` this process runs; `layout`: this rank's place (`distributed.Layout`; None in one
+    process), whose data-parallel replicas the count and the loss cross. For "share" the ranks
+    holding the first stage count the labels and write the count into `feeds` (in place)."""
+    first, last = 0 in held, stages - 1 in held
+    replicas, group = (layout.dp_size, layout.dp_group) if layout is not None else (1, None)
     if traced.count is not None:
         if not last:
             return LossReduction("sum/count", None, group=group)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -71,6 +71,7 @@ class Builder:
         self.builds: dict[Any, Build] = {}  # by compile key (`batch.split`)
         self.forward_builds: dict[Any, ForwardRunner] = {}  # evaluation's, by compile key, results and placement
         self.latest_forward: ForwardRunner | None = None
+        self.measured_costs: Costs | None = None  # the costs of the latest schedule solved with measured ones
         self._last_key: Any = None
         self._batch = batch.LocalBatch()
         self._layout: Layout | None = None
@@ -120,6 +121,14 @@ class Builder:
         self._last_key = key
         self.ownership.set_grad_dtype()
         return self.builds[key], micro_inputs, micro_targets, absent
+
+    def step(self, inputs: tuple, kwargs: dict, target: Any, before: Sequence[Callable[[], None]]) -> Any:
+        """One training step on this batch: its compile (`prepare`) runs it (`Runner.train`, after
+        the hooks `before`) and records it (`Build.after_step`). Returns the step's loss."""
+        built, micro_inputs, micro_targets, absent = self.prepare(inputs, kwargs, target)
+        loss = built.runner.train(micro_inputs, micro_targets, absent, self.ownership, before)
+        self.measured_costs = built.after_step(self.measured_costs)
+        return loss
 
     def prepare_forward(
         self, inputs: tuple, kwargs: dict, target: Any, outputs: bool
@@ -188,12 +197,10 @@ class Builder:
     def loss_reduction(
         self, traced: Any, micro_inputs: list, feeds: list, targets: list, held: Any, stages: int
     ) -> batch_loss.LossReduction:
-        """How this step's microbatch losses make its loss (`batch_loss.reduction`); `held`: the
+        """How this batch's microbatch losses make its loss (`batch_loss.reduction`); `held`: the
         stages this process runs."""
         layout = self.layout() if self.distributed else None
-        replicas, group = (layout.dp_size, layout.dp_group) if layout is not None else (1, None)
-        holds = (0 in held, stages - 1 in held)
-        return batch_loss.reduction(traced, micro_inputs, feeds, targets, self.module, holds, replicas, group)
+        return batch_loss.reduction(traced, micro_inputs, feeds, targets, self.module, held, stages, layout)
 
     def latest(self) -> Build:
         """The compile of the latest step's batch."""

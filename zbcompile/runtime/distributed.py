@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from zbcompile._torch_internals import default_store
 from zbcompile.compiler import CompiledPipeline
 from zbcompile.runtime.action_clock import EventClock, HostClock
-from zbcompile.runtime.batch_agreement import ReplicaBatches
+from zbcompile.runtime.batch import ReplicaBatches
 from zbcompile.runtime.cuda_device import claim_device
 from zbcompile.runtime.grad_reduction import REDUCE, GradReduction, ReductionPlan
 from zbcompile.runtime.p2p import Transport

@@ -13,7 +13,7 @@ before the waiting computation (`RankProgram.overtaken`) it runs there as the pl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
 from zbcompile.runtime.flat_message import TensorLayout
@@ -42,10 +42,10 @@ class Message:
     tag: int
     names: tuple[str, ...]
     text: str
+    key: tuple[str, int, int] = field(init=False)  # (direction, stage, microbatch), read by a step
 
-    @property
-    def key(self) -> tuple[str, int, int]:
-        return (self.direction, self.stage, self.microbatch)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", (self.direction, self.stage, self.microbatch))
 
 
 @dataclass(frozen=True)

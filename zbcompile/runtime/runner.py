@@ -6,16 +6,17 @@ runners have its shape and drive the one interpreter (`runtime/dispatch.py`): `L
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from zbcompile.compiler import CompiledPipeline
+from zbcompile.runtime import batch, batch_loss
 from zbcompile.runtime.action_clock import ActionClock
 from zbcompile.runtime.dispatch import Interpreter
 from zbcompile.runtime.p2p import MessageTransport
 from zbcompile.runtime.program import RankProgram
-from zbcompile.runtime.stage import StageExecutor, merge_stage_grads
+from zbcompile.runtime.stage import StageExecutor, accumulate_grads, merge_stage_grads
 from zbcompile.schedules import Action, Schedule
 
 
@@ -95,6 +96,34 @@ class Runner(ABC):
         `runtime/batch_loss.py`). Parameter gradients stay in the executors until `reduce_grads()`."""
         results = self.interpreter.step(inputs, targets, loss_tangent)
         return [r["loss"] for r in results] if results is not None else None
+
+    def train(
+        self,
+        micro_inputs: list,
+        micro_targets: list,
+        absent: tuple[str, ...],
+        ownership: Any,
+        before: Sequence[Callable[[], None]] = (),
+    ) -> torch.Tensor | None:
+        """One training step over a batch split into microbatches (`batch.split`; `absent`: the
+        parts this rank was not given, `batch.LocalBatch`): refused where a stage held here reads
+        an absent part or an unfilled parameter; computed with the module's current tensors
+        (`ownership`: its `state_ownership.StateOwnership`); run after the hooks `before`; its
+        gradients reduced and added to the module's `.grad`. Returns the step's loss
+        (`batch_loss`; None where this process does not hold the last stage)."""
+        stages = self.schedule.stages
+        batch.check_given(absent, stages, self.executors)
+        ownership.check_filled()
+        self.set_state(ownership.state())  # the module's current tensors, even if reassigned
+        feeds, targets = batch.feeds(self.compiled, micro_inputs, micro_targets)
+        reduction = batch_loss.reduction(
+            self.compiled.traced, micro_inputs, feeds, targets, ownership.module, self.executors, stages, self.layout
+        )
+        for hook in before:
+            hook()
+        losses = self.step(feeds, targets, reduction.tangent)
+        accumulate_grads(ownership.module, self.reduce_grads())
+        return reduction.loss(losses)
 
     def set_state(self, state: Mapping[str, torch.Tensor]) -> None:
         """Parameters and buffers (`param:<fqn>`, `buffer:<fqn>`) the next step computes with."""
