@@ -28,7 +28,7 @@ from torch import fx, nn
 
 from zbcompile import _torch_internals as ti
 from zbcompile.passes import _fx
-from zbcompile.passes.split_backward import MIN_DEFERRAL_INTENSITY, BackwardSplit, split_backward_program
+from zbcompile.passes.split_backward import MIN_DEFERRAL_INTENSITY, IWPrograms, split_backward_program
 from zbcompile.program import Program, Signature
 from zbcompile.value_names import (
     fqn_of,
@@ -92,7 +92,7 @@ class _Region:
         # symbolic ones (Dynamo's automatic dynamic shapes) every weight gradient goes to W
         intensity = 0.0 if _has_symbolic_sizes(gm) else MIN_DEFERRAL_INTENSITY
         split = split_backward_program(program, intensity, class_prefix="Region")
-        return _SplitBackwardRunner(gm, program.signature.inputs, output_names, split)
+        return _RegionBackward(gm, program.signature.inputs, output_names, split)
 
 
 def _has_symbolic_sizes(gm: fx.GraphModule) -> bool:
@@ -182,7 +182,7 @@ def _named_backward(gm: fx.GraphModule, params: frozenset[int]) -> tuple[Program
     return program, tuple(output_names)
 
 
-class _SplitBackwardRunner:
+class _RegionBackward:
     """The compiled backward of one region: unsplit outside `defer_weight_grads`, I plus a queued
     W inside it."""
 
@@ -191,7 +191,7 @@ class _SplitBackwardRunner:
         unsplit: fx.GraphModule,
         input_names: Sequence[str],
         output_names: Sequence[str | None],
-        split: BackwardSplit,
+        split: IWPrograms,
     ) -> None:
         self.unsplit = unsplit
         self.input_names = tuple(input_names)
@@ -214,7 +214,7 @@ class _WeightWork:
     """One backward's W: the values it reads, the gradients I computed already (cheap ones), and
     the parameters the gradients belong to."""
 
-    def __init__(self, split: BackwardSplit, env: dict[str, Any], weight_grads: Sequence[str]) -> None:
+    def __init__(self, split: IWPrograms, env: dict[str, Any], weight_grads: Sequence[str]) -> None:
         program = split.weight_backward
         self.program = program
         self.env = {n: env[n] for n in program.signature.inputs}

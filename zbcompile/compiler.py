@@ -21,7 +21,7 @@ from zbcompile.passes.held_cuts import held_cuts
 from zbcompile.passes.joint import StageJoint, export_stage_joint, export_stage_joints
 from zbcompile.passes.partition import Stage, StagePartition, partition_stages
 from zbcompile.passes.recompute import RECOMPUTE_LEVELS, RecomputeLevel
-from zbcompile.passes.split_backward import MIN_DEFERRAL_INTENSITY, StageBackwardSplit, split_backward
+from zbcompile.passes.split_backward import MIN_DEFERRAL_INTENSITY, StageIWPrograms, split_backward
 from zbcompile.passes.stage_cost import StageGraphCost, forward_peak, peak_memory_with_transients, stage_cost
 from zbcompile.passes.stage_reuse import renamed_joint, renamed_split, stage_fingerprint, stage_name_map
 from zbcompile.passes.trace import TracedModel, trace_model
@@ -36,7 +36,7 @@ class StageProgram:
 
     stage: Stage
     joint: StageJoint
-    split: StageBackwardSplit
+    split: StageIWPrograms
     cost: StageGraphCost
 
     @property
@@ -296,7 +296,7 @@ def _programs_with_reuse(
     as `export_stage_joints` takes them (a stage's outputs get gradients where the next stage
     gives them); one whose `stage_fingerprint` was seen takes that stage's joint, split and cost
     under its own names (`stage_reuse.renamed_joint`)."""
-    seen: dict[Any, tuple[int, StageJoint, StageBackwardSplit, StageGraphCost]] = {}
+    seen: dict[Any, tuple[int, StageJoint, StageIWPrograms, StageGraphCost]] = {}
     programs: dict[int, StageProgram] = {}
     representative: dict[int, int] = {}
     grads_from_next: set[str] = set()

@@ -24,7 +24,7 @@ from zbcompile.inspect.html import write_compared_png, write_report
 from zbcompile.inspect.read import GRAPH_FILES, SCHEDULE_FILE, Dump, load, stage_dir
 from zbcompile.inspect.split_diff import split_diff
 from zbcompile.inspect.text import summary_text
-from zbcompile.inspect.trace import action_events, load_trace, validate_trace
+from zbcompile.inspect.timelines import action_events, load_trace, validate_trace
 from zbcompile.inspect.write import DUMP_ENV, CompileDump, program_code
 from zbcompile.schedules import Action, make_schedule
 

@@ -36,10 +36,10 @@ from typing import Any
 import torch
 
 from zbcompile.runtime import p2p
-from zbcompile.runtime import program as program_module
+from zbcompile.runtime import rank_program as program_module
 from zbcompile.runtime.action_clock import EventClock
 from zbcompile.runtime.dispatch import Interpreter
-from zbcompile.runtime.program import rank_program
+from zbcompile.runtime.rank_program import rank_program
 from zbcompile.schedules import Costs, Schedule, lower
 from zbcompile.schedules.costs import resolve_costs
 
@@ -187,7 +187,7 @@ def run_step(schedule: Schedule, follow_readiness: bool, fill_waits: bool, monke
     for rank in range(schedule.ranks):
         model.rank = rank
         program = rank_program(
-            schedule, rank, schedule.rank_of, lambda direction, stage: NAMES, LAYOUTS.__getitem__, memory
+            schedule, rank, schedule.rank_of, lambda carries, stage: NAMES, LAYOUTS.__getitem__, memory
         )
         program = edit(program) if edit is not None else program
         transport = p2p.Transport(rank, timedelta(seconds=60))

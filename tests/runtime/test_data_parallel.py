@@ -19,7 +19,7 @@ from helpers import launches, models, real_models
 from helpers.distributed_workers import make_optimizer
 from zbcompile.inspect.read import SCHEDULE_FILE
 from zbcompile.inspect.text import si
-from zbcompile.inspect.trace import action_events, load_trace, reduction_events, validate_trace
+from zbcompile.inspect.timelines import action_events, load_trace, reduction_events, validate_trace
 from zbcompile.schedules import Action
 
 pytestmark = launches.READS_FOUR_RANKS

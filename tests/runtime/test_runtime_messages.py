@@ -15,7 +15,7 @@ import torch
 
 from zbcompile.runtime import readiness
 from zbcompile.runtime.dispatch import Interpreter
-from zbcompile.runtime.program import rank_program
+from zbcompile.runtime.rank_program import rank_program
 from zbcompile.schedules import Costs, lower, make_schedule, schedule_spec
 from zbcompile.schedules.costs import resolve_costs
 
@@ -89,7 +89,7 @@ def _step(schedule, rank: int, matches_by_tag: bool, deferred: bool):
     stages = schedule.stages
     memory = resolve_costs(Costs(mem_b=[1.0] * stages, mem_w=[0.5] * stages), stages) if deferred else None
     program = rank_program(
-        schedule, rank, schedule.rank_of, lambda direction, stage: NAMES, lambda name: LAYOUT, memory
+        schedule, rank, schedule.rank_of, lambda carries, stage: NAMES, lambda name: LAYOUT, memory
     )
     log: list[tuple[str, int, str]] = []
     executors = {s: _RecordingStage(s, stages - 1, log) for s in schedule.stages_on(rank)}

@@ -39,9 +39,9 @@ def test_fast_evaluator_agrees_with_the_simulator(p, m, name, comm, reduce):
     costs = Costs(f=[1.0 + 0.1 * s for s in range(p)], i=1.3, w=0.7, comm=comm, reduce=reductions)
     sched = make_schedule(name, p, m, costs, check=False)
     if name == "1f1b":
-        from zbcompile.schedules.heuristic import split_backward
+        from zbcompile.schedules.heuristic import b_to_iw
 
-        sched = split_backward(sched)
+        sched = b_to_iw(sched)
     sc = resolve_costs(costs, p)
     ev = Evaluator(p, m, sched.stage_to_rank, sc)
     rows = ev.rows_of(sched)

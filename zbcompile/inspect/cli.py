@@ -19,7 +19,7 @@ from zbcompile.inspect.html import write_report
 from zbcompile.inspect.read import GRAPHS, graph_text, load
 from zbcompile.inspect.split_diff import split_diff
 from zbcompile.inspect.text import summary_text
-from zbcompile.inspect.trace import TRACE_FILE
+from zbcompile.inspect.timelines import TRACE_FILE
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 from zbcompile.inspect.read import Dump, graph_text, load
 from zbcompile.inspect.split_diff import split_diff
 from zbcompile.inspect.text import comparison, si, summary_text
-from zbcompile.inspect.trace import action_events, median
+from zbcompile.inspect.timelines import action_events, median
 from zbcompile.schedules.ir import COMPUTE_KINDS, Action, format_grid
 from zbcompile.schedules.render import COLOURS, Box, idle_boxes, to_png_panels, to_svg
 

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from zbcompile.inspect.trace import load_trace
+from zbcompile.inspect.timelines import load_trace
 
 COMPILE_FILE = "compile.json"
 SCHEDULE_FILE = "schedule.json"

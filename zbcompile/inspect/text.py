@@ -13,7 +13,7 @@ import re
 from typing import TYPE_CHECKING, Any, Sequence
 
 from zbcompile.inspect.read import Dump
-from zbcompile.inspect.trace import MOVED, median, median_step, steady_steps, step_stats
+from zbcompile.inspect.timelines import MOVED, median, median_step, steady_steps, step_stats
 from zbcompile.options import DATA_PARALLEL_MODES
 
 if TYPE_CHECKING:

@@ -17,10 +17,10 @@ in the same order, so all ranks agree on it):
                           with, the prediction (makespan, span, bubble rates, peak memory,
                           per-action times)
     timeline-rank<r>.jsonl, trace.json
-                          measured per-action times of every step on every rank (`inspect.trace`)
+                          measured per-action times of every step on every rank (`inspect.timelines`)
 
 Rank 0 writes the compile files; every rank writes its own timeline. Nothing here adds a
-collective operation: `zbcompile inspect` (or `inspect.trace.write_trace`) merges the timelines.
+collective operation: `zbcompile inspect` (or `inspect.timelines.write_trace`) merges the timelines.
 The file names are `inspect.read`'s, which reads them back; `live_dump` gives the same records
 without writing them (`pipe.explain()`).
 """
@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from zbcompile.inspect.read import COMPILE_FILE, FORWARD_FILE, GRAPH_FILES, SCHEDULE_FILE, Dump
 from zbcompile.inspect.text import format_schedule, format_stages, stage_rows, state_rows
-from zbcompile.inspect.trace import append_step, chrome_trace, read_timelines, start_timeline
+from zbcompile.inspect.timelines import append_step, chrome_trace, read_timelines, start_timeline
 from zbcompile.options import PipelineOptions
 from zbcompile.schedules import Costs, Schedule, lower, simulate
 from zbcompile.schedules.costs import resolve_costs

@@ -43,7 +43,7 @@ MIN_DEFERRAL_INTENSITY = 1.0
 
 
 @dataclass(frozen=True)
-class BackwardSplit:
+class IWPrograms:
     """I and W of one backward Program (the graph-level result, for any caller: a pipeline stage
     or a `torch.compile` region). `stash` names what I computes for W; `weight_reads` every
     value W reads besides parameters and buffers (stash, saved activations, inputs, tangents);
@@ -58,7 +58,7 @@ class BackwardSplit:
 
 
 @dataclass(frozen=True)
-class StageBackwardSplit(BackwardSplit):
+class StageIWPrograms(IWPrograms):
     """I and W of one stage, plus `freed_after_input`: the saved values only I needed, dropped
     once I has run."""
 
@@ -68,7 +68,7 @@ class StageBackwardSplit(BackwardSplit):
 
 def split_backward(
     joint: StageJoint, min_deferral_intensity: float = MIN_DEFERRAL_INTENSITY, weight_recomputes: bool = False
-) -> StageBackwardSplit:
+) -> StageIWPrograms:
     """Split `joint`'s backward. With `min_deferral_intensity=0` every parameter gradient goes
     to W, with `math.inf` none does; by default those too cheap to be worth their memory stay in
     I (stages with input gradients only: on the first stage I stays empty). By default a
@@ -81,8 +81,8 @@ def split_backward(
     )
     backward = joint.backward
     saved = [v for v in backward.signature.inputs if v.startswith((SAVED, INPUT, TANGENT))]
-    return StageBackwardSplit(
-        **{f.name: getattr(split, f.name) for f in dataclasses.fields(BackwardSplit)},
+    return StageIWPrograms(
+        **{f.name: getattr(split, f.name) for f in dataclasses.fields(IWPrograms)},
         stage=joint.stage,
         freed_after_input=tuple(v for v in saved if v not in split.weight_reads),
     )
@@ -93,7 +93,7 @@ def split_backward_program(
     min_deferral_intensity: float = MIN_DEFERRAL_INTENSITY,
     class_prefix: str = "",
     weight_recomputes: frozenset[str] = frozenset(),
-) -> BackwardSplit:
+) -> IWPrograms:
     """Split any backward Program whose inputs are named `param:`/`buffer:` (state, whose views
     each graph recomputes) or otherwise (values read from the environment), and whose outputs
     are `grad:param:<name>` (weight gradients, to W) or other names (input gradients, to I).
@@ -186,7 +186,7 @@ def _reads(graph: fx.Graph, body: set[fx.Node], returned: set[fx.Node]) -> list[
     ]
 
 
-def _extract(partition: _Partition, class_prefix: str) -> BackwardSplit:
+def _extract(partition: _Partition, class_prefix: str) -> IWPrograms:
     p = partition
     input_program = extract_program(
         p.graph,
@@ -204,7 +204,7 @@ def _extract(partition: _Partition, class_prefix: str) -> BackwardSplit:
         names=p.names,
         class_name=f"{class_prefix}WeightBackward",
     )
-    return BackwardSplit(
+    return IWPrograms(
         input_backward=input_program,
         weight_backward=weight_program,
         stash=tuple(p.names[n] for n in p.stash),

@@ -12,7 +12,7 @@ from zbcompile.passes import _fx
 from zbcompile.passes.graph_cost import GraphCost, graph_cost, peak_bytes
 from zbcompile.passes.joint import StageJoint
 from zbcompile.passes.partition import Stage, StagePartition
-from zbcompile.passes.split_backward import StageBackwardSplit
+from zbcompile.passes.split_backward import StageIWPrograms
 from zbcompile.program import Program
 from zbcompile.schedules import Costs, Schedule
 from zbcompile.schedules.costs import ResolvedCosts, resolve_costs
@@ -51,7 +51,7 @@ def forward_peak(program: Program, stage: Stage, partition: StagePartition) -> i
 
 
 
-def stage_cost(joint: StageJoint, split: StageBackwardSplit) -> StageGraphCost:
+def stage_cost(joint: StageJoint, split: StageIWPrograms) -> StageGraphCost:
     saved = [n for n in joint.backward.signature.inputs if n.startswith((SAVED, INPUT, UPDATE))]
     held_from_forward, stash_bytes = _weight_memory(split)
     # what each action keeps of what it took in: the runtime keeps F's inputs and the output
@@ -73,7 +73,7 @@ def stage_cost(joint: StageJoint, split: StageBackwardSplit) -> StageGraphCost:
     )
 
 
-def _weight_memory(split: StageBackwardSplit) -> tuple[set[str], int]:
+def _weight_memory(split: StageIWPrograms) -> tuple[set[str], int]:
     """What W keeps alive after I: the forward values it reads (directly, or through a stash
     entry that is a view of one), and the bytes of new tensors I computed for it."""
     graph = split.input_backward.graph.graph

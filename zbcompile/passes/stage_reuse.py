@@ -19,7 +19,7 @@ from typing import Hashable
 from zbcompile.passes.graph_fingerprint import graph_fingerprint
 from zbcompile.passes.joint import StageJoint
 from zbcompile.passes.partition import Stage, StagePartition
-from zbcompile.passes.split_backward import StageBackwardSplit
+from zbcompile.passes.split_backward import StageIWPrograms
 from zbcompile.program import Program, Signature
 from zbcompile.value_names import BUFFER, GRAD, INPUT, OUTPUT, PARAM, PARAM_GRAD, TANGENT, UPDATE
 
@@ -94,7 +94,7 @@ def renamed_joint(joint: StageJoint, index: int, mapping: dict[str, str]) -> Sta
     )
 
 
-def renamed_split(split: StageBackwardSplit, index: int, mapping: dict[str, str]) -> StageBackwardSplit:
+def renamed_split(split: StageIWPrograms, index: int, mapping: dict[str, str]) -> StageIWPrograms:
     """`split` as stage `index`'s (see `renamed_joint`)."""
     return dataclasses.replace(
         split,

@@ -1,5 +1,5 @@
 """The one interpreter of a pipeline step, whatever carries the messages: it follows a program
-(`runtime/program.py`: compute actions F, I, W, B and the SEND/RECV between ranks) and runs each
+(`runtime/rank_program.py`: compute actions F, I, W, B and the SEND/RECV between ranks) and runs each
 action by the handler of its kind (`Interpreter.handlers`). Both runners drive it: one rank's
 program over point-to-point messages, or every rank's in one process over an in-process
 transport (`runtime/runner.py`).
@@ -32,13 +32,13 @@ import torch
 
 from zbcompile.runtime.action_clock import ActionClock, HostClock
 from zbcompile.runtime.p2p import MessageTransport
-from zbcompile.runtime.program import RankProgram
+from zbcompile.runtime.rank_program import ACTIVATIONS, GRADIENTS, RankProgram
 from zbcompile.runtime.readiness import ReceivesAhead, WaitForecast, WeightQueue
 from zbcompile.runtime.stage import StageExecutor, loss_grad
 from zbcompile.schedules import Action, Schedule
 
 Values = dict[str, torch.Tensor]
-Key = tuple[str, int, int]  # a message's (direction, receiving stage, microbatch)
+Key = tuple[str, int, int]  # a message's (what it carries, receiving stage, microbatch)
 
 
 class Interpreter:
@@ -135,7 +135,7 @@ class Interpreter:
     def _forward(self, index: int, action: Action) -> None:
         s, k = action.stage, action.microbatch
         text = self.program.texts[index]
-        feed = dict(self.inputs[k]) if s == 0 else self._fetch(("F", s, k), text)
+        feed = dict(self.inputs[k]) if s == 0 else self._fetch((ACTIVATIONS, s, k), text)
         if s == self.last:
             feed.update(self.targets[k])
         started = self.clock.mark()
@@ -143,7 +143,7 @@ class Interpreter:
         if s == self.last:
             self.results[k] = outputs
         else:
-            (self.outgoing if self.forward_sent[s] else self.held)[("F", s + 1, k)] = outputs
+            (self.outgoing if self.forward_sent[s] else self.held)[(ACTIVATIONS, s + 1, k)] = outputs
         self._ran(text, started)
 
     def _input_backward(self, index: int, action: Action) -> None:
@@ -184,11 +184,11 @@ class Interpreter:
         if s == self.last:
             grads_in = {"loss": loss_grad(self.results[k]["loss"], self.loss_tangent)}
         else:
-            grads_in = self._fetch(("B", s, k), text)
+            grads_in = self._fetch((GRADIENTS, s, k), text)
         started = self.clock.mark()
         grads_out = compute(k, grads_in)
         if s > 0:
-            (self.outgoing if self.backward_sent[s] else self.held)[("B", s - 1, k)] = grads_out
+            (self.outgoing if self.backward_sent[s] else self.held)[(GRADIENTS, s - 1, k)] = grads_out
         self._ran(text, started)
 
     def _run_weight(self, action: Action, text: str) -> None:

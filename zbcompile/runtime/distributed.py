@@ -1,5 +1,5 @@
 """Runs this rank's part of a pipeline step with torch.distributed: the interpreter
-(`runtime/dispatch.py`) follows its program (`runtime/program.py`: the lowered action list of F,
+(`runtime/dispatch.py`) follows its program (`runtime/rank_program.py`: the lowered action list of F,
 I, W, B and SEND/RECV) over point-to-point messages (`runtime/p2p.py`); each stage's gradients
 are averaged over data-parallel replicas from its last W or B on, in the background
 (`runtime/grad_reduction.py`), and after the step the runner sums tied weights' gradients
@@ -36,7 +36,7 @@ from zbcompile.runtime.batch import ReplicaBatches
 from zbcompile.runtime.cuda_device import claim_device
 from zbcompile.runtime.grad_reduction import REDUCE, GradReduction, ReductionPlan
 from zbcompile.runtime.p2p import Transport
-from zbcompile.runtime.program import RankProgram, rank_program
+from zbcompile.runtime.rank_program import RankProgram, rank_program
 from zbcompile.runtime.runner import Runner
 from zbcompile.runtime.sharding import Gathered
 from zbcompile.runtime.stage import StageExecutor

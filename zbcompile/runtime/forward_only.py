@@ -20,7 +20,7 @@ from zbcompile.program import Program
 from zbcompile.runtime.dispatch import Interpreter, Values
 from zbcompile.runtime.live_memory import TransientTracker
 from zbcompile.runtime.p2p import MessageTransport
-from zbcompile.runtime.program import rank_program, single_process_program
+from zbcompile.runtime.rank_program import rank_program, single_process_program
 from zbcompile.runtime.stage import as_traced, placeholder_layouts
 from zbcompile.schedules import forward_only
 from zbcompile.value_names import OUTPUT, buffer_name, fqn_of, input_name, output_name, update_name
@@ -90,7 +90,7 @@ class ForwardRunner:
         self.schedule = forward_only(stage_to_rank, microbatches)
         self.executors = {s: ForwardStage(compiled.programs[s], compiled.partition.stages[s], state) for s in held}
         self.interpreter = Interpreter(self.executors, transport, receive_device, False, None)
-        names = lambda direction, stage: compiled.partition.stages[stage].inputs  # noqa: E731 - F messages only
+        names = lambda carries, stage: compiled.partition.stages[stage].inputs  # noqa: E731 - activations only
 
         def layout(name: str) -> tuple[torch.Size, torch.dtype]:
             value = compiled.partition.values[name]

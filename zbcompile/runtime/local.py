@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from zbcompile.compiler import CompiledPipeline
-from zbcompile.runtime.program import RankProgram, single_process_program
+from zbcompile.runtime.rank_program import RankProgram, single_process_program
 from zbcompile.runtime.runner import Runner
 from zbcompile.runtime.stage import StageExecutor, merge_stage_grads
 from zbcompile.runtime.tied_weights import holder_positions, parameter_users

@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from zbcompile.runtime.p2p import MessageTransport
-from zbcompile.runtime.program import RankProgram, Receive
+from zbcompile.runtime.rank_program import RankProgram, Receive
 from zbcompile.schedules import Action
 
 

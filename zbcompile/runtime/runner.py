@@ -15,7 +15,7 @@ from zbcompile.runtime import batch, batch_loss
 from zbcompile.runtime.action_clock import ActionClock
 from zbcompile.runtime.dispatch import Interpreter
 from zbcompile.runtime.p2p import MessageTransport
-from zbcompile.runtime.program import RankProgram
+from zbcompile.runtime.rank_program import ACTIVATIONS, RankProgram
 from zbcompile.runtime.stage import StageExecutor, accumulate_grads, merge_stage_grads
 from zbcompile.schedules import Action, Schedule
 
@@ -130,9 +130,9 @@ class Runner(ABC):
         for executor in self._all_executors():
             executor.state = state
 
-    def _message_names(self, direction: str, stage: int) -> Sequence[str]:
-        """The values a message in `direction` ("F" or "B") into `stage` carries."""
-        if direction == "F":
+    def _message_names(self, carries: str, stage: int) -> Sequence[str]:
+        """The values a message of `carries` (ACTIVATIONS or GRADIENTS) into `stage` holds."""
+        if carries == ACTIVATIONS:
             return self.compiled.partition.stages[stage].inputs
         return self.compiled.programs[stage].joint.output_grads
 

@@ -29,7 +29,7 @@ from .simulate import peak_memory, simulate
 _STRICTLY_BETTER = 1e-9  # relative margin by which the paper's construction must beat the others
 
 
-def split_backward(schedule: Schedule) -> Schedule:
+def b_to_iw(schedule: Schedule) -> Schedule:
     """Replace every fused B by I immediately followed by W (same memory, earlier gradient send)."""
     rows = []
     for row in schedule.actions:

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from zbcompile.runtime.program import defer_weights, rank_program
+from zbcompile.runtime.rank_program import ACTIVATIONS, defer_weights, rank_program
 from zbcompile.schedules import Costs, lower, make_schedule
 from zbcompile.schedules.costs import resolve_costs
 from zbcompile.schedules.lower import check_rendezvous
@@ -79,7 +79,7 @@ def test_program_resolves_messages():
     schedule = make_schedule("zb-h1", 2, 4)
     shapes = {"x": (torch.Size([2, 3]), torch.float32), "g": (torch.Size([2, 3]), torch.float16)}
     program = rank_program(
-        schedule, 1, lambda s, k: 10 + s, lambda d, s: ("x",) if d == "F" else ("g",), shapes.__getitem__, None
+        schedule, 1, lambda s, k: 10 + s, lambda d, s: ("x",) if d == ACTIVATIONS else ("g",), shapes.__getitem__, None
     )
     assert program.actions == lower(schedule).actions[1]
     assert [r.message.text for r in program.receives] == [str(a) for a in program.actions if a.kind.startswith("RECV")]
@@ -107,11 +107,11 @@ def test_overtaken_w_are_those_the_plan_ran_before_the_waiting_computation():
             resolve_costs(costs, 2),
         )
         assert program.overtaken or not program.deferred
-        for (direction, stage, k), weights in program.overtaken.items():
+        for (carries, stage, k), weights in program.overtaken.items():
             waiting = next(
                 a
                 for a in program.actions
-                if a.stage == stage and a.microbatch == k and a.kind == ("F" if direction == "F" else "I")
+                if a.stage == stage and a.microbatch == k and a.kind == ("F" if carries == ACTIVATIONS else "I")
             )
             for w in weights:
                 assert plan.index(w) < plan.index(waiting) and program.actions.index(w) > program.actions.index(waiting)
@@ -121,7 +121,7 @@ def test_wait_forecast_runs_a_w_only_where_recent_waits_had_room_for_it():
     from zbcompile.runtime.readiness import WaitForecast
 
     forecast = WaitForecast()
-    key = ("F", 1, 3)
+    key = (ACTIVATIONS, 1, 3)
     assert not forecast.worth_watching(key) and not forecast.fits(key, 0.0, 1)  # nothing seen yet
     forecast.note_weight(1, 0.004)
     forecast.end_step()
@@ -129,7 +129,7 @@ def test_wait_forecast_runs_a_w_only_where_recent_waits_had_room_for_it():
         forecast.note_wait(key, lateness)
     assert forecast.worth_watching(key)  # median 10 ms >= 4 ms
     assert forecast.fits(key, 0.0, 1) and forecast.fits(key, 0.006, 1) and not forecast.fits(key, 0.0061, 1)
-    assert not forecast.fits(("F", 1, 4), 0.0, 1)
+    assert not forecast.fits((ACTIVATIONS, 1, 4), 0.0, 1)
     for lateness in (0.001, 0.001):  # the message came on time since: no room
         forecast.note_wait(key, lateness)
     assert not forecast.worth_watching(key) and not forecast.fits(key, 0.0, 1)

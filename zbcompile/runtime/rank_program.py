@@ -29,23 +29,29 @@ class MemoryModel(Protocol):
     def memory_rise(self, stage: int, kind: str) -> float: ...
 
 
+ACTIVATIONS = "activations"  # what a stage's F sends the next stage (SEND_F, RECV_F)
+GRADIENTS = "gradients"  # what a stage's I or B sends the previous stage (SEND_B, RECV_B: the schedule format's letter)
+CARRIED_BY = {"SEND_F": ACTIVATIONS, "RECV_F": ACTIVATIONS, "SEND_B": GRADIENTS, "RECV_B": GRADIENTS}
+
+
 @dataclass(frozen=True)
 class Message:
-    """The values one stage sends another for one microbatch: direction "F" (activations, from
-    stage - 1) or "B" (gradients, from stage + 1) into `stage`. `peer` is the global rank at
-    the other end (receiver of a SEND, sender of a RECV); `text` the SEND or RECV action."""
+    """The values one stage sends another for one microbatch: `carries` ACTIVATIONS (from
+    stage - 1) or GRADIENTS (of the stage's outputs, from stage + 1) into `stage`. `peer` is the
+    global rank at the other end (receiver of a SEND, sender of a RECV); `text` the SEND or RECV
+    action."""
 
-    direction: str
+    carries: str
     stage: int
     microbatch: int
     peer: int
     tag: int
     names: tuple[str, ...]
     text: str
-    key: tuple[str, int, int] = field(init=False)  # (direction, stage, microbatch), read by a step
+    key: tuple[str, int, int] = field(init=False)  # (carries, stage, microbatch), read by a step
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "key", (self.direction, self.stage, self.microbatch))
+        object.__setattr__(self, "key", (self.carries, self.stage, self.microbatch))
 
 
 @dataclass(frozen=True)
@@ -76,9 +82,9 @@ class RankProgram:
     overtaken: dict[tuple[str, int, int], frozenset[Action]]
 
 
-def message_tag(direction: str, stage: int, microbatch: int, stages: int) -> int:
+def message_tag(carries: str, stage: int, microbatch: int, stages: int) -> int:
     """A distinct tag per message of a step (gloo matches messages by tag)."""
-    return (microbatch * stages + stage) * 2 + (direction == "B")
+    return (microbatch * stages + stage) * 2 + (carries == GRADIENTS)
 
 
 def rank_program(
@@ -90,8 +96,8 @@ def rank_program(
     memory: MemoryModel | None,
 ) -> RankProgram:
     """Position `pp_rank`'s program for `schedule`. `rank_of(stage, microbatch)`: the global rank
-    running a stage for a microbatch; `names(direction, stage)`: the values a message in that direction into that stage
-    carries; `layout(name)`: a value's (shape, dtype). With `memory` (the memory model of the
+    running a stage for a microbatch; `names(carries, stage)`: the values a message of ACTIVATIONS or GRADIENTS into
+    that stage holds; `layout(name)`: a value's (shape, dtype). With `memory` (the memory model of the
     schedule's costs), W are deferred past sends within the plan's peak; without, the lowered
     list is kept as it is."""
     planned = actions = lower(schedule).actions[pp_rank]
@@ -151,17 +157,17 @@ def _resolve(
         s, k, kind = action.stage, action.microbatch, action.kind
         message = None
         if kind in ("SEND_F", "SEND_B", "RECV_F", "RECV_B"):
-            direction = kind[-1]
+            carries = CARRIED_BY[kind]
             receiver = {"SEND_F": s + 1, "SEND_B": s - 1}.get(kind, s)
             sender = {"RECV_F": s - 1, "RECV_B": s + 1}.get(kind, s)
             peer = rank_of(receiver if kind.startswith("SEND") else sender, k)
-            value_names = tuple(names(direction, receiver))
+            value_names = tuple(names(carries, receiver))
             message = Message(
-                direction,
+                carries,
                 receiver,
                 k,
                 peer,
-                message_tag(direction, receiver, k, schedule.stages),
+                message_tag(carries, receiver, k, schedule.stages),
                 value_names,
                 str(action),
             )
@@ -192,7 +198,7 @@ def _overtaken(planned: Sequence[Action], actions: Sequence[Action]) -> dict[tup
         if a.kind in ("F", "I", "B"):
             late = frozenset(w for w in weights if before[w] < before[a] and now[w] > now[a])
             if late:
-                result[("F" if a.kind == "F" else "B", a.stage, a.microbatch)] = late
+                result[(ACTIVATIONS if a.kind == "F" else GRADIENTS, a.stage, a.microbatch)] = late
     return result
 
 
