@@ -8,6 +8,7 @@ import pytest
 from zbcompile.schedules import (
     SCHEDULE_NAMES,
     Action,
+    ActionKind,
     Costs,
     Schedule,
     ScheduleError,
@@ -42,6 +43,20 @@ def test_action_text_round_trip():
         Action.parse("F3")
     with pytest.raises(ValueError, match="unknown action kind"):
         Action(0, "X", 1)
+
+
+def test_action_kinds_are_an_enum_whose_text_is_the_schedule_formats():
+    texts = ("0F3", "2I1", "2W1", "1B0", "1SEND_F3", "2RECV_F3", "1SEND_B2", "0RECV_B2")
+    parsed = [Action.parse(text) for text in texts]
+    assert all(type(a.kind) is ActionKind for a in parsed) and [str(a) for a in parsed] == list(texts)
+    assert [a.kind for a in parsed] == list(ActionKind)
+    assert Action(0, "F", 3) == Action(0, ActionKind.F, 3)
+    assert hash(Action(0, "F", 3)) == hash(Action(0, ActionKind.F, 3))
+    assert ActionKind.SEND_B == "SEND_B" and f"{ActionKind.SEND_B}" == str(ActionKind.SEND_B) == "SEND_B"
+    assert {"I": 1}[Action(0, "I", 0).kind] == 1  # tables keyed by text still find an enum kind
+    sched = make_schedule("zb-h1", stages=2, microbatches=3)
+    text = sched.to_csv()
+    assert "ActionKind" not in text and Schedule.from_csv(text, name="zb-h1").to_csv() == text
 
 
 def test_csv_round_trip_and_grid():

@@ -35,7 +35,7 @@ from zbcompile.runtime.p2p import MessageTransport
 from zbcompile.runtime.rank_program import ACTIVATIONS, GRADIENTS, RankProgram
 from zbcompile.runtime.readiness import ReceivesAhead, WaitForecast, WeightQueue
 from zbcompile.runtime.stage import StageExecutor, loss_grad
-from zbcompile.schedules import Action, Schedule
+from zbcompile.schedules import Action, ActionKind, Schedule
 
 Values = dict[str, torch.Tensor]
 Key = tuple[str, int, int]  # a message's (what it carries, receiving stage, microbatch)
@@ -69,15 +69,15 @@ class Interpreter:
         self.follow_readiness = follow_readiness
         self.clock = clock if clock is not None else HostClock()
         self.step_timeout_s = step_timeout_s
-        self.handlers: dict[str, Callable[[int, Action], None]] = {
-            "F": self._forward,
-            "I": self._input_backward,
-            "B": self._backward,
-            "W": self._weight,
-            "SEND_F": self._send,
-            "SEND_B": self._send,
-            "RECV_F": self._receive,
-            "RECV_B": self._receive,
+        self.handlers: dict[ActionKind, Callable[[int, Action], None]] = {
+            ActionKind.F: self._forward,
+            ActionKind.I: self._input_backward,
+            ActionKind.B: self._backward,
+            ActionKind.W: self._weight,
+            ActionKind.SEND_F: self._send,
+            ActionKind.SEND_B: self._send,
+            ActionKind.RECV_F: self._receive,
+            ActionKind.RECV_B: self._receive,
         }
         self.timeline: list[tuple[str, float, float]] = []
         self.comm_timeline: list[tuple[str, float, float]] = []

@@ -10,7 +10,7 @@ Pure Python; importing this package never imports torch (ortools and matplotlib 
 
 from .costs import Costs, ResolvedCosts
 from .forward_only import forward_only
-from .ir import Action, Schedule
+from .ir import Action, ActionKind, Schedule
 from .lower import lower
 from .registry import (
     DEFAULT_SCHEDULE,
@@ -30,6 +30,7 @@ from .validate import validate
 
 __all__ = [
     "Action",
+    "ActionKind",
     "Costs",
     "DEFAULT_SCHEDULE",
     "REFERENCE_SCHEDULE",

@@ -14,14 +14,40 @@ project's runtime decides itself are read and left out (``IGNORED_KINDS``: FSDP'
 from __future__ import annotations
 
 import csv
+import enum
 import io
 import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping, Sequence
 
-COMPUTE_KINDS = ("F", "I", "W", "B")
-COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+
+class ActionKind(str, enum.Enum):
+    """What an action does, as torch's `_ComputationType` names it: F forward, I input-gradient
+    backward (the paper's B), W weight-gradient backward, B fused backward (I then W at once),
+    and the messages SEND_F/RECV_F (activations) and SEND_B/RECV_B (gradients). A `str` whose
+    value is its letters in the text form, so ``"0F3"`` and the CSV form read and write as they
+    are and a kind equals its text (``ActionKind.F == "F"``)."""
+
+    F = "F"
+    I = "I"  # noqa: E741 - the schedule format's letter
+    W = "W"
+    B = "B"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+COMPUTE_KINDS = (ActionKind.F, ActionKind.I, ActionKind.W, ActionKind.B)
+COMM_KINDS = (ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B)
 KINDS = COMPUTE_KINDS + COMM_KINDS
+_KIND_OF_TEXT = {kind.value: kind for kind in ActionKind}
 
 _ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|I|W|B)(\d+)$")
 # torch's kinds for parameter sharding and gradient reduction: the runtime places those itself
@@ -33,19 +59,18 @@ _COMPOSITE_RE = re.compile(r"^\((.*)\)(\w+)$")
 
 @dataclass(frozen=True, order=True)
 class Action:
-    """One unit of work: ``kind`` of ``microbatch`` on ``stage``.
-
-    Kinds: F forward, I input-gradient backward (the paper's B), W weight-gradient backward,
-    B fused backward (I then W at once), and the communication kinds SEND_F/RECV_F/SEND_B/RECV_B.
-    """
+    """One unit of work: ``kind`` (an `ActionKind`; its text is taken too) of ``microbatch`` on
+    ``stage``."""
 
     stage: int
-    kind: str
+    kind: ActionKind
     microbatch: int
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"unknown action kind {self.kind!r}; expected one of {KINDS}")
+        kind = _KIND_OF_TEXT.get(self.kind) if isinstance(self.kind, str) else None
+        if kind is None:
+            raise ValueError(f"unknown action kind {self.kind!r}; expected one of {[str(k) for k in KINDS]}")
+        object.__setattr__(self, "kind", kind)
         if not isinstance(self.stage, int) or self.stage < 0:
             raise ValueError(f"action stage must be a non-negative int, got {self.stage!r}")
         if not isinstance(self.microbatch, int) or self.microbatch < 0:
@@ -65,7 +90,7 @@ class Action:
         if not match:
             raise ValueError(
                 f"cannot parse action {text!r}: expected <stage><kind><microbatch> such as '0F3' "
-                f"with kind one of {KINDS}"
+                f"with kind one of {[str(k) for k in KINDS]}"
             )
         stage, kind, microbatch = match.groups()
         return cls(int(stage), kind, int(microbatch))
