@@ -111,10 +111,7 @@ class PipelinedModule:
                 inputs, kwargs, target, return_outputs
             )
             stages = len(runner.compiled.programs)
-            batch.check_given(absent, stages, runner.executors)
-            self._builder.ownership.check_filled()
-            runner.set_state(self._builder.ownership.state())
-            feeds, targets = batch.feeds(runner.compiled, micro_inputs, micro_targets)
+            feeds, targets = batch.fed(runner, micro_inputs, micro_targets, absent, self._builder.ownership, stages)
             if return_outputs:
                 results = runner.run(feeds, targets)
                 names = runner.compiled.result_names

@@ -278,6 +278,20 @@ def feeds(compiled: CompiledPipeline, micro_inputs: list, micro_targets: list) -
     return [f[0] for f in fed], [f[1] for f in fed]
 
 
+def fed(
+    runner: Any, micro_inputs: list, micro_targets: list, absent: tuple[str, ...], ownership: Any, stages: int
+) -> tuple[list[Feed], list[Feed]]:
+    """What a step of `runner` (a training or forward-only runner of `stages` stages) computes
+    with: refused where a stage it holds reads a part this rank was not given (`check_given`) or
+    a tensor materialised from `meta` and never filled; the module's current tensors set
+    (`ownership`: its `state_ownership.StateOwnership`); the microbatches as the graphs' inputs
+    and targets (`feeds`)."""
+    check_given(absent, stages, runner.executors)
+    ownership.check_filled()
+    runner.set_state(ownership.state())  # the module's current tensors, even if reassigned
+    return feeds(runner.compiled, micro_inputs, micro_targets)
+
+
 def feed(compiled: CompiledPipeline, args: tuple, kwargs: dict, target: Any) -> tuple[Feed, Feed]:
     """One microbatch as the graph's inputs (`input_<i>`) and targets (`target_<i>`)."""
     traced = compiled.traced

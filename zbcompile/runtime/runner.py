@@ -112,10 +112,7 @@ class Runner(ABC):
         gradients reduced and added to the module's `.grad`. Returns the step's loss
         (`batch_loss`; None where this process does not hold the last stage)."""
         stages = self.schedule.stages
-        batch.check_given(absent, stages, self.executors)
-        ownership.check_filled()
-        self.set_state(ownership.state())  # the module's current tensors, even if reassigned
-        feeds, targets = batch.feeds(self.compiled, micro_inputs, micro_targets)
+        feeds, targets = batch.fed(self, micro_inputs, micro_targets, absent, ownership, stages)
         reduction = batch_loss.reduction(
             self.compiled.traced, micro_inputs, feeds, targets, ownership.module, self.executors, stages, self.layout
         )
