@@ -117,6 +117,23 @@ def with_state_ancestors(nodes: set[fx.Node], recompute: set[fx.Node]) -> set[fx
     return result
 
 
+def requires_grad_closure(graph: fx.Graph, seeds: set[fx.Node]) -> set[fx.Node]:
+    """`seeds` (values that require grad) and every value computed from them through a
+    differentiable op: floating-point or complex results (or tuples) of call_functions other than
+    `detach`, in graph order (an over-approximation: a value that turns out to need no gradient
+    gets none)."""
+    result = set(seeds)
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is torch.ops.aten.detach.default or node in result:
+            continue
+        value = node.meta.get("val")
+        if (isinstance(value, (tuple, list)) or is_differentiable(value)) and any(
+            a in result for a in node.all_input_nodes
+        ):
+            result.add(node)
+    return result
+
+
 def ancestors(roots: Iterable[fx.Node], stop: set[fx.Node] = frozenset()) -> set[fx.Node]:
     """Every node the roots depend on (roots included), not walking past `stop` nodes (which
     are included when reached)."""

@@ -77,26 +77,21 @@ def segments(stage: Stage) -> list[list[fx.Node]]:
 
 
 def _requires_grad(stage: Stage, partition: StagePartition) -> set[fx.Node]:
-    """Nodes of the stage graph whose value may require grad (as `partition._requires_grad`,
-    from the stage's differentiable inputs and trainable parameters)."""
-    result: set[fx.Node] = set()
-    inputs = dict(zip(stage.module.graph.find_nodes(op="placeholder"), stage.graph_inputs))
-    for node in stage.module.graph.nodes:
+    """Nodes of the stage graph whose value may require grad: `_fx.requires_grad_closure` from
+    the stage's differentiable inputs and trainable parameters (as the partition decided them)."""
+    graph = stage.module.graph
+    inputs = dict(zip(graph.find_nodes(op="placeholder"), stage.graph_inputs))
+    seeds = set()
+    for node in graph.nodes:
         if node.op == "placeholder":
             info = partition.values.get(inputs[node])
             if info is not None and info.differentiable:
-                result.add(node)
+                seeds.add(node)
         elif node.op == "get_attr":
             value = _fx.get_attr_value(stage.module, node.target)
             if isinstance(value, torch.nn.Parameter) and value.requires_grad:
-                result.add(node)
-        elif node.op == "call_function" and node.target is not torch.ops.aten.detach.default:
-            value = node.meta.get("val")
-            if (isinstance(value, (tuple, list)) or _fx.is_differentiable(value)) and any(
-                a in result for a in node.all_input_nodes
-            ):
-                result.add(node)
-    return result
+                seeds.add(node)
+    return _fx.requires_grad_closure(graph, seeds)
 
 
 def stitched_joint(

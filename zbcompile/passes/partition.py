@@ -149,20 +149,8 @@ def _value_name(node: fx.Node) -> str:
 
 
 def _requires_grad(graph: fx.Graph) -> set[fx.Node]:
-    """Floating-point and complex values computed from parameters through differentiable ops (an
-    over-approximation: a stage that turns out not to need a gradient gets none)."""
-    result: set[fx.Node] = set()
-    for node in graph.nodes:
-        if role(node) == ROLE_PARAM:
-            result.add(node)
-        elif node.op == "call_function" and node.target is not torch.ops.aten.detach.default:
-            value = node.meta.get("val")
-            if (isinstance(value, (tuple, list)) or _fx.is_differentiable(value)) and any(
-                a in result for a in node.all_input_nodes
-            ):
-                result.add(node)
-    return result
-
+    """Values computed from parameters through differentiable ops (`_fx.requires_grad_closure`)."""
+    return _fx.requires_grad_closure(graph, {n for n in graph.nodes if role(n) == ROLE_PARAM})
 
 
 def _build_stages(
