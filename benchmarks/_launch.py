@@ -19,6 +19,18 @@ from zbcompile.measure import cpu_busy_seconds, median  # noqa: F401 (the benchm
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
+def gpt(settings: Any, **config: Any) -> Any:
+    """A `zbcompile.models.GPT` of `settings`' vocab, seq_len, hidden, heads and layers (other
+    GPTConfig fields from `config`), its weights from seed 0."""
+    import torch
+
+    from zbcompile.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    shape = {k: getattr(settings, k) for k in ("seq_len", "hidden", "heads", "layers")}
+    return GPT(GPTConfig(vocab_size=settings.vocab, **shape, **config))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -59,7 +59,6 @@ def rank_main(settings: Settings) -> dict:
     from torch.distributed.tensor import DTensor
 
     import zbcompile
-    from zbcompile.models import GPT, GPTConfig
     from zbcompile.models.gpt import lm_loss
     from zbcompile.schedules import schedule_spec
 
@@ -79,17 +78,10 @@ def rank_main(settings: Settings) -> dict:
 
     pipes, optimizers, memory = {}, {}, {}
     for mode in MODES:
-        torch.manual_seed(0)
-        config = GPTConfig(
-            vocab_size=settings.vocab,
-            seq_len=settings.seq_len,
-            hidden=settings.hidden,
-            heads=settings.heads,
-            layers=settings.layers,
-        )
         stages = 2 * schedule_spec(settings.schedule).chunks_per_rank
         pipes[mode] = pipe = zbcompile.pipeline(
-            GPT(config), stages=stages, microbatches=settings.microbatches, loss_fn=lm_loss, schedule=settings.schedule,
+            _launch.gpt(settings), stages=stages, microbatches=settings.microbatches, loss_fn=lm_loss,
+            schedule=settings.schedule,
             data_parallel=mode, profile=False, timeout=settings.timeout_s,
         )
         pipe.compile(tokens, target=target)

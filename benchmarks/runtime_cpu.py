@@ -90,20 +90,7 @@ class Settings:
 
 
 def _gpt(settings: Settings):
-    import torch
-
-    from zbcompile.models import GPT, GPTConfig
-
-    torch.manual_seed(0)
-    config = GPTConfig(
-        vocab_size=settings.vocab,
-        seq_len=settings.seq_len,
-        hidden=settings.hidden,
-        heads=settings.heads,
-        layers=settings.layers,
-        tie_embeddings=False,
-    )
-    return GPT(config)
+    return _launch.gpt(settings, tie_embeddings=False)
 
 
 def _chunk_class():
