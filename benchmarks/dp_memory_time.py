@@ -20,7 +20,7 @@ where the network moves the bytes.
     python benchmarks/dp_memory_time.py --schedule zbv   # two stages per rank: the first one's
                                                          # reduction can run under the second's work
 
-Writes benchmarks/results/dp_memory_time.{json,md}.
+Writes benchmarks/results/dp_memory_time.{json,md} (dp_memory_time_<schedule>.{json,md} for another --schedule).
 """
 
 from __future__ import annotations
@@ -223,7 +223,8 @@ def main() -> None:
     settings = Settings(schedule=args.schedule)
     if args.quick:
         settings = replace(settings, rounds=1, steps_per_round=1, layers=4, hidden=32, seq_len=16)
-    _launch.run_and_report("dp_memory_time", 4, rank_main, settings, analyse, report, write=not args.quick)
+    name = "dp_memory_time" if args.schedule == Settings.schedule else f"dp_memory_time_{args.schedule}"
+    _launch.run_and_report(name, 4, rank_main, settings, analyse, report, write=not args.quick)
 
 
 if __name__ == "__main__":
