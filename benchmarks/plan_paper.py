@@ -7,10 +7,7 @@ with `Hardware.from_measured` so that the stages' predicted F, I and W times fit
 the boundary message takes T_comm. Then 1F1B, ZB-1p (zb-auto under p microbatches' activations
 of the largest stage, 1F1B's peak) and ZB-2p (2p) are solved and simulated; the ratio of steady
 step times (spans: the paper's steps run back to back under post-validation) is the predicted
-throughput ratio. The last column re-solves with the first stage's backward split into I and W
-like the other stages' (as Megatron's first stage, which the paper measured, has it; this
-compiler's first stage sends no input gradient, so its whole backward is W): where the rest of
-the difference goes. Prints a table; writes benchmarks/results/plan_paper.{json,md}.
+throughput ratio. Prints a table; writes benchmarks/results/plan_paper.{json,md}.
 
     PYTHONPATH=. python benchmarks/plan_paper.py [--only 1.5B]
 """
@@ -18,7 +15,6 @@ the difference goes. Prints a table; writes benchmarks/results/plan_paper.{json,
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import pathlib
 import time
@@ -66,13 +62,6 @@ def plan_model(name: str) -> dict:
     costs = planned.costs
     spans = solve(costs, p, m)
     predicted = {k: spans["1F1B"] / spans[k] for k in ("ZB-1p", "ZB-2p")}
-    # where the rest goes: this compiler's first stage sends no input gradient, so its whole
-    # backward is W (no I); Megatron's, which the paper measured, has an I like every stage
-    first_split = dataclasses.replace(
-        costs, i=[costs.i[1], *costs.i[1:]], w=[costs.w[1], *costs.w[1:]],
-        mem_w=[costs.mem_w[1] * costs.mem_b[0] / costs.mem_b[1], *costs.mem_w[1:]],
-    )
-    split_spans = solve(first_split, p, m)
     paper = {"ZB-1p": zb1 / base, "ZB-2p": zb2 / base}
     return {
         "model": name, "p": p, "m": m, "microbatch": size, "plan_seconds": seconds, "plan_cpu_seconds": cpu,
@@ -81,7 +70,6 @@ def plan_model(name: str) -> dict:
         "comm_ms": costs.comm * 1e3, "spans_ms": {k: v * 1e3 for k, v in spans.items()},
         "predicted_ratio": predicted, "paper_ratio": paper,
         "error": {k: predicted[k] / paper[k] - 1 for k in predicted},
-        "ratio_first_stage_split": {k: split_spans["1F1B"] / split_spans[k] for k in ("ZB-1p", "ZB-2p")},
     }
 
 
@@ -101,9 +89,8 @@ def main() -> None:
     results = [plan_model(name) for name in ([args.only] if args.only else PAPER)]
     lines = [
         "| model | p | m | plan (s, CPU s) | ZB-1p/1F1B predicted | paper | error | ZB-2p/1F1B predicted | paper | "
-        "error "
-        "| ZB-1p, ZB-2p with stage 0 split as the others |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "error |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
@@ -112,7 +99,7 @@ def main() -> None:
                 f"{r['predicted_ratio'][k]:.3f} | {r['paper_ratio'][k]:.3f} | {r['error'][k]:+.1%}"
                 for k in ("ZB-1p", "ZB-2p")
             )
-            + f" | {r['ratio_first_stage_split']['ZB-1p']:.3f}, {r['ratio_first_stage_split']['ZB-2p']:.3f} |"
+            + " |"
         )
     table = "\n".join(lines)
     print(table)

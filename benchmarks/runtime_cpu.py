@@ -754,7 +754,8 @@ def report(data: dict) -> str:
     lines += [
         "",
         "I or B: the input-gradient backward I where the schedule splits it, else the fused backward B with W = 0 "
-        "(stage 0's I is empty: its whole backward is W). Per-action times exclude waiting for a message; comm: median "
+        "(stage 0's I computes the activations' gradients, which it sends nowhere). Per-action times exclude waiting "
+        "for a message; comm: median "
         "delay from a producer's end to the end of a receiver's wait that had begun before it. Busy: per rank, the sum "
         "of its "
         "actions' medians over a step (no schedule's period can be shorter than the larger one). Simulated span: the "

@@ -66,12 +66,23 @@ class SplitReproducesBackward(TestCase):
         self.assertGreater(times.input_backward, 0)
         self.assertGreater(times.weight_backward, 0)
 
-    def test_first_stage_has_empty_input_backward(self):
+    def test_first_stage_input_backward_computes_the_activation_gradients(self):
+        """No input of the first stage needs a gradient, yet its I computes the activations'
+        gradients as every stage's does: one input-gradient matmul per linear layer in I, one
+        weight-gradient matmul per linear layer and the embeddings' backward in W, and the saved
+        values only I reads freed after it."""
         _, compiled = _compile_gpt(stages=2)
         first = compiled.programs[0]
-        self.assertEqual(first.input_backward.signature.outputs, ())
-        self.assertEqual([n for n in first.input_backward.graph.graph.nodes if n.op == "call_function"], [])
-        self.assertGreater(first.cost.weight_backward.flops, 0)
+        b, w = first.input_backward, first.weight_backward
+        linears = sum(1 for o in w.signature.outputs if o.endswith(".bias"))  # norms' are I's; embeddings have none
+        self.assertGreater(linears, 0)
+        self.assertEqual(len(_calls(b, aten.mm.default)), linears)
+        self.assertEqual(len(_calls(w, aten.mm.default)), linears)
+        self.assertEqual(len(_calls(w, aten.embedding_dense_backward.default)), 2)
+        self.assertEqual(_calls(b, aten.embedding_dense_backward.default), [])
+        self.assertFalse([o for o in b.signature.outputs if not is_stash(o) and not is_param_grad(o)])
+        self.assertTrue([v for v in first.split.freed_after_input if v.startswith("saved:")])
+        self.assertFalse(set(first.split.freed_after_input) & set(first.split.weight_reads))
 
     def test_values_only_b_needs_are_freed_after_b(self):
         _, compiled = _compile_gpt(stages=2)

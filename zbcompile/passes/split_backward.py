@@ -7,7 +7,10 @@ gradients; W is what the parameter gradients need on top of it. Fused backward o
 input and weight gradients at once (`native_layer_norm_backward`, `convolution_backward`,
 `native_group_norm_backward`: any op with an `output_mask` argument) are cloned: I's copy asks
 only for what I needs, W's copy for the rest. Parameter views are recomputed in each graph.
-On the first stage no input needs a gradient, so I is empty and W holds the whole backward.
+On the first stage no input needs a gradient; there I computes the activations' gradients (those
+that reach the parameters of more than one module, down to the first layers' outputs) and W the
+weight gradients from them, as on every other stage, so that W holds what the weight gradients
+read rather than the whole backward's saved activations (`activation_chain`).
 `split_backward_program` is the graph-level core, for any backward Program named this way (the
 `torch.compile` backend splits AOTAutograd's backward graphs with it); `split_backward` applies
 it to a pipeline stage.
@@ -77,7 +80,11 @@ def split_backward(
     memory held until W, more time; a level of recompute="auto")."""
     again = frozenset(joint.recomputed) if weight_recomputes else frozenset()
     split = split_backward_program(
-        joint.backward, min_deferral_intensity, class_prefix=f"Stage{joint.stage}", weight_recomputes=again
+        joint.backward,
+        min_deferral_intensity,
+        class_prefix=f"Stage{joint.stage}",
+        weight_recomputes=again,
+        activation_chain=True,
     )
     backward = joint.backward
     saved = [v for v in backward.signature.inputs if v.startswith((SAVED, INPUT, TANGENT))]
@@ -93,21 +100,25 @@ def split_backward_program(
     min_deferral_intensity: float = MIN_DEFERRAL_INTENSITY,
     class_prefix: str = "",
     weight_recomputes: frozenset[str] = frozenset(),
+    activation_chain: bool = False,
 ) -> IWPrograms:
     """Split any backward Program whose inputs are named `param:`/`buffer:` (state, whose views
     each graph recomputes) or otherwise (values read from the environment), and whose outputs
     are `grad:param:<name>` (weight gradients, to W) or other names (input gradients, to I).
     Which cheap weight gradients stay in I is decided on the rewritten graph, before either
     program is extracted, so each program is extracted and compiled once. W computes the nodes
-    named in `weight_recomputes` itself rather than reading them from I."""
-    partition = _partition(backward, frozenset(), weight_recomputes)
-    if min_deferral_intensity > 0 and partition.input_grads:
+    named in `weight_recomputes` itself rather than reading them from I. With `activation_chain`,
+    a backward with no input gradient gets an I all the same: the gradients of activations, the
+    nodes whose results reach the parameters of two or more modules (`_activation_chain`)."""
+    chain = activation_chain and all(is_param_grad(v) for v in backward.signature.outputs)
+    partition = _partition(backward, frozenset(), weight_recomputes, chain)
+    if min_deferral_intensity > 0 and partition.input_body:
         if math.isinf(min_deferral_intensity):  # nothing deferred
             in_input = {name for _, name in partition.param_grads}
         else:
             in_input = _cheap_weight_grads(partition, min_deferral_intensity)
         if in_input:
-            partition = _partition(backward, frozenset(in_input), weight_recomputes)
+            partition = _partition(backward, frozenset(in_input), weight_recomputes, chain)
     return _extract(partition, class_prefix)
 
 
@@ -129,22 +140,27 @@ class _Partition:
 
 
 def _partition(
-    backward: Program, in_input: frozenset[str], weight_recomputes: frozenset[str] = frozenset()
+    backward: Program,
+    in_input: frozenset[str],
+    weight_recomputes: frozenset[str] = frozenset(),
+    activation_chain: bool = False,
 ) -> _Partition:
     """Assign the nodes of a copy of `backward` to I and W, with the gradients named in
-    `in_input` (`grad:param:<fqn>`) computed by I; fused ops are split by output mask."""
+    `in_input` (`grad:param:<fqn>`) computed by I, and with `activation_chain` the gradients of
+    activations too; fused ops are split by output mask."""
     graph = _copy(backward.graph)  # the rewrite below must not touch the input
     placeholders = list(graph.find_nodes(op="placeholder"))
     names = dict(zip(placeholders, backward.signature.inputs))
     for_input = [not is_param_grad(v) or v in in_input for v in backward.signature.outputs]
     returned = graph.output_node().args[0]
-    _split_fused_ops(graph, needed_by_input=_fx.ancestors([n for n, i in zip(returned, for_input) if i]))
+    chain = _activation_chain(graph, backward.signature.outputs) if activation_chain else set()
+    _split_fused_ops(graph, needed_by_input=_fx.ancestors([*(n for n, i in zip(returned, for_input) if i), *chain]))
     outputs = list(zip(graph.output_node().args[0], backward.signature.outputs))
     input_grads = [(n, v) for (n, v), i in zip(outputs, for_input) if i]
     param_grads = [(n, v) for (n, v), i in zip(outputs, for_input) if not i]
     state = {n for n in placeholders if is_state(names[n])}
     recompute = _fx.state_only_nodes(graph, state)
-    input_body = _fx.ancestors([n for n, _ in input_grads]) - set(placeholders)
+    input_body = _fx.ancestors([*(n for n, _ in input_grads), *chain]) - set(placeholders)
     weight_body = _fx.ancestors([n for n, _ in param_grads], stop=input_body) - set(placeholders) - input_body
     recompute |= {n for n in graph.nodes if n.op == "call_function" and n.name in weight_recomputes}
     weight_body = _fx.with_state_ancestors(weight_body, recompute)
@@ -167,6 +183,30 @@ def _partition(
         graph, names, input_grads, param_grads, state, recompute, input_body, weight_body, stash,
         _reads(graph, weight_body, weight_outputs), in_input,
     )
+
+
+def _activation_chain(graph: fx.Graph, outputs: tuple[str, ...]) -> set[fx.Node]:
+    """The nodes of a backward graph whose results reach the gradients (`outputs`, all
+    `grad:param:<fqn>`) of parameters of two or more modules: the gradients of activations and
+    what computes them. A weight gradient's own work (a linear's `g.T @ x`, a norm's weight and
+    bias) reaches one module's parameters and stays out. The set holds every ancestor of its
+    members that is computed (a node reaches at least what its users reach)."""
+    many = object()  # reaches two modules or more
+    module_of = {node: fqn_of(v).rpartition(".")[0] for node, v in zip(graph.output_node().args[0], outputs)}
+    reach: dict[fx.Node, object] = {}
+    for node in reversed(graph.nodes):
+        if node.op == "output":
+            continue
+        modules = {module_of[node]} if node in module_of else set()
+        for user in node.users:
+            theirs = reach.get(user)
+            if theirs is many:
+                modules = None
+                break
+            if theirs is not None:
+                modules |= theirs
+        reach[node] = many if modules is None or len(modules) > 1 else modules
+    return {n for n, r in reach.items() if r is many and n.op == "call_function"}
 
 
 def _copy(graph_module: fx.GraphModule) -> fx.Graph:
