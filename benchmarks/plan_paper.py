@@ -1,7 +1,8 @@
 """The paper's four GPT models planned with the paper's own per-pass times (Table 9, A100 80GB) as
 the hardware profile, against its measured throughput ratios (Table 4).
 
-Each model (`zbcompile.models.GPT`: sequence 1024, GPT-2's vocabulary, tied embeddings) is
+Each model (`zbcompile.models.GPT`: sequence 1024, GPT-2's vocabulary, tied embeddings, dropout
+0.1 as Megatron-LM's) is
 planned on the meta device at the paper's p and smallest m; the A100-80GB profile is calibrated
 with `Hardware.from_measured` so that the stages' predicted F, I and W times fit T_F, T_B, T_W and
 the boundary message takes T_comm. Then 1F1B, ZB-1p (zb-auto under p microbatches' activations
@@ -36,12 +37,18 @@ PAPER = {
     "28.3B": (62, 6144, 48, 32, 1, 96, (10.419, 10.207, 7.715, 0.408), (0.99, 0.87, 0.76)),
 }
 SEQ, VOCAB = 1024, 50257
+# Megatron-LM's GPT drops out attention probabilities and hidden states at 0.1, which the paper's
+# activation memory counts (M_B = sb(34h + 5as): the attention scores, their softmax and dropout
+# mask; M_W = 32sbh), so its M_W is about a third of M_B; without dropout (flash attention) M_W is
+# about M_B and a ZB-1p limit of p M_B leaves W no room to be deferred
+DROPOUT = 0.1
 
 
 def plan_model(name: str) -> dict:
     layers, hidden, heads, p, size, m, (t_f, t_b, t_w, t_comm), (zb2, zb1, base) = PAPER[name]
     with torch.device("meta"):
-        model = GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, hidden=hidden, heads=heads, layers=layers))
+        config = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, hidden=hidden, heads=heads, layers=layers, dropout=DROPOUT)
+        model = GPT(config)
         tokens = torch.zeros(size * m, SEQ, dtype=torch.long)
     started, cpu = time.perf_counter(), time.process_time()
     first = zbcompile.plan(

@@ -35,7 +35,7 @@ from torch import fx
 from zbcompile.passes import _fx, graph_cost
 from zbcompile.passes.joint import StageJoint, extract_program
 from zbcompile.program import Program
-from zbcompile.value_names import INPUT, SAVED, TANGENT, fqn_of, is_param_grad, is_state, stash_name
+from zbcompile.value_names import INPUT, SAVED, TANGENT, fqn_of, is_param_grad, is_stash, is_state, stash_name
 
 # Weight-gradient work is deferred to W only when it is worth the memory W must hold for it
 # until then: at least this many FLOP-equivalents (`graph_cost.node_cost`) per byte kept alive.
@@ -74,18 +74,18 @@ def split_backward(
 ) -> StageIWPrograms:
     """Split `joint`'s backward. With `min_deferral_intensity=0` every parameter gradient goes
     to W, with `math.inf` none does; by default those too cheap to be worth their memory stay in
-    I (stages with input gradients only: on the first stage I stays empty). By default a
-    recomputed forward value (`joint.recomputed`) that I and W both need is computed once, in I,
-    and stashed for W; with `weight_recomputes` W computes it again from what F saved (less
-    memory held until W, more time; a level of recompute="auto")."""
+    I. On a stage with no input gradient (the first), I computes the activations' gradients
+    where that leaves W holding fewer bytes than the whole backward reads, else I stays empty.
+    By default a recomputed forward value (`joint.recomputed`) that I and W both need is
+    computed once, in I, and stashed for W; with `weight_recomputes` W computes it again from
+    what F saved (less memory held until W, more time; a level of recompute="auto")."""
     again = frozenset(joint.recomputed) if weight_recomputes else frozenset()
-    split = split_backward_program(
-        joint.backward,
-        min_deferral_intensity,
-        class_prefix=f"Stage{joint.stage}",
-        weight_recomputes=again,
-        activation_chain=True,
-    )
+    options = dict(class_prefix=f"Stage{joint.stage}", weight_recomputes=again)
+    split = split_backward_program(joint.backward, min_deferral_intensity, **options)
+    if all(is_param_grad(v) for v in joint.backward.signature.outputs):
+        chained = split_backward_program(joint.backward, min_deferral_intensity, activation_chain=True, **options)
+        if held_until_weight(joint, chained) < held_until_weight(joint, split):
+            split = chained
     backward = joint.backward
     saved = [v for v in backward.signature.inputs if v.startswith((SAVED, INPUT, TANGENT))]
     return StageIWPrograms(
@@ -93,6 +93,21 @@ def split_backward(
         stage=joint.stage,
         freed_after_input=tuple(v for v in saved if v not in split.weight_reads),
     )
+
+
+def held_until_weight(joint: StageJoint, split: IWPrograms) -> int:
+    """Bytes a stage keeps alive from I until W (M_W): the forward values W reads (directly, or
+    through a stash entry that is a view of one; views of one tensor once) and the new tensors I
+    computed for it."""
+    graph = split.input_backward.graph.graph
+    roots = _fx.storage_roots(graph)
+    placeholder_names = dict(zip(graph.find_nodes(op="placeholder"), split.input_backward.signature.inputs))
+    returned = graph.output_node().args[0]
+    stash = [n for n, name in zip(returned, split.input_backward.signature.outputs) if is_stash(name)]
+    held = {n for n in split.weight_reads if not is_stash(n)}
+    held |= {placeholder_names[roots[n]] for n in stash if roots[n].op == "placeholder"}
+    owned = {roots[n] for n in stash if roots[n].op != "placeholder"}
+    return joint.held_bytes(held) + sum(_fx.node_bytes(n) for n in owned)
 
 
 def split_backward_program(

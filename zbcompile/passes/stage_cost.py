@@ -8,16 +8,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from zbcompile.passes import _fx
 from zbcompile.passes.graph_cost import GraphCost, graph_cost, peak_bytes
 from zbcompile.passes.joint import StageJoint
 from zbcompile.passes.partition import Stage, StagePartition
-from zbcompile.passes.split_backward import StageIWPrograms
+from zbcompile.passes.split_backward import StageIWPrograms, held_until_weight
 from zbcompile.program import Program
 from zbcompile.schedules import Costs, Schedule
 from zbcompile.schedules.costs import ResolvedCosts, resolve_costs
 from zbcompile.schedules.simulate import peak_memory
-from zbcompile.value_names import INPUT, SAVED, TANGENT, UPDATE, is_stash
+from zbcompile.value_names import INPUT, SAVED, TANGENT, UPDATE
 
 
 @dataclass(frozen=True)
@@ -53,7 +52,6 @@ def forward_peak(program: Program, stage: Stage, partition: StagePartition) -> i
 
 def stage_cost(joint: StageJoint, split: StageIWPrograms) -> StageGraphCost:
     saved = [n for n in joint.backward.signature.inputs if n.startswith((SAVED, INPUT, UPDATE))]
-    held_from_forward, stash_bytes = _weight_memory(split)
     # what each action keeps of what it took in: the runtime keeps F's inputs and the output
     # gradients (their sender holds them), I what W reads (F's values only W reads pass I by)
     tangents = {n for n in joint.backward.signature.inputs if n.startswith(TANGENT)}
@@ -63,7 +61,7 @@ def stage_cost(joint: StageJoint, split: StageIWPrograms) -> StageGraphCost:
         input_backward=graph_cost(split.input_backward.graph),
         weight_backward=graph_cost(split.weight_backward.graph),
         mem_b=joint.held_bytes(saved),
-        mem_w=joint.held_bytes(held_from_forward) + stash_bytes,
+        mem_w=held_until_weight(joint, split),
         action_peaks={
             "F": peak_bytes(joint.forward, set(joint.forward.signature.inputs)),
             "I": peak_bytes(split.input_backward, tangents | set(split.weight_reads), passing_i),
@@ -71,21 +69,6 @@ def stage_cost(joint: StageJoint, split: StageIWPrograms) -> StageGraphCost:
             "B": peak_bytes(joint.backward, tangents),
         },
     )
-
-
-def _weight_memory(split: StageIWPrograms) -> tuple[set[str], int]:
-    """What W keeps alive after I: the forward values it reads (directly, or through a stash
-    entry that is a view of one), and the bytes of new tensors I computed for it."""
-    graph = split.input_backward.graph.graph
-    roots = _fx.storage_roots(graph)
-    placeholder_names = dict(zip(graph.find_nodes(op="placeholder"), split.input_backward.signature.inputs))
-    returned = graph.output_node().args[0]
-    stash = [n for n, name in zip(returned, split.input_backward.signature.outputs) if is_stash(name)]
-    held = {n for n in split.weight_reads if not is_stash(n)}
-    held |= {placeholder_names[roots[n]] for n in stash if roots[n].op == "placeholder"}
-    owned = {roots[n] for n in stash if roots[n].op != "placeholder"}
-    return held, sum(_fx.node_bytes(n) for n in owned)
-
 
 
 def peak_memory_with_transients(
