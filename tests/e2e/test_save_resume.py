@@ -8,8 +8,10 @@ most of these; `test_torchrun_restart.py` kills a rank mid-step under torchrun."
 from __future__ import annotations
 
 import os
+import random
 from typing import Any
 
+import numpy
 import pytest
 import torch
 from torch import nn
@@ -193,6 +195,23 @@ def test_saved_before_the_first_step_resumes_bitwise(tmp_path):
     for (name, p), q in zip(pipe.named_parameters(), other.parameters()):
         assert torch.equal(p, q), name
     assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], other_opt.state_dict()["state"][0]["exp_avg"])
+
+
+def test_generators_draw_after_a_load_what_they_drew_after_the_save(tmp_path):
+    """torch's, Python's and NumPy's generators are in the checkpoint: after a load (following
+    draws from other seeds, as a restarted process makes) they draw what they drew after the save."""
+    case, pipe, opt = _mlp_run(0)
+    _step(case, pipe, opt)
+    torch.manual_seed(5), random.seed(5), numpy.random.seed(5)
+    checkpoint.save(tmp_path / "generators", pipe, opt)
+    after_save = (torch.rand(4), random.random(), numpy.random.rand(4))
+    torch.manual_seed(6), random.seed(6), numpy.random.seed(6)
+    _, other, other_opt = _mlp_run(1)
+    checkpoint.load(tmp_path / "generators", other, other_opt)
+    after_load = (torch.rand(4), random.random(), numpy.random.rand(4))
+    assert torch.equal(after_save[0], after_load[0])
+    assert after_save[1] == after_load[1]
+    assert (after_save[2] == after_load[2]).all()
 
 
 def test_load_names_what_the_checkpoint_lacks(tmp_path):
