@@ -110,6 +110,21 @@ class PlanTest(unittest.TestCase):
             row["seconds"]["F"], (cost.flops / hw.flops + cost.written_bytes / hw.memory_bandwidth) / hw.efficiency
         )
 
+    def test_on_other_hardware_replans_the_same_compile(self):
+        """plan.on(hardware) plans the same compile again: at half the efficiency every stage's
+        predicted F, I and W take twice as long; the SVG written is the one svg() gives."""
+        hw = NAMED["A100-80GB"]
+        replanned = self.plan.on(dataclasses.replace(hw, efficiency=hw.efficiency / 2))
+        self.assertIs(replanned.costed, self.plan.costed)
+        for before, after in zip(self.plan.record["stage_rows"], replanned.record["stage_rows"], strict=True):
+            for kind in ("F", "I", "W"):
+                self.assertAlmostEqual(after["seconds"][kind], 2 * before["seconds"][kind])
+        with tempfile.TemporaryDirectory() as directory:
+            path = os.path.join(directory, "timeline.svg")
+            replanned.write_svg("zb-auto", path)
+            with open(path) as file:
+                self.assertEqual(file.read(), replanned.svg("zb-auto"))
+
     def test_each_stages_gradient_reduction_is_counted_after_its_last_w(self):
         """dp=2: each stage's reduction is a ring all-reduce of its gradients over the link
         (a reduce-scatter, half of it, under "shard"), and every schedule's predicted span
