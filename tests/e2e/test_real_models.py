@@ -18,7 +18,7 @@ import zbcompile
 from helpers import launches
 from helpers import real_model_workers as workers
 from helpers.grads import FP32, assert_grads_close, grads_of
-from helpers.real_models import MICROBATCHES, NAMES, build
+from helpers.real_models import MICROBATCHES, NAMES, VOCAB, build
 
 SCHEDULES = ("1f1b", "zb-h1", "zbv")
 
@@ -58,6 +58,20 @@ def test_pipelined_step_matches_eager_under_every_schedule(name, stages):
 
 
 @launches.READS_TWO_RANK_MODELS
+def test_blooms_custom_gelu_is_refused_naming_the_module():
+    """A transformers Bloom in training mode runs its GELU through a custom autograd.Function,
+    whose backward a traced stage cannot reproduce: refused, naming the module and the line."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4)
+    model = transformers.BloomForCausalLM(config)
+    tokens = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(1))
+    pipe = zbcompile.pipeline(model.train(), stages=2, microbatches=2)
+    with pytest.raises(ValueError, match=r"module 'transformer\.h\.0\.mlp\.gelu_impl' \(BloomGelu\) at .*GeLUFunction"):
+        pipe.step(tokens, labels=tokens)
+
+
 def test_meta_models_loaded_from_a_full_state_dict_train_on_two_ranks():
     """Every library family (GPT-2 and Llama under three schedules, the others under zb-h1) built
     on the meta device on each of 2 ranks (gloo), filled from the eager model's full state dict:
