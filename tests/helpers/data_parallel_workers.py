@@ -68,13 +68,19 @@ def train(runs: list[tuple[str, str, int, str, str]], directory: str) -> dict:
     (model, stages, data_parallel) share a compile, reloading the initial state dict. Returns
     per run the losses, the whole parameters and optimizer state by FQN, this rank's bytes of
     parameters, gradients and optimizer state, the last step's timelines and the state dict's
-    kinds of value; the last run's pipeline dumps into `directory`/dump and goes through a
-    checkpoint round trip in `directory`/dcp; then post-validation and errors."""
+    kinds of value; per compile, under ("compiled", model, stages, data_parallel), the whole
+    parameters it starts from (another replica's model is perturbed before it); the last run's
+    pipeline dumps into `directory`/dump and goes through a checkpoint round trip in
+    `directory`/dcp; then post-validation and errors."""
     results, pipe, previous = {}, None, None
     for name, schedule, stages, mode, variant in runs:
         initial = case_of(name).model.state_dict()
         if (name, stages, mode) != previous:
             case = case_of(name)
+            if replica_of(PP)[1] != 0:  # the compile's broadcast must replace another replica's start
+                with torch.no_grad():
+                    for param in case.model.parameters():
+                        param.add_(1.0)
             pipe = zbcompile.pipeline(
                 case.model,
                 stages=stages,
@@ -90,6 +96,7 @@ def train(runs: list[tuple[str, str, int, str, str]], directory: str) -> dict:
                 else None,
             )
             pipe.compile(*case.args, target=case.target, **case.kwargs)
+            results[("compiled", name, stages, mode)] = {n: whole(p) for n, p in pipe.named_parameters()}
             previous = (name, stages, mode)
         else:
             pipe.set_schedule(schedule)

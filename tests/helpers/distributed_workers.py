@@ -84,6 +84,7 @@ def one_step(runs: list[tuple[str, str | Schedule, int, int]]) -> dict:
             "loss": loss,
             "grads": {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None},
             "state": {k: v.clone() for k, v in pipe.state_dict().items()},
+            "held": {k: v.clone() for k, v in pipe.held_state_dict().items()},
             "param_bytes": sum(p.numel() * p.element_size() for p in case.model.parameters() if not p.is_meta),
             "peak_live_bytes": pipe.runner.peak_live_bytes,
             "timeline": list(pipe.runner.timeline),

@@ -53,10 +53,11 @@ def _eager(name: str) -> tuple[list[torch.Tensor], dict, dict]:
     return losses, {n: p.detach() for n, p in params.items()}, state
 
 
-def _replica(per_rank: list[dict], key: tuple, replica: int, field: str) -> dict:
+def _replica(per_rank: list[dict], key: tuple, replica: int, field: str | None) -> dict:
+    """`field` of result `key` (the result itself where `field` is None) merged over the ranks of `replica`."""
     merged = {}
     for result in per_rank[replica * workers.PP : (replica + 1) * workers.PP]:
-        merged.update(result[key][field])
+        merged.update(result[key] if field is None else result[key][field])
     return merged
 
 
@@ -79,6 +80,22 @@ def test_every_run_equals_eager_over_the_whole_batch(per_rank):
                 for k, v in state[fqn].items():
                     assert torch.equal(first[fqn][k], second[fqn][k]), f"{key}: replicas differ on {fqn}.{k}"
                     torch.testing.assert_close(first[fqn][k], v, **CLOSE, msg=f"{key} {fqn}.{k}")
+
+
+def test_every_replica_starts_from_replica_zeros_parameters(per_rank):
+    """Replica 1's model is perturbed before each compile; after it, every rank holds the
+    model's initial parameters (replica 0's) bitwise: the compile broadcasts them."""
+    compiles = [k for k in per_rank[0] if k[0] == "compiled"]
+    assert {k[1:] for k in compiles} == {(name, stages, mode) for name, _, stages, mode, _ in RUNS}
+    for key in compiles:
+        name = key[1]
+        case = real_models.build(name) if name in real_models.MODELS else models.build(name)
+        initial = {n: p.detach() for n, p in case.model.named_parameters()}
+        for replica in (0, 1):
+            held = _replica(per_rank, key, replica, None)
+            assert held.keys() == initial.keys(), (key, replica)
+            for fqn, value in initial.items():
+                assert torch.equal(held[fqn], value), f"{key} replica {replica}: {fqn}"
 
 
 def test_shard_equals_replicate_bitwise(per_rank):

@@ -145,6 +145,25 @@ def test_each_rank_holds_only_its_parameters(battery):
     assert sum(held) == total + embedding.numel() * embedding.element_size()
 
 
+def test_held_state_dict_is_the_models_entries_each_rank_holds(battery):
+    """held_state_dict() on each rank: entries of the model's own state dict, equal to them; every
+    entry on some rank; the tied embedding, under each of its names, on the first and the last
+    rank (both use it); every other entry on one rank."""
+    ranks, per_rank = battery
+    key = ("gpt", "1f1b", ranks, 4)
+    expected = build("gpt").model.state_dict()
+    held = [r[key]["held"] for r in per_rank]
+    for rank, entries in enumerate(held):
+        assert entries, f"rank {rank} holds nothing"
+        for name, value in entries.items():
+            assert torch.equal(value, expected[name]), f"rank {rank}: {name}"
+    tied = {k for k, v in expected.items() if v.data_ptr() == expected["tok_emb.weight"].data_ptr()}
+    assert len(tied) == 2, tied  # the embedding and the output layer
+    for name in expected:
+        holders = [rank for rank, entries in enumerate(held) if name in entries]
+        assert holders == ([0, ranks - 1] if name in tied else holders[:1]) and holders, (name, holders)
+
+
 def test_dualpipe_ranks_hold_both_their_stages(battery):
     """Rank r runs stage r of one copy and stage p-1-r of the other: it holds the parameters
     that 1F1B puts on ranks r and p-1-r, and every compute action runs once on its rank."""
