@@ -187,7 +187,7 @@ def plan_compiled(costed: CostedPipeline, hardware: Hardware, options: PlanOptio
         "memory_limit_bytes": limit,
         "allreduce_seconds": hardware.allreduce_seconds(max(r["param_bytes"] * o.grad_factor for r in rows), o.dp),
         "schedules": [e for e, _ in entries],
-        "zb_auto": _zb_auto_choice([e for e, _ in entries]),
+        "zb_auto": _zb_auto_choice([e for e, _ in entries], limit),
     }
     schedules = {e["name"]: s for e, s in entries if s is not None}
     return Plan(costed, hardware, costs, unit, state, schedules, record, o, microbatch)
@@ -262,13 +262,25 @@ def _solve_within(
     return schedule, peaks
 
 
-def _zb_auto_choice(entries: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+def _zb_auto_choice(entries: Sequence[dict[str, Any]], limit: float) -> dict[str, Any] | None:
+    """What zb-auto would run: its schedule where it fits `limit` (bytes per rank), else an error
+    saying by how much its best one passes it and what to change."""
     by_name = {e["name"]: e for e in entries}
     chosen = by_name.get("zb-auto")
     if chosen is None:
         return None
     if chosen.get("error"):
         return {"error": chosen["error"]}
+    if not chosen["fits"]:
+        peak = max(chosen["peak_bytes"])
+        rank = chosen["peak_bytes"].index(peak)
+        return {
+            "error": (
+                f"its best schedule peaks at {si(peak, 'B')} on rank {rank}, over the {si(limit, 'B')} per rank "
+                f"by {si(peak - limit, 'B')}; plan more stages, data_parallel=\"shard\", smaller microbatches or "
+                "a device with more memory"
+            )
+        }
     reference = by_name.get("1f1b")
     speedup = (
         reference["span"] / chosen["span"] if reference and not reference.get("error") and chosen["span"] else None

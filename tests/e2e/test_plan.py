@@ -18,11 +18,12 @@ import torch
 import zbcompile
 from zbcompile.cli import main
 from zbcompile.hardware import NAMED, Hardware
+from zbcompile.inspect.plan_report import zb_auto_line
 from zbcompile.inspect.text import state_bytes
 from zbcompile.models import GPT, GPTConfig
 from zbcompile.models.gpt import lm_loss
 from zbcompile.passes.graph_cost import GraphCost
-from zbcompile.planning import PlanOptions, plan_compiled
+from zbcompile.planning import PlanOptions, _zb_auto_choice, plan_compiled
 from zbcompile.schedules import Costs, simulate
 
 
@@ -178,6 +179,19 @@ class PlanTest(unittest.TestCase):
         tight = plan_compiled(self.plan.costed, NAMED["A100-80GB"], options)  # the same compile, re-planned
         fits = {e["name"]: e["fits"] for e in tight.record["schedules"]}
         self.assertEqual(fits, {"1f1b": True, "zb-h2": False, "zb-auto": True})
+
+    def test_zb_auto_is_not_chosen_where_its_best_schedule_does_not_fit(self):
+        """zb-auto's schedule is solved under the memory each rank has left, but its actions' own
+        peaks can still pass the limit: the report then says it would choose nothing, by how much
+        and where, instead of choosing it."""
+        planned = {e["name"]: e for e in self.plan.record["schedules"]}
+        limit = max(planned["zb-auto"]["peak_bytes"]) * 0.999  # just below zb-auto's peak
+        entries = [{**planned["zb-auto"], "fits": False}, planned["1f1b"]]
+        choice = _zb_auto_choice(entries, limit)
+        rank = planned["zb-auto"]["peak_bytes"].index(max(planned["zb-auto"]["peak_bytes"]))
+        self.assertRegex(choice["error"], rf"peaks at .* on rank {rank}, over the .* per rank by .*; plan more stages")
+        self.assertIn("would choose nothing", zb_auto_line({"zb_auto": choice}))
+        self.assertNotIn("error", _zb_auto_choice([planned["zb-auto"], planned["1f1b"]], limit / 0.999))
 
     def test_bad_options_name_themselves(self):
         model, tokens = meta_gpt()
