@@ -41,13 +41,7 @@ def _token_model() -> nn.Module:
 def _gpt2() -> nn.Module:
     torch.manual_seed(0)
     config = transformers.GPT2Config(
-        vocab_size=VOCAB,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        n_positions=16,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
         attn_pdrop=0.0,
     )
     return transformers.GPT2LMHeadModel(config)

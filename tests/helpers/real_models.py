@@ -75,13 +75,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], tup
     "gpt2": (
         lambda: transformers.GPT2LMHeadModel(
             transformers.GPT2Config(
-                vocab_size=VOCAB,
-                n_embd=32,
-                n_layer=2,
-                n_head=2,
-                n_positions=32,
-                resid_pdrop=0.0,
-                embd_pdrop=0.0,
+                vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
                 attn_pdrop=0.0,
             )
         ),
@@ -111,15 +105,8 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], tup
     "bert": (
         lambda: transformers.BertForSequenceClassification(
             transformers.BertConfig(
-                vocab_size=VOCAB,
-                hidden_size=32,
-                num_hidden_layers=2,
-                num_attention_heads=2,
-                intermediate_size=64,
-                max_position_embeddings=32,
-                num_labels=3,
-                hidden_dropout_prob=0.0,
-                attention_probs_dropout_prob=0.0,
+                vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                max_position_embeddings=32, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
             )
         ),
         lambda g: (

@@ -114,22 +114,13 @@ SCHEDULES: Mapping[str, ScheduleSpec] = MappingProxyType(
             ScheduleSpec("zb-h2", lambda r: zb_h2(r.stages, r.microbatches)),
             ScheduleSpec("zb-auto", _build_zb_auto, solved=True, measures_costs=True),
             ScheduleSpec("zbv", _build_zbv, placement=v_placement, chunks_per_rank=2, min_stages=2, solved=True),
-            ScheduleSpec(
-                "v-min",
-                lambda r: v_min(r.stages, r.microbatches),
-                placement=v_placement,
-                chunks_per_rank=2,
-                min_stages=2,
-            ),
-            ScheduleSpec(
-                "v-half",
-                lambda r: v_half(r.stages, r.microbatches),
-                placement=v_placement,
-                chunks_per_rank=2,
-                min_stages=2,
-            ),
-            ScheduleSpec(
-                "v-zb", lambda r: v_zb(r.stages, r.microbatches), placement=v_placement, chunks_per_rank=2, min_stages=2
+            *(
+                ScheduleSpec(name, build, placement=v_placement, chunks_per_rank=2, min_stages=2)
+                for name, build in (
+                    ("v-min", lambda r: v_min(r.stages, r.microbatches)),
+                    ("v-half", lambda r: v_half(r.stages, r.microbatches)),
+                    ("v-zb", lambda r: v_zb(r.stages, r.microbatches)),
+                )
             ),
             ScheduleSpec(
                 "looped-bfs",
