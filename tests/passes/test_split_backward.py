@@ -8,10 +8,12 @@ import operator
 import torch
 from expecttest import TestCase
 from torch import nn
+from torch.utils import flop_counter
+from torch.utils.flop_counter import FlopCounterMode
 
 from zbcompile.compiler import compile_pipeline
 from zbcompile.models.gpt import GPT, Block, GPTConfig, lm_loss
-from zbcompile.passes.graph_cost import measure_stage_times, random_inputs
+from zbcompile.passes.graph_cost import measure_stage_times, node_flops, random_inputs
 from zbcompile.passes.split_backward import MIN_DEFERRAL_INTENSITY
 from zbcompile.value_names import (
     grad_name,
@@ -152,6 +154,35 @@ class TransformerBlockSplit(TestCase):
         b = block.cost.input_backward.flops
         w = block.cost.weight_backward.flops
         self.assertGreaterEqual(w / (b + w), 0.40)
+
+    def test_flops_of_f_i_w_are_torchs_count_of_the_eager_step(self):
+        """Summed over every stage, the FLOPs of F, I and W equal what torch's FlopCounterMode counts
+        for the eager model's forward and backward of the same microbatch: the matmuls exactly, and
+        the attention by torch's own formulas for scaled dot-product attention (its counter has
+        none for the CPU kernel the graphs hold)."""
+        model, compiled = _compile_gpt(stages=2)
+        tokens = torch.randint(0, 64, (2, 8))
+        with FlopCounterMode(display=False) as counter:
+            lm_loss(model(tokens), tokens.roll(1, 1)).backward()
+        attention = forward_attention = 0
+        ours = 0
+        for program in compiled.programs:
+            for graph in (program.forward, program.input_backward, program.weight_backward):
+                for node in graph.graph.graph.nodes:
+                    if node.target is aten._scaled_dot_product_flash_attention_for_cpu.default:
+                        q, k, v = (a.meta["val"].shape for a in node.args[:3])
+                        attention += flop_counter.sdpa_flop_count(q, k, v)
+                        forward_attention += 1
+                    elif node.target is aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
+                        q, k, v = (a.meta["val"].shape for a in node.args[1:4])
+                        attention += flop_counter.sdpa_backward_flop_count(node.args[0].meta["val"].shape, q, k, v)
+                    else:
+                        ours += node_flops(node)
+        self.assertEqual(forward_attention, 4)  # one per layer
+        self.assertEqual(ours, counter.get_total_flops())
+        total = sum(p.cost.forward.flops + p.cost.input_backward.flops + p.cost.weight_backward.flops
+                    for p in compiled.programs)
+        self.assertEqual(total, ours + attention)
 
     def test_graph_listings(self):
         block = _block_pipeline(hidden=8, seq=4, heads=2)
