@@ -9,8 +9,8 @@ input and weight gradients at once (`native_layer_norm_backward`, `convolution_b
 only for what I needs, W's copy for the rest. Parameter views are recomputed in each graph.
 On the first stage no input needs a gradient; there I computes the activations' gradients (those
 that reach the parameters of more than one module, down to the first layers' outputs) and W the
-weight gradients from them, as on every other stage, so that W holds what the weight gradients
-read rather than the whole backward's saved activations (`activation_chain`).
+weight gradients from them, as on every other stage, where W then holds fewer bytes until it runs
+than the whole backward reads (`activation_chain`, `held_until_weight`); else I is empty.
 `split_backward_program` is the graph-level core, for any backward Program named this way (the
 `torch.compile` backend splits AOTAutograd's backward graphs with it); `split_backward` applies
 it to a pipeline stage.
