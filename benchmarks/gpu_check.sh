@@ -9,7 +9,8 @@
 #               benchmarks/gpu_pipelines.py, step times paired against torch's schedules; 300 s a part.
 #   refusal     two NCCL ranks on one GPU must be refused at once, naming both (one GPU only).
 #   profile     benchmarks/gpu_profile.py (the 1.5B model's per-stage F, I, W) and the demo.
-# GPU_CHECK_PARTS chooses (default: "throughput nccl"); a part that cannot run says why.
+# GPU_CHECK_PARTS chooses (default: "throughput nccl"; GPU_THROUGHPUT_MODELS the throughput part's
+# models, default both); a part that cannot run says why.
 # Results go to $OUT (default benchmarks/results); the parts' logs beside them.
 #
 #   bash benchmarks/gpu_check.sh                       # on the GPU machine
@@ -47,7 +48,7 @@ $PY -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_na
 case " $PARTS " in *" throughput "*)
   rm -f "$OUT/gpu_throughput.jsonl" "$OUT/gpu_throughput.log" "$OUT/gpu_kernels.txt"
   for compiler in eager inductor; do
-    for model in gpt-1.5b llama-1b; do
+    for model in ${GPU_THROUGHPUT_MODELS:-gpt-1.5b llama-1b}; do
       run_part "throughput $model $compiler" 240 \
         $PY benchmarks/gpu_throughput.py --model $model --compiler $compiler --out "$OUT" "${TINY[@]}" \
         >> "$OUT/gpu_throughput.log" 2>&1

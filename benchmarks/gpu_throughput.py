@@ -235,6 +235,7 @@ def run_part(part: Part, device_name: str, out_dir: pathlib.Path) -> dict:
 
     device = torch.device(device_name)
     if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)
         torch.cuda.set_device(device)
     dtype = torch.bfloat16
     clock = Clock(device)

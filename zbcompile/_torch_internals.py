@@ -8,7 +8,7 @@ import itertools
 import logging
 import os
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -69,7 +69,7 @@ __all__ = [
     "make_fx",
     "preserve_node_meta",
     "quiet_torch_logs",
-    "traced_like_export",
+    "traced_like_compile",
 ]
 
 aten = torch.ops.aten
@@ -124,13 +124,20 @@ def failing_node(graph_module: torch.fx.GraphModule, error: BaseException) -> to
     return None if index is None else list(graph_module.graph.nodes)[index]
 
 
-def traced_like_export() -> contextlib.AbstractContextManager:
-    """While active, `torch.compiler.is_compiling()` and `is_exporting()` answer True, as they do
-    while non-strict `torch.export` traces: library code that asks whether it is being traced
-    (transformers' attention masks, its mixture-of-experts kernels) takes its traceable path."""
-    from torch._export.utils import _compiling_state_context
-
-    return _compiling_state_context()
+@contextlib.contextmanager
+def traced_like_compile() -> Iterator[None]:
+    """While active, `torch.compiler.is_compiling()` answers True and `is_exporting()` False, as
+    while torch.compile traces: library code that asks whether it is being traced takes its
+    traceable path (transformers' attention masks, its mixture-of-experts kernels), and code that
+    decides by structure alone keeps its fast path, as a compiled model's does (no attention mask
+    given: `is_causal=True` instead of a materialised causal mask, half the attention's work on a
+    GPU). Under `is_exporting()` libraries must trace for every mask, so they build one."""
+    previous = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = previous
 
 
 DEBUG_ENV = "ZBCOMPILE_DEBUG"

@@ -57,6 +57,31 @@ def test_pipelined_step_matches_eager_under_every_schedule(name, stages):
             assert torch.equal(grad, other[fqn]), f"{fqn}: {SCHEDULES[0]} and {schedule} differ"
 
 
+def test_causal_model_without_a_mask_keeps_sdpas_is_causal():
+    """A transformers decoder called without an attention mask runs scaled_dot_product_attention
+    with is_causal=True in the stage programs, as eager and torch.compile do, not with a
+    materialised causal mask (twice the attention's work on a GPU); the loss and gradients are
+    eager's. With a padding mask the mask is an input and stays one."""
+    case = build("llama")
+    tokens = case.args[0]
+    reference = copy.deepcopy(case.model)
+    reference(tokens, labels=tokens).loss.backward()
+    pipe = zbcompile.pipeline(case.model, stages=2, microbatches=MICROBATCHES)
+    loss = pipe.step(tokens, labels=tokens)
+    torch.testing.assert_close(loss, reference(tokens, labels=tokens).loss.detach(), **FP32)
+    assert_grads_close(grads_of(case.model), grads_of(reference), "llama without a mask", **FP32)
+    attention = [
+        node
+        for program in pipe.compiled.programs
+        for node in program.joint.forward.graph.graph.nodes
+        if "scaled_dot_product" in str(node.target)
+    ]
+    assert len(attention) == case.model.config.num_hidden_layers
+    for node in attention:
+        is_causal = len(node.args) > 4 and node.args[4] is True
+        assert is_causal and "attn_mask" not in node.kwargs, node.format_node()
+
+
 @launches.READS_TWO_RANK_MODELS
 def test_blooms_custom_gelu_is_refused_naming_the_module():
     """A transformers Bloom in training mode runs its GELU through a custom autograd.Function,

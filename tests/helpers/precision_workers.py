@@ -50,9 +50,9 @@ def eager_microbatches(
     """Mean loss and gradients of an eager loop over the microbatches (on `case.model` itself),
     each parameter's gradient accumulated in `grad_dtype` (torch's `param.grad_dtype`) when given.
     transformers chooses its attention-mask code by `torch.compiler.is_compiling()` and
-    `is_exporting()`, which answer True while torch.export (and our trace) runs: the reference
-    patches both public functions to answer True, independently of zbcompile's own means, so it
-    takes the same library path."""
+    `is_exporting()`, which answer True and False while torch.compile (and our trace) runs: the
+    reference patches both public functions to answer so, independently of zbcompile's own means,
+    so it takes the same library path."""
     if grad_dtype is not None:
         for p in case.model.parameters():
             p.grad_dtype = grad_dtype
@@ -61,7 +61,7 @@ def eager_microbatches(
         for values in (case.args, list(case.kwargs.values()))
     ]
     losses = []
-    with _as_if_exporting():
+    with _as_if_compiling():
         for k in range(microbatches):
             args = [c[k] for c in chunks[0]]
             kwargs = dict(zip(case.kwargs, [c[k] for c in chunks[1]]))
@@ -71,10 +71,10 @@ def eager_microbatches(
     return torch.stack(losses).mean(), {n: p.grad for n, p in case.model.named_parameters()}
 
 
-def _as_if_exporting() -> contextlib.ExitStack:
+def _as_if_compiling() -> contextlib.ExitStack:
     stack = contextlib.ExitStack()
-    for name in ("is_compiling", "is_exporting"):
-        stack.enter_context(mock.patch.object(torch.compiler, name, lambda: True))
+    for name, answer in (("is_compiling", True), ("is_exporting", False)):
+        stack.enter_context(mock.patch.object(torch.compiler, name, lambda answer=answer: answer))
     return stack
 
 

@@ -96,18 +96,17 @@ def trace_model(
     record_stack_traces: bool = True,
     outputs: bool = False,
 ) -> TracedModel:
-    """Trace `loss_fn(model(*args, **kwargs), target)` (or `model(...)` itself when loss_fn is
-    None, which must then return the loss, see `_loss_of_output`; `loss_fn` may return
-    `(loss_sum, count)`, see `loss_parts`), or with `outputs` the model's output (its tensor
-    leaves; no loss), with `torch.compiler`'s
-    compiling and exporting flags set, as non-strict `torch.export` does. `model` is left as it
-    was. Raises ValueError naming the module and the source line for data-dependent control
-    flow, and naming the parameter or input for a forward that writes one in place (buffer
-    updates become graph outputs, see `TracedModel`); any other error is re-raised naming the
-    module (or loss_fn) and the source line. Parameters (and inputs) on the `meta` device trace
-    as if they lived on `device` (default: the inputs' device). `record_stack_traces=False` skips
-    recording each node's source line (a third of the trace's time; later errors then name the
-    module only)."""
+    """Trace `loss_fn(model(*args, **kwargs), target)` (or `model(...)` itself when loss_fn is None,
+    which must then return the loss, see `_loss_of_output`; `loss_fn` may return `(loss_sum,
+    count)`, see `loss_parts`), or with `outputs` the model's output (its tensor leaves; no loss),
+    with `torch.compiler`'s compiling flag set, as torch.compile traces
+    (`_torch_internals.traced_like_compile`). `model` is left as it was. Raises ValueError naming
+    the module and the source line for data-dependent control flow, and naming the parameter or
+    input for a forward that writes one in place (buffer updates become graph outputs, see
+    `TracedModel`); any other error is re-raised naming the module (or loss_fn) and the source line.
+    Parameters (and inputs) on the `meta` device trace as if they lived on `device` (default: the
+    inputs' device). `record_stack_traces=False` skips recording each node's source line (a third of
+    the trace's time; later errors then name the module only)."""
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     input_leaves, input_spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
@@ -155,10 +154,10 @@ def trace_model(
         [ti.fake_contiguous(fake_mode, t, device) for t in input_tensors],  # meta inputs: on `device` too
         [ti.fake_contiguous(fake_mode, t, device) for t in target_leaves],
     )
-    # Traced as torch.export traces: libraries that ask whether they are being compiled or
-    # exported (transformers' masks) take their traceable path.
+    # Traced as torch.compile traces: libraries that ask whether they are being compiled
+    # (transformers' masks) take their traceable path.
     with (
-        ti.traced_like_export(),
+        ti.traced_like_compile(),
         ti.preserve_node_meta(),
         _module_annotations(model) as module_stack,
         _checkpoint_annotations(module_stack),
