@@ -34,6 +34,7 @@ from zbcompile import _torch_internals as ti
 from zbcompile._torch_internals import FakeTensorMode, pytree
 from zbcompile.passes import _fx
 from zbcompile.passes.autograd_in_forward import detach_no_grad_results, watching_autograd
+from zbcompile.passes.causal_mask import fold_causal_masks
 from zbcompile.passes.loss_parts import ItemCount, OutputStructure, cut_out_count, sum_and_count
 from zbcompile.passes.trace_errors import NameStack, raised_here, traced_error
 
@@ -191,7 +192,8 @@ def trace_model(
     buffer_updates = _buffer_updates_as_outputs(graph_module.graph, fake_mode)
     detach_no_grad_results(graph_module.graph)
     _differentiable_copies(graph_module.graph, fake_mode)
-    graph_module.graph.eliminate_dead_code()  # autograd's unused `detach`es of saved values
+    fold_causal_masks(graph_module.graph, fake_mode)
+    graph_module.graph.eliminate_dead_code()  # autograd's unused `detach`es of saved values, folded masks
     graph_module = ti.use_plain_codegen(graph_module)  # make_fx flattens inputs with pytree
     return TracedModel(
         graph_module=graph_module,
