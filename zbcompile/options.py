@@ -44,7 +44,7 @@ class PipelineOptions:
     profile: bool | None = None  # measure costs and re-solve (runtime/profile.py); None: where the schedule table says
     profile_steps: int = 2  # steps timed after the warm-up step before the first re-solve
     objective: str = "span"  # "span" (steps back to back) or "makespan" (a synchronisation ends every step)
-    compiler: str | None = None  # "inductor" compiles each stage's graphs; None or "eager": op by op
+    compiler: str | None = None  # "inductor" compiles each stage's graphs, "eager" runs them op by op; None: by device
     dump_dir: str | None = (
         None  # every compile's graphs, schedule and trace (default $ZBCOMPILE_DUMP; `zbcompile inspect`)
     )

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 import zbcompile
-from zbcompile.stage_compiler import InductorProgram
+from zbcompile import stage_compiler
+from zbcompile.stage_compiler import InductorProgram, compile_stage_programs
 
 
 def test_inductor_stage_programs_match_eager():
@@ -45,3 +46,48 @@ def test_inductor_stage_programs_match_eager():
 def test_unknown_compiler_is_refused():
     with pytest.raises(ValueError, match="unknown compiler 'tvm'"):
         zbcompile.pipeline(nn.Linear(2, 2), stages=1, compiler="tvm")
+
+
+def _compiled_mlp():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 12), nn.Tanh(), nn.Linear(12, 4))
+    pipe = zbcompile.pipeline(model, stages=2, microbatches=2, loss_fn=nn.functional.mse_loss, compiler="eager")
+    x, target = torch.randn(4, 8), torch.randn(4, 4)
+    pipe.compile(x, target=target)
+    return pipe, x, target
+
+
+def test_default_compiler_is_inductor_with_a_fallback_on_cuda_and_eager_elsewhere():
+    pipe, _, _ = _compiled_mlp()
+    on_cpu = compile_stage_programs(pipe.compiled, None, torch.device("cpu"))
+    assert on_cpu is pipe.compiled
+    on_cuda = compile_stage_programs(pipe.compiled, None, torch.device("cuda"))
+    forwards = [p.forward for p in on_cuda.programs]
+    assert all(isinstance(f, InductorProgram) and f.fallback for f in forwards)
+    asked = compile_stage_programs(pipe.compiled, "inductor", torch.device("cuda"))
+    assert not any(p.forward.fallback for p in asked.programs)
+
+
+def test_a_graph_inductor_cannot_compile_runs_op_by_op_under_the_default(monkeypatch):
+    """The default's fallback: a warning naming the stage program, then the eager results; asked
+    for by name, Inductor's error is raised."""
+    pipe, x, target = _compiled_mlp()
+    program = pipe.compiled.programs[0].forward
+    placeholders = program.graph.graph.find_nodes(op="placeholder")
+    env = {name: torch.randn(node.meta["val"].shape) for name, node in zip(program.signature.inputs, placeholders)}
+    expected = dict(env)
+    program.run(expected, {})
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("no kernel for this")
+
+    monkeypatch.setattr(stage_compiler.ti, "inductor_compile", fails)
+    fallback = compile_stage_programs(pipe.compiled, None, torch.device("cuda")).programs[0].forward
+    got = dict(env)
+    with pytest.warns(UserWarning, match="stage 0's F: Inductor could not compile it .*no kernel for this"):
+        fallback.run(got, {})
+    for name in program.signature.outputs:
+        assert torch.equal(got[name], expected[name])
+    strict = compile_stage_programs(pipe.compiled, "inductor", torch.device("cuda")).programs[0].forward
+    with pytest.raises(RuntimeError, match="no kernel for this"):
+        strict.run(dict(env), {})

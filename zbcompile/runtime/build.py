@@ -225,7 +225,8 @@ class Builder:
                     "build a new pipeline for it"
                 )
             built.runner.reschedule(new)
-            self.builds[key] = replace(built, tuner=self.choice.tuner(built.compiled))
+            device = self.device() if self.distributed else None
+            self.builds[key] = replace(built, tuner=self.choice.tuner(built.compiled, device))
 
     def build(self, example: tuple, example_target: Any) -> Build:
         """Compile for microbatches like `example` ((args, kwargs)) and `example_target`, in the
@@ -233,18 +234,14 @@ class Builder:
         o = self.options
         compile_in = functools.partial(self._compile, example, example_target)
         compiled, schedule = self.choice.placed(compile_in(o.stages), compile_in)
-        compiled = compile_stage_programs(compiled, o.compiler)
-        device = self.device() if self.distributed else None
+        device = self.device() if self.distributed else batch.device_of((example, example_target))
+        compiled = compile_stage_programs(compiled, o.compiler, device)
         if self.distributed:
             runner = self._distributed_runner(compiled, schedule, device)
         else:
-            self.ownership.place(
-                set(placement.canonical_names(self.module).values()),
-                batch.device_of((example, example_target)),
-                move_others=False,
-            )
+            self.ownership.place(set(placement.canonical_names(self.module).values()), device, move_others=False)
             runner = LocalRunner(compiled, schedule, self.ownership.state())
-        tuner = self.choice.tuner(compiled)
+        tuner = self.choice.tuner(compiled, device)
         return Build(runner, tuner, start_dump(o.dump_dir, compiled, schedule, o, runner))
 
     def _compile(

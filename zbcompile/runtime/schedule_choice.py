@@ -9,6 +9,7 @@ import functools
 from dataclasses import replace
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 
 from zbcompile import auto_recompute
@@ -168,9 +169,10 @@ class ScheduleChoice:
     def _limit_rule(self) -> str:
         return "given" if self.options.memory_limit is not None else DEFAULT_LIMIT_RULE
 
-    def tuner(self, compiled: CompiledPipeline) -> profile.CostTuner | None:
-        """Measured costs for a distributed pipeline, where `profile` asks for them (None: where
-        the schedule table says the schedule measures them, without given costs)."""
+    def tuner(self, compiled: CompiledPipeline, device: torch.device | None = None) -> profile.CostTuner | None:
+        """Measured costs for a distributed pipeline whose programs run on `device`, where
+        `profile` asks for them (None: where the schedule table says the schedule measures them,
+        without given costs)."""
         wanted = self.options.profile
         if wanted is None:
             given = isinstance(self.options.schedule, Schedule)  # nothing to re-solve
@@ -180,7 +182,7 @@ class ScheduleChoice:
         solve_arguments = functools.partial(self.solve_arguments, compiled=compiled)
         recompute = None
         if self.options.recompute == "auto":
-            finish = functools.partial(compile_stage_programs, compiler=self.options.compiler)
+            finish = functools.partial(compile_stage_programs, compiler=self.options.compiler, device=device)
             recompute = auto_recompute.MeasuredRecomputation(compiled, self.solve_arguments, finish)
         reduction = self.reduction_per_message(compiled)
         return profile.CostTuner(
