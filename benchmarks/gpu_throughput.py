@@ -247,7 +247,7 @@ def run_part(part: Part, device_name: str, out_dir: pathlib.Path) -> dict:
         model,
         stages=part.stages,
         microbatches=part.microbatches,
-        compiler=None if part.compiler == "eager" else "inductor",
+        compiler=part.compiler,
         **pipe_kwargs,
     )
     args, kwargs = batch(0)
