@@ -65,6 +65,7 @@ __all__ = [
     "version_of",
     "requires_grad_unwrapped",
     "count_flops",
+    "LocalFlopCounter",
     "has_flop_formula",
     "make_fx",
     "preserve_node_meta",
@@ -263,6 +264,28 @@ def count_flops(target: Any, args: tuple, kwargs: dict, out: Any) -> int:
     packet = getattr(target, "overloadpacket", target)
     formula = flop_counter.flop_registry.get(packet) or _EXTRA_FLOP_FORMULAS.get(packet)
     return int(formula(*args, out_val=out, **kwargs)) if formula else 0
+
+
+class LocalFlopCounter(TorchDispatchMode):
+    """While active, counts in `flops` the FLOPs of the ops run on plain tensors off the `meta`
+    device: of a DTensor computation, its local ops, each once (the op on DTensors is left to
+    DTensor, whose shape propagation on `meta` is not counted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        kwargs = kwargs or {}
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        out = func(*args, **kwargs)
+        tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        if has_flop_formula(func) and not any(t.is_meta for t in tensors):
+            self.flops += count_flops(func, args, kwargs, out)
+        return out
 
 
 @contextlib.contextmanager

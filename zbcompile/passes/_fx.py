@@ -59,6 +59,15 @@ def finish(
     return fx.GraphModule(root, graph, class_name=name)
 
 
+COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
+
+
+def is_collective(node: fx.Node) -> bool:
+    """A functional collective of torch.distributed (`_c10d_functional.all_reduce`, ...,
+    `wait_tensor`): communication with the other ranks of its group."""
+    return node.op == "call_function" and getattr(node.target, "namespace", None) in COLLECTIVE_NAMESPACES
+
+
 def is_view_op(node: fx.Node) -> bool:
     """Ops whose result aliases an input (aten views, getitem)."""
     target = node.target
@@ -146,6 +155,18 @@ def ancestors(roots: Iterable[fx.Node], stop: set[fx.Node] = frozenset()) -> set
         result.add(node)
         if node not in stop:
             frontier.extend(node.all_input_nodes)
+    return result
+
+
+def descendants(roots: Iterable[fx.Node]) -> set[fx.Node]:
+    """Every node that depends on the roots (roots included)."""
+    result: set[fx.Node] = set()
+    frontier = list(roots)
+    while frontier:
+        node = frontier.pop()
+        if node not in result:
+            result.add(node)
+            frontier.extend(node.users)
     return result
 
 

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from zbcompile.value_names import param_name
 
@@ -85,15 +85,19 @@ def shard_parameters(module: nn.Module, held: set[str], mesh: DeviceMesh) -> Non
 
 
 def as_shards(state_dict: Mapping[str, torch.Tensor], module: nn.Module) -> dict[str, torch.Tensor]:
-    """`state_dict` with each whole tensor whose parameter in `module` is a DTensor cut to this
-    replica's shard of it (as a DTensor), so that `module.load_state_dict` copies shard to
-    shard; a whole tensor must be the same on every replica (a full state dict is)."""
+    """`state_dict` with each whole tensor whose parameter in `module` is a DTensor (sharded over
+    the replicas, the tensor-parallel ranks or both) cut to this rank's shard of it, as a DTensor
+    of the parameter's layout (torch's `distribute_tensor`, each rank cutting its own: no
+    communication), so that `module.load_state_dict` copies shard to shard; a whole tensor must be
+    the same on every rank (a full state dict is)."""
     targets = module.state_dict(keep_vars=True)
     result = dict(state_dict)
     for key, value in state_dict.items():
         target = targets.get(key)
         if isinstance(target, DTensor) and not isinstance(value, DTensor):
-            result[key] = shard_of(value.to(target.device), target.device_mesh)
+            result[key] = distribute_tensor(
+                value.to(target.device), target.device_mesh, target.placements, src_data_rank=None
+            )
     return result
 
 
@@ -209,12 +213,13 @@ class ReduceScatterLayout:
         return result
 
 
-def wait(work: dist.Work, timeout: timedelta, what: str) -> None:
-    """Wait for a collective over the replicas, failing with the rank and `what` after `timeout`."""
-    failure = f"rank {dist.get_rank()}: {what} over the data-parallel replicas did not complete"
+def wait(work: dist.Work, timeout: timedelta, what: str, over: str = "data-parallel") -> None:
+    """Wait for a collective over the replicas (or the `over` ranks), failing with the rank and
+    `what` after `timeout`."""
+    failure = f"rank {dist.get_rank()}: {what} over the {over} ranks did not complete"
     try:
         completed = work.wait(timeout)
     except RuntimeError as error:
-        raise RuntimeError(f"{failure} ({str(error).splitlines()[0]}); a replica may have died or diverged") from error
+        raise RuntimeError(f"{failure} ({str(error).splitlines()[0]}); a rank may have died or diverged") from error
     if completed is False:
-        raise RuntimeError(f"{failure} within {timeout}; a replica may have died or diverged")
+        raise RuntimeError(f"{failure} within {timeout}; a rank may have died or diverged")

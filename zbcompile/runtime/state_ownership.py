@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from zbcompile.options import PipelineOptions
-from zbcompile.runtime import placement, sharding
-from zbcompile.runtime.distributed import Layout
+from zbcompile.runtime import placement, sharding, tensor_parallel
+from zbcompile.runtime.layout import Layout
 from zbcompile.value_names import buffer_name, param_name
 
 
@@ -29,10 +29,11 @@ class StateOwnership:
         self.unfilled: set[str] = set()
 
     def state(self) -> dict[str, torch.Tensor]:
-        """The module's current parameters and buffers, as the runtime names them."""
+        """The module's current parameters and buffers, as the runtime names them (a
+        tensor-parallel DTensor as its local shard, `tensor_parallel.local_state`)."""
         state = {param_name(n): p for n, p in self.module.named_parameters()}
         state.update({buffer_name(n): b for n, b in self.module.named_buffers()})
-        return state
+        return tensor_parallel.local_state(state)
 
     def set_grad_dtype(self) -> None:
         """Give every floating-point parameter the `grad_dtype` option (torch's attribute), so
@@ -107,8 +108,7 @@ class StateOwnership:
                 self.require_placed()
             return self.module.load_state_dict(state_dict, strict=strict)
         held = self.held if self.held is not None else set(placement.canonical_names(self.module).values())
-        if self.options.data_parallel == "shard":
-            state_dict = sharding.as_shards(state_dict, self.module)
+        state_dict = sharding.as_shards(state_dict, self.module)
         result, loaded = placement.load_held(self.module, state_dict, held, strict)
         self.unfilled -= loaded
         return result
