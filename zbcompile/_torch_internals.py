@@ -65,6 +65,7 @@ __all__ = [
     "version_of",
     "requires_grad_unwrapped",
     "count_flops",
+    "strided_shard",
     "LocalFlopCounter",
     "has_flop_formula",
     "make_fx",
@@ -335,6 +336,15 @@ def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor
 
     with torch._inductor.config.patch(compile_threads=1):  # no worker pool to start per process
         return torch._inductor.compile(gm, example_inputs)
+
+
+def strided_shard(dim: int, split_factor: int):
+    """DTensor's placement for a shard of a shard: dimension `dim` cut into `split_factor` pieces
+    first (by a later mesh dimension), each piece then cut over this one (`_StridedShard`, as
+    FSDP2 shards a tensor-parallel parameter's local rows)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=split_factor)
 
 
 def default_store():

@@ -333,7 +333,7 @@ class Builder:
         # the runner shares tied weights' values between ranks: after placement, undone if it fails
         built = self.ownership.place(used, device, move_others=True, then=runner)
         if self.options.data_parallel == "shard":  # the replicas' values are equal now: each keeps its shard
-            sharding.shard_parameters(self.module, self.ownership.held, layout.mesh["dp"])
+            sharding.shard_parameters(self.module, self.ownership.held, layout.mesh)
         return built
 
 

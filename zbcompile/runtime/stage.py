@@ -301,9 +301,11 @@ def accumulate_grads(module: torch.nn.Module, grads: Mapping[str, torch.Tensor])
             grad = grads.get(name)
             if grad is None:
                 continue
-            if isinstance(param, DTensor) and not isinstance(grad, DTensor):  # a tensor-parallel shard's
+            if isinstance(param, DTensor) and getattr(grad, "device_mesh", None) != param.device_mesh:
+                local = grad.to_local() if isinstance(grad, DTensor) else grad  # a tensor-parallel shard's
+                mesh, placements = param.device_mesh, param.placements
                 grad = DTensor.from_local(
-                    grad, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+                    local, mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
                 )
             if param.grad is None:
                 param.grad = grad

@@ -16,7 +16,7 @@ from typing import Iterable, Mapping
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from zbcompile.passes.tensor_parallel import TP, is_tensor_parallel, local_view, parallel_modules
@@ -127,15 +127,25 @@ def _check_head_counts(module: nn.Module, parallel: Iterable[str], tp: int) -> N
 
 def local_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`state` (runtime names -> parameters and buffers) as the stage programs compute with it: a
-    DTensor over "tp" alone as its local shard (a view: in-place writes reach the parameter),
-    carrying its `grad_dtype`; every other tensor as it is."""
+    DTensor over "tp" alone as its local shard (a view: in-place writes reach the parameter), one
+    over ("dp", "tp") as a DTensor over "dp" of its local shard (as `sharding.Gathered` gathers
+    data_parallel="shard"'s parameters), each carrying its `grad_dtype`; every other tensor as it is."""
     result = dict(state)
     for name, tensor in state.items():
-        if isinstance(tensor, DTensor) and tensor.device_mesh.mesh_dim_names == (TP,):
-            with torch.no_grad():
+        if not is_tensor_parallel(tensor):
+            continue
+        with torch.no_grad():
+            if tensor.device_mesh.mesh_dim_names == (TP,):
                 local = local_view(tensor)
-            local.grad_dtype = tensor.grad_dtype
-            result[name] = local
+            else:  # over ("dp", "tp"): the local shard's rows over "dp", which a step gathers
+                whole = local_view(tensor)
+                stride = torch.empty(whole.shape, device="meta").stride()
+                mesh = tensor.device_mesh["dp"]
+                local = DTensor.from_local(
+                    tensor.to_local(), mesh, [Shard(0)], run_check=False, shape=whole.shape, stride=stride
+                )
+        local.grad_dtype = tensor.grad_dtype
+        result[name] = local
     return result
 
 
@@ -147,5 +157,6 @@ def reduce_partial_grads(
     if group is None:
         return
     for fqn in sorted(set(fqns) & set(grads)):
-        work = dist.all_reduce(grads[fqn], group=group, async_op=True)
+        grad = grads[fqn].to_local() if isinstance(grads[fqn], DTensor) else grads[fqn]
+        work = dist.all_reduce(grad, group=group, async_op=True)
         wait(work, timeout, f"summing the gradient of {fqn} over the tensor-parallel ranks", over="tensor-parallel")
