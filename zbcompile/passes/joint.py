@@ -253,13 +253,15 @@ def _inline_constants(joint: fx.GraphModule, stage: Stage) -> None:
     """AOTAutograd lifts the stage module's tensor constants (`torch.tensor(...)` or a scalar
     fill in the model's forward, see `partition`) into buffer inputs; the runtime's state holds
     only the model's own buffers, so each becomes a `get_attr` of `joint` again, holding the
-    real constant, which every graph extracted from `joint` then carries."""
+    real constant, which every graph extracted from `joint` then carries (under a name of its own:
+    the joint's trace may have made constants of the same names, as DTensor's code does)."""
     for node in list(joint.graph.find_nodes(op="placeholder")):
         desc = node.meta["desc"]
         if isinstance(desc, ti.BufferAOTInput) and desc.target not in stage.state_fqns:
-            joint.register_buffer(desc.target, getattr(stage.module, desc.target))
+            name = desc.target if not hasattr(joint, desc.target) else _fresh(f"{desc.target}_stage", set(dir(joint)))
+            joint.register_buffer(name, getattr(stage.module, desc.target))
             with joint.graph.inserting_before(node):
-                constant = joint.graph.get_attr(desc.target)
+                constant = joint.graph.get_attr(name)
             constant.meta = {k: v for k, v in node.meta.items() if k != "desc"}
             node.replace_all_uses_with(constant)
             joint.graph.erase_node(node)

@@ -4,7 +4,7 @@ computation with torch's collectives when a stage's joint graph is traced.
 
 A module is *tensor-parallel* when it holds DTensor parameters or buffers over the mesh's "tp"
 dimension, or carries the input/output hooks `parallelize_module` installs (torch's
-`distribute_module`); the outermost such modules are the *calls*. The forward trace
+`distribute_module`, `PrepareModuleInput`); the outermost such modules are the *calls*. The forward trace
 (`passes/trace.py`) records each call of one as a single `zbcompile::tensor_parallel_call` node
 whose inputs are the call's tensor arguments and the module's parameters and buffers as this rank
 holds them (DTensors as their local shards), and whose outputs are its tensor results (a DTensor
@@ -72,8 +72,10 @@ def is_tensor_parallel(tensor: Any) -> bool:
 
 
 def _has_parallel_hooks(module: nn.Module) -> bool:
+    """Whether `module` carries forward hooks of torch's DTensor (`distribute_module`'s, a
+    ParallelStyle's such as `PrepareModuleInput`)."""
     hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
-    return any("distribute_module" in getattr(h, "__qualname__", "") for h in hooks)
+    return any(getattr(getattr(h, "func", h), "__module__", "").startswith("torch.distributed.tensor") for h in hooks)
 
 
 def parallel_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -240,7 +242,7 @@ class _StandIn(nn.Module):
             outputs = torch.ops.zbcompile.tensor_parallel_call([*tensors, *state.values()], call.key)
         for output, spec in zip(outputs, call.output_specs):
             if spec is not None:
-                calls.dtensor_outputs[output] = spec
+                calls.dtensor_outputs[output] = (spec, fqn)
         return call.rebuild(list(outputs))
 
 
@@ -254,7 +256,7 @@ class ParallelCalls:
     specs: dict[str, LocalSpec]
     canonical: dict[str, str]
     calls: list[ParallelCall] = field(default_factory=list)
-    dtensor_outputs: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
+    dtensor_outputs: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)  # -> (LocalSpec, FQN)
     _ids: Iterator[int] = field(default_factory=itertools.count)
 
     @staticmethod
@@ -288,7 +290,7 @@ class ParallelCalls:
             module=module,
             in_spec=in_spec,
             constants=tuple(None if isinstance(x, torch.Tensor) else x for x in leaves),
-            input_specs=tuple(self.dtensor_outputs.get(t) for t in tensors),
+            input_specs=tuple(self.dtensor_outputs.get(t, (None,))[0] for t in tensors),
             state=tuple(state),
             state_fqns=fqns,
             state_specs=tuple(self.specs.get(f) for f in fqns),
@@ -296,6 +298,20 @@ class ParallelCalls:
         self.calls.append(call)
         _CALLS[call.key] = call
         return call
+
+    def refuse_dtensor_result(self, output: Any) -> None:
+        """Refuse a model output holding a DTensor result of a tensor-parallel module (the loss
+        would read a local shard where eager reads the DTensor, as under `loss_parallel`)."""
+        for leaf in pytree.tree_leaves(output):
+            found = self.dtensor_outputs.get(leaf) if isinstance(leaf, torch.Tensor) else None
+            if found is not None:
+                spec, fqn = found
+                raise ValueError(
+                    f"tensor parallelism: the model returns the DTensor result of module '{fqn}' "
+                    f"({list(spec.placements)} over the '{TP}' mesh dimension); zbcompile computes the loss on whole "
+                    "tensors (loss_parallel is not supported): give that module's ParallelStyle "
+                    "output_layouts=Replicate() and use_local_output=True"
+                )
 
     @contextlib.contextmanager
     def standing_in(self, model: nn.Module) -> Iterator[None]:

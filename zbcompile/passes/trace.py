@@ -127,6 +127,8 @@ def trace_model(
         target_value = pytree.tree_unflatten(list(targets), target_spec) if target_spec is not None else None
         with watching_autograd(module_stack.current), _substituted(model, state), standing_in(model):
             output = model(*call_args, **call_kwargs)
+            if parallel is not None:
+                parallel.refuse_dtensor_result(output)
             if outputs:
                 structure[0], tensors = OutputStructure.of(output)
                 return tuple(tensors)
