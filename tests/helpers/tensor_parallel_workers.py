@@ -27,6 +27,7 @@ from helpers import models, real_models
 from helpers.data_parallel_workers import local_bytes, whole
 from helpers.distributed_workers import make_optimizer
 from zbcompile.models.gpt import GPT
+from zbcompile.runtime.optimizer import SynchronousClipOptimizer
 
 STEPS = 3
 MICROBATCHES = 4
@@ -144,6 +145,19 @@ def train(name: str, sizes: dict[str, int], data_parallel: str = "replicate", sc
             "dtensor": {n: isinstance(p, DTensor) for n, p in pipe.named_parameters()},
         }
     return results
+
+
+def clipped_steps(sizes: dict[str, int], data_parallel: str = "replicate") -> dict:
+    """The GPT's whole parameters after 2 zb-h1 steps of AdamW behind `SynchronousClipOptimizer`
+    (max_norm 0.05: every step clipped), whose norm sums the tensor-parallel shards once each."""
+    case, pipe = pipe_of("gpt", mesh_of(sizes), 2, "zb-h1", data_parallel=data_parallel)
+    pipe.load_state_dict(build("gpt").model.state_dict(), strict=False)
+    optimizer = SynchronousClipOptimizer(make_optimizer("adamw", pipe.parameters()), pipe, max_norm=0.05)
+    for _ in range(2):
+        optimizer.zero_grad()
+        case.step(pipe)
+        optimizer.step()
+    return {n: whole(p) for n, p in pipe.named_parameters()}
 
 
 def parameter_bytes() -> dict:
@@ -264,6 +278,7 @@ def four_ranks(directory: str) -> dict:
         "gpt": train("gpt", {"pp": 2, "tp": 2}, dump=os.path.join(directory, "dump")),
         "llama": train("llama", {"pp": 2, "tp": 2}),
         "sp-gpt": train("sp-gpt", {"pp": 2, "tp": 2}, schedules=(("zb-h1", 2),)),
+        "clipped": clipped_steps({"pp": 2, "tp": 2}),
         "bytes": parameter_bytes(),
         "checkpoint": checkpoint_across_degrees(os.path.join(directory, "dcp")),
         "errors": errors(),
@@ -275,4 +290,5 @@ def eight_ranks() -> dict:
     return {
         "gpt": train("gpt", {"dp": 2, "pp": 2, "tp": 2}, data_parallel="shard"),
         "llama": train("llama", {"dp": 2, "pp": 2, "tp": 2}),
+        "clipped": clipped_steps({"dp": 2, "pp": 2, "tp": 2}, "shard"),
     }

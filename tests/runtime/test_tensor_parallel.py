@@ -51,6 +51,30 @@ def _merged(per_rank: list[dict], name: str, schedule: str, field: str) -> dict:
     return merged
 
 
+@functools.cache
+def _eager_clipped() -> dict:
+    """The GPT's parameters after 2 eager AdamW steps over the whole batch, clipped to norm 0.05."""
+    case = workers.build("gpt")
+    optimizer = make_optimizer("adamw", case.model.parameters())
+    for _ in range(2):
+        optimizer.zero_grad()
+        case.eager_loss().backward()
+        torch.nn.utils.clip_grad_norm_(case.model.parameters(), 0.05)
+        optimizer.step()
+    return {n: p.detach() for n, p in case.model.named_parameters()}
+
+
+def _check_clipped(per_rank: list[dict]) -> None:
+    """The pipeline's clipped steps equal eager's: the global norm counts every shard once."""
+    merged: dict = {}
+    for result in per_rank:
+        merged.update(result["clipped"])
+    expected = _eager_clipped()
+    assert merged.keys() == expected.keys()
+    for fqn, value in expected.items():
+        torch.testing.assert_close(merged[fqn], value, **CLOSE, msg=fqn)
+
+
 def _check_equals_eager(per_rank: list[dict], names: tuple[str, ...]) -> None:
     for name in names:
         loss, params = _eager(name)
@@ -94,6 +118,11 @@ def test_pp2_tp2_steps_equal_eager_over_the_whole_batch(four):
 @pytest.mark.parametrize("name", ["gpt", "llama"])
 def test_pp2_tp2_gradients_bitwise_equal_across_schedules(four, name):
     _check_bitwise_across_schedules(four, name)
+
+
+@launches.READS_FOUR_RANKS
+def test_pp2_tp2_clipped_steps_equal_eager(four):
+    _check_clipped(four)
 
 
 @launches.READS_FOUR_RANKS
@@ -188,6 +217,12 @@ def test_dp2_pp2_tp2_steps_equal_eager_over_the_whole_batch(eight):
     _check_equals_eager(eight, ("gpt", "llama"))
     gpt = {fqn: kind for r in eight for fqn, kind in r["gpt"]["zb-h1"]["dtensor"].items()}
     assert all(gpt.values()), gpt
+
+
+@launches.READS_EIGHT_RANKS
+def test_dp2_pp2_tp2_clipped_steps_equal_eager(eight):
+    """Under data_parallel="shard": gradients sharded over "dp" and "tp" at once."""
+    _check_clipped(eight)
 
 
 @launches.READS_EIGHT_RANKS
