@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from zbcompile.inspect.read import Dump
 from zbcompile.inspect.timelines import MOVED, median, median_step, steady_steps, step_stats
@@ -59,10 +59,21 @@ def stage_rows(compiled: "CompiledPipeline") -> list[dict[str, Any]]:
     )
 
 
-def stage_rows_of(named_parameters: Any, partition: Any, costs: Sequence[Any]) -> list[dict[str, Any]]:
+def stage_rows_of(
+    named_parameters: Any, partition: Any, costs: Sequence[Any], shares: Mapping[str, float] | None = None
+) -> list[dict[str, Any]]:
     """`stage_rows` from the model's `named_parameters()`, a `StagePartition` and each stage's
-    `StageGraphCost` (what a plan has without stage programs)."""
+    `StageGraphCost` (what a plan has without stage programs); `shares`: the share of a parameter
+    one tensor-parallel rank holds, by FQN (1 where absent)."""
     params = dict(named_parameters)
+    share = shares or {}
+
+    def count(fqn: str) -> int:
+        return int(params[fqn].numel() * share.get(fqn, 1.0))
+
+    def nbytes(fqn: str) -> int:
+        return count(fqn) * params[fqn].element_size()
+
     rows = []
     for cost, stage in zip(costs, partition.stages):
         graphs = dict(zip(PASSES, (cost.forward, cost.input_backward, cost.weight_backward)))
@@ -70,10 +81,10 @@ def stage_rows_of(named_parameters: Any, partition: Any, costs: Sequence[Any]) -
         rows.append(
             {
                 "stage": stage.index,
-                "params": sum(params[f].numel() for f in owned),
-                "param_bytes": sum(params[f].numel() * params[f].element_size() for f in owned),
+                "params": sum(count(f) for f in owned),
+                "param_bytes": sum(nbytes(f) for f in owned),
                 # what the stage's rank holds: a weight shared with another stage too (a tied embedding)
-                "held_param_bytes": sum(params[f].numel() * params[f].element_size() for f in stage.param_fqns),
+                "held_param_bytes": sum(nbytes(f) for f in stage.param_fqns),
                 "param_fqns": list(stage.param_fqns),
                 "layers": layers_of(stage.param_fqns),
                 "flops": {k: g.flops for k, g in graphs.items()},

@@ -31,8 +31,16 @@ def is_differentiable(value: object) -> bool:
     return isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
 
 
+# keys of node.meta["custom"]: the share of a node's FLOPs and bytes one tensor-parallel rank has,
+# where a plan counts them (`tensor_parallel_shares.py`; 1 where absent)
+TP_FLOPS, TP_BYTES = "tp_flops", "tp_bytes"
+
+
 def node_bytes(node: fx.Node) -> int:
-    return tensor_bytes(node.meta.get("val"))
+    """Bytes of a node's value (its tensor-parallel share of them, where a plan set one)."""
+    share = node.meta.get("custom", {}).get(TP_BYTES)
+    nbytes = tensor_bytes(node.meta.get("val"))
+    return nbytes if share is None else int(nbytes * share)
 
 
 def is_multi_output(node: fx.Node) -> bool:

@@ -38,7 +38,9 @@ def node_flops(node: fx.Node) -> int:
     if node.op != "call_function" or not ti.has_flop_formula(node.target):
         return 0
     args, kwargs = pytree.tree_map(_meta_value, (node.args, node.kwargs))
-    return ti.count_flops(node.target, args, kwargs, node.meta.get("val"))
+    flops = ti.count_flops(node.target, args, kwargs, node.meta.get("val"))
+    share = node.meta.get("custom", {}).get(_fx.TP_FLOPS)  # a plan's tensor-parallel share
+    return flops if share is None else int(flops * share)
 
 
 def node_written_bytes(node: fx.Node) -> int:
