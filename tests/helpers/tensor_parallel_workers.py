@@ -31,8 +31,8 @@ from zbcompile.runtime.optimizer import SynchronousClipOptimizer
 
 STEPS = 3
 MICROBATCHES = 4
-# (schedule, stages): three in-line schedules share one compile, then a V over twice the stages
-SCHEDULES = (("1f1b", 2), ("zb-h1", 2), ("zb-auto", 2), ("zbv", 4))
+# (schedule, stages): a V over 4 stages, then three in-line schedules sharing one compile of 2
+SCHEDULES = (("zbv", 4), ("1f1b", 2), ("zb-h1", 2), ("zb-auto", 2))
 
 
 def gpt_plan() -> dict:
@@ -118,16 +118,21 @@ def pipe_of(name: str, mesh, stages: int, schedule: str, **options):
     return case, pipe
 
 
-def train(name: str, sizes: dict[str, int], data_parallel: str = "replicate", schedules=SCHEDULES, dump=None) -> dict:
+def train(
+    name: str, sizes: dict[str, int], data_parallel: str = "replicate", schedules=SCHEDULES, dump=None,
+    clipped: bool = False,
+) -> dict:
     """`STEPS` AdamW steps of case `name` per schedule from the same initial parameters; per
     schedule the losses, the first step's whole gradients and the whole parameters after the
-    steps (by FQN, this rank's); the first compile dumps into `dump`."""
+    steps (by FQN, this rank's); the last compile dumps into `dump`. With `clipped`, then 2 zb-h1
+    steps of AdamW behind `SynchronousClipOptimizer` (max_norm 0.05: every step clipped), whose
+    norm must sum the shards over "tp" (and "dp") once each: the whole parameters after them."""
     mesh, results = mesh_of(sizes), {}
     initial = build(name).model.state_dict()
     pipe, compiled_stages = None, None
     for schedule, stages in schedules:
         if stages != compiled_stages:
-            extra = {"dump_dir": dump} if dump is not None and pipe is None else {}
+            extra = {"dump_dir": dump} if dump is not None and stages == schedules[-1][1] else {}
             case, pipe = pipe_of(name, mesh, stages, schedule, data_parallel=data_parallel, **extra)
             compiled_stages = stages
         else:
@@ -144,20 +149,16 @@ def train(name: str, sizes: dict[str, int], data_parallel: str = "replicate", sc
             "losses": losses, "grads": grads, "params": {n: whole(p) for n, p in pipe.named_parameters()},
             "dtensor": {n: isinstance(p, DTensor) for n, p in pipe.named_parameters()},
         }
+    if clipped:
+        pipe.set_schedule("zb-h1")
+        pipe.load_state_dict(initial, strict=False)
+        optimizer = SynchronousClipOptimizer(make_optimizer("adamw", pipe.parameters()), pipe, max_norm=0.05)
+        for _ in range(2):
+            optimizer.zero_grad()
+            case.step(pipe)
+            optimizer.step()
+        results["clipped"] = {n: whole(p) for n, p in pipe.named_parameters()}
     return results
-
-
-def clipped_steps(sizes: dict[str, int], data_parallel: str = "replicate") -> dict:
-    """The GPT's whole parameters after 2 zb-h1 steps of AdamW behind `SynchronousClipOptimizer`
-    (max_norm 0.05: every step clipped), whose norm sums the tensor-parallel shards once each."""
-    case, pipe = pipe_of("gpt", mesh_of(sizes), 2, "zb-h1", data_parallel=data_parallel)
-    pipe.load_state_dict(build("gpt").model.state_dict(), strict=False)
-    optimizer = SynchronousClipOptimizer(make_optimizer("adamw", pipe.parameters()), pipe, max_norm=0.05)
-    for _ in range(2):
-        optimizer.zero_grad()
-        case.step(pipe)
-        optimizer.step()
-    return {n: whole(p) for n, p in pipe.named_parameters()}
 
 
 def parameter_bytes() -> dict:
@@ -275,10 +276,9 @@ def _dtensor_read_outside(x: torch.Tensor, target: torch.Tensor) -> str | None:
 def four_ranks(directory: str) -> dict:
     """Everything the four-rank launch checks of tensor parallelism, in order."""
     return {
-        "gpt": train("gpt", {"pp": 2, "tp": 2}, dump=os.path.join(directory, "dump")),
+        "gpt": train("gpt", {"pp": 2, "tp": 2}, dump=os.path.join(directory, "dump"), clipped=True),
         "llama": train("llama", {"pp": 2, "tp": 2}),
         "sp-gpt": train("sp-gpt", {"pp": 2, "tp": 2}, schedules=(("zb-h1", 2),)),
-        "clipped": clipped_steps({"pp": 2, "tp": 2}),
         "bytes": parameter_bytes(),
         "checkpoint": checkpoint_across_degrees(os.path.join(directory, "dcp")),
         "errors": errors(),
@@ -288,7 +288,6 @@ def four_ranks(directory: str) -> dict:
 def eight_ranks() -> dict:
     """dp=2 x pp=2 x tp=2: the GPT with data_parallel="shard", the Llama with "replicate"."""
     return {
-        "gpt": train("gpt", {"dp": 2, "pp": 2, "tp": 2}, data_parallel="shard"),
+        "gpt": train("gpt", {"dp": 2, "pp": 2, "tp": 2}, data_parallel="shard", clipped=True),
         "llama": train("llama", {"dp": 2, "pp": 2, "tp": 2}),
-        "clipped": clipped_steps({"dp": 2, "pp": 2, "tp": 2}, "shard"),
     }
