@@ -1,7 +1,7 @@
 """Tensor parallelism at run time: the user's plan applied on the mesh's "tp" dimension and the
-model checked against the layout (`apply_plan`, `check_model`), parameters as the stage programs
-compute with them (`local_state`: a DTensor's local shard), and partial sums of gradients reduced
-over the tp group (`reduce_partial_grads`).
+model checked against the layout (`apply_plan`, `check_model`), and partial sums of gradients
+reduced over the tp group (`reduce_partial_grads`); parameters as the stage programs compute with
+them are `state_ownership.local_state`'s.
 
 How the trace and the stage programs treat tensor-parallel modules is `passes/tensor_parallel.py`'s
 job; here the runtime keeps DTensor parameters (each rank its shard), so `pipe.parameters()`,
@@ -16,10 +16,10 @@ from typing import Iterable, Mapping
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from zbcompile.passes.tensor_parallel import TP, is_tensor_parallel, local_view, parallel_modules
+from zbcompile.passes.tensor_parallel import TP, is_tensor_parallel, parallel_modules
 from zbcompile.runtime.layout import Layout
 from zbcompile.runtime.sharding import wait
 
@@ -123,30 +123,6 @@ def _check_head_counts(module: nn.Module, parallel: Iterable[str], tp: int) -> N
                         f"multiple of the '{TP}' mesh dimension's {tp} ranks; each rank computes whole heads, so "
                         f"choose a tp degree that divides {count}"
                     )
-
-
-def local_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`state` (runtime names -> parameters and buffers) as the stage programs compute with it: a
-    DTensor over "tp" alone as its local shard (a view: in-place writes reach the parameter), one
-    over ("dp", "tp") as a DTensor over "dp" of its local shard (as `sharding.Gathered` gathers
-    data_parallel="shard"'s parameters), each carrying its `grad_dtype`; every other tensor as it is."""
-    result = dict(state)
-    for name, tensor in state.items():
-        if not is_tensor_parallel(tensor):
-            continue
-        with torch.no_grad():
-            if tensor.device_mesh.mesh_dim_names == (TP,):
-                local = local_view(tensor)
-            else:  # over ("dp", "tp"): the local shard's rows over "dp", which a step gathers
-                whole = local_view(tensor)
-                stride = torch.empty(whole.shape, device="meta").stride()
-                mesh = tensor.device_mesh["dp"]
-                local = DTensor.from_local(
-                    tensor.to_local(), mesh, [Shard(0)], run_check=False, shape=whole.shape, stride=stride
-                )
-        local.grad_dtype = tensor.grad_dtype
-        result[name] = local
-    return result
 
 
 def reduce_partial_grads(
