@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
+    parallelize_module,
 )
 
 import zbcompile
@@ -26,6 +27,7 @@ import zbcompile.checkpoint
 from helpers import models, real_models
 from helpers.data_parallel_workers import local_bytes, whole
 from helpers.distributed_workers import make_optimizer
+from zbcompile.inspect.write import live_dump
 from zbcompile.models.gpt import GPT
 from zbcompile.runtime.optimizer import SynchronousClipOptimizer
 
@@ -78,17 +80,26 @@ def sequence_parallel_plan() -> dict:
 
 
 def build(name: str):
-    """The case `name`: "gpt" (the zoo's), "llama" (transformers'), "sp-gpt" (the zoo GPT untied)."""
+    """The case `name`: "gpt" (the zoo's), "llama" (transformers'), "sp-gpt" (the zoo GPT untied),
+    "meta-gpt" (the zoo GPT built on the meta device)."""
     if name == "llama":
         return real_models.build("llama")
     case = models.build("gpt")
     if name == "sp-gpt":
         torch.manual_seed(0)
         case = dataclasses.replace(case, model=GPT(dataclasses.replace(models.GPT_CONFIG, tie_embeddings=False)))
+    if name == "meta-gpt":
+        with torch.device("meta"):
+            case = dataclasses.replace(case, model=GPT(models.GPT_CONFIG))
     return case
 
 
-PLANS = {"gpt": gpt_plan, "llama": llama_plan, "sp-gpt": sequence_parallel_plan}
+PLANS = {"gpt": gpt_plan, "llama": llama_plan, "sp-gpt": sequence_parallel_plan, "meta-gpt": lambda: None}
+INITIAL = {"meta-gpt": "gpt"}  # the case whose parameters a case starts from, where not its own
+
+
+def initial_state(name: str) -> dict:
+    return build(INITIAL.get(name, name)).model.state_dict()
 
 
 def mesh_of(sizes: dict[str, int]):
@@ -108,7 +119,11 @@ def replica_case(name: str, mesh):
 
 
 def pipe_of(name: str, mesh, stages: int, schedule: str, **options):
+    """A pipeline of case `name` over `mesh` with its plan given as `tensor_parallel=`; the meta
+    GPT's applied by `parallelize_module` on `mesh["tp"]` first, as a user applies it."""
     case = replica_case(name, mesh)
+    if name == "meta-gpt":
+        parallelize_module(case.model, mesh["tp"], gpt_plan())
     options = {"tensor_parallel": PLANS[name](), **options}
     pipe = zbcompile.pipeline(
         case.model, stages=stages, microbatches=MICROBATCHES, loss_fn=case.loss_fn, schedule=schedule,
@@ -128,7 +143,7 @@ def train(
     steps of AdamW behind `SynchronousClipOptimizer` (max_norm 0.05: every step clipped), whose
     norm must sum the shards over "tp" (and "dp") once each: the whole parameters after them."""
     mesh, results = mesh_of(sizes), {}
-    initial = build(name).model.state_dict()
+    initial = initial_state(name)
     pipe, compiled_stages = None, None
     for schedule, stages in schedules:
         if stages != compiled_stages:
@@ -148,6 +163,12 @@ def train(
         results[schedule] = {
             "losses": losses, "grads": grads, "params": {n: whole(p) for n, p in pipe.named_parameters()},
             "dtensor": {n: isinstance(p, DTensor) for n, p in pipe.named_parameters()},
+            "bytes": {
+                "params": local_bytes(pipe.parameters()),
+                "grads": local_bytes(p.grad for p in pipe.parameters() if p.grad is not None),
+                "optimizer": local_bytes(v for s in optimizer.state.values() for v in s.values() if v.dim()),
+            },
+            "state_rows": live_dump(pipe).record["world"]["state_bytes"][pipe.runner.layout.pp_rank],
         }
     if clipped:
         pipe.set_schedule("zb-h1")
@@ -279,6 +300,7 @@ def four_ranks(directory: str) -> dict:
         "gpt": train("gpt", {"pp": 2, "tp": 2}, dump=os.path.join(directory, "dump"), clipped=True),
         "llama": train("llama", {"pp": 2, "tp": 2}),
         "sp-gpt": train("sp-gpt", {"pp": 2, "tp": 2}, schedules=(("zb-h1", 2),)),
+        "meta-gpt": train("meta-gpt", {"pp": 2, "tp": 2}, schedules=(("zb-h1", 2),)),
         "bytes": parameter_bytes(),
         "checkpoint": checkpoint_across_degrees(os.path.join(directory, "dcp")),
         "errors": errors(),

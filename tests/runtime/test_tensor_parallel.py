@@ -1,7 +1,7 @@
 """Tensor parallelism inside the pipeline, with torch's DTensor plans: pp=2 x tp=2 (in the shared
 four-rank launch) and dp=2 x pp=2 x tp=2 (one eight-rank launch) on the zoo GPT and a transformers
 Llama: 3 AdamW steps equal eager over the whole batch under 1f1b, zb-h1, zb-auto and zbv, the same
-gradients bit for bit under every schedule; each rank holds about half the parameter
+gradients bit for bit under every schedule of one cut; each rank holds about half the parameter
 bytes; the collectives of the dumped stage programs sit in F and I only; a DCP checkpoint saved at
 tp=2 loads at tp=1, at pp=4 and back, bitwise; bad layouts are ValueErrors naming the mesh
 dimension, the module and the sizes."""
@@ -18,7 +18,7 @@ import torch
 
 from helpers import launches
 from helpers import tensor_parallel_workers as workers
-from helpers.distributed_workers import make_optimizer
+from helpers.distributed_workers import eager_adamw, make_optimizer
 
 CLOSE = dict(rtol=1e-5, atol=1e-6)
 IN_LINE = ("1f1b", "zb-h1", "zb-auto")  # one cut (2 stages), besides zbv over 4
@@ -27,15 +27,8 @@ IN_LINE = ("1f1b", "zb-h1", "zb-auto")  # one cut (2 stages), besides zbv over 4
 @functools.cache
 def _eager(name: str) -> tuple[torch.Tensor, dict]:
     """The first step's loss and the parameters after `STEPS` eager AdamW steps over the whole batch."""
-    case = workers.build(name)
-    optimizer = make_optimizer("adamw", case.model.parameters())
-    losses = []
-    for _ in range(workers.STEPS):
-        optimizer.zero_grad()
-        loss = case.eager_loss()
-        loss.backward()
-        losses.append(loss.detach())
-        optimizer.step()
+    case = workers.build(workers.INITIAL.get(name, name))
+    losses, _ = eager_adamw(case, workers.STEPS)
     return losses[0], {n: p.detach() for n, p in case.model.named_parameters()}
 
 
@@ -89,11 +82,12 @@ def _check_equals_eager(per_rank: list[dict], names: tuple[str, ...]) -> None:
 
 
 def _check_bitwise_across_schedules(per_rank: list[dict], name: str) -> None:
-    """The first step's gradients of every schedule equal 1f1b's bitwise, zbv's over 4 stages too."""
+    """The first step's gradients of every schedule of one cut equal 1f1b's bitwise (zbv's cut in
+    4 stages sums a gradient's branches in another order: equal to eager within rounding)."""
     schedules = [s for s in per_rank[0][name] if s != "clipped"]
     assert set(schedules) == {*IN_LINE, "zbv"}, schedules
     first = _merged(per_rank, name, "1f1b", "grads")
-    for schedule in schedules:
+    for schedule in IN_LINE:
         other = _merged(per_rank, name, schedule, "grads")
         for fqn, grad in first.items():
             assert torch.equal(grad, other[fqn]), f"{name}: {schedule}'s gradient of {fqn} differs from 1f1b's"
@@ -109,9 +103,10 @@ def four():
 
 @launches.READS_FOUR_RANKS
 def test_pp2_tp2_steps_equal_eager_over_the_whole_batch(four):
-    """GPT and Llama under every schedule, and the GPT with sequence parallelism: the parameters
-    after 3 AdamW steps equal eager's; a stage's tensor-parallel ranks hold the same bits."""
-    _check_equals_eager(four, ("gpt", "llama", "sp-gpt"))
+    """GPT and Llama under every schedule, the GPT with sequence parallelism and the GPT built on
+    the meta device and parallelized by the user: the parameters after 3 AdamW steps equal
+    eager's; a stage's tensor-parallel ranks hold the same bits."""
+    _check_equals_eager(four, ("gpt", "llama", "sp-gpt", "meta-gpt"))
 
 
 @launches.READS_FOUR_RANKS
@@ -123,6 +118,19 @@ def test_pp2_tp2_gradients_bitwise_equal_across_schedules(four, name):
 @launches.READS_FOUR_RANKS
 def test_pp2_tp2_clipped_steps_equal_eager(four):
     _check_clipped(four)
+
+
+def _check_explained_bytes(per_rank: list[dict]) -> None:
+    """explain()'s parameters, gradients and optimizer state per rank are the bytes of the local
+    shards the rank holds after the steps."""
+    for result in per_rank:
+        run = result["gpt"]["zb-h1"]
+        assert {k: run["state_rows"][k] for k in run["bytes"]} == run["bytes"], (run["state_rows"], run["bytes"])
+
+
+@launches.READS_FOUR_RANKS
+def test_explain_counts_each_ranks_shards(four):
+    _check_explained_bytes(four)
 
 
 @launches.READS_FOUR_RANKS
@@ -217,6 +225,12 @@ def test_dp2_pp2_tp2_steps_equal_eager_over_the_whole_batch(eight):
     _check_equals_eager(eight, ("gpt", "llama"))
     gpt = {fqn: kind for r in eight for fqn, kind in r["gpt"]["zb-h1"]["dtensor"].items()}
     assert all(gpt.values()), gpt
+
+
+@launches.READS_EIGHT_RANKS
+def test_dp2_pp2_tp2_explain_counts_each_ranks_shards(eight):
+    """Under "shard": the rows over "dp" of each tensor-parallel shard."""
+    _check_explained_bytes(eight)
 
 
 @launches.READS_EIGHT_RANKS

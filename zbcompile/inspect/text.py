@@ -50,13 +50,19 @@ def _value(name: str, info: Any) -> dict[str, Any]:
 
 
 def stage_rows(compiled: "CompiledPipeline") -> list[dict[str, Any]]:
-    """Per stage: the parameters it owns (a tied weight counts on its first stage) and their bytes,
+    """Per stage: the parameters it owns (a tied weight counts on its first stage) and their bytes
+    on one rank (a tensor-parallel parameter's local shard),
     FLOPs, written bytes and estimated time (FLOP-equivalents) of F, I and W, M_B and M_W in
     bytes, the boundary values it receives and sends (name, shape, dtype, bytes), and the bytes
     crossing the boundary to the next stage."""
-    return stage_rows_of(
-        compiled.traced.model.named_parameters(), compiled.partition, [p.cost for p in compiled.programs]
-    )
+    return stage_rows_of(_held_parameters(compiled), compiled.partition, [p.cost for p in compiled.programs])
+
+
+def _held_parameters(compiled: "CompiledPipeline") -> list[tuple[str, Any]]:
+    """(FQN, the parameter as one rank computes with it: a tensor-parallel shard's local shape,
+    as the stages were traced) for every parameter of the compile."""
+    traced = compiled.traced
+    return [(fqn, traced.fake_state[fqn]) for fqn in traced.param_fqns]
 
 
 def stage_rows_of(
@@ -181,7 +187,7 @@ def state_rows(
     step under data-parallel `mode` ("replicate", or "shard" over `replicas`: a replica's rows
     padded as `runtime.sharding.Rows` pads them, the most any replica holds), a tied weight
     counted on every rank that holds it."""
-    params = dict(compiled.traced.model.named_parameters())
+    params = dict(_held_parameters(compiled))
     rows = []
     for rank, stages in enumerate(stages_on):
         held = grads = 0

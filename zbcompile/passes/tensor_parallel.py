@@ -141,7 +141,8 @@ class ParallelCall:
         return pytree.tree_unflatten([next(produced) if c is None else c for c in self.out_constants], self.out_spec)
 
 
-_CALLS: "weakref.WeakValueDictionary[str, ParallelCall]" = weakref.WeakValueDictionary()
+_CALLS: "weakref.WeakValueDictionary[str, ParallelCall]" = weakref.WeakValueDictionary()  # by key
+_CALL_NUMBERS = itertools.count()  # a key's number: unique in the process
 _partial_grads: list[set[str]] = []  # where the joint traced now records partial gradients (`recording_partial_grads`)
 
 
@@ -257,7 +258,6 @@ class ParallelCalls:
     canonical: dict[str, str]
     calls: list[ParallelCall] = field(default_factory=list)
     dtensor_outputs: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)  # -> (LocalSpec, FQN)
-    _ids: Iterator[int] = field(default_factory=itertools.count)
 
     @staticmethod
     def of(model: nn.Module) -> "ParallelCalls | None":
@@ -285,7 +285,7 @@ class ParallelCalls:
         prefix = f"{fqn}." if fqn else ""
         fqns = tuple(self.canonical.get(prefix + n, prefix + n) for n in state)
         call = ParallelCall(
-            key=f"{fqn}#{next(self._ids)}@{id(self):x}",
+            key=f"{fqn}#{next(_CALL_NUMBERS)}",
             fqn=fqn,
             module=module,
             in_spec=in_spec,
