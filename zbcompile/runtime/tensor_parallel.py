@@ -37,12 +37,20 @@ def _matches(pattern: str, fqn: str) -> bool:
 
 def apply_plan(module: nn.Module, plan: Mapping[str, ParallelStyle], layout: Layout) -> None:
     """Apply `plan` ({module-FQN pattern: ParallelStyle}) with torch's `parallelize_module` on the
-    layout's "tp" mesh dimension; a pattern naming no module, or a plan without such a dimension,
-    is refused naming both."""
+    layout's "tp" mesh dimension, to the whole model (the trace needs every module's layout; on a
+    meta model nothing is allocated); a pattern naming no module, a layout without such a
+    dimension or a model parallelized already is refused."""
     if layout.mesh is None or TP not in (layout.mesh.mesh_dim_names or ()):
         raise ValueError(
             f"pipeline(tensor_parallel=...) applies its plan on the '{TP}' dimension of a DeviceMesh; pass "
             "process_group=<DeviceMesh with dimensions ('dp', 'pp', 'tp') or a subset in that order>"
+        )
+    already = list(parallel_modules(module))
+    if already:
+        raise ValueError(
+            f"pipeline(tensor_parallel=...): {type(module).__name__} is tensor-parallel already (e.g. module "
+            f"{already[0]!r}, parallelized over the '{TP}' mesh dimension of {layout.tp_size} ranks); apply the plan "
+            "once: either parallelize_module before compiling or tensor_parallel=, not both"
         )
     names = [n for n, _ in module.named_modules() if n]
     for pattern, style in plan.items():
