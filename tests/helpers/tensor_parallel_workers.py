@@ -249,49 +249,40 @@ class _Heads(nn.Module):
 
 def errors() -> dict:
     """Bad layouts on 4 ranks, each refused on every rank: the message of each ValueError."""
-    x, target = torch.randn(4, 6), torch.randn(4, 6)
     pp_tp = {"pp": 2, "tp": 2}
     linears = lambda: nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6))  # noqa: E731
-    cases = {
-        "missing module": (lambda: GPT(models.GPT_CONFIG), {"blocks.*.attn.q_proj": ColwiseParallel()}, pp_tp),
-        "heads": (_Heads, {"qkv": ColwiseParallel(), "out": RowwiseParallel()}, pp_tp),
-        "hidden": (lambda: nn.Sequential(nn.Linear(6, 3), nn.Linear(3, 6)), {"0": ColwiseParallel()}, pp_tp),
-        "no tp module": (linears, None, pp_tp),
-        "pp size": (linears, None, {"dp": 2, "pp": 2}),
-        "order": (linears, None, {"tp": 2, "pp": 2}),
+
+    def parallelized_already() -> nn.Module:
+        model = GPT(models.GPT_CONFIG)
+        return parallelize_module(model, mesh_of(pp_tp)["tp"], gpt_plan())
+
+    cases = {  # label: (the model, tensor_parallel=, the mesh's sizes, stages)
+        "missing module": (lambda: GPT(models.GPT_CONFIG), {"blocks.*.attn.q_proj": ColwiseParallel()}, pp_tp, 2),
+        "heads": (_Heads, {"qkv": ColwiseParallel(), "out": RowwiseParallel()}, pp_tp, 2),
+        "hidden": (lambda: nn.Sequential(nn.Linear(6, 3), nn.Linear(3, 6)), {"0": ColwiseParallel()}, pp_tp, 2),
+        "no tp module": (linears, None, pp_tp, 2),
+        "pp size": (linears, None, {"dp": 2, "pp": 2}, 4),
+        "order": (linears, None, {"tp": 2, "pp": 2}, 2),
+        "applied twice": (parallelized_already, gpt_plan(), pp_tp, 2),
+        # a head whose output stays a DTensor (loss_parallel's layout), read by the loss function
+        "dtensor read outside": (linears, {"1": ColwiseParallel(use_local_output=False)}, pp_tp, 2),
     }
     messages = {}
-    for label, (make, plan, sizes) in cases.items():
+    for label, (make, plan, sizes, stages) in cases.items():
         torch.manual_seed(0)
         model = make()
-        stages = 4 if label == "pp size" else 2
+        x, target = (torch.randint(0, 64, (4, 8)),) * 2 if isinstance(model, GPT) else (torch.randn(4, 6),) * 2
         try:
             pipe = zbcompile.pipeline(
-                model, stages=stages, microbatches=2, loss_fn=F.mse_loss, process_group=mesh_of(sizes),
-                tensor_parallel=plan, timeout=30,
+                model, stages=stages, microbatches=2, loss_fn=models.lm_loss if isinstance(model, GPT) else F.mse_loss,
+                process_group=mesh_of(sizes), tensor_parallel=plan, timeout=30,
             )
             pipe.compile(x, target=target)
             messages[label] = None
         except ValueError as error:
             messages[label] = str(error)
-    messages["dtensor read outside"] = _dtensor_read_outside(x, target)
     dist.barrier()
     return messages
-
-
-def _dtensor_read_outside(x: torch.Tensor, target: torch.Tensor) -> str | None:
-    """A head whose output stays a DTensor (loss_parallel's layout) read by the loss function."""
-    model = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6))
-    plan = {"1": ColwiseParallel(use_local_output=False)}
-    try:
-        pipe = zbcompile.pipeline(
-            model, stages=2, microbatches=2, loss_fn=F.mse_loss, process_group=mesh_of({"pp": 2, "tp": 2}),
-            tensor_parallel=plan, timeout=30,
-        )
-        pipe.compile(x, target=target)
-    except ValueError as error:
-        return str(error)
-    return None
 
 
 def four_ranks(directory: str) -> dict:

@@ -200,6 +200,7 @@ def test_bad_layouts_are_value_errors_naming_dimension_module_and_sizes(four):
         "pp size": ("'pp' dimension has 2 ranks", "needs 4"),
         "order": ("('tp', 'pp')", "in that order"),
         "dtensor read outside": ("module '1'", "Shard(dim=1)", "'tp'", "output_layouts=Replicate()"),
+        "applied twice": ("tensor-parallel already", "'tp' mesh dimension of 2 ranks", "not both"),
     }
     for result in four:
         for label, fragments in expected.items():
