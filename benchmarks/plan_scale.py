@@ -3,9 +3,11 @@ hidden 8192, 64 heads, 8 key/value heads) in one CPU process, for pp=8 and pp=16
 microbatches of one 4096-token sequence, against an 80 GB H100: each run's wall time, CPU time
 and peak resident memory (of the child process, from `resource`), and the report's schedule
 lines. Writes benchmarks/results/plan_scale.{json,md} (with the load average beside the times:
-on a shared machine wall time is not the process's own; CPU time is).
+on a shared machine wall time is not the process's own; CPU time is). With `--tp 8`, each stage
+on 8 tensor-parallel ranks too (transformers' own plan for the Llama), written to
+plan_scale_tp8.{json,md}.
 
-    PYTHONPATH=. python benchmarks/plan_scale.py [--stages 8]
+    PYTHONPATH=. python benchmarks/plan_scale.py [--stages 8] [--tp 8]
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ HERE = pathlib.Path(__file__).parent
 CONFIG = HERE / "configs" / "llama3-70b.json"
 
 
-def run(stages: int) -> dict:
+def run(stages: int, tp: int = 1) -> dict:
     command = [
         sys.executable, "-m", "zbcompile.cli", "plan", str(CONFIG), "--stages", str(stages), "--microbatches", "32",
-        "--dp", "8", "--seq-len", "4096", "--hardware", "H100-80GB",
+        "--dp", "8", "--tp", str(tp), "--seq-len", "4096", "--hardware", "H100-80GB",
     ]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     load = os.getloadavg()[0]
@@ -36,7 +38,7 @@ def run(stages: int) -> dict:
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return {
-        "stages": stages, "wall_s": wall, "cpu_s": cpu, "peak_rss_mb": after.ru_maxrss / 1024,
+        "stages": stages, "tp": tp, "wall_s": wall, "cpu_s": cpu, "peak_rss_mb": after.ru_maxrss / 1024,
         "load_average_before": load, "load_average_after": os.getloadavg()[0], "report": done.stdout,
     }
 
@@ -44,8 +46,9 @@ def run(stages: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--stages", type=int, action="append", default=None)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage")
     args = parser.parse_args()
-    results = [run(s) for s in (args.stages or [8, 16])]
+    results = [run(s, args.tp) for s in (args.stages or [8, 16])]
     lines = [
         "| pp | wall (s) | CPU (s) | peak RSS (MB) | load average (1 min) before, after |",
         "|---|---|---|---|---|",
@@ -60,12 +63,13 @@ def main() -> None:
     for r in results:
         print(f"\n--- pp={r['stages']} ---\n{r['report']}")
     out = HERE / "results"
-    (out / "plan_scale.json").write_text(json.dumps(results, indent=1) + "\n")
+    name = "plan_scale" if args.tp == 1 else f"plan_scale_tp{args.tp}"
+    (out / f"{name}.json").write_text(json.dumps(results, indent=1) + "\n")
     note = (
         "CPU time is the planning process's own (user + system), the best guide to its wall time on a quiet "
         "machine; wall time here depends on the load beside it.\n\n"
     )
-    (out / "plan_scale.md").write_text(
+    (out / f"{name}.md").write_text(
         note + table + "\n\n" + "\n\n".join(f"pp={r['stages']}:\n```\n{r['report']}```" for r in results) + "\n"
     )
 

@@ -65,6 +65,8 @@ __all__ = [
     "version_of",
     "requires_grad_unwrapped",
     "count_flops",
+    "strided_shard",
+    "LocalFlopCounter",
     "has_flop_formula",
     "make_fx",
     "preserve_node_meta",
@@ -272,6 +274,28 @@ def count_flops(target: Any, args: tuple, kwargs: dict, out: Any) -> int:
     return int(formula(*args, out_val=out, **kwargs)) if formula else 0
 
 
+class LocalFlopCounter(TorchDispatchMode):
+    """While active, counts in `flops` the FLOPs of the ops run on plain tensors off the `meta`
+    device: of a DTensor computation, its local ops, each once (the op on DTensors is left to
+    DTensor, whose shape propagation on `meta` is not counted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        kwargs = kwargs or {}
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        out = func(*args, **kwargs)
+        tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        if has_flop_formula(func) and not any(t.is_meta for t in tensors):
+            self.flops += count_flops(func, args, kwargs, out)
+        return out
+
+
 @contextlib.contextmanager
 def onednn_disabled():
     """oneDNN off while tracing: its fused RNN layer (`mkldnn_rnn_layer`) returns a workspace its
@@ -319,6 +343,15 @@ def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor
 
     with torch._inductor.config.patch(compile_threads=1):  # no worker pool to start per process
         return torch._inductor.compile(gm, example_inputs)
+
+
+def strided_shard(dim: int, split_factor: int):
+    """DTensor's placement for a shard of a shard: dimension `dim` cut into `split_factor` pieces
+    first (by a later mesh dimension), each piece then cut over this one (`_StridedShard`, as
+    FSDP2 shards a tensor-parallel parameter's local rows)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=split_factor)
 
 
 def default_store():

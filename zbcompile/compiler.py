@@ -234,6 +234,7 @@ class CostedPipeline:
     representative: tuple[int, ...]
     phase_seconds: dict[str, float] = field(default_factory=dict)
     phase_cpu_seconds: dict[str, float] = field(default_factory=dict)
+    annotation: Any = None  # what `compile_costs`'s `annotate` returned
 
 
 def compile_costs(
@@ -247,13 +248,16 @@ def compile_costs(
     device: torch.device | None = None,
     min_deferral_intensity: float = MIN_DEFERRAL_INTENSITY,
     reuse_blocks: bool = True,
+    annotate: Callable[[TracedModel], Any] | None = None,
 ) -> CostedPipeline:
     """What `compile_pipeline` computes of each stage's cost, for a model on the meta device as
     well (nothing is materialised), with the joint export, the I/W split and the cost of stages
     with equal `stage_fingerprint`s done once. Costs equal `compile_pipeline`'s stage for stage.
     The trace records no source lines (errors name the module). Phases are timed in wall-clock
     and in this process's CPU seconds (what a shared machine does not distort). `reuse_blocks`:
-    see `compile_pipeline`."""
+    see `compile_pipeline`. `annotate(traced)` runs between the trace and the partition (a plan's
+    tensor-parallel shares, `passes/tensor_parallel_shares.py`); what it returns is
+    `CostedPipeline.annotation`."""
     seconds: dict[str, float] = {}
     cpu_seconds: dict[str, float] = {}
 
@@ -267,13 +271,14 @@ def compile_costs(
         traced = timed(
             "trace", lambda: trace_model(model, loss_fn, args, kwargs, target, device, record_stack_traces=False)
         )
+    annotation = annotate(traced) if annotate is not None else None
     with ti.quiet_torch_logs(warnings_too=True):
         partition = timed("partition", lambda: partition_stages(traced, stages, split_points))
         costs, representative = timed(
             "joint+split+cost",
             lambda: _costs_with_reuse(partition, traced.fake_mode, min_deferral_intensity, reuse_blocks),
         )
-    return CostedPipeline(traced, partition, costs, representative, seconds, cpu_seconds)
+    return CostedPipeline(traced, partition, costs, representative, seconds, cpu_seconds, annotation)
 
 
 def _costs_with_reuse(

@@ -10,12 +10,15 @@ A pass (F, I or W of a stage) with `flops` FLOPs that writes `written_bytes` byt
 seconds, a roofline sum: matmuls at the compute peak, elementwise work at the bandwidth, both at
 the share of peak a training run achieves (`efficiency`, one factor, or one per pass kind
 in `pass_efficiency` as `from_measured` fits them). A message of n bytes between pipeline
-neighbours takes n / link_bandwidth seconds. Pure Python: no torch.
+neighbours takes n / link_bandwidth seconds; a tensor-parallel collective inside a node runs at
+`intra_node_bandwidth` (NVLink), a ring all-reduce of n bytes over r ranks moving 2 (r - 1) / r n
+bytes over each rank's link, an all-gather or a reduce-scatter half that. Pure Python: no torch.
 
 The named profiles take their peaks from the vendors' public specifications (SXM parts, dense
 bf16 Tensor Core FLOP/s, HBM bandwidth, memory in decimal GB) and `link_bandwidth` from one
 InfiniBand port per GPU (pipeline neighbours usually sit on different nodes: HDR 200 Gb/s for
-A100 systems, NDR 400 Gb/s for H100/H200 systems). `efficiency` 0.4 is a typical large-model
+A100 systems, NDR 400 Gb/s for H100/H200 systems) and `intra_node_bandwidth` from NVLink, one
+direction of its total (A100: 600 GB/s, H100 and H200: 900 GB/s). `efficiency` 0.4 is a typical large-model
 training MFU; calibrate it with `from_measured` for your own numbers.
 """
 
@@ -52,10 +55,13 @@ class Hardware:
     efficiency: float = 0.4
     pass_efficiency: Mapping[str, float] = field(default_factory=dict)
     name: str = "custom"
+    intra_node_bandwidth: float | None = None  # bytes/s between GPUs of a node (NVLink); None: link_bandwidth
 
     def __post_init__(self) -> None:
         for label in ("flops", "memory_bandwidth", "link_bandwidth", "memory"):
             _check_positive(f"Hardware {label}", getattr(self, label))
+        if self.intra_node_bandwidth is not None:
+            _check_positive("Hardware intra_node_bandwidth", self.intra_node_bandwidth)
         for kind, value in [("efficiency", self.efficiency), *self.pass_efficiency.items()]:
             if kind not in ("efficiency", *PASS_KINDS):
                 raise ValueError(f"Hardware pass_efficiency keys are {PASS_KINDS}, got {kind!r}")
@@ -82,6 +88,15 @@ class Hardware:
     def allreduce_seconds(self, nbytes: float, ranks: int) -> float:
         """A ring all-reduce of `nbytes` over `ranks` ranks: 2 (ranks - 1) / ranks of it crosses each link."""
         return 0.0 if ranks <= 1 else 2 * (ranks - 1) / ranks * nbytes / self.link_bandwidth
+
+    def intra_node_seconds(self, kind: str, nbytes: float, ranks: int) -> float:
+        """A collective among the GPUs of a node (tensor parallelism's): "all_reduce" of `nbytes`
+        (a ring: 2 (ranks - 1) / ranks of it over each rank's link), or "all_gather" (a
+        reduce-scatter the same) of a result of `nbytes`, half that."""
+        if ranks <= 1:
+            return 0.0
+        bandwidth = self.intra_node_bandwidth or self.link_bandwidth
+        return (2 if kind == "all_reduce" else 1) * (ranks - 1) / ranks * nbytes / bandwidth
 
     # --- from and to data --------------------------------------------------------------------
 
@@ -187,7 +202,16 @@ def _per_stage(value: Any, stages: int, kind: str) -> list[float]:
 
 
 NAMED: Mapping[str, Hardware] = MappingProxyType({
-    "A100-80GB": Hardware(flops=312e12, memory_bandwidth=2.039e12, link_bandwidth=25e9, memory=80e9, name="A100-80GB"),
-    "H100-80GB": Hardware(flops=989e12, memory_bandwidth=3.35e12, link_bandwidth=50e9, memory=80e9, name="H100-80GB"),
-    "H200": Hardware(flops=989e12, memory_bandwidth=4.8e12, link_bandwidth=50e9, memory=141e9, name="H200"),
+    "A100-80GB": Hardware(
+        flops=312e12, memory_bandwidth=2.039e12, link_bandwidth=25e9, memory=80e9, name="A100-80GB",
+        intra_node_bandwidth=300e9,
+    ),
+    "H100-80GB": Hardware(
+        flops=989e12, memory_bandwidth=3.35e12, link_bandwidth=50e9, memory=80e9, name="H100-80GB",
+        intra_node_bandwidth=450e9,
+    ),
+    "H200": Hardware(
+        flops=989e12, memory_bandwidth=4.8e12, link_bandwidth=50e9, memory=141e9, name="H200",
+        intra_node_bandwidth=450e9,
+    ),
 })

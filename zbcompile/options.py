@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,7 @@ class PipelineOptions:
     split_points: tuple[str, ...] | None = None  # module FQNs where a stage begins; None: stages balanced by cost
     memory_limit: float | str | Sequence[float | str] | None = None
     process_group: ProcessGroup | DeviceMesh | None = (
-        None  # one pipeline's ranks, or a DeviceMesh with "pp" (and "dp"); None: the world
+        None  # one pipeline's ranks, or a DeviceMesh over ("dp", "pp", "tp") or a subset; None: the world
     )
     timeout: timedelta = DEFAULT_TIMEOUT  # bounds every wait on a peer
     solver_time_budget: float | None = None  # seconds zb-auto improves its heuristic
@@ -56,6 +56,8 @@ class PipelineOptions:
     data_parallel: str = (
         "replicate"  # replicas keep parameters whole, or "shard": DTensors over "dp" (runtime/sharding.py)
     )
+    # {module-FQN pattern: torch ParallelStyle}, applied on the process_group mesh's "tp" dimension
+    tensor_parallel: Mapping[str, Any] | None = None
 
     @property
     def distributed(self) -> bool:
@@ -72,6 +74,11 @@ class PipelineOptions:
         if self.data_parallel not in DATA_PARALLEL_MODES:
             raise ValueError(
                 f"pipeline(): data_parallel must be one of {DATA_PARALLEL_MODES}, got {self.data_parallel!r}"
+            )
+        if self.tensor_parallel is not None and not isinstance(self.tensor_parallel, Mapping):
+            raise TypeError(
+                "pipeline(): tensor_parallel must be a dict {module-FQN pattern: ParallelStyle}, e.g. "
+                f"{{'layers.*.attention.wq': ColwiseParallel()}}, got {type(self.tensor_parallel).__name__}"
             )
         if self.recompute not in (None, "auto"):
             raise ValueError(f"pipeline(): recompute must be None or 'auto', got {self.recompute!r}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -25,6 +25,7 @@ from zbcompile.hardware import Hardware, resolve_hardware
 from zbcompile.inspect.plan_report import plan_text
 from zbcompile.inspect.text import DATA_PARALLEL_MODES, si, stage_rows_of, state_bytes
 from zbcompile.passes.stage_cost import peak_memory_with_transients
+from zbcompile.passes.tensor_parallel_shares import annotate_shares
 from zbcompile.runtime.batch import split
 from zbcompile.schedules import Costs, Schedule, ScheduleError, make_schedule, simulate
 from zbcompile.schedules.memory_limit import parse_bytes
@@ -98,6 +99,9 @@ def plan(
     optimizer_factor: float = 2.0,
     grad_factor: float = 1.0,
     time_budget: float = 1.0,
+    tp: int = 1,
+    tensor_parallel: Mapping[str, Any] | None = None,
+    sequence_parallel: bool = False,
     **kwargs: Any,
 ) -> Plan:
     """Plan `stages` pipeline stages over `microbatches` microbatches of the batch `inputs`,
@@ -107,18 +111,29 @@ def plan(
     see `inspect/plan_report.py`), against `memory_limit` bytes per rank (default: the device's).
     `optimizer_factor` and `grad_factor`: bytes of optimizer state and of gradients per byte of
     parameters (AdamW in the parameters' dtype: 2 and 1). `schedules`: which to plan (schedules
-    of one stage per rank); zb-auto is solved under each rank's memory left after its state."""
+    of one stage per rank); zb-auto is solved under each rank's memory left after its state.
+    `tp` tensor-parallel ranks per stage (inside a node) split the modules `tensor_parallel` names
+    ({module-FQN pattern: ColwiseParallel() / RowwiseParallel() or "colwise" / "rowwise"}; default:
+    a transformers model's own plan), with `sequence_parallel` the rest of the activations too
+    (`passes/tensor_parallel_shares.py`: each rank's FLOPs, bytes and state, and the collectives'
+    time on the hardware's `intra_node_bandwidth`)."""
     micro_inputs, micro_targets, _ = split(inputs, kwargs, target, microbatches)
     (args, call_kwargs), micro_target = micro_inputs[0], micro_targets[0]
-    _check_options(dp, data_parallel)
+    _check_options(dp, data_parallel, tp)
     hardware = resolve_hardware(hardware)
+    annotate = None
+    if tp > 1:
+        parallel_plan = _tensor_parallel_plan(model, tensor_parallel)
+        annotate = lambda traced: annotate_shares(traced, parallel_plan, tp, sequence_parallel)  # noqa: E731
     # traced as on a CPU (fake tensors, nothing allocated): its attention kernel saves what a GPU's
     # flash attention saves (no sequence x sequence scores); the meta device's would keep them
     costed = compile_costs(
-        model, loss_fn, args, call_kwargs, micro_target, stages, split_points, device=torch.device("cpu")
+        model, loss_fn, args, call_kwargs, micro_target, stages, split_points, device=torch.device("cpu"),
+        annotate=annotate,
     )
     options = PlanOptions(
-        microbatches, dp, data_parallel, memory_limit, tuple(schedules), optimizer_factor, grad_factor, time_budget
+        microbatches, dp, data_parallel, memory_limit, tuple(schedules), optimizer_factor, grad_factor, time_budget,
+        tp,
     )
     return plan_compiled(costed, hardware, options, _shapes(args, call_kwargs))
 
@@ -135,13 +150,32 @@ class PlanOptions:
     optimizer_factor: float = 2.0
     grad_factor: float = 1.0
     time_budget: float = 1.0
+    tp: int = 1
 
 
-def _check_options(dp: int, data_parallel: str) -> None:
+def _check_options(dp: int, data_parallel: str, tp: int = 1) -> None:
     if data_parallel not in DATA_PARALLEL_MODES:
         raise ValueError(f"plan(): data_parallel must be one of {DATA_PARALLEL_MODES}, got {data_parallel!r}")
-    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
-        raise ValueError(f"plan(): dp must be a positive int, got {dp!r}")
+    for name, value in (("dp", dp), ("tp", tp)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"plan(): {name} must be a positive int, got {value!r}")
+
+
+def _tensor_parallel_plan(model: nn.Module, given: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The plan `tp` ranks split: `given`, or a transformers model's own (its config's
+    `base_model_tp_plan` under the base model's prefix, and the head's)."""
+    if given is not None:
+        return dict(given)
+    config_plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
+    prefix = getattr(model, "base_model_prefix", "")
+    own = {f"{prefix}.{k}" if prefix and hasattr(model, prefix) else k: v for k, v in config_plan.items()}
+    own.update(getattr(type(model), "_tp_plan", None) or {})
+    if not own:
+        raise ValueError(
+            f"plan(tp=...): {type(model).__name__} has no tensor-parallel plan of its own; pass "
+            "tensor_parallel={'<module pattern>': ColwiseParallel() or 'colwise', ...}"
+        )
+    return own
 
 
 def plan_compiled(costed: CostedPipeline, hardware: Hardware, options: PlanOptions, microbatch: str = "") -> Plan:
@@ -153,12 +187,20 @@ def plan_compiled(costed: CostedPipeline, hardware: Hardware, options: PlanOptio
         parse_bytes(o.memory_limit) if isinstance(o.memory_limit, str) else float(o.memory_limit)
     )
     model = costed.traced.model
-    rows = stage_rows_of(model.named_parameters(), costed.partition, costed.costs)
-    for row, cost in zip(rows, costed.costs):
+    shares = costed.annotation if o.tp > 1 else None
+    rows = stage_rows_of(
+        model.named_parameters(), costed.partition, costed.costs, shares.param_shares if shares else None
+    )
+    collectives = _collective_seconds(costed, hardware, shares)
+    for row, cost, extra in zip(rows, costed.costs, collectives):
         row["state"] = state_bytes(row["held_param_bytes"], o.dp, o.data_parallel, o.grad_factor, o.optimizer_factor)
-        row["seconds"] = {kind: hardware.pass_seconds(g, kind) for kind, g in pass_costs(cost).items()}
+        row["seconds"] = {
+            kind: hardware.pass_seconds(g, kind) + extra.get(kind, 0.0) for kind, g in pass_costs(cost).items()
+        }
+        row["tp_seconds"] = extra
     unit = float(max([c.mem_b for c in costed.costs] + [1]))
-    comm = hardware.link_seconds(max(costed.partition.boundary_bytes, default=0))
+    boundary = max(costed.partition.boundary_bytes, default=0)
+    comm = hardware.link_seconds(boundary / o.tp if shares is not None and shares.sequence_parallel else boundary)
     # each stage's gradient reduction over the replicas, after its last W: a ring all-reduce, or
     # under "shard" a reduce-scatter (half its bytes)
     share = 1.0 if o.data_parallel == "replicate" else 0.5
@@ -177,6 +219,8 @@ def plan_compiled(costed: CostedPipeline, hardware: Hardware, options: PlanOptio
         "microbatch": microbatch,
         "dp": o.dp,
         "data_parallel": o.data_parallel,
+        "tp": o.tp,
+        "sequence_parallel": bool(shares and shares.sequence_parallel),
         "hardware": hardware.to_dict(),
         "phase_seconds": costed.phase_seconds,
         "phase_cpu_seconds": costed.phase_cpu_seconds,
@@ -191,6 +235,21 @@ def plan_compiled(costed: CostedPipeline, hardware: Hardware, options: PlanOptio
     }
     schedules = {e["name"]: s for e, s in entries if s is not None}
     return Plan(costed, hardware, costs, unit, state, schedules, record, o, microbatch)
+
+
+def _collective_seconds(costed: CostedPipeline, hardware: Hardware, shares: Any) -> list[dict[str, float]]:
+    """Per stage, the seconds of one microbatch's tensor-parallel collectives in F and in I (on
+    the hardware's intra-node bandwidth); empty without tensor parallelism."""
+    per_stage: list[dict[str, float]] = [{} for _ in costed.partition.stages]
+    if shares is None:
+        return per_stage
+    stage_of = costed.partition.stage_of_node
+    for kind, by_node in (("F", shares.forward_collectives), ("I", shares.input_collectives)):
+        for node, collectives in by_node.items():
+            stage = per_stage[stage_of[node]]
+            seconds = sum(hardware.intra_node_seconds(c, nbytes, shares.tp) for c, nbytes in collectives)
+            stage[kind] = stage.get(kind, 0.0) + seconds
+    return per_stage
 
 
 def pass_costs(cost: Any) -> dict[str, Any]:

@@ -41,6 +41,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="parameter dtype (config models)")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
     parser.add_argument("--data-parallel", choices=DATA_PARALLEL_MODES, default="replicate")
+    parser.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel ranks per stage (the model's own plan: transformers')"
+    )
+    parser.add_argument("--sequence-parallel", action="store_true", help="with --tp: shard the sequence too")
     parser.add_argument("--hardware", default="H100-80GB", help=f"one of {', '.join(NAMED)}, or a JSON file")
     parser.add_argument("--memory-limit", default=None, help="bytes per rank, e.g. 70GB (default: the device's memory)")
     parser.add_argument("--schedules", default=None, help="comma-separated schedules to plan")
@@ -58,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         result = plan(
             model, *inputs, stages=args.stages, microbatches=args.microbatches, target=target, hardware=args.hardware,
             dp=args.dp, data_parallel=args.data_parallel, memory_limit=args.memory_limit, loss_fn=loss_fn,
-            schedules=schedules, **kwargs,
+            schedules=schedules, tp=args.tp, sequence_parallel=args.sequence_parallel, **kwargs,
         )
     except (ValueError, TypeError, ImportError, OSError) as error:
         print(f"zbcompile plan: {error}", file=sys.stderr)

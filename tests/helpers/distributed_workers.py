@@ -153,6 +153,20 @@ def make_optimizer(name: str, params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1, eps=1e-4)
 
 
+def eager_adamw(case, steps: int) -> tuple[list[torch.Tensor], torch.optim.Optimizer]:
+    """`steps` eager AdamW steps (`make_optimizer`'s) of `case`'s model over its whole batch:
+    each step's loss, and the optimizer (its state after the last step)."""
+    optimizer = make_optimizer("adamw", case.model.parameters())
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = case.eager_loss()
+        loss.backward()
+        losses.append(loss.detach())
+        optimizer.step()
+    return losses, optimizer
+
+
 def meta_init(stages: int) -> dict:
     """A GPT built on the meta device: each rank materialises only its own parameters."""
     case = build("gpt")

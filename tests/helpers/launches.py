@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import os
 import shutil
 import tempfile
 from typing import Any, Callable
@@ -25,6 +26,7 @@ from helpers import (
     real_model_workers,
     save_resume_workers,
     step_path_workers,
+    tensor_parallel_workers,
 )
 from helpers.multiprocess import run_ranks
 
@@ -33,6 +35,7 @@ Calls = list[tuple[str, Callable, tuple]]
 READS_FOUR_RANKS = pytest.mark.xdist_group("four-ranks")
 READS_TWO_RANKS = pytest.mark.xdist_group("two-ranks")
 READS_TWO_RANK_MODELS = pytest.mark.xdist_group("two-rank-models")
+READS_EIGHT_RANKS = pytest.mark.xdist_group("eight-ranks")
 
 
 def several(calls: Calls) -> dict[str, Any]:
@@ -77,14 +80,16 @@ POST_VALIDATION_PIPELINES = [(4, ("sgd", "adam", "adamw")), (2, ("adamw",))]
 def four_rank_calls(out: str) -> Calls:
     """What each of the four ranks runs, in order: the battery of every model and schedule, the
     data-parallel replicas, pipelines over process groups and DeviceMeshes, post-validation,
-    checkpoints across data_parallel modes, then data_parallel="replicate" and "shard" (its
-    dump and checkpoint in `out`; the batches that fail on purpose come last)."""
+    checkpoints across data_parallel modes, tensor parallelism (pp=2 x tp=2: its dump and
+    checkpoints in `out`/tensor_parallel), then data_parallel="replicate" and "shard" (its dump
+    and checkpoint in `out`; the batches that fail on purpose come last)."""
     return [
         ("battery", distributed_workers.one_step, (distributed_workers.battery_runs(4),)),
         ("replicas", distributed_workers.one_step, (distributed_workers.REPLICA_RUNS,)),
         ("groups", distributed_workers.pipelines_in_process_groups, ()),
         ("post_validation", post_validation_workers.train_all, (POST_VALIDATION_PIPELINES,)),
         ("dp_checkpoints", save_resume_workers.dp_checkpoints, ()),
+        ("tensor_parallel", tensor_parallel_workers.four_ranks, (os.path.join(out, "tensor_parallel"),)),
         ("data_parallel", data_parallel_workers.train, (data_parallel_workers.RUNS, out)),
     ]
 
@@ -98,6 +103,15 @@ def four_ranks() -> list[dict]:
 def four_rank_results(label: str) -> list:
     """Every rank's result of the `four_rank_calls` entry `label`."""
     return [r[label] for r in four_ranks()]
+
+
+# --- eight ranks ------------------------------------------------------------------------------
+
+
+@once
+def eight_ranks() -> list[dict]:
+    """Every rank's results of the eight-rank checks (dp=2 x pp=2 x tp=2), launched once."""
+    return run_ranks(8, several, [("tensor_parallel", tensor_parallel_workers.eight_ranks, ())])
 
 
 # --- two ranks -------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import torch
 
 from helpers import data_parallel_workers as workers
 from helpers import launches, models, real_models
-from helpers.distributed_workers import make_optimizer
+from helpers.distributed_workers import eager_adamw
 from zbcompile.inspect.read import SCHEDULE_FILE
 from zbcompile.inspect.text import si
 from zbcompile.inspect.timelines import action_events, load_trace, reduction_events, validate_trace
@@ -40,14 +40,7 @@ def _eager(name: str) -> tuple[list[torch.Tensor], dict, dict]:
     """The first step's loss, then the parameters and AdamW state after `STEPS` eager steps over
     the whole batch."""
     case = real_models.build(name) if name in real_models.MODELS else models.build(name)
-    optimizer = make_optimizer("adamw", case.model.parameters())
-    losses = []
-    for _ in range(workers.STEPS):
-        optimizer.zero_grad()
-        loss = case.eager_loss()
-        loss.backward()
-        losses.append(loss.detach())
-        optimizer.step()
+    losses, optimizer = eager_adamw(case, workers.STEPS)
     params = dict(case.model.named_parameters())
     state = {n: optimizer.state[p] for n, p in params.items()}
     return losses, {n: p.detach() for n, p in params.items()}, state

@@ -96,7 +96,8 @@ def plan_text(record: dict[str, Any]) -> str:
     reused = [s for s, r in enumerate(record["representative"]) if r != s]
     lines = [
         f"plan: {record['model']}, {record['stages']} stages, {record['microbatches']} microbatches of "
-        f"{record['microbatch']}, dp={record['dp']} ({record['data_parallel']})",
+        f"{record['microbatch']}, dp={record['dp']} ({record['data_parallel']})"
+        + (f", tp={record['tp']}" if record.get("tp", 1) > 1 else ""),
         f"hardware: {hw['name']}: {si(hw['flops'], 'FLOP/s')}, memory {si(hw['memory_bandwidth'], 'B/s')}, "
         f"link {si(hw['link_bandwidth'], 'B/s')}, {si(hw['memory'], 'B')}; efficiency "
         + ", ".join(f"{k} {v:.2f}" for k, v in efficiency.items()),
@@ -110,7 +111,26 @@ def plan_text(record: dict[str, Any]) -> str:
         "",
         format_state_table(record["stage_rows"], record["dp"], record["data_parallel"]),
         f"boundary message: {seconds_text(record['comm_seconds'])} (largest boundary over the link)",
+        *tensor_parallel_lines(record),
         "",
         format_schedules(record),
     ]
     return "\n".join(lines)
+
+
+def tensor_parallel_lines(record: dict[str, Any]) -> list[str]:
+    """What `tp` ranks per stage split and the seconds of their collectives per microbatch."""
+    tp = record.get("tp", 1)
+    if tp <= 1:
+        return []
+    bandwidth = record["hardware"].get("intra_node_bandwidth") or record["hardware"]["link_bandwidth"]
+    per_stage = ", ".join(
+        f"{row['stage']}: " + ", ".join(f"{kind} {seconds_text(row['tp_seconds'].get(kind, 0.0))}" for kind in "FI")
+        for row in record["stage_rows"]
+    )
+    how = " with sequence parallelism" if record.get("sequence_parallel") else ""
+    return [
+        f"tensor parallelism: tp={tp} ranks per stage{how}; parameters, FLOPs and activations above are one tp "
+        f"rank's; its collectives per microbatch on {si(bandwidth, 'B/s')} (counted in F and I, none in W): "
+        + per_stage
+    ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from zbcompile.inspect.read import Dump
 from zbcompile.inspect.timelines import MOVED, median, median_step, steady_steps, step_stats
@@ -50,19 +50,36 @@ def _value(name: str, info: Any) -> dict[str, Any]:
 
 
 def stage_rows(compiled: "CompiledPipeline") -> list[dict[str, Any]]:
-    """Per stage: the parameters it owns (a tied weight counts on its first stage) and their bytes,
+    """Per stage: the parameters it owns (a tied weight counts on its first stage) and their bytes
+    on one rank (a tensor-parallel parameter's local shard),
     FLOPs, written bytes and estimated time (FLOP-equivalents) of F, I and W, M_B and M_W in
     bytes, the boundary values it receives and sends (name, shape, dtype, bytes), and the bytes
     crossing the boundary to the next stage."""
-    return stage_rows_of(
-        compiled.traced.model.named_parameters(), compiled.partition, [p.cost for p in compiled.programs]
-    )
+    return stage_rows_of(_held_parameters(compiled), compiled.partition, [p.cost for p in compiled.programs])
 
 
-def stage_rows_of(named_parameters: Any, partition: Any, costs: Sequence[Any]) -> list[dict[str, Any]]:
+def _held_parameters(compiled: "CompiledPipeline") -> list[tuple[str, Any]]:
+    """(FQN, the parameter as one rank computes with it: a tensor-parallel shard's local shape,
+    as the stages were traced) for every parameter of the compile."""
+    traced = compiled.traced
+    return [(fqn, traced.fake_state[fqn]) for fqn in traced.param_fqns]
+
+
+def stage_rows_of(
+    named_parameters: Any, partition: Any, costs: Sequence[Any], shares: Mapping[str, float] | None = None
+) -> list[dict[str, Any]]:
     """`stage_rows` from the model's `named_parameters()`, a `StagePartition` and each stage's
-    `StageGraphCost` (what a plan has without stage programs)."""
+    `StageGraphCost` (what a plan has without stage programs); `shares`: the share of a parameter
+    one tensor-parallel rank holds, by FQN (1 where absent)."""
     params = dict(named_parameters)
+    share = shares or {}
+
+    def count(fqn: str) -> int:
+        return int(params[fqn].numel() * share.get(fqn, 1.0))
+
+    def nbytes(fqn: str) -> int:
+        return count(fqn) * params[fqn].element_size()
+
     rows = []
     for cost, stage in zip(costs, partition.stages):
         graphs = dict(zip(PASSES, (cost.forward, cost.input_backward, cost.weight_backward)))
@@ -70,10 +87,10 @@ def stage_rows_of(named_parameters: Any, partition: Any, costs: Sequence[Any]) -
         rows.append(
             {
                 "stage": stage.index,
-                "params": sum(params[f].numel() for f in owned),
-                "param_bytes": sum(params[f].numel() * params[f].element_size() for f in owned),
+                "params": sum(count(f) for f in owned),
+                "param_bytes": sum(nbytes(f) for f in owned),
                 # what the stage's rank holds: a weight shared with another stage too (a tied embedding)
-                "held_param_bytes": sum(params[f].numel() * params[f].element_size() for f in stage.param_fqns),
+                "held_param_bytes": sum(nbytes(f) for f in stage.param_fqns),
                 "param_fqns": list(stage.param_fqns),
                 "layers": layers_of(stage.param_fqns),
                 "flops": {k: g.flops for k, g in graphs.items()},
@@ -170,7 +187,7 @@ def state_rows(
     step under data-parallel `mode` ("replicate", or "shard" over `replicas`: a replica's rows
     padded as `runtime.sharding.Rows` pads them, the most any replica holds), a tied weight
     counted on every rank that holds it."""
-    params = dict(compiled.traced.model.named_parameters())
+    params = dict(_held_parameters(compiled))
     rows = []
     for rank, stages in enumerate(stages_on):
         held = grads = 0

@@ -33,22 +33,26 @@ class Embedding(nn.Embedding):
 
 
 class CausalSelfAttention(nn.Module):
+    """Causal self-attention. `qkv`'s output holds each head's query, key and value side by side,
+    so that a column-wise tensor-parallel `qkv` (torch's `ColwiseParallel`) holds whole heads and
+    the module computes its heads from the width it gets."""
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         if config.hidden % config.heads:
             raise ValueError(f"hidden={config.hidden} must be divisible by heads={config.heads}")
-        self.heads = config.heads
+        self.head_dim = config.hidden // config.heads
         self.dropout = config.dropout
         self.qkv = nn.Linear(config.hidden, 3 * config.hidden)
         self.proj = nn.Linear(config.hidden, config.hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, hidden = x.shape
-        q, k, v = self.qkv(x).split(hidden, dim=-1)
-        q, k, v = (t.view(batch, seq, self.heads, hidden // self.heads).transpose(1, 2) for t in (q, k, v))
+        batch, seq, _ = x.shape
+        qkv = self.qkv(x).view(batch, seq, -1, 3 * self.head_dim).transpose(1, 2)
+        q, k, v = qkv.split(self.head_dim, dim=-1)
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
-        return self.proj(y.transpose(1, 2).reshape(batch, seq, hidden))
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class MLP(nn.Module):

@@ -31,8 +31,16 @@ def is_differentiable(value: object) -> bool:
     return isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
 
 
+# keys of node.meta["custom"]: the share of a node's FLOPs and bytes one tensor-parallel rank has,
+# where a plan counts them (`tensor_parallel_shares.py`; 1 where absent)
+TP_FLOPS, TP_BYTES = "tp_flops", "tp_bytes"
+
+
 def node_bytes(node: fx.Node) -> int:
-    return tensor_bytes(node.meta.get("val"))
+    """Bytes of a node's value (its tensor-parallel share of them, where a plan set one)."""
+    share = node.meta.get("custom", {}).get(TP_BYTES)
+    nbytes = tensor_bytes(node.meta.get("val"))
+    return nbytes if share is None else int(nbytes * share)
 
 
 def is_multi_output(node: fx.Node) -> bool:
@@ -57,6 +65,15 @@ def finish(
     if read_only:
         return ti.graph_module_coded_on_use(root, graph, name)
     return fx.GraphModule(root, graph, class_name=name)
+
+
+COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
+
+
+def is_collective(node: fx.Node) -> bool:
+    """A functional collective of torch.distributed (`_c10d_functional.all_reduce`, ...,
+    `wait_tensor`): communication with the other ranks of its group."""
+    return node.op == "call_function" and getattr(node.target, "namespace", None) in COLLECTIVE_NAMESPACES
 
 
 def is_view_op(node: fx.Node) -> bool:
@@ -146,6 +163,18 @@ def ancestors(roots: Iterable[fx.Node], stop: set[fx.Node] = frozenset()) -> set
         result.add(node)
         if node not in stop:
             frontier.extend(node.all_input_nodes)
+    return result
+
+
+def descendants(roots: Iterable[fx.Node]) -> set[fx.Node]:
+    """Every node that depends on the roots (roots included)."""
+    result: set[fx.Node] = set()
+    frontier = list(roots)
+    while frontier:
+        node = frontier.pop()
+        if node not in result:
+            result.add(node)
+            frontier.extend(node.users)
     return result
 
 

@@ -16,7 +16,7 @@ from torch import fx
 
 from zbcompile import _torch_internals as ti
 from zbcompile._torch_internals import pytree
-from zbcompile.passes import _fx
+from zbcompile.passes import _fx, tensor_parallel
 from zbcompile.passes._fx import is_view_op, node_bytes
 from zbcompile.program import Program
 from zbcompile.value_names import is_state
@@ -31,11 +31,16 @@ def _meta_value(argument: object) -> object:
 
 
 def node_flops(node: fx.Node) -> int:
-    """FLOPs of one call_function node (0 for ops without a formula)."""
+    """FLOPs of one call_function node (0 for ops without a formula; a tensor-parallel module's
+    call, the FLOPs of its local ops)."""
+    if tensor_parallel.is_call(node):
+        return tensor_parallel.call_of(node).flops
     if node.op != "call_function" or not ti.has_flop_formula(node.target):
         return 0
     args, kwargs = pytree.tree_map(_meta_value, (node.args, node.kwargs))
-    return ti.count_flops(node.target, args, kwargs, node.meta.get("val"))
+    flops = ti.count_flops(node.target, args, kwargs, node.meta.get("val"))
+    share = node.meta.get("custom", {}).get(_fx.TP_FLOPS)  # a plan's tensor-parallel share
+    return flops if share is None else int(flops * share)
 
 
 def node_written_bytes(node: fx.Node) -> int:

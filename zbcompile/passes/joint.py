@@ -19,7 +19,7 @@ import torch
 from torch import fx
 
 from zbcompile import _torch_internals as ti
-from zbcompile.passes import _fx
+from zbcompile.passes import _fx, tensor_parallel
 from zbcompile.passes.block_joint import stitched_joint
 from zbcompile.passes.partition import Stage, StagePartition
 from zbcompile.passes.recompute import checkpointed_nodes, recompute_closure, recompute_when_needed
@@ -74,6 +74,7 @@ class StageJoint:
     output_grads: tuple[str, ...] = ()
     recomputed: tuple[str, ...] = ()
     alternatives: tuple["StageJoint", ...] = ()
+    partial_grads: tuple[str, ...] = ()  # parameters whose gradient is a partial sum over "tp" (tensor_parallel.py)
 
     def held_bytes(self, names: Iterable[str]) -> int:
         """Bytes of memory the values `names` keep alive (views of one tensor counted once)."""
@@ -129,16 +130,25 @@ def export_stage_joint(
     for all stages; None: the stage traced whole): the joint graph assembled from its blocks'
     joints, each distinct block traced once and kept in `blocks` for the next stages
     (`block_joint.stitched_joint`: the same graph op for op), where that is evidently exact."""
-    joint = None if blocks is None else stitched_joint(stage, partition, grads_from_next, loss_name, fake_mode, blocks)
+    parallel = tensor_parallel.has_calls(stage.module)
+    joint = None
+    if blocks is not None and not parallel:
+        joint = stitched_joint(stage, partition, grads_from_next, loss_name, fake_mode, blocks)
+    partial: set[str] = set()
     if joint is None:
-        module = _prepare_outputs(stage, grads_from_next, loss_name)
+        module = tensor_parallel.lowered(_prepare_outputs(stage, grads_from_next, loss_name))
         try:
-            joint = ti.export_joint(module, _example_inputs(stage, partition, fake_mode))
+            with tensor_parallel.recording_partial_grads() as partial:
+                joint = ti.export_joint(module, _example_inputs(stage, partition, fake_mode))
         except Exception as error:  # noqa: BLE001 - re-raised, naming the stage and the op's module
             raise _backward_error(stage, error) from error
     _refuse_mutated_state(joint, stage)
     separated = _separate_forward(joint, stage, loss_name)  # reads the joint only (its constants inlined once)
-    return separated, tuple(_separate_forward(joint, stage, loss_name, level) for level in recompute_levels)
+    alternatives = tuple(_separate_forward(joint, stage, loss_name, level) for level in recompute_levels)
+    if partial:
+        separated = dataclasses.replace(separated, partial_grads=tuple(sorted(partial)))
+        alternatives = tuple(dataclasses.replace(a, partial_grads=separated.partial_grads) for a in alternatives)
+    return separated, alternatives
 
 
 def _backward_error(stage: Stage, error: Exception) -> Exception:
@@ -243,13 +253,15 @@ def _inline_constants(joint: fx.GraphModule, stage: Stage) -> None:
     """AOTAutograd lifts the stage module's tensor constants (`torch.tensor(...)` or a scalar
     fill in the model's forward, see `partition`) into buffer inputs; the runtime's state holds
     only the model's own buffers, so each becomes a `get_attr` of `joint` again, holding the
-    real constant, which every graph extracted from `joint` then carries."""
+    real constant, which every graph extracted from `joint` then carries (under a name of its own:
+    the joint's trace may have made constants of the same names, as DTensor's code does)."""
     for node in list(joint.graph.find_nodes(op="placeholder")):
         desc = node.meta["desc"]
         if isinstance(desc, ti.BufferAOTInput) and desc.target not in stage.state_fqns:
-            joint.register_buffer(desc.target, getattr(stage.module, desc.target))
+            name = desc.target if not hasattr(joint, desc.target) else _fresh(f"{desc.target}_stage", set(dir(joint)))
+            joint.register_buffer(name, getattr(stage.module, desc.target))
             with joint.graph.inserting_before(node):
-                constant = joint.graph.get_attr(desc.target)
+                constant = joint.graph.get_attr(name)
             constant.meta = {k: v for k, v in node.meta.items() if k != "desc"}
             node.replace_all_uses_with(constant)
             joint.graph.erase_node(node)

@@ -174,8 +174,10 @@ def _partition(
     input_grads = [(n, v) for (n, v), i in zip(outputs, for_input) if i]
     param_grads = [(n, v) for (n, v), i in zip(outputs, for_input) if not i]
     state = {n for n in placeholders if is_state(names[n])}
-    recompute = _fx.state_only_nodes(graph, state)
-    input_body = _fx.ancestors([*(n for n, _ in input_grads), *chain]) - set(placeholders)
+    # collectives (tensor parallelism's) run in I, in the same order on every rank of their group, never in W
+    collectives = [n for n in graph.nodes if _fx.is_collective(n)]
+    recompute = _fx.state_only_nodes(graph, state) - _fx.descendants(collectives)
+    input_body = _fx.ancestors([*(n for n, _ in input_grads), *chain, *collectives]) - set(placeholders)
     weight_body = _fx.ancestors([n for n, _ in param_grads], stop=input_body) - set(placeholders) - input_body
     recompute |= {n for n in graph.nodes if n.op == "call_function" and n.name in weight_recomputes}
     weight_body = _fx.with_state_ancestors(weight_body, recompute)
@@ -251,6 +253,9 @@ def _extract(partition: _Partition, class_prefix: str) -> IWPrograms:
         names=p.names,
         class_name=f"{class_prefix}InputBackward",
     )
+    stray = [n.name for n in p.weight_body if _fx.is_collective(n)]
+    if stray:
+        raise RuntimeError(f"{class_prefix}: collectives {stray[:4]} would run in W; they belong in I")
     weight_program = extract_program(
         p.graph,
         body=p.weight_body,

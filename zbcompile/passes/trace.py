@@ -32,7 +32,7 @@ from torch import fx, nn
 
 from zbcompile import _torch_internals as ti
 from zbcompile._torch_internals import FakeTensorMode, pytree
-from zbcompile.passes import _fx
+from zbcompile.passes import _fx, tensor_parallel
 from zbcompile.passes.autograd_in_forward import detach_no_grad_results, watching_autograd
 from zbcompile.passes.causal_mask import fold_causal_masks
 from zbcompile.passes.loss_parts import ItemCount, OutputStructure, cut_out_count, sum_and_count
@@ -82,6 +82,7 @@ class TracedModel:
     count: ItemCount | None = None
     results: int = 1
     output_structure: OutputStructure | None = None
+    parallel: tensor_parallel.ParallelCalls | None = None  # the tensor-parallel modules' calls
 
     def placeholders(self, role: str) -> list[fx.Node]:
         return [n for n in self.graph_module.graph.find_nodes(op="placeholder") if n.meta["zb_role"] == role]
@@ -124,8 +125,10 @@ def trace_model(
         call_args, call_kwargs = pytree.tree_unflatten(leaves, input_spec)
         state = {**dict(zip(params, param_values)), **dict(zip(buffers, buffer_values))}
         target_value = pytree.tree_unflatten(list(targets), target_spec) if target_spec is not None else None
-        with watching_autograd(module_stack.current), _substituted(model, state):
+        with watching_autograd(module_stack.current), _substituted(model, state), standing_in(model):
             output = model(*call_args, **call_kwargs)
+            if parallel is not None:
+                parallel.refuse_dtensor_result(output)
             if outputs:
                 structure[0], tensors = OutputStructure.of(output)
                 return tuple(tensors)
@@ -143,10 +146,9 @@ def trace_model(
     tensors = [*input_tensors, *target_leaves]
     device = device or (tensors[0].device if tensors else torch.device("cpu"))
     fake_mode = ti.FakeTensorMode()
-    fake_state = {
-        name: ti.fake_like(fake_mode, value, device)
-        for name, value in [*params.items(), *buffers.items()]
-    }
+    fake_state = {name: _fake_local(fake_mode, value, device) for name, value in [*params.items(), *buffers.items()]}
+    parallel = tensor_parallel.ParallelCalls.of(model)
+    standing_in = parallel.standing_in if parallel is not None else lambda model: contextlib.nullcontext()
     # Fresh contiguous fakes (the runtime feeds contiguous microbatches), so that an input passed
     # twice (an autoencoder's input and target) traces as two distinct graph inputs.
     example = (
@@ -189,6 +191,8 @@ def trace_model(
         else cut_out_count(graph_module, count[0], {n: n.meta["zb_role"] for n in placeholders})
     )
     results = len(graph_module.graph.output_node().args[0]) if outputs else 1
+    if parallel is not None:
+        tensor_parallel.check_local_use(graph_module.graph)
     buffer_updates = _buffer_updates_as_outputs(graph_module.graph, fake_mode)
     detach_no_grad_results(graph_module.graph)
     _differentiable_copies(graph_module.graph, fake_mode)
@@ -209,7 +213,17 @@ def trace_model(
         count=item_count,
         results=results,
         output_structure=structure[0],
+        parallel=parallel,
     )
+
+
+def _fake_local(mode: FakeTensorMode, value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A fake of what the stages compute with in place of parameter or buffer `value`
+    (`tensor_parallel.local_view`: a DTensor's local shard over "tp"), a parameter if it is one."""
+    fake = ti.fake_like(mode, tensor_parallel.local_view(value), device)
+    if isinstance(value, nn.Parameter) and not isinstance(fake, nn.Parameter):
+        fake = nn.Parameter(fake, value.requires_grad)
+    return fake
 
 
 def _differentiable_copies(graph: fx.Graph, fake_mode: FakeTensorMode) -> None:

@@ -81,7 +81,7 @@ def reduction(
     layout: Any,
 ) -> LossReduction:
     """The step's `LossReduction` for `traced` (the compile it runs). `held`: the stages of
-    `stages` this process runs; `layout`: this rank's place (`distributed.Layout`; None in one
+    `stages` this process runs; `layout`: this rank's place (`layout.Layout`; None in one
     process), whose data-parallel replicas the count and the loss cross. For "share" the ranks
     holding the first stage count the labels and write the count into `feeds` (in place)."""
     first, last = 0 in held, stages - 1 in held

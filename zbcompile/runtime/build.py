@@ -17,9 +17,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from zbcompile.compiler import CompiledPipeline, compile_forward_only, compile_pipeline
 from zbcompile.inspect.write import CompileDump, start_dump
 from zbcompile.options import PipelineOptions
-from zbcompile.runtime import batch, batch_loss, placement, profile, sharding
-from zbcompile.runtime.distributed import DistributedRunner, Layout, make_layout
+from zbcompile.runtime import batch, batch_loss, placement, profile, sharding, tensor_parallel
+from zbcompile.runtime.distributed import DistributedRunner
 from zbcompile.runtime.forward_only import ForwardRunner
+from zbcompile.runtime.layout import Layout, make_layout
 from zbcompile.runtime.local import InProcessTransport, LocalRunner
 from zbcompile.runtime.p2p import device_for
 from zbcompile.runtime.runner import Runner
@@ -75,6 +76,7 @@ class Builder:
         self._last_key: Any = None
         self._batch = batch.LocalBatch()
         self._layout: Layout | None = None
+        self._parallelized = False  # the tensor-parallel plan applied and the model checked
 
     @property
     def options(self) -> PipelineOptions:
@@ -104,7 +106,7 @@ class Builder:
 
     def device(self) -> torch.device:
         group = self.options.process_group
-        return device_for(group.get_group("pp") if isinstance(group, DeviceMesh) else group)
+        return device_for(group.get_group(0) if isinstance(group, DeviceMesh) else group)
 
     def prepare(self, inputs: tuple, kwargs: dict, target: Any) -> tuple[Build, list, list, tuple[str, ...]]:
         """The compile for this batch (built if its shapes are new), its microbatches and
@@ -232,6 +234,8 @@ class Builder:
         """Compile for microbatches like `example` ((args, kwargs)) and `example_target`, in the
         placement zb-auto chooses (`ScheduleChoice.placed`)."""
         o = self.options
+        if self.distributed:
+            self._parallelize()
         compile_in = functools.partial(self._compile, example, example_target)
         compiled, schedule = self.choice.placed(compile_in(o.stages), compile_in)
         device = self.device() if self.distributed else batch.device_of((example, example_target))
@@ -243,6 +247,17 @@ class Builder:
             runner = LocalRunner(compiled, schedule, self.ownership.state())
         tuner = self.choice.tuner(compiled, device)
         return Build(runner, tuner, start_dump(o.dump_dir, compiled, schedule, o, runner))
+
+    def _parallelize(self) -> None:
+        """Before the first compile: the `tensor_parallel` plan applied on the mesh's "tp"
+        dimension (`tensor_parallel.apply_plan`), and the model checked against the layout."""
+        if self._parallelized:
+            return
+        layout = self.layout()
+        if self.options.tensor_parallel is not None:
+            tensor_parallel.apply_plan(self.module, self.options.tensor_parallel, layout)
+        tensor_parallel.check_model(self.module, layout)
+        self._parallelized = True
 
     def _compile(
         self, example: tuple, example_target: Any, stages: int, memory_unit_bytes: int | None = None
@@ -315,7 +330,7 @@ class Builder:
         # the runner shares tied weights' values between ranks: after placement, undone if it fails
         built = self.ownership.place(used, device, move_others=True, then=runner)
         if self.options.data_parallel == "shard":  # the replicas' values are equal now: each keeps its shard
-            sharding.shard_parameters(self.module, self.ownership.held, layout.mesh["dp"])
+            sharding.shard_parameters(self.module, self.ownership.held, layout.mesh)
         return built
 
 

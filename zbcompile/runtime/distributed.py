@@ -5,7 +5,7 @@ are averaged over data-parallel replicas from its last W or B on, in the backgro
 (`runtime/grad_reduction.py`), and after the step the runner sums tied weights' gradients
 between the ranks that hold them and averages those over the replicas too. With
 data_parallel="shard" the parameters are DTensor shards gathered for the step
-(`runtime/sharding.py`). Where stages sit: `Layout`, `make_layout`.
+(`runtime/sharding.py`). Where stages sit: `runtime/layout.py`.
 
 A mirrored schedule (dualpipe, `Schedule.mirrored_from`) runs every stage on two ranks, one per
 copy of the pipeline, each for its share of the microbatches: both ranks hold the stage's
@@ -20,21 +20,20 @@ plan, and a message on time is not held up by a W the plan put before it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import timedelta
 from typing import Mapping
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from zbcompile._torch_internals import default_store
 from zbcompile.compiler import CompiledPipeline
+from zbcompile.runtime import tensor_parallel
 from zbcompile.runtime.action_clock import EventClock, HostClock
 from zbcompile.runtime.batch import ReplicaBatches
-from zbcompile.runtime.cuda_device import claim_device
 from zbcompile.runtime.grad_reduction import REDUCE, GradReduction, ReductionPlan
+from zbcompile.runtime.layout import Layout
 from zbcompile.runtime.p2p import Transport
 from zbcompile.runtime.rank_program import RankProgram, rank_program
 from zbcompile.runtime.runner import Runner
@@ -44,122 +43,6 @@ from zbcompile.runtime.tied_weights import TIED_TAG, parameter_users, share_owne
 from zbcompile.schedules import Costs, Schedule
 from zbcompile.schedules.costs import resolve_costs
 from zbcompile.value_names import buffer_name, param_name
-
-
-@dataclass(frozen=True)
-class Layout:
-    """This rank's place: `pp_rank` in a pipeline of `pp_size` ranks, replica `dp_rank` of
-    `dp_size`. `pipeline_ranks[i]` is the global rank of pipeline position i in this replica,
-    `replica_ranks[d]` the global rank of this position in replica d; `pp_group` and `dp_group`
-    are process groups over them (None where they would hold this rank alone). `mesh` is the
-    ("dp", "pp") DeviceMesh they come from, where there is one."""
-
-    pp_size: int
-    dp_size: int
-    pp_rank: int
-    dp_rank: int
-    pipeline_ranks: tuple[int, ...]
-    replica_ranks: tuple[int, ...]
-    pp_group: dist.ProcessGroup | None
-    dp_group: dist.ProcessGroup | None
-    mesh: DeviceMesh | None
-
-
-def make_layout(
-    pp_size: int, device: torch.device, description: str, group: dist.ProcessGroup | DeviceMesh | None = None
-) -> Layout:
-    """The layout of pipelines of `pp_size` ranks over `group`: None (the default group: a
-    ("dp", "pp") DeviceMesh over the world, every rank calls this), a process group of one
-    pipeline's ranks (in group order), or a DeviceMesh with a "pp" dimension and optionally a
-    "dp" one (e.g. a slice of a larger mesh). On CUDA (NCCL), this rank's device is settled
-    first, one per rank (`cuda_device.claim_device`), before any collective."""
-    if device.type == "cuda":
-        _claim_cuda_device(group)
-    if isinstance(group, DeviceMesh):
-        return _layout_of_mesh(group, pp_size, description)
-    ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
-    rank = dist.get_rank()
-    if group is not None:
-        if rank not in ranks:
-            raise ValueError(f"rank {rank} is not a member of the process_group given to pipeline(): {ranks}")
-        if len(ranks) != pp_size:
-            raise ValueError(
-                f"process_group of {len(ranks)} ranks does not fit {description}, which needs {pp_size} ranks per "
-                "pipeline; give a process group of exactly one pipeline's ranks, or for data-parallel replicas a "
-                "DeviceMesh with 'dp' and 'pp' dimensions"
-            )
-        return Layout(
-            pp_size=pp_size,
-            dp_size=1,
-            pp_rank=ranks.index(rank),
-            dp_rank=0,
-            pipeline_ranks=tuple(ranks),
-            replica_ranks=(rank,),
-            pp_group=group if pp_size > 1 else None,
-            dp_group=None,
-            mesh=None,
-        )
-    if len(ranks) % pp_size:
-        raise ValueError(
-            f"world size {len(ranks)} does not fit {description}, which needs {pp_size} ranks per pipeline; "
-            f"launch a multiple of {pp_size} processes (each extra multiple is a data-parallel replica)"
-        )
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dp_size = len(ranks) // pp_size
-    mesh = init_device_mesh(device.type, (dp_size, pp_size), mesh_dim_names=("dp", "pp"))
-    dp_rank, pp_rank = divmod(rank, pp_size)
-    return Layout(
-        pp_size=pp_size,
-        dp_size=dp_size,
-        pp_rank=pp_rank,
-        dp_rank=dp_rank,
-        pipeline_ranks=tuple(dp_rank * pp_size + i for i in range(pp_size)),
-        replica_ranks=tuple(d * pp_size + pp_rank for d in range(dp_size)),
-        pp_group=mesh.get_group("pp") if pp_size > 1 else None,
-        dp_group=mesh.get_group("dp") if dp_size > 1 else None,
-        mesh=mesh,
-    )
-
-
-def _claim_cuda_device(group: dist.ProcessGroup | DeviceMesh | None) -> torch.device:
-    """This rank's GPU, made current and checked distinct among the ranks of `group` (the world
-    for None) through the store, before the first collective."""
-    if isinstance(group, DeviceMesh):
-        ranks = group.mesh.flatten().tolist()
-    else:
-        ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
-    bound = getattr(dist.group.WORLD, "bound_device_id", None)
-    return claim_device(ranks, dist.get_rank(), bound, default_store())
-
-
-def _layout_of_mesh(mesh: DeviceMesh, pp_size: int, description: str) -> Layout:
-    names = mesh.mesh_dim_names or ()
-    if "pp" not in names or not set(names) <= {"pp", "dp"}:
-        raise ValueError(
-            f"a DeviceMesh given to pipeline() needs a 'pp' dimension and at most a 'dp' one besides, got "
-            f"dimensions {names}; slice a larger mesh, e.g. mesh['dp', 'pp'] or mesh['pp']"
-        )
-    if mesh.size(names.index("pp")) != pp_size:
-        raise ValueError(
-            f"the DeviceMesh's 'pp' dimension has {mesh.size(names.index('pp'))} ranks but {description} needs "
-            f"{pp_size}"
-        )
-    pp_group = mesh.get_group("pp")
-    dp_group = mesh.get_group("dp") if "dp" in names else None
-    replica_ranks = tuple(dist.get_process_group_ranks(dp_group)) if dp_group is not None else (dist.get_rank(),)
-    return Layout(
-        pp_size=pp_size,
-        dp_size=len(replica_ranks),
-        pp_rank=mesh.get_local_rank("pp"),
-        dp_rank=mesh.get_local_rank("dp") if dp_group is not None else 0,
-        pipeline_ranks=tuple(dist.get_process_group_ranks(pp_group)),
-        replica_ranks=replica_ranks,
-        pp_group=pp_group if pp_size > 1 else None,
-        dp_group=dp_group if len(replica_ranks) > 1 else None,
-        mesh=mesh,
-    )
-
 
 MIRRORED_LOSS_TAG = TIED_TAG - 1  # above post-validation's tags, below the tied weights'
 
@@ -270,7 +153,8 @@ class DistributedRunner(Runner):
         """This rank's parameter gradients for the step: its stages' parts summed in stage order,
         tied weights summed with the other ranks that hold them, then averaged over replicas (a
         stage's own gradients in the background since its last W or B, `runtime/grad_reduction.py`;
-        the others now)."""
+        the others now); a replicated parameter's partial sum over the tensor-parallel ranks (a
+        SequenceParallel norm's weight) summed over them last."""
         grads = self._stage_grads()
         sum_gradients(self.tied_weights, grads, self.executors[self.local_stages[0]].state, self.transport)
         if self.layout.dp_group is not None:
@@ -283,6 +167,8 @@ class DistributedRunner(Runner):
             grads.update(reduced)
             self.interpreter.comm_timeline = [*self.interpreter.comm_timeline, *reduction.timeline]
             super().set_state(self._state)  # sharded: the gathered parameters are freed
+        partial = [f for s in self.local_stages for f in self.compiled.programs[s].joint.partial_grads]
+        tensor_parallel.reduce_partial_grads(grads, partial, self.layout.tp_group, self.transport.timeout)
         return grads
 
     def _grad_reduction(self, gathered: Gathered | None) -> GradReduction:

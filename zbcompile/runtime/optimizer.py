@@ -74,6 +74,14 @@ def squared_norm(grads: Iterable[torch.Tensor]) -> NormState:
     return NormState(value, not math.isfinite(value))
 
 
+def _sharded_over(grad: torch.Tensor) -> frozenset[str]:
+    """The mesh dimensions a DTensor gradient is sharded over (none for a plain tensor)."""
+    if not isinstance(grad, DTensor):
+        return frozenset()
+    names = grad.device_mesh.mesh_dim_names or ()
+    return frozenset(n for n, p in zip(names, grad.placements) if not (p.is_replicate() or p.is_partial()))
+
+
 def chain_sum(partials: list[NormState]) -> NormState:
     """The global state the chain last -> 0 produces from each pipeline rank's own state."""
     total = NormState()  # 0.0 + x == x: the last rank's own state, exactly
@@ -180,15 +188,28 @@ class _PipelineOptimizer:
         return {p: p.grad for p in self._params() if p.grad is not None}
 
     def _own_state(self, position: _Position, grads: dict[torch.Tensor, torch.Tensor]) -> NormState:
-        """This pipeline rank's squared norm; gradients sharded over the replicas (DTensors,
-        data_parallel="shard") count their local shards, summed over the replicas."""
+        """This pipeline rank's squared norm; a gradient sharded over the replicas or the
+        tensor-parallel ranks (a DTensor: data_parallel="shard", tensor parallelism) counts its
+        local shard, summed over the ranks of the mesh dimensions it is sharded over (one sum
+        over "dp", then one over "tp", on every rank of those groups)."""
         counted = [g for p, g in grads.items() if position.counted(p)]
         if not any(isinstance(g, DTensor) for g in counted):
             return squared_norm(counted)
-        local = squared_norm(g.to_local() if isinstance(g, DTensor) else g for g in counted)
-        total = torch.tensor([local.sumsq], dtype=torch.float64, device=self.pipe.runner.device)
-        dist.all_reduce(total, group=position.replica_group)
-        value = total.item()
+        parts: dict[frozenset[str], list[torch.Tensor]] = {}
+        for g in counted:
+            local = g.to_local() if isinstance(g, DTensor) else g
+            parts.setdefault(_sharded_over(g), []).append(local)
+        sums = {dims: squared_norm(tensors).sumsq for dims, tensors in parts.items()}
+        total = sums.pop(frozenset(), 0.0)
+        tp_group = getattr(self.pipe.runner.layout, "tp_group", None)
+        for dimension, group in (("dp", position.replica_group), ("tp", tp_group)):
+            if group is None:
+                continue
+            over = sorted((dims for dims in sums if dimension in dims), key=sorted)
+            vector = torch.tensor([sums[d] for d in over] or [0.0], dtype=torch.float64, device=self.pipe.runner.device)
+            dist.all_reduce(vector, group=group)
+            sums.update(zip(over, vector.tolist()))
+        value = total + sum(sums.values())
         return NormState(value, not math.isfinite(value))
 
     def _verdict(self, state: NormState) -> tuple[bool, torch.Tensor | None]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import defaultdict
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from zbcompile.runtime.background_solve import BackgroundSolve
 from zbcompile.runtime.distributed import DistributedRunner
 from zbcompile.runtime.grad_reduction import REDUCE
+from zbcompile.runtime.layout import from_first_rank
 from zbcompile.runtime.p2p import gather_objects
 from zbcompile.schedules import Action, Costs, Schedule, simulate
 from zbcompile.schedules.costs import with_reduction
@@ -205,7 +207,8 @@ class CostTuner:
             statistics.median(_span(t) for t in self._window),
             round_trip_seconds(runner),
         )
-        gathered = gather_objects(local, runner.layout.pp_group)
+        # the tensor-parallel ranks' pipelines decide on the first one's numbers: they run one schedule
+        gathered = from_first_rank(gather_objects(local, runner.layout.pp_group), replace(runner.layout, pp_group=None))
         self._window = []
         measured = costs_of([g[0] for g in gathered], max(g[2] for g in gathered), runner.schedule.stages, self.static)
         costs = with_reduction(measured, self.reduction)
@@ -248,9 +251,9 @@ class CostTuner:
         self._window.clear()  # the old schedule's steps tell nothing about the new one
         limit = runner.transport.timeout.total_seconds()
         finished = solve is None or solve.done() or time.perf_counter() - solve.started > limit
-        if runner.layout.pp_group is not None:
+        for group in runner.layout.decision_groups:
             flag = torch.tensor([int(finished)], device=runner.device)
-            dist.broadcast(flag, group=runner.layout.pp_group, group_src=0)
+            dist.broadcast(flag, group=group, group_src=0)
             finished = bool(flag.item())
         if not finished:
             return None
@@ -261,10 +264,7 @@ class CostTuner:
                 schedule = solve.result(timeout=0.0)
             except RuntimeError as failure:
                 error = str(failure)
-        box = [(schedule, error, levels, costs)]
-        if runner.layout.pp_group is not None:
-            dist.broadcast_object_list(box, group=runner.layout.pp_group, group_src=0)
-        schedule, error, levels, costs = box[0]
+        schedule, error, levels, costs = from_first_rank((schedule, error, levels, costs), runner.layout)
         if schedule is None:
             self.history.append({"step": step, "event": f"kept the schedule: {error}"})
             return None

@@ -24,7 +24,7 @@ class Runner(ABC):
     """Runs `compiled`'s stages held here (`executors`: stage -> StageExecutor, `local_stages`
     in order; `copies`: a mirrored schedule's second copy of stages held here too, where one
     process runs both copies) step after step, following `schedule` until `reschedule()`.
-    `layout` is this rank's place among the pipelines (`distributed.Layout`; None in one
+    `layout` is this rank's place among the pipelines (`layout.Layout`; None in one
     process)."""
 
     layout: Any = None

@@ -10,14 +10,13 @@ from dataclasses import replace
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 from zbcompile import auto_recompute
 from zbcompile.compiler import CompiledPipeline
 from zbcompile.options import PipelineOptions
 from zbcompile.passes.graph_cost import FLOPS_PER_BYTE
 from zbcompile.runtime import grad_reduction, profile
-from zbcompile.runtime.distributed import Layout
+from zbcompile.runtime.layout import Layout, from_first_rank
 from zbcompile.schedules import Costs, Schedule, make_schedule, schedule_spec
 from zbcompile.schedules.costs import ResolvedCosts, resolve_costs, with_reduction
 from zbcompile.schedules.memory_limit import (
@@ -114,14 +113,11 @@ class ScheduleChoice:
         return auto_recompute.with_levels(compiled, self._on_first_rank(choose))
 
     def _on_first_rank(self, make: Callable[[], Any]) -> Any:
-        """`make()` on the pipeline's first rank (in one process: here), broadcast to the others."""
+        """`make()` on the pipeline's first rank (in one process: here), broadcast to the others
+        (and to the other tensor-parallel ranks' pipelines, `distributed.from_first_rank`)."""
         layout = self.layout() if self.options.distributed else None
-        value = make() if layout is None or layout.pp_rank == 0 else None
-        if layout is not None and layout.pp_group is not None:
-            box = [value]
-            dist.broadcast_object_list(box, group=layout.pp_group, group_src=0)
-            value = box[0]
-        return value
+        value = make() if layout is None or (layout.pp_rank == 0 and layout.tp_rank == 0) else None
+        return from_first_rank(value, layout)
 
     def solve_arguments(
         self, costs: Costs, compiled: CompiledPipeline, placements: tuple[str, ...] = ("in-line",)

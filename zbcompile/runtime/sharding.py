@@ -30,8 +30,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from zbcompile import _torch_internals as ti
 from zbcompile.value_names import param_name
 
 
@@ -70,14 +71,39 @@ def shard_of(full: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
 
 
+def shard_of_parallel(param: DTensor, mesh: DeviceMesh) -> DTensor:
+    """A tensor-parallel parameter (a DTensor over `mesh["tp"]`, the same on every replica) as this
+    replica's rows of its local shard: a DTensor over `mesh` ("dp", "tp"), as FSDP2 shards it
+    (rows of a shard cut on its first dimension: `_StridedShard` over "dp")."""
+    placement = param.placements[0]
+    local = param.to_local()
+    rows = Rows(local.shape[0], mesh["dp"].size())
+    replica = mesh.get_local_rank("dp")
+    start = replica * rows.padded
+    mine = local.detach()[start : start + rows.local(replica)].clone()
+    tp = mesh["tp"].size()
+    over_dp = ti.strided_shard(0, tp) if placement.is_shard() and placement.dim == 0 else Shard(0)
+    return DTensor.from_local(
+        mine, mesh, [over_dp, placement], run_check=False, shape=param.shape, stride=param.stride()
+    )
+
+
 def shard_parameters(module: nn.Module, held: set[str], mesh: DeviceMesh) -> None:
     """Replace every parameter of `module` that `held` names (canonical FQNs, `placement`) and
-    that is not a DTensor yet by its shard over `mesh`, at every place it is registered (tied
-    aliases stay one parameter)."""
-    params = {n: p for n, p in module.named_parameters() if n in held and not isinstance(p, DTensor)}
+    that is not sharded over "dp" yet by its shard over the "dp" dimension of `mesh` (a
+    tensor-parallel parameter by its shard over "dp" and "tp", `shard_of_parallel`), at every
+    place it is registered (tied aliases stay one parameter)."""
+    over_dp = lambda p: isinstance(p, DTensor) and "dp" in (p.device_mesh.mesh_dim_names or ())  # noqa: E731
+    params = {n: p for n, p in module.named_parameters() if n in held and not over_dp(p)}
     for name, param in params.items():
         check_shardable(name, param)
-    sharded = {id(p): nn.Parameter(shard_of(p, mesh), requires_grad=p.requires_grad) for p in params.values()}
+
+    def sharded_value(param: torch.Tensor) -> DTensor:
+        if isinstance(param, DTensor):
+            return shard_of_parallel(param, mesh["dp", "tp"])
+        return shard_of(param, mesh["dp"])
+
+    sharded = {id(p): nn.Parameter(sharded_value(p), requires_grad=p.requires_grad) for p in params.values()}
     for owner in module.modules():
         for leaf, param in list(owner._parameters.items()):
             if param is not None and id(param) in sharded:
@@ -85,15 +111,19 @@ def shard_parameters(module: nn.Module, held: set[str], mesh: DeviceMesh) -> Non
 
 
 def as_shards(state_dict: Mapping[str, torch.Tensor], module: nn.Module) -> dict[str, torch.Tensor]:
-    """`state_dict` with each whole tensor whose parameter in `module` is a DTensor cut to this
-    replica's shard of it (as a DTensor), so that `module.load_state_dict` copies shard to
-    shard; a whole tensor must be the same on every replica (a full state dict is)."""
+    """`state_dict` with each whole tensor whose parameter in `module` is a DTensor (sharded over
+    the replicas, the tensor-parallel ranks or both) cut to this rank's shard of it, as a DTensor
+    of the parameter's layout (torch's `distribute_tensor`, each rank cutting its own: no
+    communication), so that `module.load_state_dict` copies shard to shard; a whole tensor must be
+    the same on every rank (a full state dict is)."""
     targets = module.state_dict(keep_vars=True)
     result = dict(state_dict)
     for key, value in state_dict.items():
         target = targets.get(key)
         if isinstance(target, DTensor) and not isinstance(value, DTensor):
-            result[key] = shard_of(value.to(target.device), target.device_mesh)
+            result[key] = distribute_tensor(
+                value.to(target.device), target.device_mesh, target.placements, src_data_rank=None
+            )
     return result
 
 
@@ -209,12 +239,13 @@ class ReduceScatterLayout:
         return result
 
 
-def wait(work: dist.Work, timeout: timedelta, what: str) -> None:
-    """Wait for a collective over the replicas, failing with the rank and `what` after `timeout`."""
-    failure = f"rank {dist.get_rank()}: {what} over the data-parallel replicas did not complete"
+def wait(work: dist.Work, timeout: timedelta, what: str, over: str = "data-parallel") -> None:
+    """Wait for a collective over the replicas (or the `over` ranks), failing with the rank and
+    `what` after `timeout`."""
+    failure = f"rank {dist.get_rank()}: {what} over the {over} ranks did not complete"
     try:
         completed = work.wait(timeout)
     except RuntimeError as error:
-        raise RuntimeError(f"{failure} ({str(error).splitlines()[0]}); a replica may have died or diverged") from error
+        raise RuntimeError(f"{failure} ({str(error).splitlines()[0]}); a rank may have died or diverged") from error
     if completed is False:
-        raise RuntimeError(f"{failure} within {timeout}; a replica may have died or diverged")
+        raise RuntimeError(f"{failure} within {timeout}; a rank may have died or diverged")

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Collection, Mapping, Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from zbcompile.compiler import StageProgram
 from zbcompile.passes.trace_errors import first_line, node_location, same_kind
@@ -293,12 +294,19 @@ def merge_stage_grads(executors: Sequence[StageExecutor]) -> dict[str, torch.Ten
 
 
 def accumulate_grads(module: torch.nn.Module, grads: Mapping[str, torch.Tensor]) -> None:
-    """Add a step's gradients (by parameter FQN, `Runner.reduce_grads()`) to `module`'s `.grad`."""
+    """Add a step's gradients (by parameter FQN, `Runner.reduce_grads()`) to `module`'s `.grad`
+    (a DTensor parameter's local gradient as a DTensor of the parameter's layout)."""
     with torch.no_grad():
         for name, param in module.named_parameters():
             grad = grads.get(name)
             if grad is None:
                 continue
+            if isinstance(param, DTensor) and getattr(grad, "device_mesh", None) != param.device_mesh:
+                local = grad.to_local() if isinstance(grad, DTensor) else grad  # a tensor-parallel shard's
+                mesh, placements = param.device_mesh, param.placements
+                grad = DTensor.from_local(
+                    local, mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
+                )
             if param.grad is None:
                 param.grad = grad
             else:

@@ -6,14 +6,16 @@ that follow from what is held.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from zbcompile.options import PipelineOptions
+from zbcompile.passes import tensor_parallel
 from zbcompile.runtime import placement, sharding
-from zbcompile.runtime.distributed import Layout
+from zbcompile.runtime.layout import Layout
 from zbcompile.value_names import buffer_name, param_name
 
 
@@ -29,10 +31,11 @@ class StateOwnership:
         self.unfilled: set[str] = set()
 
     def state(self) -> dict[str, torch.Tensor]:
-        """The module's current parameters and buffers, as the runtime names them."""
+        """The module's current parameters and buffers, as the runtime names them (a
+        tensor-parallel DTensor as its local shard, `local_state`)."""
         state = {param_name(n): p for n, p in self.module.named_parameters()}
         state.update({buffer_name(n): b for n, b in self.module.named_buffers()})
-        return state
+        return local_state(state)
 
     def set_grad_dtype(self) -> None:
         """Give every floating-point parameter the `grad_dtype` option (torch's attribute), so
@@ -107,8 +110,7 @@ class StateOwnership:
                 self.require_placed()
             return self.module.load_state_dict(state_dict, strict=strict)
         held = self.held if self.held is not None else set(placement.canonical_names(self.module).values())
-        if self.options.data_parallel == "shard":
-            state_dict = sharding.as_shards(state_dict, self.module)
+        state_dict = sharding.as_shards(state_dict, self.module)
         result, loaded = placement.load_held(self.module, state_dict, held, strict)
         self.unfilled -= loaded
         return result
@@ -148,3 +150,27 @@ class StateOwnership:
         if move_others:
             self.held = set(held)
         return result
+
+
+def local_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` (runtime names -> parameters and buffers) as the stage programs compute with it: a
+    DTensor over "tp" alone as its local shard (a view: in-place writes reach the parameter), one
+    over ("dp", "tp") as a DTensor over "dp" of its local shard (as `sharding.Gathered` gathers
+    data_parallel="shard"'s parameters), each carrying its `grad_dtype`; every other tensor as it is."""
+    result = dict(state)
+    for name, tensor in state.items():
+        if not isinstance(tensor, DTensor) or not tensor_parallel.is_tensor_parallel(tensor):
+            continue
+        with torch.no_grad():
+            if tensor.device_mesh.mesh_dim_names == (tensor_parallel.TP,):
+                local = tensor_parallel.local_view(tensor)
+            else:  # over ("dp", "tp"): the local shard's rows over "dp", which a step gathers
+                whole = tensor_parallel.local_view(tensor)
+                stride = torch.empty(whole.shape, device="meta").stride()
+                mesh = tensor.device_mesh["dp"]
+                local = DTensor.from_local(
+                    tensor.to_local(), mesh, [Shard(0)], run_check=False, shape=whole.shape, stride=stride
+                )
+        local.grad_dtype = tensor.grad_dtype
+        result[name] = local
+    return result
