@@ -234,6 +234,7 @@ class CostedPipeline:
     representative: tuple[int, ...]
     phase_seconds: dict[str, float] = field(default_factory=dict)
     phase_cpu_seconds: dict[str, float] = field(default_factory=dict)
+    programs: tuple[StageProgram, ...] = ()  # each stage's programs (a reused stage: its own names)
 
 
 def compile_costs(
@@ -247,13 +248,14 @@ def compile_costs(
     device: torch.device | None = None,
     min_deferral_intensity: float = MIN_DEFERRAL_INTENSITY,
     reuse_blocks: bool = True,
+    cuts: Sequence[int] | None = None,
 ) -> CostedPipeline:
     """What `compile_pipeline` computes of each stage's cost, for a model on the meta device as
     well (nothing is materialised), with the joint export, the I/W split and the cost of stages
     with equal `stage_fingerprint`s done once. Costs equal `compile_pipeline`'s stage for stage.
     The trace records no source lines (errors name the module). Phases are timed in wall-clock
-    and in this process's CPU seconds (what a shared machine does not distort). `reuse_blocks`:
-    see `compile_pipeline`."""
+    and in this process's CPU seconds (what a shared machine does not distort). `reuse_blocks`
+    and `cuts`: see `compile_pipeline`."""
     seconds: dict[str, float] = {}
     cpu_seconds: dict[str, float] = {}
 
@@ -268,21 +270,15 @@ def compile_costs(
             "trace", lambda: trace_model(model, loss_fn, args, kwargs, target, device, record_stack_traces=False)
         )
     with ti.quiet_torch_logs(warnings_too=True):
-        partition = timed("partition", lambda: partition_stages(traced, stages, split_points))
-        costs, representative = timed(
+        partition = timed("partition", lambda: partition_stages(traced, stages, split_points, cuts=cuts))
+        programs, representative = timed(
             "joint+split+cost",
-            lambda: _costs_with_reuse(partition, traced.fake_mode, min_deferral_intensity, reuse_blocks),
+            lambda: _programs_with_reuse(
+                partition, traced.fake_mode, min_deferral_intensity, reuse_blocks=reuse_blocks
+            ),
         )
-    return CostedPipeline(traced, partition, costs, representative, seconds, cpu_seconds)
-
-
-def _costs_with_reuse(
-    partition: StagePartition, fake_mode: Any, min_deferral_intensity: float, reuse_blocks: bool
-) -> tuple[tuple[StageGraphCost, ...], tuple[int, ...]]:
-    programs, representative = _programs_with_reuse(
-        partition, fake_mode, min_deferral_intensity, reuse_blocks=reuse_blocks
-    )
-    return tuple(p.cost for p in programs), representative
+    costs = tuple(p.cost for p in programs)
+    return CostedPipeline(traced, partition, costs, representative, seconds, cpu_seconds, programs)
 
 
 def _programs_with_reuse(
