@@ -41,7 +41,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="parameter dtype (config models)")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
     parser.add_argument("--data-parallel", choices=DATA_PARALLEL_MODES, default="replicate")
-    parser.add_argument("--hardware", default="H100-80GB", help=f"one of {', '.join(NAMED)}, or a JSON file")
+    parser.add_argument(
+        "--hardware", default="H100-80GB",
+        help=f"one of {', '.join(NAMED)}, or a JSON file; or one per rank, comma-separated (ranks of different kinds)",
+    )
     parser.add_argument("--memory-limit", default=None, help="bytes per rank, e.g. 70GB (default: the device's memory)")
     parser.add_argument("--schedules", default=None, help="comma-separated schedules to plan")
     parser.add_argument("--svg", default=None, metavar="PATH", help="write zb-auto's predicted timeline there")
@@ -56,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
         model, inputs, kwargs, target, loss_fn = build(args)
         schedules = tuple(args.schedules.split(",")) if args.schedules else PLANNED_SCHEDULES
         result = plan(
-            model, *inputs, stages=args.stages, microbatches=args.microbatches, target=target, hardware=args.hardware,
+            model, *inputs, stages=args.stages, microbatches=args.microbatches, target=target,
+            hardware=args.hardware.split(",") if "," in args.hardware else args.hardware,
             dp=args.dp, data_parallel=args.data_parallel, memory_limit=args.memory_limit, loss_fn=loss_fn,
             schedules=schedules, **kwargs,
         )
