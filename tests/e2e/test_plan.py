@@ -242,7 +242,9 @@ class PlanCutTest(unittest.TestCase):
         rank's hardware and moves work off the slower rank; a list of the wrong length is refused."""
         model, tokens = meta_gpt()
         hardware = ["H100-80GB", "A100-80GB"]
-        plan = zbcompile.plan(model, tokens, target=tokens, loss_fn=lm_loss, stages=2, microbatches=4, hardware=hardware)
+        plan = zbcompile.plan(
+            model, tokens, target=tokens, loss_fn=lm_loss, stages=2, microbatches=4, hardware=hardware
+        )
         self.assertEqual([h["name"] for h in plan.record["rank_hardware"]], hardware)
         alike = zbcompile.plan(model, tokens, target=tokens, loss_fn=lm_loss, stages=2, microbatches=4)
         self.assertGreater(plan.costed.partition.cuts[0], alike.costed.partition.cuts[0])
