@@ -201,12 +201,19 @@ def export_joint(module: torch.nn.Module, args: tuple) -> torch.fx.GraphModule:
 
 
 def fake_like(mode: FakeTensorMode, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A fake tensor in `mode` standing for `tensor`; a `meta` tensor becomes one on `device`."""
+    """A fake tensor in `mode` standing for `tensor`; a `meta` tensor becomes one on `device`, and
+    so does a DTensor shard (`data_parallel="shard"`): the program reads the whole parameter."""
+    from torch.distributed.tensor import DTensor
+
+    original = tensor
+    if isinstance(tensor, DTensor):
+        tensor = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+        device = device or torch.device("cpu")
     if tensor.is_meta:
         fake = mode.fake_tensor_converter.from_meta_and_device(mode, tensor, device)
     else:
         fake = mode.from_tensor(tensor)
-    return torch.nn.Parameter(fake, tensor.requires_grad) if isinstance(tensor, torch.nn.Parameter) else fake
+    return torch.nn.Parameter(fake, original.requires_grad) if isinstance(original, torch.nn.Parameter) else fake
 
 
 def version_of(tensor: torch.Tensor) -> int:

@@ -17,15 +17,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from zbcompile.compiler import CompiledPipeline, compile_forward_only, compile_pipeline
 from zbcompile.inspect.write import CompileDump, start_dump
 from zbcompile.options import PipelineOptions
-from zbcompile.runtime import batch, batch_loss, placement, profile, sharding
+from zbcompile.runtime import batch, batch_loss, placement, profile, recut, sharding, state_transfer
 from zbcompile.runtime.distributed import DistributedRunner, Layout, make_layout
 from zbcompile.runtime.forward_only import ForwardRunner
 from zbcompile.runtime.local import InProcessTransport, LocalRunner
-from zbcompile.runtime.p2p import device_for
+from zbcompile.runtime.p2p import device_for, gather_objects
 from zbcompile.runtime.runner import Runner
 from zbcompile.runtime.schedule_choice import ScheduleChoice
 from zbcompile.runtime.state_ownership import StateOwnership
-from zbcompile.schedules import Costs, Schedule, pipeline_ranks, schedule_label
+from zbcompile.schedules import Costs, Schedule, pipeline_ranks, schedule_label, schedule_spec
 from zbcompile.stage_compiler import compile_stage_programs
 
 
@@ -72,6 +72,7 @@ class Builder:
         self.forward_builds: dict[Any, ForwardRunner] = {}  # evaluation's, by compile key, results and placement
         self.latest_forward: ForwardRunner | None = None
         self.measured_costs: Costs | None = None  # the costs of the latest schedule solved with measured ones
+        self.cut_choice: recut.CutChoice | None = None  # the cut chosen by measurement, kept by later compiles
         self._last_key: Any = None
         self._batch = batch.LocalBatch()
         self._layout: Layout | None = None
@@ -117,10 +118,75 @@ class Builder:
         micro_inputs, micro_targets, key = batch.split(inputs, kwargs, target, self.options.microbatches)
         micro_inputs = batch_loss.with_item_count(self.module, self.options.loss_fn, micro_inputs)
         if key not in self.builds:
-            self.builds[key] = self.build(micro_inputs[0], micro_targets[0])
+            built = self.build(micro_inputs[0], micro_targets[0])
+            self.ownership.set_grad_dtype()
+            if self._recut_wanted(built):
+                built = self._calibrated(built, micro_inputs, micro_targets, absent)
+            o = self.options
+            self.builds[key] = replace(
+                built, dump=start_dump(o.dump_dir, built.compiled, built.runner.schedule, o, built.runner)
+            )
         self._last_key = key
         self.ownership.set_grad_dtype()
         return self.builds[key], micro_inputs, micro_targets, absent
+
+    def _recut_wanted(self, built: Build) -> bool:
+        """Whether this compile chooses its cut by measurement (`runtime/recut.py`): the first
+        compile of a distributed zb-auto pipeline that measures its costs, cut by the compiler
+        (no split points, no given costs, recompute="auto" aside), unless `recut=False`."""
+        o = self.options
+        return (
+            self.distributed and o.recut and built.tuner is not None and self.cut_choice is None
+            and isinstance(o.schedule, str) and schedule_spec(o.schedule).name == "zb-auto"
+            and o.split_points is None and o.costs is None and o.recompute != "auto"
+            and len(built.compiled.programs) > 1
+        )
+
+    def _calibrated(self, built: Build, micro_inputs: list, micro_targets: list, absent: tuple[str, ...]) -> Build:
+        """`built` after calibration steps on this batch (`recut.py`): at the cut chosen by
+        measurement (compiled anew, state moved between ranks) or, kept, with its schedule solved
+        on its measured costs."""
+        runner, layout = built.runner, self.layout()
+
+        def train() -> None:
+            runner.train(micro_inputs, micro_targets, absent, self.ownership)
+
+        with recut.untouched(self.module, runner.device):
+            local = recut.measure(runner, train, self.options.profile_steps)
+        gathered = gather_objects(local, layout.pp_group)
+        choice = None
+        if layout.pp_rank == 0 and layout.dp_rank == 0:
+            reduction = list(self.choice.reduction_per_message(built.compiled))
+            choice = recut.decide(built.compiled, runner.schedule, gathered, self.options, reduction)
+        self.cut_choice = choice = recut.shared(choice, layout)
+        if choice.changes:
+            return self._rebuilt(built, choice, (micro_inputs[0], micro_targets[0]))
+        runner.compiled = replace(runner.compiled, cut_record=choice.record)
+        self.measured_costs = recut.solve_costs(choice, runner.compiled)
+        runner.reschedule(self.choice.schedule(runner.compiled, costs=self.measured_costs))
+        return built
+
+    def _rebuilt(self, built: Build, choice: recut.CutChoice, example: tuple) -> Build:
+        """The model compiled at `choice`'s cut on every rank, the state that changes ranks moved
+        there (`state_transfer`), its schedule solved on the predicted costs."""
+        o, layout = self.options, self.layout()
+        (args, kwargs), target = example
+        cut = choice.cut
+        compiled = self._compile((args, kwargs), target, cut.stages, built.compiled.memory_unit(), cut.positions)
+        compiled = replace(compile_stage_programs(compiled, o.compiler), cut_record=choice.record)
+        self.measured_costs = recut.solve_costs(choice, compiled)
+        schedule = self.choice.schedule(compiled, costs=self.measured_costs)
+        old = state_transfer.holders(built.compiled, built.runner.schedule)
+        new = state_transfer.holders(compiled, schedule)
+        mine = {f for f, ranks in new.items() if layout.pp_rank in ranks}
+        dropped = {f for f, ranks in old.items() if layout.pp_rank in ranks and f not in mine}
+        state_transfer.transfer(
+            self.module, self.ownership, state_transfer.moves(old, new), dropped, layout, built.runner.transport,
+            o.data_parallel,
+        )
+        self.ownership.held = mine
+        runner = self._distributed_runner(compiled, schedule, self.device())
+        return Build(runner, self.choice.tuner(compiled))
 
     def step(self, inputs: tuple, kwargs: dict, target: Any, before: Sequence[Callable[[], None]]) -> Any:
         """One training step on this batch: its compile (`prepare`) runs it (`Runner.train`, after
@@ -232,7 +298,7 @@ class Builder:
         placement zb-auto chooses (`ScheduleChoice.placed`)."""
         o = self.options
         compile_in = functools.partial(self._compile, example, example_target)
-        compiled, schedule = self.choice.placed(compile_in(o.stages), compile_in)
+        compiled, schedule = self._at_chosen_cut(compile_in) or self.choice.placed(compile_in(o.stages), compile_in)
         compiled = compile_stage_programs(compiled, o.compiler)
         device = self.device() if self.distributed else None
         if self.distributed:
@@ -244,20 +310,37 @@ class Builder:
                 move_others=False,
             )
             runner = LocalRunner(compiled, schedule, self.ownership.state())
-        tuner = self.choice.tuner(compiled)
-        return Build(runner, tuner, start_dump(o.dump_dir, compiled, schedule, o, runner))
+        return Build(runner, self.choice.tuner(compiled))
+
+    def _at_chosen_cut(self, compile_in: Callable[..., CompiledPipeline]) -> tuple[CompiledPipeline, Schedule] | None:
+        """A later compile (new batch shapes) at the cut chosen by measurement, where its graph
+        cuts there; None where none was chosen or it does not."""
+        if self.cut_choice is None:
+            return None
+        cut = self.cut_choice.cut
+        try:
+            compiled = compile_in(cut.stages, None, cut.positions)
+        except ValueError:
+            return None
+        return compiled, self.choice.schedule(compiled)
 
     def _compile(
-        self, example: tuple, example_target: Any, stages: int, memory_unit_bytes: int | None = None
+        self,
+        example: tuple,
+        example_target: Any,
+        stages: int,
+        memory_unit_bytes: int | None = None,
+        cuts: Sequence[int] | None = None,
     ) -> CompiledPipeline:
-        """The model cut into `stages` stages (recompute="auto" applied), before the stage
-        programs are compiled; memory counted in units of `memory_unit_bytes` where given."""
+        """The model cut into `stages` stages (at `cuts` where given; recompute="auto" applied),
+        before the stage programs are compiled; memory counted in units of `memory_unit_bytes`
+        where given."""
         args, kwargs = example
         o = self.options
         device = self.device() if self.distributed else None
         compiled = compile_pipeline(
             self.module, o.loss_fn, args, kwargs, example_target, stages, o.split_points, device,
-            recompute_alternatives=o.recompute == "auto",
+            recompute_alternatives=o.recompute == "auto", cuts=cuts,
         )
         if memory_unit_bytes is not None:
             compiled = replace(compiled, memory_unit_bytes=memory_unit_bytes)
@@ -295,7 +378,7 @@ class Builder:
 
         def runner() -> DistributedRunner:
             o = self.options
-            return DistributedRunner(
+            made = DistributedRunner(
                 compiled,
                 schedule,
                 layout,
@@ -305,6 +388,8 @@ class Builder:
                 o.follow_readiness,
                 o.data_parallel,
             )
+            made.interpreter.slowdown = float((o._slowdown or {}).get(made.rank, 1.0))
+            return made
 
         if self.ownership.held is not None:
             if used - self.ownership.held:
