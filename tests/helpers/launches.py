@@ -23,6 +23,7 @@ from helpers import (
     post_validation_workers,
     precision_workers,
     real_model_workers,
+    recut_workers,
     save_resume_workers,
     step_path_workers,
 )
@@ -72,6 +73,9 @@ def directory(launch: str) -> str:
 
 # post-validation on 4 ranks: a 4-stage pipeline, then 2 replicas x 2 stages
 POST_VALIDATION_PIPELINES = [(4, ("sgd", "adam", "adamw")), (2, ("adamw",))]
+# tests/runtime/test_recut.py: (stages, data_parallel, meta init, forced) of the pipelines that re-cut
+FOUR_RANK_RECUTS = [(2, "shard", True, False), (2, "replicate", False, True), (4, "replicate", True, False)]
+TWO_RANK_RECUTS = [(2, "replicate", True, False), (2, "replicate", False, True)]
 
 
 def four_rank_calls(out: str) -> Calls:
@@ -85,6 +89,7 @@ def four_rank_calls(out: str) -> Calls:
         ("groups", distributed_workers.pipelines_in_process_groups, ()),
         ("post_validation", post_validation_workers.train_all, (POST_VALIDATION_PIPELINES,)),
         ("dp_checkpoints", save_resume_workers.dp_checkpoints, ()),
+        ("recut", recut_workers.recut_runs, (FOUR_RANK_RECUTS,)),
         ("data_parallel", data_parallel_workers.train, (data_parallel_workers.RUNS, out)),
     ]
 
@@ -108,7 +113,7 @@ def four_rank_results(label: str) -> list:
 TRAIN = ("gpt", ("zb-h1", "dualpipe"), 2, ("sgd", "adamw"), 3)
 PROFILED = {
     "default": (400, {}),
-    "below 1f1b": (400, {"memory_limit": 1.5}),
+    "below 1f1b": (400, {"memory_limit": 1.5, "recut": False}),
     "profile=False": (5, {"profile": False}),
     "profile=True": (400, {"schedule": "zb-h1", "profile": True, "profile_steps": 3}),
     "recompute auto": (400, {"memory_limit": 1.5, "recompute": "auto"}),
@@ -139,6 +144,7 @@ def two_rank_calls(out: str) -> Calls:
         ("meta_init", distributed_workers.meta_init, (2,)),
         ("profiled", distributed_workers.profiled_runs, (list(PROFILED.values()),)),
         ("new_shapes", distributed_workers.new_shapes_recompile, ()),
+        ("recut", recut_workers.recut_runs, (TWO_RANK_RECUTS,)),
         ("partial", distributed_workers.partial_batches, (PARTIAL_RUNS,)),
         ("late", distributed_workers.late_messages, (0.1, LATE_STEPS)),
         ("misplaced", distributed_workers.misplaced_batches, ()),

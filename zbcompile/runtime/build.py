@@ -160,10 +160,13 @@ class Builder:
             choice = recut.decide(built.compiled, runner.schedule, gathered, self.options, reduction)
         self.cut_choice = choice = recut.shared(choice, layout)
         if choice.changes:
-            return self._rebuilt(built, choice, (micro_inputs[0], micro_targets[0]))
+            rebuilt = self._rebuilt(built, choice, (micro_inputs[0], micro_targets[0]))
+            rebuilt.tuner.history.append({"step": 0, "event": f"re-cut at compile: {choice.cut} (predicted costs)"})
+            return rebuilt
         runner.compiled = replace(runner.compiled, cut_record=choice.record)
         self.measured_costs = recut.solve_costs(choice, runner.compiled)
         runner.reschedule(self.choice.schedule(runner.compiled, costs=self.measured_costs))
+        built.tuner.calibrated(self.measured_costs, runner.schedule, "solved at compile with calibration's costs")
         return built
 
     def _rebuilt(self, built: Build, choice: recut.CutChoice, example: tuple) -> Build:
