@@ -52,7 +52,6 @@ class Settings:
 
 def _pipeline(name: str, settings: Settings, tokens, targets):
     import llama_style
-
     import zbcompile
     from zbcompile.models.gpt import lm_loss
 
@@ -145,7 +144,8 @@ def report(data: dict) -> str:
         f"{data['wall_s']:.0f} s.",
         "",
         _launch.table(
-            ["pipeline", "cut", "placement", "steady step ms", "simulated span ms (its measured costs)", "warm-up steps"],
+            ["pipeline", "cut", "placement", "steady step ms", "simulated span ms (its measured costs)",
+             "warm-up steps"],
             [[name, data["cuts"][name], data["placement"][name], f"{1e3 * data['step_s'][name]:.1f}",
               f"{1e3 * (data['predicted_span_s'][name] or float('nan')):.1f}", data["warmup"][name]]
              for name in PIPELINES],
