@@ -31,10 +31,17 @@ pipeline measured), the measured gain over 1f1b, and their ratio, the captured s
 (measured - 1) / (predicted - 1); the runtime's own time between actions (runtime gaps); the W
 that ran elsewhere than the plan put them.
 
-    python benchmarks/runtime_cpu.py            # ~6 minutes on 2 quiet cores
-    python benchmarks/runtime_cpu.py --quick    # a smoke run
+`--model llama` runs the same comparison on a Llama-style decoder instead (benchmarks/llama_style.py:
+RMSNorm, rotary embeddings computed in each attention's forward, SwiGLU, an untied head; 8 layers,
+hidden 256, vocab 512, seq 128; m = 4 and 8), a model no test contains, with zb-auto's targets
+1.05x torch's best and 1.10x our 1f1b; the report adds what zb-auto's first compile measured and
+which cut it chose (in-line or a V, `runtime/recut.py`).
 
-Writes benchmarks/results/runtime_cpu.{json,md}.
+    python benchmarks/runtime_cpu.py                 # ~6 minutes on 2 quiet cores
+    python benchmarks/runtime_cpu.py --model llama   # the Llama-style decoder
+    python benchmarks/runtime_cpu.py --quick         # a smoke run (with --model llama: the decoder, small)
+
+Writes benchmarks/results/runtime_cpu.{json,md} (runtime_cpu_llama.{json,md} for the decoder).
 """
 
 from __future__ import annotations

@@ -160,9 +160,14 @@ class Builder:
             choice = recut.decide(built.compiled, runner.schedule, gathered, self.options, reduction)
         self.cut_choice = choice = recut.shared(choice, layout)
         if choice.changes:
-            rebuilt = self._rebuilt(built, choice, (micro_inputs[0], micro_targets[0]))
-            rebuilt.tuner.history.append({"step": 0, "event": f"re-cut at compile: {choice.cut} (predicted costs)"})
-            return rebuilt
+            try:
+                rebuilt = self._rebuilt(built, choice, (micro_inputs[0], micro_targets[0]))
+            except ValueError as error:  # the model does not compile at that cut (on every rank alike)
+                choice = recut.kept(choice, built.compiled, runner.schedule, str(error).splitlines()[0])
+                self.cut_choice = choice
+            else:
+                rebuilt.tuner.history.append({"step": 0, "event": f"re-cut at compile: {choice.cut} (predicted costs)"})
+                return rebuilt
         runner.compiled = replace(runner.compiled, cut_record=choice.record)
         self.measured_costs = recut.solve_costs(choice, runner.compiled)
         runner.reschedule(self.choice.schedule(runner.compiled, costs=self.measured_costs))

@@ -61,13 +61,14 @@ class Measured:
 @dataclass(frozen=True)
 class CutChoice:
     """The decision every rank runs: the cut (`placement`, `positions`), the costs zb-auto is to
-    solve it with (seconds per stage or chunk), whether it changes the cut in use, and what the
-    dump and `pipe.explain()` say of it (`record`)."""
+    solve it with (seconds per stage or chunk), whether it changes the cut in use, what the dump
+    and `pipe.explain()` say of it (`record`), and the measured costs of the cut in use."""
 
     cut: Cut
     costs: Costs
     changes: bool
     record: dict[str, Any] = field(default_factory=dict)
+    current_costs: Costs | None = None
 
 
 @contextlib.contextmanager
@@ -143,7 +144,7 @@ def decide(
     )
     decision = choose_cut(cut_units, current_cut(compiled, schedule), settings, RECUT_THRESHOLD)
     record = decision_record(decision, compiled, speeds)
-    return CutChoice(decision.chosen.cut, decision.chosen.costs, decision.changes, record)
+    return CutChoice(decision.chosen.cut, decision.chosen.costs, decision.changes, record, decision.current.costs)
 
 
 def _limits(memory_limit: Any, unit_bytes: float, ranks: int) -> tuple[float, ...] | None:
@@ -187,6 +188,13 @@ def shared(value: Any, layout) -> Any:
         dist.broadcast_object_list(box, group=layout.pp_group, group_src=0)
         value = box[0]
     return value
+
+
+def kept(choice: CutChoice, compiled: CompiledPipeline, schedule: Schedule, why: str) -> CutChoice:
+    """The cut in use after all, where the chosen one does not compile (`why`): its measured
+    costs are the decision's prediction for it."""
+    record = {**choice.record, "changed": False, "reason": f"{choice.record.get('reason')}; kept: {why}"}
+    return CutChoice(current_cut(compiled, schedule), choice.current_costs or choice.costs, False, record)
 
 
 def solve_costs(choice: CutChoice, compiled: CompiledPipeline) -> Costs:
