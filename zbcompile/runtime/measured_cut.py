@@ -4,10 +4,11 @@ Each stage's F, I and W take their measured median (a fused B split into I and W
 shares); within an action, each unit (block, or module outside blocks) takes its measured share
 (`runtime/block_timing.py`; the static shares where a unit went unmeasured), spread over the
 unit's positions (`passes/cut_profile.spread`). What a position costs on another rank: each
-rank's *speed* is the median, over the blocks it ran, of measured time over static
-FLOP-equivalents (blocks alike compare alike: a layer of a decoder is the same work on every
-rank), relative to the fastest rank; a position's time is its measured time divided by its own
-rank's speed and multiplied by the other's. Units outside blocks (an embedding, the head, the
+rank's *speed* compares the blocks alike (the same static work: a decoder's layers) that two
+ranks ran, their measured time per static FLOP-equivalent, relative to the fastest rank (blocks
+of different kinds are not compared: a kernel faster than its FLOPs say is not a faster rank);
+a position's time is its measured time divided by its own rank's speed and multiplied by the
+other's. Units outside blocks (an embedding, the head, the
 loss) keep their measured cost wherever they go, so a first stage slower than its FLOPs say is
 seen as such, while a slow rank is seen as slow for every unit.
 """
@@ -64,25 +65,50 @@ def _shares(units: Units, static: dict[str, dict[str, float]], stage: int, kind:
     return {u: v / total for u, v in source.items()} if total > 0 else {}
 
 
+def _signature(work: dict[str, dict[str, float]], unit: str) -> tuple[float, ...]:
+    """A block's static work per kind, to 4 significant digits: blocks alike have one."""
+    return tuple(float(f"{work[k].get(unit, 0.0):.4g}") for k in KINDS)
+
+
 def rank_speeds(
     measured: Sequence[dict[str, dict[str, float]]], static: Sequence[dict[str, dict[str, float]]],
     stage_rank: Sequence[int], ranks: int,
 ) -> list[float]:
     """Per rank, how much slower it runs the same work than the fastest rank (1: the fastest;
-    see the module docstring). A rank without blocks compares all its units; one with nothing
-    measured counts as the fastest."""
-    ratios: list[list[float]] = [[] for _ in range(ranks)]
-    fallback: list[list[float]] = [[] for _ in range(ranks)]
+    see the module docstring): blocks alike (the same static work of every kind) that two ranks
+    ran compare them (the median over such blocks of their measured seconds per static
+    FLOP-equivalent), rank by rank from the first one that ran a block; ranks no block alike
+    compares, by the median ratio over all their blocks (or units, where they ran no block); a
+    rank that ran nothing measured counts as fast as the first."""
+    alike: dict[tuple[float, ...], dict[int, list[float]]] = {}
+    coarse: dict[int, list[float]] = {}  # per rank, every unit's ratio (blocks first)
     for stage, rank in enumerate(stage_rank):
-        for unit in {u for k in KINDS for u in measured[stage][k]}:
+        for unit in sorted({u for k in KINDS for u in measured[stage][k]}, key=lambda u: not _is_block(u)):
             seconds = sum(measured[stage][k].get(unit, 0.0) for k in KINDS)
             work = sum(static[stage][k].get(unit, 0.0) for k in KINDS)
-            if seconds > 0 and work > 0:
-                (ratios if _is_block(unit) else fallback)[rank].append(seconds / work)
-    rho = [statistics.median(r or f) if (r or f) else None for r, f in zip(ratios, fallback)]
-    known = [x for x in rho if x is not None]
-    fastest = min(known) if known else 1.0
-    return [1.0 if x is None else x / fastest for x in rho]
+            if seconds > 0 and work > 0 and _is_block(unit):
+                alike.setdefault(_signature(static[stage], unit), {}).setdefault(rank, []).append(seconds / work)
+            if seconds > 0 and work > 0 and (_is_block(unit) or not any(map(_is_block, measured[stage]["F"]))):
+                coarse.setdefault(rank, []).append(seconds / work)
+    rho = {kind: {r: statistics.median(v) for r, v in per_rank.items()} for kind, per_rank in alike.items()}
+    rho[()] = {}  # where no block alike compares two ranks: all their blocks' (or units') ratios
+    first = min([r for per_rank in rho.values() for r in per_rank] + list(coarse), default=0)
+    speed = {first: 1.0}
+    while True:
+        estimates: dict[int, list[float]] = {}
+        for per_rank in rho.values():
+            known = [r for r in per_rank if r in speed]
+            for r in per_rank:
+                if r not in speed and known:
+                    estimates.setdefault(r, []).extend(speed[k] * per_rank[r] / per_rank[k] for k in known)
+        if not estimates:
+            if rho[()] or not set(coarse) - set(speed):
+                break
+            rho[()] = {r: statistics.median(v) for r, v in coarse.items()}
+            continue
+        speed.update({r: statistics.median(v) for r, v in estimates.items()})
+    values = [speed.get(r, 1.0) for r in range(ranks)]
+    return [v / min(values) for v in values]
 
 
 def measured_units(
