@@ -81,7 +81,8 @@ TWO_RANK_RECUTS = [(2, "replicate", True, False), (2, "replicate", False, True)]
 def four_rank_calls(out: str) -> Calls:
     """What each of the four ranks runs, in order: the battery of every model and schedule, the
     data-parallel replicas, pipelines over process groups and DeviceMeshes, post-validation,
-    checkpoints across data_parallel modes, then data_parallel="replicate" and "shard" (its
+    checkpoints across data_parallel modes, re-cuts by measurement, then data_parallel="replicate"
+    and "shard" (its
     dump and checkpoint in `out`; the batches that fail on purpose come last)."""
     return [
         ("battery", distributed_workers.one_step, (distributed_workers.battery_runs(4),)),
@@ -132,7 +133,7 @@ INSPECT_STEPS = 3
 def two_rank_calls(out: str) -> Calls:
     """What each of the two ranks runs, in order: the path of a step to its first send (first:
     nothing else has run in the process), the battery, post-validation, buffer updates, a
-    dumped run (into `out`), training, meta init, profiled runs, new shapes, then the batches
+    dumped run (into `out`), training, meta init, profiled runs, new shapes, re-cuts, then the batches
     that fail on purpose (last: a rank that waits out its timeout closes the connection)."""
     return [
         ("step_path", step_path_workers.files_before_first_send, ()),
