@@ -79,7 +79,8 @@ def report(results: list[dict]) -> str:
                 f"{z['span_s']:.3f}" if z["span_s"] else "-", max(z["peak_gb"], default="-"),
                 " ".join(map(str, z["state_gb"])),
             ])
-    lines.append(_launch.table(["config", "cut", "zb-auto fits", "steady step s", "peak GB", "state GB per rank"], rows))
+    header = ["config", "cut", "zb-auto fits", "steady step s", "peak GB", "state GB per rank"]
+    lines.append(_launch.table(header, rows))
     lines.append("")
     for r in results:
         cut = r["cut"] or {}
