@@ -25,7 +25,7 @@ CASES = [
     # (label, config, stages, dp, hardware per rank or for all)
     ("Mixtral-8x7B (MoE: experts hold 4x the parameters per FLOP)", "mixtral-8x7b.json", 8, 4, "H100-80GB"),
     ("Llama-3-70B (dense)", "llama3-70b.json", 16, 8, "H100-80GB"),
-    ("Llama-3-70B, one A100 among H100s", "llama3-70b.json", 8, 8, ["H100-80GB"] * 7 + ["A100-80GB"]),
+    ("Llama-3-70B, the last rank an A100 among H100s", "llama3-70b.json", 16, 8, ["H100-80GB"] * 15 + ["A100-80GB"]),
 ]
 
 

@@ -175,9 +175,12 @@ def _memory_rule(units: CutUnits, settings: CutSettings, segments: Segments, ran
 
 def candidate_cuts(units: CutUnits, current: Cut, settings: CutSettings, segments: Segments) -> list[Cut]:
     """The cut in use and the least-bottleneck cuts (`cut_search.bottleneck_cut`) of every allowed
-    placement, packed from either end, for each count of microbatches in flight a limit asks."""
+    placement, packed from either end, for counts of microbatches in flight from 1 to 1F1B's
+    (powers of two) where a limit is given."""
     ranks = current.ranks()
-    mults: list[int | None] = [None] + (list(range(1, ranks + 1)) if settings.limits is not None else [])
+    # microbatches in flight a stage must hold: 1, 2, 4, ... and 1F1B's most (p), where a limit is given
+    flights = sorted({*(1 << k for k in range(ranks.bit_length())), ranks})
+    mults: list[int | None] = [None] + (flights if settings.limits is not None else [])
     found = [current]
     for placement in settings.placements:
         if placement == "v" and units.positions < 2 * ranks:
