@@ -72,6 +72,8 @@ class CompiledPipeline:
     recompute_levels: tuple[int, ...] = ()
     memory_unit_bytes: int | None = None
     phase_cpu_seconds: dict[str, float] = field(default_factory=dict)  # this process's CPU time, by phase
+    # the cut chosen by measurement (`runtime/recut.py`): the cut measured, the one chosen, why
+    cut_record: dict[str, Any] | None = None
 
     def schedule_costs(self) -> Costs:
         """Per-stage schedule costs from the static estimates: times in FLOP-equivalents; memory
@@ -235,6 +237,7 @@ class CostedPipeline:
     phase_seconds: dict[str, float] = field(default_factory=dict)
     phase_cpu_seconds: dict[str, float] = field(default_factory=dict)
     annotation: Any = None  # what `compile_costs`'s `annotate` returned
+    programs: tuple[StageProgram, ...] = ()  # each stage's programs (a reused stage: its own names)
 
 
 def compile_costs(
@@ -249,15 +252,16 @@ def compile_costs(
     min_deferral_intensity: float = MIN_DEFERRAL_INTENSITY,
     reuse_blocks: bool = True,
     annotate: Callable[[TracedModel], Any] | None = None,
+    cuts: Sequence[int] | None = None,
 ) -> CostedPipeline:
     """What `compile_pipeline` computes of each stage's cost, for a model on the meta device as
     well (nothing is materialised), with the joint export, the I/W split and the cost of stages
     with equal `stage_fingerprint`s done once. Costs equal `compile_pipeline`'s stage for stage.
     The trace records no source lines (errors name the module). Phases are timed in wall-clock
-    and in this process's CPU seconds (what a shared machine does not distort). `reuse_blocks`:
-    see `compile_pipeline`. `annotate(traced)` runs between the trace and the partition (a plan's
-    tensor-parallel shares, `passes/tensor_parallel_shares.py`); what it returns is
-    `CostedPipeline.annotation`."""
+    and in this process's CPU seconds (what a shared machine does not distort). `reuse_blocks`
+    and `cuts`: see `compile_pipeline`. `annotate(traced)` runs between the trace and the
+    partition (a plan's tensor-parallel shares, `passes/tensor_parallel_shares.py`); what it
+    returns is `CostedPipeline.annotation`."""
     seconds: dict[str, float] = {}
     cpu_seconds: dict[str, float] = {}
 
@@ -273,21 +277,15 @@ def compile_costs(
         )
     annotation = annotate(traced) if annotate is not None else None
     with ti.quiet_torch_logs(warnings_too=True):
-        partition = timed("partition", lambda: partition_stages(traced, stages, split_points))
-        costs, representative = timed(
+        partition = timed("partition", lambda: partition_stages(traced, stages, split_points, cuts=cuts))
+        programs, representative = timed(
             "joint+split+cost",
-            lambda: _costs_with_reuse(partition, traced.fake_mode, min_deferral_intensity, reuse_blocks),
+            lambda: _programs_with_reuse(
+                partition, traced.fake_mode, min_deferral_intensity, reuse_blocks=reuse_blocks
+            ),
         )
-    return CostedPipeline(traced, partition, costs, representative, seconds, cpu_seconds, annotation)
-
-
-def _costs_with_reuse(
-    partition: StagePartition, fake_mode: Any, min_deferral_intensity: float, reuse_blocks: bool
-) -> tuple[tuple[StageGraphCost, ...], tuple[int, ...]]:
-    programs, representative = _programs_with_reuse(
-        partition, fake_mode, min_deferral_intensity, reuse_blocks=reuse_blocks
-    )
-    return tuple(p.cost for p in programs), representative
+    costs = tuple(p.cost for p in programs)
+    return CostedPipeline(traced, partition, costs, representative, seconds, cpu_seconds, annotation, programs)
 
 
 def _programs_with_reuse(

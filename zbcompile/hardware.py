@@ -187,6 +187,20 @@ def resolve_hardware(hardware: "Hardware | str | os.PathLike") -> Hardware:
     )
 
 
+def resolve_rank_hardware(hardware: Any, ranks: int) -> tuple[Hardware, ...]:
+    """One `Hardware` per pipeline rank: `hardware` as `resolve_hardware` takes it (every rank
+    alike), or a list of such, one per rank (ranks of different kinds: a slower GPU, a shared
+    node). ValueError where the list's length is not `ranks`."""
+    if isinstance(hardware, (list, tuple)):
+        if len(hardware) != ranks:
+            raise ValueError(
+                f"hardware lists {len(hardware)} profiles for {ranks} pipeline ranks; give one per rank (stage), "
+                "or one for all"
+            )
+        return tuple(resolve_hardware(h) for h in hardware)
+    return (resolve_hardware(hardware),) * ranks
+
+
 def _check_positive(label: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{label} must be a positive finite number, got {value!r}")

@@ -58,6 +58,10 @@ class PipelineOptions:
     )
     # {module-FQN pattern: torch ParallelStyle}, applied on the process_group mesh's "tp" dimension
     tensor_parallel: Mapping[str, Any] | None = None
+    recut: bool = True  # zb-auto measuring its costs chooses its cut again from them (runtime/recut.py)
+    # a testing aid: {global rank: factor} slows that rank's F, I, W and B by sleeping (factor - 1)
+    # times each one's own time (CPU: host time), as a slower or shared device would
+    _slowdown: Mapping[int, float] | None = None
 
     @property
     def distributed(self) -> bool:
@@ -92,6 +96,11 @@ class PipelineOptions:
             raise TypeError(
                 f"pipeline(): grad_dtype must be a floating-point torch.dtype or None, got {self.grad_dtype!r}"
             )
+        if self.recut not in (True, False):
+            raise ValueError(f"pipeline(): recut must be True or False, got {self.recut!r}")
+        for rank, factor in (self._slowdown or {}).items():
+            if not isinstance(rank, int) or not isinstance(factor, (int, float)) or factor < 1:
+                raise ValueError(f"pipeline(): _slowdown maps a rank (int) to a factor >= 1, got {rank!r}: {factor!r}")
         if self.profile not in (None, True, False):
             raise ValueError(f"pipeline(): profile must be None (automatic), True or False, got {self.profile!r}")
         if self.costs is not None and not isinstance(self.costs, Costs):

@@ -13,6 +13,7 @@ state each rank holds (`inspect/plan_report.state_bytes`).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -21,13 +22,15 @@ import torch
 from torch import nn
 
 from zbcompile.compiler import CostedPipeline, compile_costs
-from zbcompile.hardware import Hardware, resolve_hardware
+from zbcompile.hardware import Hardware, resolve_rank_hardware
 from zbcompile.inspect.plan_report import plan_text
 from zbcompile.inspect.text import DATA_PARALLEL_MODES, si, stage_rows_of, state_bytes
 from zbcompile.passes.stage_cost import peak_memory_with_transients
 from zbcompile.passes.tensor_parallel_shares import annotate_shares
+from zbcompile.plan_cut import binds, cut_decision, decision_record, one_f_one_b_peaks
 from zbcompile.runtime.batch import split
 from zbcompile.schedules import Costs, Schedule, ScheduleError, make_schedule, simulate
+from zbcompile.schedules.costs import resolve_costs
 from zbcompile.schedules.memory_limit import parse_bytes
 from zbcompile.schedules.render import layout, to_svg
 
@@ -36,8 +39,9 @@ PLANNED_SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "gpipe", "zb-auto")
 
 @dataclass(frozen=True)
 class Plan:
-    """What `plan()` found: the compile (`costed`), the hardware, per-stage costs in seconds and
-    bytes (`costs`, memory in units of `unit_bytes`), each planned schedule by name, and the
+    """What `plan()` found: the compile (`costed`), the hardware (`rank_hardware`: each rank's;
+    `hardware`: the first rank's), per-stage costs in seconds and bytes (`costs`, memory in units
+    of `unit_bytes`), each rank's memory limit (`limits`), each planned schedule by name, and the
     JSON-able `record` the report prints (`str(plan)`)."""
 
     costed: CostedPipeline
@@ -49,10 +53,13 @@ class Plan:
     record: dict[str, Any]
     options: "PlanOptions"
     microbatch: str = ""
+    rank_hardware: tuple[Hardware, ...] = ()
+    limits: tuple[float, ...] = ()
 
-    def on(self, hardware: Hardware | str) -> "Plan":
-        """The same compile planned on other hardware (`Hardware.from_measured`'s calibration, say)."""
-        return plan_compiled(self.costed, resolve_hardware(hardware), self.options, self.microbatch)
+    def on(self, hardware: Hardware | str | Sequence[Hardware | str]) -> "Plan":
+        """The same compile planned on other hardware (`Hardware.from_measured`'s calibration, say;
+        or one per rank)."""
+        return plan_compiled(self.costed, hardware, self.options, self.microbatch)
 
     def static_costs(self) -> list[dict[str, Any]]:
         """Per stage, its F, I and W `GraphCost`s: `Hardware.from_measured`'s `static`."""
@@ -89,7 +96,7 @@ def plan(
     stages: int,
     microbatches: int,
     target: Any = None,
-    hardware: Hardware | str = "H100-80GB",
+    hardware: Hardware | str | Sequence[Hardware | str] = "H100-80GB",
     dp: int = 1,
     data_parallel: str = "replicate",
     memory_limit: float | str | None = None,
@@ -106,13 +113,16 @@ def plan(
 ) -> Plan:
     """Plan `stages` pipeline stages over `microbatches` microbatches of the batch `inputs`,
     `kwargs`, `target` (one data-parallel replica's, as `step()` takes it; meta tensors welcome)
-    on `hardware` (a `Hardware`, a name from `hardware.NAMED` or a JSON file), with `dp`
-    data-parallel replicas keeping their state as `data_parallel` says ("replicate" or "shard",
-    see `inspect/plan_report.py`), against `memory_limit` bytes per rank (default: the device's).
-    `optimizer_factor` and `grad_factor`: bytes of optimizer state and of gradients per byte of
-    parameters (AdamW in the parameters' dtype: 2 and 1). `schedules`: which to plan (schedules
-    of one stage per rank); zb-auto is solved under each rank's memory left after its state.
-    `tp` tensor-parallel ranks per stage (inside a node) split the modules `tensor_parallel` names
+    on `hardware` (a `Hardware`, a name from `hardware.NAMED` or a JSON file; or a list of them,
+    one per rank: ranks of different kinds), with `dp` data-parallel replicas keeping their state
+    as `data_parallel` says ("replicate" or "shard", see `inspect/plan_report.py`), against
+    `memory_limit` bytes per rank (default: each rank's device memory). `optimizer_factor` and
+    `grad_factor`: bytes of optimizer state and of gradients per byte of parameters (AdamW in the
+    parameters' dtype: 2 and 1). `schedules`: which to plan (schedules of one stage per rank);
+    zb-auto is solved under each rank's memory left after its state. The model is cut where the
+    compiler balances its FLOPs, unless (without `split_points`) the memory limit binds or the
+    ranks differ: then where the predicted step time is least (`plan_cut.py`). `tp`
+    tensor-parallel ranks per stage (inside a node) split the modules `tensor_parallel` names
     ({module-FQN pattern: ColwiseParallel() / RowwiseParallel() or "colwise" / "rowwise"}; default:
     a transformers model's own plan), with `sequence_parallel` the rest of the activations too
     (`passes/tensor_parallel_shares.py`: each rank's FLOPs, bytes and state, and the collectives'
@@ -120,22 +130,53 @@ def plan(
     micro_inputs, micro_targets, _ = split(inputs, kwargs, target, microbatches)
     (args, call_kwargs), micro_target = micro_inputs[0], micro_targets[0]
     _check_options(dp, data_parallel, tp)
-    hardware = resolve_hardware(hardware)
+    rank_hardware = resolve_rank_hardware(hardware, stages)
     annotate = None
     if tp > 1:
         parallel_plan = _tensor_parallel_plan(model, tensor_parallel)
         annotate = lambda traced: annotate_shares(traced, parallel_plan, tp, sequence_parallel)  # noqa: E731
-    # traced as on a CPU (fake tensors, nothing allocated): its attention kernel saves what a GPU's
-    # flash attention saves (no sequence x sequence scores); the meta device's would keep them
-    costed = compile_costs(
-        model, loss_fn, args, call_kwargs, micro_target, stages, split_points, device=torch.device("cpu"),
-        annotate=annotate,
-    )
+
+    def compiled(cuts: Sequence[int] | None = None) -> CostedPipeline:
+        # traced as on a CPU (fake tensors, nothing allocated): its attention kernel saves what a GPU's
+        # flash attention saves (no sequence x sequence scores); the meta device's would keep them
+        return compile_costs(
+            model, loss_fn, args, call_kwargs, micro_target, stages, split_points, device=torch.device("cpu"),
+            annotate=annotate, cuts=cuts,
+        )
+
     options = PlanOptions(
         microbatches, dp, data_parallel, memory_limit, tuple(schedules), optimizer_factor, grad_factor, time_budget,
         tp,
     )
-    return plan_compiled(costed, hardware, options, _shapes(args, call_kwargs))
+    planned = plan_compiled(compiled(), rank_hardware, options, _shapes(args, call_kwargs))
+    return planned if split_points is not None else _cut_by_time(planned, compiled)
+
+
+def _cut_by_time(planned: Plan, compiled: Callable[[Sequence[int]], CostedPipeline]) -> Plan:
+    """`planned`, or where its memory limit binds or its ranks differ the plan of the model cut
+    where the predicted step time is least (`plan_cut.cut_decision`), if that plan's zb-auto fits
+    where the compiler's cut did not, or is faster."""
+    alike = all(h == planned.rank_hardware[0] for h in planned.rank_hardware)
+    if len(planned.state) < 2 or (alike and not binds(one_f_one_b_peaks(planned), planned.limits)):
+        return planned
+    decision = cut_decision(planned.costed, planned.rank_hardware, planned.limits, planned.options)
+    if not decision.changes:
+        planned.record["cut"] = decision_record(decision, "kept the compiler's cut")
+        return planned
+    moved = plan_compiled(compiled(decision.chosen.cut.positions), planned.rank_hardware, planned.options,
+                          planned.microbatch)
+    before, after = (_zb_auto_span(p) for p in (planned, moved))
+    if after < before:
+        moved.record["cut"] = decision_record(decision, "moved: the step predicted on the new cut is shorter")
+        return moved
+    planned.record["cut"] = decision_record(decision, "kept the compiler's cut: the new cut's plan was not better")
+    return planned
+
+
+def _zb_auto_span(plan_: Plan) -> float:
+    """zb-auto's planned span where it fits, else infinity."""
+    entry = next((e for e in plan_.record["schedules"] if e["name"] == "zb-auto"), None)
+    return entry["span"] if entry and not entry.get("error") and entry["fits"] else math.inf
 
 
 @dataclass(frozen=True)
@@ -178,40 +219,50 @@ def _tensor_parallel_plan(model: nn.Module, given: Mapping[str, Any] | None) -> 
     return own
 
 
-def plan_compiled(costed: CostedPipeline, hardware: Hardware, options: PlanOptions, microbatch: str = "") -> Plan:
-    """The plan of a compile (`compiler.compile_costs`) on `hardware`: per-stage times and state,
-    every schedule of `options.schedules` simulated; no compiling (`Plan.on` re-plans on other hardware)."""
+def plan_compiled(
+    costed: CostedPipeline,
+    hardware: Hardware | str | Sequence[Hardware | str],
+    options: PlanOptions,
+    microbatch: str = "",
+) -> Plan:
+    """The plan of a compile (`compiler.compile_costs`) on `hardware` (one for every rank, or one
+    per rank): per-stage times and state, every schedule of `options.schedules` simulated; no
+    compiling (`Plan.on` re-plans on other hardware)."""
     o = options
     _check_options(o.dp, o.data_parallel)
-    limit = hardware.memory if o.memory_limit is None else (
-        parse_bytes(o.memory_limit) if isinstance(o.memory_limit, str) else float(o.memory_limit)
+    ranks = resolve_rank_hardware(hardware, len(costed.costs))
+    limits = tuple(
+        h.memory if o.memory_limit is None else (
+            parse_bytes(o.memory_limit) if isinstance(o.memory_limit, str) else float(o.memory_limit)
+        )
+        for h in ranks
     )
     model = costed.traced.model
     shares = costed.annotation if o.tp > 1 else None
     rows = stage_rows_of(
         model.named_parameters(), costed.partition, costed.costs, shares.param_shares if shares else None
     )
-    collectives = _collective_seconds(costed, hardware, shares)
-    for row, cost, extra in zip(rows, costed.costs, collectives):
+    collectives = _collective_seconds(costed, ranks, shares)
+    for row, cost, extra, h in zip(rows, costed.costs, collectives, ranks):
         row["state"] = state_bytes(row["held_param_bytes"], o.dp, o.data_parallel, o.grad_factor, o.optimizer_factor)
-        row["seconds"] = {
-            kind: hardware.pass_seconds(g, kind) + extra.get(kind, 0.0) for kind, g in pass_costs(cost).items()
-        }
+        row["seconds"] = {kind: h.pass_seconds(g, kind) + extra.get(kind, 0.0) for kind, g in pass_costs(cost).items()}
         row["tp_seconds"] = extra
     unit = float(max([c.mem_b for c in costed.costs] + [1]))
     boundary = max(costed.partition.boundary_bytes, default=0)
-    comm = hardware.link_seconds(boundary / o.tp if shares is not None and shares.sequence_parallel else boundary)
+    message = boundary / o.tp if shares is not None and shares.sequence_parallel else boundary
+    comm = max(h.link_seconds(message) for h in ranks)
     # each stage's gradient reduction over the replicas, after its last W: a ring all-reduce, or
     # under "shard" a reduce-scatter (half its bytes)
     share = 1.0 if o.data_parallel == "replicate" else 0.5
     costs = Costs(
         f=[r["seconds"]["F"] for r in rows], i=[r["seconds"]["I"] for r in rows], w=[r["seconds"]["W"] for r in rows],
         comm=comm, mem_b=[c.mem_b / unit for c in costed.costs], mem_w=[c.mem_w / unit for c in costed.costs],
-        reduce=[share * hardware.allreduce_seconds(r["param_bytes"] * o.grad_factor, o.dp) for r in rows],
+        reduce=[share * h.allreduce_seconds(r["param_bytes"] * o.grad_factor, o.dp) for r, h in zip(rows, ranks)],
     )
     state = tuple(r["state"]["total"] for r in rows)
-    result = Plan(costed, hardware, costs, unit, state, {}, {}, o, microbatch)
-    entries = [_plan_schedule(result, name, o.microbatches, limit, o.time_budget) for name in o.schedules]
+    result = Plan(costed, ranks[0], costs, unit, state, {}, {}, o, microbatch, ranks, limits)
+    entries = [_plan_schedule(result, name, o.microbatches, limits, o.time_budget) for name in o.schedules]
+    alike = all(h == ranks[0] for h in ranks)
     record = {
         "model": type(model).__name__,
         "stages": len(costed.costs),
@@ -221,25 +272,32 @@ def plan_compiled(costed: CostedPipeline, hardware: Hardware, options: PlanOptio
         "data_parallel": o.data_parallel,
         "tp": o.tp,
         "sequence_parallel": bool(shares and shares.sequence_parallel),
-        "hardware": hardware.to_dict(),
+        "hardware": ranks[0].to_dict(),
+        **({} if alike else {"rank_hardware": [h.to_dict() for h in ranks]}),
         "phase_seconds": costed.phase_seconds,
         "phase_cpu_seconds": costed.phase_cpu_seconds,
         "representative": list(costed.representative),
         "stage_rows": rows,
         "tied": {fqn: list(ks) for fqn, ks in costed.partition.shared_params.items()},
         "comm_seconds": comm,
-        "memory_limit_bytes": limit,
-        "allreduce_seconds": hardware.allreduce_seconds(max(r["param_bytes"] * o.grad_factor for r in rows), o.dp),
+        "memory_limit_bytes": min(limits),
+        **({} if len(set(limits)) == 1 else {"memory_limits_bytes": list(limits)}),
+        "allreduce_seconds": max(
+            h.allreduce_seconds(r["param_bytes"] * o.grad_factor, o.dp) for r, h in zip(rows, ranks)
+        ),
         "schedules": [e for e, _ in entries],
-        "zb_auto": _zb_auto_choice([e for e, _ in entries], limit),
+        "zb_auto": _zb_auto_choice([e for e, _ in entries], limits),
     }
     schedules = {e["name"]: s for e, s in entries if s is not None}
-    return Plan(costed, hardware, costs, unit, state, schedules, record, o, microbatch)
+    return Plan(costed, ranks[0], costs, unit, state, schedules, record, o, microbatch, ranks, limits)
 
 
-def _collective_seconds(costed: CostedPipeline, hardware: Hardware, shares: Any) -> list[dict[str, float]]:
+def _collective_seconds(
+    costed: CostedPipeline, ranks: Sequence[Hardware], shares: Any
+) -> list[dict[str, float]]:
     """Per stage, the seconds of one microbatch's tensor-parallel collectives in F and in I (on
-    the hardware's intra-node bandwidth); empty without tensor parallelism."""
+    the intra-node bandwidth of the stage's rank, `ranks[stage]`); empty without tensor
+    parallelism."""
     per_stage: list[dict[str, float]] = [{} for _ in costed.partition.stages]
     if shares is None:
         return per_stage
@@ -247,6 +305,7 @@ def _collective_seconds(costed: CostedPipeline, hardware: Hardware, shares: Any)
     for kind, by_node in (("F", shares.forward_collectives), ("I", shares.input_collectives)):
         for node, collectives in by_node.items():
             stage = per_stage[stage_of[node]]
+            hardware = ranks[stage_of[node]]
             seconds = sum(hardware.intra_node_seconds(c, nbytes, shares.tp) for c, nbytes in collectives)
             stage[kind] = stage.get(kind, 0.0) + seconds
     return per_stage
@@ -258,13 +317,13 @@ def pass_costs(cost: Any) -> dict[str, Any]:
 
 
 def _plan_schedule(
-    plan_: Plan, name: str, microbatches: int, limit: float, time_budget: float
+    plan_: Plan, name: str, microbatches: int, limits: Sequence[float], time_budget: float
 ) -> tuple[dict[str, Any], Schedule | None]:
     """One schedule's entry of the report, and the schedule (None where it cannot be made)."""
     stages = len(plan_.state)
     memory_limit = None
     if name == "zb-auto":
-        room = [(limit - s) / plan_.unit_bytes for s in plan_.state]
+        room = [(limit - s) / plan_.unit_bytes for limit, s in zip(limits, plan_.state)]
         needs = [max(b, w) for b, w in zip(plan_.costs.mem_b, plan_.costs.mem_w)]
         short = [r for r in range(stages) if room[r] < needs[r]]
         if short:
@@ -280,12 +339,13 @@ def _plan_schedule(
             }, None
         memory_limit = room
     try:
-        schedule, peaks = _solve_within(plan_, name, microbatches, memory_limit, limit, time_budget)
+        schedule, peaks = _solve_within(plan_, name, microbatches, memory_limit, limits, time_budget)
     except (ValueError, ScheduleError) as error:
         return {"name": name, "error": str(error).splitlines()[0]}, None
     sim = simulate(schedule, plan_.costs)
+    fits = all(p <= limit for p, limit in zip(peaks, limits))
     entry = {
-        "name": name, "peak_bytes": peaks, "fits": max(peaks) <= limit, "makespan": sim.makespan, "span": sim.span,
+        "name": name, "peak_bytes": peaks, "fits": fits, "makespan": sim.makespan, "span": sim.span,
         "bubble_rate": sim.bubble_rate, "stage_bubble_rate": sim.stage_bubble_rate, "error": None,
     }
     return entry, schedule
@@ -296,14 +356,18 @@ def _solve_within(
     name: str,
     microbatches: int,
     memory_limit: list[float] | None,
-    limit: float,
+    limits: Sequence[float],
     time_budget: float,
-    tries: int = 3,
+    tries: int = 6,
 ) -> tuple[Schedule, list[float]]:
     """`name` made under `memory_limit` (units; a solved schedule's bound) and its peaks per rank
-    in bytes with each action's transients; where those pass `limit` on a rank, the schedule is
-    solved again under that rank's bound lowered by the excess (at most `tries` times)."""
-    for _ in range(tries):
+    in bytes with each action's transients; where those pass `limits` (bytes per rank) on a rank,
+    the schedule is solved again under that rank's bound lowered by the excess and, from the
+    second try on, a quarter of its stage's M_B more each time (a schedule changes by whole
+    microbatches: an excess of a few bytes may take a lower bound to remove; at most `tries`
+    times)."""
+    mem_b = resolve_costs(plan_.costs, len(plan_.state)).mem_b
+    for attempt in range(tries):
         schedule = make_schedule(
             name,
             len(plan_.state),
@@ -314,25 +378,30 @@ def _solve_within(
             placements=("in-line",),
         )
         peaks = plan_.peak_bytes(schedule)
-        over = [max(0.0, p - limit) / plan_.unit_bytes for p in peaks]
+        over = [max(0.0, p - limit) / plan_.unit_bytes for p, limit in zip(peaks, limits)]
         if memory_limit is None or not any(over):
             break
-        memory_limit = [bound - excess for bound, excess in zip(memory_limit, over)]
+        memory_limit = [
+            bound - excess - (0.25 * attempt * b if excess else 0.0)
+            for bound, excess, b in zip(memory_limit, over, mem_b)
+        ]
     return schedule, peaks
 
 
-def _zb_auto_choice(entries: Sequence[dict[str, Any]], limit: float) -> dict[str, Any] | None:
-    """What zb-auto would run: its schedule where it fits `limit` (bytes per rank), else an error
-    saying by how much its best one passes it and what to change."""
+def _zb_auto_choice(entries: Sequence[dict[str, Any]], limits: float | Sequence[float]) -> dict[str, Any] | None:
+    """What zb-auto would run: its schedule where it fits `limits` (bytes, per rank or for all),
+    else an error saying by how much its best one passes it and what to change."""
     by_name = {e["name"]: e for e in entries}
     chosen = by_name.get("zb-auto")
     if chosen is None:
         return None
     if chosen.get("error"):
         return {"error": chosen["error"]}
+    peaks = chosen["peak_bytes"]
+    limits = list(limits) if isinstance(limits, (list, tuple)) else [limits] * len(peaks)
     if not chosen["fits"]:
-        peak = max(chosen["peak_bytes"])
-        rank = chosen["peak_bytes"].index(peak)
+        rank = max(range(len(peaks)), key=lambda r: peaks[r] - limits[r])
+        peak, limit = peaks[rank], limits[rank]
         return {
             "error": (
                 f"its best schedule peaks at {si(peak, 'B')} on rank {rank}, over the {si(limit, 'B')} per rank "

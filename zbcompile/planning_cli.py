@@ -45,7 +45,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--tp", type=int, default=1, help="tensor-parallel ranks per stage (the model's own plan: transformers')"
     )
     parser.add_argument("--sequence-parallel", action="store_true", help="with --tp: shard the sequence too")
-    parser.add_argument("--hardware", default="H100-80GB", help=f"one of {', '.join(NAMED)}, or a JSON file")
+    parser.add_argument(
+        "--hardware", default="H100-80GB",
+        help=f"one of {', '.join(NAMED)}, or a JSON file; or one per rank, comma-separated (ranks of different kinds)",
+    )
     parser.add_argument("--memory-limit", default=None, help="bytes per rank, e.g. 70GB (default: the device's memory)")
     parser.add_argument("--schedules", default=None, help="comma-separated schedules to plan")
     parser.add_argument("--svg", default=None, metavar="PATH", help="write zb-auto's predicted timeline there")
@@ -60,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
         model, inputs, kwargs, target, loss_fn = build(args)
         schedules = tuple(args.schedules.split(",")) if args.schedules else PLANNED_SCHEDULES
         result = plan(
-            model, *inputs, stages=args.stages, microbatches=args.microbatches, target=target, hardware=args.hardware,
+            model, *inputs, stages=args.stages, microbatches=args.microbatches, target=target,
+            hardware=args.hardware.split(",") if "," in args.hardware else args.hardware,
             dp=args.dp, data_parallel=args.data_parallel, memory_limit=args.memory_limit, loss_fn=loss_fn,
             schedules=schedules, tp=args.tp, sequence_parallel=args.sequence_parallel, **kwargs,
         )

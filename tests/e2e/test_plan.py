@@ -201,6 +201,63 @@ class PlanTest(unittest.TestCase):
             zbcompile.plan(model, tokens, stages=2, microbatches=3)
 
 
+def meta_mixtral(layers: int = 4) -> tuple[torch.nn.Module, torch.Tensor]:
+    """A tiny Mixtral (four experts, top two) on the meta device and a batch of token ids."""
+    import transformers
+
+    config = transformers.MixtralConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+    )
+    with torch.device("meta"):
+        model = transformers.MixtralForCausalLM(config)
+    return model, torch.zeros(8, 8, dtype=torch.long, device="meta")
+
+
+@pytest.mark.xdist_group("plan")
+class PlanCutTest(unittest.TestCase):
+    def test_a_cut_moves_for_memory_on_a_small_mixture_of_experts(self):
+        """Without a binding limit the plan keeps the compiler's cut (balanced by FLOPs); under a
+        limit that leaves its heavier rank little room, the cut moves to where the predicted step
+        under the limit is shorter: zb-auto fits there and is faster than on the compiler's cut
+        under the same limit."""
+        model, tokens = meta_mixtral()
+        free = zbcompile.plan(model, tokens, labels=tokens, stages=2, microbatches=4)
+        self.assertNotIn("cut", free.record)
+        limit = 1.25e6  # bytes per rank: state ~0.95 MB each, one microbatch ~0.15 MB with transients
+        tight = zbcompile.plan(model, tokens, labels=tokens, stages=2, microbatches=4, memory_limit=limit)
+        cut = tight.record["cut"]
+        self.assertTrue(cut["why"].startswith("moved"), cut)
+        self.assertEqual(cut["compiled"], list(free.costed.partition.cuts))
+        self.assertNotEqual(tight.costed.partition.cuts, free.costed.partition.cuts)
+        self.assertEqual(list(tight.costed.partition.cuts), cut["chosen"])
+        on_flop_cut = plan_compiled(free.costed, "H100-80GB", PlanOptions(4, memory_limit=limit))
+        moved, kept = (next(e for e in p.record["schedules"] if e["name"] == "zb-auto") for p in (tight, on_flop_cut))
+        self.assertTrue(moved["fits"] and all(peak <= limit for peak in moved["peak_bytes"]))
+        self.assertLess(moved["span"], kept["span"] if kept.get("fits") else float("inf"))
+        self.assertIn("cut: moved", str(tight))
+
+    def test_ranks_of_different_kinds_get_work_by_their_speed(self):
+        """One A100 beside an H100 (a third of its FLOP/s): the plan times each stage on its
+        rank's hardware and moves work off the slower rank; a list of the wrong length is refused."""
+        model, tokens = meta_gpt()
+        hardware = ["H100-80GB", "A100-80GB"]
+        plan = zbcompile.plan(
+            model, tokens, target=tokens, loss_fn=lm_loss, stages=2, microbatches=4, hardware=hardware
+        )
+        self.assertEqual([h["name"] for h in plan.record["rank_hardware"]], hardware)
+        alike = zbcompile.plan(model, tokens, target=tokens, loss_fn=lm_loss, stages=2, microbatches=4)
+        self.assertGreater(plan.costed.partition.cuts[0], alike.costed.partition.cuts[0])
+        busy = [sum(row["seconds"].values()) for row in plan.record["stage_rows"]]
+        on_flop_cut = plan_compiled(alike.costed, hardware, PlanOptions(4))
+        busy_before = [sum(row["seconds"].values()) for row in on_flop_cut.record["stage_rows"]]
+        self.assertLess(max(busy) / min(busy), max(busy_before) / min(busy_before))
+        self.assertIn("per rank: 0 H100-80GB, 1 A100-80GB", str(plan))
+        with self.assertRaisesRegex(ValueError, "3 profiles for 2 pipeline ranks"):
+            zbcompile.plan(model, tokens, target=tokens, loss_fn=lm_loss, stages=2, microbatches=4, hardware=[
+                "H100-80GB"] * 3)
+
+
 class PlanCommandTest(unittest.TestCase):
     def test_config_json(self):
         config = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,

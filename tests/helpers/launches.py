@@ -24,6 +24,7 @@ from helpers import (
     post_validation_workers,
     precision_workers,
     real_model_workers,
+    recut_workers,
     save_resume_workers,
     step_path_workers,
     tensor_parallel_workers,
@@ -75,14 +76,17 @@ def directory(launch: str) -> str:
 
 # post-validation on 4 ranks: a 4-stage pipeline, then 2 replicas x 2 stages
 POST_VALIDATION_PIPELINES = [(4, ("sgd", "adam", "adamw")), (2, ("adamw",))]
+# tests/runtime/test_recut.py: (stages, data_parallel, meta init, forced) of the pipelines that re-cut
+FOUR_RANK_RECUTS = [(2, "shard", True, False), (2, "replicate", False, True), (4, "replicate", True, False)]
+TWO_RANK_RECUTS = [(2, "replicate", True, False), (2, "replicate", False, True)]
 
 
 def four_rank_calls(out: str) -> Calls:
     """What each of the four ranks runs, in order: the battery of every model and schedule, the
     data-parallel replicas, pipelines over process groups and DeviceMeshes, post-validation,
     checkpoints across data_parallel modes, tensor parallelism (pp=2 x tp=2: its dump and
-    checkpoints in `out`/tensor_parallel), then data_parallel="replicate" and "shard" (its dump
-    and checkpoint in `out`; the batches that fail on purpose come last)."""
+    checkpoints in `out`/tensor_parallel), re-cuts by measurement, then data_parallel="replicate"
+    and "shard" (its dump and checkpoint in `out`; the batches that fail on purpose come last)."""
     return [
         ("battery", distributed_workers.one_step, (distributed_workers.battery_runs(4),)),
         ("replicas", distributed_workers.one_step, (distributed_workers.REPLICA_RUNS,)),
@@ -90,6 +94,7 @@ def four_rank_calls(out: str) -> Calls:
         ("post_validation", post_validation_workers.train_all, (POST_VALIDATION_PIPELINES,)),
         ("dp_checkpoints", save_resume_workers.dp_checkpoints, ()),
         ("tensor_parallel", tensor_parallel_workers.four_ranks, (os.path.join(out, "tensor_parallel"),)),
+        ("recut", recut_workers.recut_runs, (FOUR_RANK_RECUTS,)),
         ("data_parallel", data_parallel_workers.train, (data_parallel_workers.RUNS, out)),
     ]
 
@@ -122,7 +127,7 @@ def eight_ranks() -> list[dict]:
 TRAIN = ("gpt", ("zb-h1", "dualpipe"), 2, ("sgd", "adamw"), 3)
 PROFILED = {
     "default": (400, {}),
-    "below 1f1b": (400, {"memory_limit": 1.5}),
+    "below 1f1b": (400, {"memory_limit": 1.5, "recut": False}),
     "profile=False": (5, {"profile": False}),
     "profile=True": (400, {"schedule": "zb-h1", "profile": True, "profile_steps": 3}),
     "recompute auto": (400, {"memory_limit": 1.5, "recompute": "auto"}),
@@ -141,7 +146,7 @@ INSPECT_STEPS = 3
 def two_rank_calls(out: str) -> Calls:
     """What each of the two ranks runs, in order: the path of a step to its first send (first:
     nothing else has run in the process), the battery, post-validation, buffer updates, a
-    dumped run (into `out`), training, meta init, profiled runs, new shapes, then the batches
+    dumped run (into `out`), training, meta init, profiled runs, new shapes, re-cuts, then the batches
     that fail on purpose (last: a rank that waits out its timeout closes the connection)."""
     return [
         ("step_path", step_path_workers.files_before_first_send, ()),
@@ -153,6 +158,7 @@ def two_rank_calls(out: str) -> Calls:
         ("meta_init", distributed_workers.meta_init, (2,)),
         ("profiled", distributed_workers.profiled_runs, (list(PROFILED.values()),)),
         ("new_shapes", distributed_workers.new_shapes_recompile, ()),
+        ("recut", recut_workers.recut_runs, (TWO_RANK_RECUTS,)),
         ("partial", distributed_workers.partial_batches, (PARTIAL_RUNS,)),
         ("late", distributed_workers.late_messages, (0.1, LATE_STEPS)),
         ("misplaced", distributed_workers.misplaced_batches, ()),

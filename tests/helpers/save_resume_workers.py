@@ -39,12 +39,14 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def make_run(seed: int, stages: int = 2, meta: bool = False, **options: Any) -> tuple[Any, Any]:
     """(pipe, optimizer) for a model initialised from `seed` (built on the meta device: each rank
-    materialises its stages' parameters), compiled (distributed: placed)."""
+    materialises its stages' parameters), compiled (distributed: placed) at the compiler's cut
+    (`recut=False`: these runs compare layouts, which a cut chosen by measurement would vary)."""
     torch.manual_seed(seed)
     with torch.device("meta" if meta else "cpu"):
         model = GPT(CONFIG)
     pipe = zbcompile.pipeline(
-        model, stages=stages, microbatches=4, loss_fn=lm_loss, timeout=60, solver_time_budget=0, **options
+        model, stages=stages, microbatches=4, loss_fn=lm_loss, timeout=60, solver_time_budget=0,
+        **{"recut": False, **options},
     )
     pipe.compile(batch(0)[0], target=batch(0)[1])
     inner = torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1)

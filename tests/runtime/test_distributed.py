@@ -282,19 +282,32 @@ def test_a_dead_peer_fails_the_others_within_the_timeout():
 
 @launches.READS_TWO_RANKS
 def test_zb_auto_measures_its_costs_by_default(profiled):
-    """Without options, a distributed zb-auto pipeline times its first steps, solves with what it
-    measured while steps go on, and switches on every rank after the same step."""
+    """Without options, a distributed zb-auto pipeline's first compile times calibration steps,
+    chooses its cut again with what they measured (kept, or re-cut) and runs a schedule solved with
+    measured (or, re-cut, predicted from measured) costs from its first step, the same on every
+    rank; gradients are eager's (the calibration steps leave none behind)."""
     per_rank = profiled["default"]
-    assert per_rank[0]["steps"] == per_rank[1]["steps"] < 400
+    assert per_rank[0]["steps"] == per_rank[1]["steps"] == 2  # the first step() had measured costs
     f, b, w, comm = per_rank[0]["costs"]
-    assert per_rank[1]["costs"] == per_rank[0]["costs"]  # gathered: every rank has all of them
+    assert per_rank[1]["costs"] == per_rank[0]["costs"]  # one decision, broadcast
     assert all(t > 0 for t in f) and b[1] > 0 and all(t > 0 for t in w) and comm > 0
     assert per_rank[0]["schedule"] == per_rank[1]["schedule"]
     assert per_rank[0]["cost_source"] == "measured", per_rank[0]["history"]
     events = [e["event"] for e in per_rank[0]["history"]]
+    kept, recut = events[0] == "solved at compile with calibration's costs", events[0].startswith("re-cut at compile")
+    assert kept or recut, events
+    _assert_eager_grads_after_steps(per_rank)
+
+
+@launches.READS_TWO_RANKS
+def test_the_tuner_solves_with_its_first_measurement_and_switches_after_the_same_step(profiled):
+    """With the cut kept as compiled (recut=False), zb-auto times its first steps, solves with what
+    it measured while steps go on, and switches on every rank after the same step."""
+    per_rank = profiled["below 1f1b"]
+    events = [e["event"] for e in per_rank[0]["history"]]
     assert events[:2] == ["solving (first measurement)", "switched"], events
     assert per_rank[0]["history"][0]["step"] == 2  # a warm-up step, then profile_steps=2 timed ones
-    _assert_eager_grads_after_steps(per_rank)
+    assert per_rank[0]["steps"] == per_rank[1]["steps"] < 400
 
 
 @launches.READS_TWO_RANKS

@@ -24,7 +24,7 @@ from zbcompile.inspect.text import (
     state_bytes,
 )
 
-__all__ = ["DATA_PARALLEL_MODES", "format_schedules", "plan_text", "state_bytes", "zb_auto_line"]
+__all__ = ["DATA_PARALLEL_MODES", "cut_line", "format_schedules", "plan_text", "state_bytes", "zb_auto_line"]
 
 def format_schedules(record: dict[str, Any]) -> str:
     """One line per schedule: peak memory per rank (state + activations, the largest rank's
@@ -88,6 +88,15 @@ def zb_auto_line(record: dict[str, Any]) -> str:
     )
 
 
+def cut_line(cut: dict[str, Any]) -> str:
+    """Where the plan cut the model, when the memory limit bound or the ranks differ."""
+    return (
+        f"cut: {cut['why']} (the compiler's, balanced by FLOPs, at positions {cut['compiled']}; chosen by predicted "
+        f"step time under each rank's memory: {cut['chosen']}, predicted {cut['predicted_gain']:.3f}x): "
+        f"{cut['reason']}"
+    )
+
+
 def plan_text(record: dict[str, Any]) -> str:
     """The whole plan: what was planned on what hardware, compile times, the stage table
     (`format_stages`, as `pipe.explain()` prints it), state and times per stage, the schedules."""
@@ -100,7 +109,11 @@ def plan_text(record: dict[str, Any]) -> str:
         + (f", tp={record['tp']}" if record.get("tp", 1) > 1 else ""),
         f"hardware: {hw['name']}: {si(hw['flops'], 'FLOP/s')}, memory {si(hw['memory_bandwidth'], 'B/s')}, "
         f"link {si(hw['link_bandwidth'], 'B/s')}, {si(hw['memory'], 'B')}; efficiency "
-        + ", ".join(f"{k} {v:.2f}" for k, v in efficiency.items()),
+        + ", ".join(f"{k} {v:.2f}" for k, v in efficiency.items())
+        + (
+            "; per rank: " + ", ".join(f"{r} {h['name']}" for r, h in enumerate(record["rank_hardware"]))
+            if record.get("rank_hardware") else ""
+        ),
         "compile: " + ", ".join(
             f"{k} {v:.2f}s (CPU {record.get('phase_cpu_seconds', {}).get(k, float('nan')):.2f}s)"
             for k, v in record["phase_seconds"].items()
@@ -112,6 +125,7 @@ def plan_text(record: dict[str, Any]) -> str:
         format_state_table(record["stage_rows"], record["dp"], record["data_parallel"]),
         f"boundary message: {seconds_text(record['comm_seconds'])} (largest boundary over the link)",
         *tensor_parallel_lines(record),
+        *([cut_line(record["cut"])] if record.get("cut") else []),
         "",
         format_schedules(record),
     ]

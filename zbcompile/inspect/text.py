@@ -317,9 +317,8 @@ def format_schedule(version: dict[str, Any], count: int = 1, memory_unit: int | 
         lines.insert(
             1,
             (
-                f"placement: V, two chunks per rank ({info.get('v_source')} order), chosen by zb-auto under the memory "
-                "limit, "
-                "below one stage per rank's 1F1B"
+                f"placement: V, two chunks per rank ({info.get('v_source')} order), chosen as the faster placement by "
+                "zb-auto's objective under the memory limit (or by the cut chosen by measurement)"
             ),
         )
     unit_bytes = memory_unit or 1
@@ -434,6 +433,24 @@ def _replicas(world: dict[str, Any]) -> int:
     return max(1, world["world_size"] // world["ranks_per_pipeline"]) if world["distributed"] else 1
 
 
+def cut_lines(cut: dict[str, Any] | None) -> list[str]:
+    """What the cut chosen by measurement (`runtime/recut.py`) says: measured, chosen, why."""
+    if not cut:
+        return []
+    measured, chosen = cut["measured"], cut["chosen"]
+    speeds = ", ".join(f"{s:.2f}" for s in cut["rank_speeds"])
+    return [
+        f"cut by measurement: measured {measured['cut']} ({'; '.join(measured['stages'])}), predicted step "
+        f"{seconds_text(measured['predicted_step_s'])}; "
+        + (
+            f"re-cut to {chosen['cut']} ({chosen['schedule']}), predicted step "
+            f"{seconds_text(chosen['predicted_step_s'])} ({cut['predicted_gain']:.3f}x)"
+            if cut["changed"] else "kept"
+        ),
+        f"  why: {cut['reason']}; each rank's time for the same work, relative to the fastest: {speeds}",
+    ]
+
+
 def summary_text(dump: Dump) -> str:
     """Stages, balance, costs, predicted against measured makespan and bubble."""
     record = dump.record
@@ -447,6 +464,7 @@ def summary_text(dump: Dump) -> str:
         "",
         format_stages(record["stage_rows"], record["tied"]),
         *record.get("recompute", []),
+        *cut_lines(record.get("cut")),
         _balance(version),
         "",
         format_state_table(record["stage_rows"], _replicas(world), "replicate"),

@@ -88,6 +88,7 @@ def compile_record(compiled: "CompiledPipeline", options: PipelineOptions, world
             "tied": {fqn: list(stages) for fqn, stages in compiled.partition.shared_params.items()},
             "memory_unit": compiled.memory_unit(),
             "recompute": compiled.recompute_choice(),
+            "cut": compiled.cut_record,
             "world": world,
         }
     )

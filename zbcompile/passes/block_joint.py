@@ -220,6 +220,8 @@ def _export_last_first(
             exported[key] = part
         else:
             part.joint, part.joint_index = first.joint, first.joint_index
+            source, mine = block_of(first.nodes[0]), block_of(part.nodes[0])
+            part.renamed_module = (source, mine) if source and mine and source != mine else None
             part.targets = {
                 mine.target: theirs.target for mine, theirs in zip(first.attributes, part.attributes, strict=True)
             }

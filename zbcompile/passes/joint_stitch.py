@@ -42,6 +42,9 @@ class Segment:
     joint: fx.GraphModule | None = None
     targets: dict[str, str] | None = None  # the joint's attribute targets -> this segment's
     joint_index: int = 0  # which of the stage's distinct joints
+    # a joint exported for another block alike: (that block's FQN, this one's), so that the ops'
+    # module (`meta["custom"]["module"]`: errors, per-block costs) names this segment's block
+    renamed_module: tuple[str, str] | None = None
 
 
 def forward_region(joint: fx.GraphModule) -> set[fx.Node]:
@@ -269,7 +272,18 @@ def _copy(graph: fx.Graph, nodes: list[fx.Node], env: dict[fx.Node, fx.Node], pa
             packet = getattr(node.target, "overloadpacket", None)
             name = packet.__name__ if packet is not None else None
             env[node] = graph.create_node(node.op, node.target, args, kwargs, name=name, type_expr=node.type)
-            env[node].meta = dict(node.meta)
+            env[node].meta = _own_meta(node.meta, part.renamed_module)
+
+
+def _own_meta(meta: dict, renamed: tuple[str, str] | None) -> dict:
+    """A copy of a joint node's `meta`, its module under this segment's block (`renamed`)."""
+    meta = dict(meta)
+    module = meta.get("custom", {}).get("module")
+    if renamed is not None and module is not None:
+        old, new = renamed
+        if module == old or module.startswith(old + "."):
+            meta["custom"] = {**meta["custom"], "module": new + module[len(old):]}
+    return meta
 
 
 def _constant_name(part: Segment, target: str) -> str:

@@ -17,16 +17,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from zbcompile.compiler import CompiledPipeline, compile_forward_only, compile_pipeline
 from zbcompile.inspect.write import CompileDump, start_dump
 from zbcompile.options import PipelineOptions
-from zbcompile.runtime import batch, batch_loss, placement, profile, sharding, tensor_parallel
+from zbcompile.runtime import batch, batch_loss, placement, profile, recut, sharding, state_transfer, tensor_parallel
 from zbcompile.runtime.distributed import DistributedRunner
 from zbcompile.runtime.forward_only import ForwardRunner
 from zbcompile.runtime.layout import Layout, make_layout
 from zbcompile.runtime.local import InProcessTransport, LocalRunner
-from zbcompile.runtime.p2p import device_for
+from zbcompile.runtime.p2p import device_for, gather_objects
 from zbcompile.runtime.runner import Runner
 from zbcompile.runtime.schedule_choice import ScheduleChoice
 from zbcompile.runtime.state_ownership import StateOwnership
-from zbcompile.schedules import Costs, Schedule, pipeline_ranks, schedule_label
+from zbcompile.schedules import Costs, Schedule, pipeline_ranks, schedule_label, schedule_spec
 from zbcompile.stage_compiler import compile_stage_programs
 
 
@@ -73,6 +73,7 @@ class Builder:
         self.forward_builds: dict[Any, ForwardRunner] = {}  # evaluation's, by compile key, results and placement
         self.latest_forward: ForwardRunner | None = None
         self.measured_costs: Costs | None = None  # the costs of the latest schedule solved with measured ones
+        self.cut_choice: recut.CutChoice | None = None  # the cut chosen by measurement, kept by later compiles
         self._last_key: Any = None
         self._batch = batch.LocalBatch()
         self._layout: Layout | None = None
@@ -119,10 +120,84 @@ class Builder:
         micro_inputs, micro_targets, key = batch.split(inputs, kwargs, target, self.options.microbatches)
         micro_inputs = batch_loss.with_item_count(self.module, self.options.loss_fn, micro_inputs)
         if key not in self.builds:
-            self.builds[key] = self.build(micro_inputs[0], micro_targets[0])
+            built = self.build(micro_inputs[0], micro_targets[0])
+            self.ownership.set_grad_dtype()
+            if self._recut_wanted(built):
+                built = self._calibrated(built, micro_inputs, micro_targets, absent)
+            o = self.options
+            self.builds[key] = replace(
+                built, dump=start_dump(o.dump_dir, built.compiled, built.runner.schedule, o, built.runner)
+            )
         self._last_key = key
         self.ownership.set_grad_dtype()
         return self.builds[key], micro_inputs, micro_targets, absent
+
+    def _recut_wanted(self, built: Build) -> bool:
+        """Whether this compile chooses its cut by measurement (`runtime/recut.py`): the first
+        compile of a distributed zb-auto pipeline that measures its costs, cut by the compiler
+        (no split points, no given costs, recompute="auto" aside), unless `recut=False`."""
+        o = self.options
+        return (
+            self.distributed and o.recut and built.tuner is not None and self.cut_choice is None
+            and isinstance(o.schedule, str) and schedule_spec(o.schedule).name == "zb-auto"
+            and o.split_points is None and o.costs is None and o.recompute != "auto"
+            and len(built.compiled.programs) > 1
+        )
+
+    def _calibrated(self, built: Build, micro_inputs: list, micro_targets: list, absent: tuple[str, ...]) -> Build:
+        """`built` after calibration steps on this batch (`recut.py`): at the cut chosen by
+        measurement (compiled anew, state moved between ranks) or, kept, with its schedule solved
+        on its measured costs."""
+        runner, layout = built.runner, self.layout()
+
+        def train() -> None:
+            runner.train(micro_inputs, micro_targets, absent, self.ownership)
+
+        with recut.untouched(self.module, runner.device):
+            local = recut.measure(runner, train, self.options.profile_steps)
+        gathered = gather_objects(local, layout.pp_group)
+        choice = None
+        if layout.pp_rank == 0 and layout.dp_rank == 0:
+            reduction = list(self.choice.reduction_per_message(built.compiled))
+            choice = recut.decide(built.compiled, runner.schedule, gathered, self.options, reduction)
+        self.cut_choice = choice = recut.shared(choice, layout)
+        if choice.changes:
+            try:
+                rebuilt = self._rebuilt(built, choice, (micro_inputs[0], micro_targets[0]))
+            except ValueError as error:  # the model does not compile at that cut (on every rank alike)
+                choice = recut.kept(choice, built.compiled, runner.schedule, str(error).splitlines()[0])
+                self.cut_choice = choice
+            else:
+                rebuilt.tuner.history.append({"step": 0, "event": f"re-cut at compile: {choice.cut} (predicted costs)"})
+                return rebuilt
+        runner.compiled = replace(runner.compiled, cut_record=choice.record)
+        self.measured_costs = recut.solve_costs(choice, runner.compiled)
+        runner.reschedule(self.choice.schedule(runner.compiled, costs=self.measured_costs))
+        built.tuner.calibrated(self.measured_costs, runner.schedule, "solved at compile with calibration's costs")
+        return built
+
+    def _rebuilt(self, built: Build, choice: recut.CutChoice, example: tuple) -> Build:
+        """The model compiled at `choice`'s cut on every rank, the state that changes ranks moved
+        there (`state_transfer`), its schedule solved on the predicted costs."""
+        o, layout = self.options, self.layout()
+        (args, kwargs), target = example
+        cut = choice.cut
+        compiled = self._compile((args, kwargs), target, cut.stages, built.compiled.memory_unit(), cut.positions)
+        device = self.device()
+        compiled = replace(compile_stage_programs(compiled, o.compiler, device), cut_record=choice.record)
+        self.measured_costs = recut.solve_costs(choice, compiled)
+        schedule = self.choice.schedule(compiled, costs=self.measured_costs)
+        old = state_transfer.holders(built.compiled, built.runner.schedule)
+        new = state_transfer.holders(compiled, schedule)
+        mine = {f for f, ranks in new.items() if layout.pp_rank in ranks}
+        dropped = {f for f, ranks in old.items() if layout.pp_rank in ranks and f not in mine}
+        state_transfer.transfer(
+            self.module, self.ownership, state_transfer.moves(old, new), dropped, layout, built.runner.transport,
+            o.data_parallel,
+        )
+        self.ownership.held = mine
+        runner = self._distributed_runner(compiled, schedule, device)
+        return Build(runner, self.choice.tuner(compiled, device))
 
     def step(self, inputs: tuple, kwargs: dict, target: Any, before: Sequence[Callable[[], None]]) -> Any:
         """One training step on this batch: its compile (`prepare`) runs it (`Runner.train`, after
@@ -237,7 +312,7 @@ class Builder:
         if self.distributed:
             self._parallelize()
         compile_in = functools.partial(self._compile, example, example_target)
-        compiled, schedule = self.choice.placed(compile_in(o.stages), compile_in)
+        compiled, schedule = self._at_chosen_cut(compile_in) or self.choice.placed(compile_in(o.stages), compile_in)
         device = self.device() if self.distributed else batch.device_of((example, example_target))
         compiled = compile_stage_programs(compiled, o.compiler, device)
         if self.distributed:
@@ -245,8 +320,19 @@ class Builder:
         else:
             self.ownership.place(set(placement.canonical_names(self.module).values()), device, move_others=False)
             runner = LocalRunner(compiled, schedule, self.ownership.state())
-        tuner = self.choice.tuner(compiled, device)
-        return Build(runner, tuner, start_dump(o.dump_dir, compiled, schedule, o, runner))
+        return Build(runner, self.choice.tuner(compiled, device))
+
+    def _at_chosen_cut(self, compile_in: Callable[..., CompiledPipeline]) -> tuple[CompiledPipeline, Schedule] | None:
+        """A later compile (new batch shapes) at the cut chosen by measurement, where its graph
+        cuts there; None where none was chosen or it does not."""
+        if self.cut_choice is None:
+            return None
+        cut = self.cut_choice.cut
+        try:
+            compiled = compile_in(cut.stages, None, cut.positions)
+        except ValueError:
+            return None
+        return compiled, self.choice.schedule(compiled)
 
     def _parallelize(self) -> None:
         """Before the first compile: the `tensor_parallel` plan applied on the mesh's "tp"
@@ -260,16 +346,22 @@ class Builder:
         self._parallelized = True
 
     def _compile(
-        self, example: tuple, example_target: Any, stages: int, memory_unit_bytes: int | None = None
+        self,
+        example: tuple,
+        example_target: Any,
+        stages: int,
+        memory_unit_bytes: int | None = None,
+        cuts: Sequence[int] | None = None,
     ) -> CompiledPipeline:
-        """The model cut into `stages` stages (recompute="auto" applied), before the stage
-        programs are compiled; memory counted in units of `memory_unit_bytes` where given."""
+        """The model cut into `stages` stages (at `cuts` where given; recompute="auto" applied),
+        before the stage programs are compiled; memory counted in units of `memory_unit_bytes`
+        where given."""
         args, kwargs = example
         o = self.options
         device = self.device() if self.distributed else None
         compiled = compile_pipeline(
             self.module, o.loss_fn, args, kwargs, example_target, stages, o.split_points, device,
-            recompute_alternatives=o.recompute == "auto",
+            recompute_alternatives=o.recompute == "auto", cuts=cuts,
         )
         if memory_unit_bytes is not None:
             compiled = replace(compiled, memory_unit_bytes=memory_unit_bytes)
@@ -307,7 +399,7 @@ class Builder:
 
         def runner() -> DistributedRunner:
             o = self.options
-            return DistributedRunner(
+            made = DistributedRunner(
                 compiled,
                 schedule,
                 layout,
@@ -317,6 +409,8 @@ class Builder:
                 o.follow_readiness,
                 o.data_parallel,
             )
+            made.interpreter.slowdown = float((o._slowdown or {}).get(made.rank, 1.0))
+            return made
 
         if self.ownership.held is not None:
             if used - self.ownership.held:

@@ -26,6 +26,7 @@ end of the step), and a computation waits only for the messages it consumes (the
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -82,6 +83,7 @@ class Interpreter:
         self.timeline: list[tuple[str, float, float]] = []
         self.comm_timeline: list[tuple[str, float, float]] = []
         self.early_w: tuple[str, ...] = ()
+        self.slowdown = 1.0  # a testing aid (`PipelineOptions._slowdown`): every computation takes this times as long
         # called with the stage after every W and B (the actions that accumulate parameter gradients)
         self.grads_accumulated: Callable[[int], None] = _ignore
 
@@ -194,10 +196,12 @@ class Interpreter:
     def _run_weight(self, action: Action, text: str) -> None:
         started = self.clock.mark()
         self._executor(action.stage, action.microbatch).weight_backward(action.microbatch)
-        self.clock.record("compute", text, started)
+        self._ran(text, started)
         self.grads_accumulated(action.stage)
 
     def _ran(self, text: str, started) -> None:
+        if self.slowdown > 1.0 and self.clock.on_host:  # the testing aid: as if this rank were slower
+            time.sleep((self.slowdown - 1.0) * self.clock.seconds_since(started))
         self.clock.record("compute", text, started)
 
     def _fetch(self, key: Key, waiting_action: str) -> Values:

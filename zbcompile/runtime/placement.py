@@ -46,6 +46,16 @@ class _Slots:
             table[leaf] = value
 
 
+def replace_tensors(module: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Put each of `tensors` (by canonical FQN) in its parameter's or buffer's place, at every
+    place the module registers it (a tied weight's aliases too)."""
+    if not tensors:
+        return
+    slots = _Slots(module)
+    for name, tensor in tensors.items():
+        slots.replace(name, tensor)
+
+
 def _like(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     new = torch.empty_like(tensor, device=device)
     return nn.Parameter(new, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else new

@@ -183,6 +183,15 @@ class CostTuner:
         self.history = list(state["history"])
         self.reference, self._steps, self._window, self._solving = None, 0, [], None
 
+    def calibrated(self, costs: Costs, schedule: Schedule, event: str) -> None:
+        """The running `schedule` was solved at compile with `costs` measured by calibration steps
+        (`runtime/recut.py`): from here on, drift checks against them, as after a first
+        measurement's switch."""
+        self.measured = with_reduction(costs, self.reduction)
+        self.predicted_span = simulate(schedule, self.measured).span
+        self.reference = None
+        self.history.append({"step": 0, "event": event, "predicted_span_s": self.predicted_span})
+
     def after_step(self, runner: DistributedRunner) -> Schedule | None:
         """Record the step `runner` just ran; returns the schedule to run from the next step on,
         when this step is a switch (the same on every rank), else None."""

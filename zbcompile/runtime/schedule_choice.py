@@ -68,15 +68,23 @@ class ScheduleChoice:
             return compiled, self.schedule(compiled).with_info(v_value=v_schedule.info["value"])
         return chunks, v_schedule.with_info(in_line_value=in_line_value)
 
-    def schedule(self, compiled: CompiledPipeline, placements: tuple[str, ...] = ("in-line",)) -> Schedule:
+    def schedule(
+        self, compiled: CompiledPipeline, placements: tuple[str, ...] = ("in-line",), costs: Costs | None = None
+    ) -> Schedule:
         """The schedule, solved on one rank and broadcast so that every rank runs the same one;
-        zb-auto may choose among `placements` (`v_choice.PLACEMENTS`)."""
+        zb-auto may choose among `placements` (`v_choice.PLACEMENTS`). `costs`: per compiled stage,
+        measured or predicted from measurements (`runtime/recut.py`), in place of the compiler's."""
 
         def solve() -> Schedule:
             given = self.options.costs
             try:
-                costs = static_costs(compiled) if given is None else self._per_compiled_stage(given, compiled)
-                arguments = self.solve_arguments(costs, compiled, placements)
+                if costs is not None:
+                    solved_with = costs
+                elif given is None:
+                    solved_with = static_costs(compiled)
+                else:
+                    solved_with = self._per_compiled_stage(given, compiled)
+                arguments = self.solve_arguments(solved_with, compiled, placements)
                 schedule = make_schedule(**arguments)
             except ValueError as error:
                 if not is_bytes(self.options.memory_limit):
@@ -86,10 +94,14 @@ class ScheduleChoice:
                 ) from error
             limit = arguments["memory_limit"]
             reduction = with_reduction(
-                costs, self.reduction_per_message(compiled)
+                solved_with, self.reduction_per_message(compiled)
             ).reduce  # as solve_arguments counts it
+            source = (
+                {"cost_source": "measured"} if costs is not None
+                else {"cost_source": "given", "costs": given} if given is not None else {"cost_source": "static"}
+            )
             return schedule.with_info(
-                **({"cost_source": "given", "costs": given} if given is not None else {"cost_source": "static"}),
+                **source,
                 **(
                     {"reduction": tuple(reduction)}
                     if not isinstance(reduction, (int, float)) and any(reduction)

@@ -1,0 +1,183 @@
+"""A slower rank: zb-auto re-cut by measurement against zb-auto at the compiler's cut.
+
+Two gloo ranks train the Llama-style decoder (benchmarks/llama_style.py); rank 1's actions are
+slowed by `--slowdown` (default 1.5: each F, I, W sleeps half its own time more,
+`pipeline(_slowdown=...)`, a testing aid standing for a slower or shared device). Two pipelines,
+default options but the cut: `recut=False` (the cut the compiler balances by FLOPs; zb-auto still
+re-solves its order with measured costs) and the default (the first compile measures each block
+on each rank and cuts again, `runtime/recut.py`). Both are warmed up until their tuners run
+schedules solved with measured costs; then rounds alternate between them, steps back to back.
+
+Printed: each pipeline's steady step (median over rounds), the simulator's span of the running
+schedule under its last measured costs (the best the simulator predicts for those costs at that
+cut), the re-cut decision (the cut measured, the one chosen, the predicted step of each and the
+rank speeds it saw), and two checks: the re-cut step within 10% of the simulator's prediction for
+it, and at least 1.2x faster than the static cut's.
+
+    python benchmarks/straggler.py            # a few minutes on 2 quiet cores
+    python benchmarks/straggler.py --quick    # a smoke run
+
+Writes benchmarks/results/straggler.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
+
+import _launch  # noqa: E402
+
+PIPELINES = ("static cut", "re-cut")
+
+
+@dataclass(frozen=True)
+class Settings:
+    vocab: int = 512
+    seq_len: int = 128
+    hidden: int = 256
+    heads: int = 4
+    layers: int = 8
+    rows: int = 2  # sequences per microbatch
+    microbatches: int = 8
+    slowdown: float = 1.5
+    rounds: int = 6
+    steps_per_round: int = 4
+    max_warmup: int = 60  # steps until a tuner runs its measured schedule
+    timeout_s: float = 600.0
+
+
+def _pipeline(name: str, settings: Settings, tokens, targets):
+    import llama_style
+    import zbcompile
+    from zbcompile.models.gpt import lm_loss
+
+    pipe = zbcompile.pipeline(
+        llama_style.llama_style(settings), stages=2, microbatches=settings.microbatches, loss_fn=lm_loss,
+        timeout=settings.timeout_s, recut=name == "re-cut", _slowdown={1: settings.slowdown},
+    )
+    pipe.compile(tokens, target=targets)
+    return pipe
+
+
+def rank_main(settings: Settings) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    generator = torch.Generator().manual_seed(0)
+    shape = (settings.microbatches * settings.rows, settings.seq_len)
+    tokens = torch.randint(0, settings.vocab, shape, generator=generator)
+    targets = tokens.roll(-1, 1)
+    pipes, optimizers = {}, {}
+    for name in PIPELINES:
+        pipes[name] = _pipeline(name, settings, tokens, targets)
+        optimizers[name] = torch.optim.SGD(pipes[name].parameters(), lr=1e-3)
+
+    def step(name: str) -> None:
+        pipes[name].step(tokens, target=targets)
+        optimizers[name].step()
+        optimizers[name].zero_grad(set_to_none=True)
+
+    warmup = {}
+    for name, pipe in pipes.items():
+        steps = 0
+        while (pipe.tuner.measured is None or pipe.tuner.solving) and steps < settings.max_warmup:
+            step(name)
+            steps += 1
+        step(name)
+        warmup[name] = steps
+    times: dict[str, list[float]] = {name: [] for name in PIPELINES}
+    for r in range(settings.rounds):
+        for name in PIPELINES if r % 2 == 0 else reversed(PIPELINES):
+            dist.barrier()
+            step(name)  # settles after the barrier
+            started = time.perf_counter()
+            for _ in range(settings.steps_per_round):
+                step(name)
+            times[name].append((time.perf_counter() - started) / settings.steps_per_round)
+        if dist.get_rank() == 0:
+            print(f"round {r + 1}/{settings.rounds} done", flush=True)
+    return {
+        "times": times,
+        "warmup": warmup,
+        "predicted_span": {name: pipes[name].tuner.predicted_span for name in PIPELINES},
+        "history": {name: list(pipes[name].tuner.history) for name in PIPELINES},
+        "cuts": {name: list(pipes[name].compiled.partition.cuts) for name in PIPELINES},
+        "placement": {name: pipes[name].schedule.info.get("placement", "in-line") for name in PIPELINES},
+        "cut_record": pipes["re-cut"].compiled.cut_record,
+        "stages": {name: pipes[name].runner.local_stages for name in PIPELINES},
+    }
+
+
+def analyse(per_rank: list[dict], settings: Settings, before: dict, after: dict, wall_s: float) -> dict:
+    first = per_rank[0]
+    step = {name: _launch.median([max(r["times"][name][i] for r in per_rank) for i in range(settings.rounds)])
+            for name in PIPELINES}
+    predicted = first["predicted_span"]
+    recut, static = step["re-cut"], step["static cut"]
+    checks = [
+        {"check": "re-cut step within 10% of the simulator's span for its measured costs",
+         "value": recut / predicted["re-cut"], "holds": recut <= 1.10 * predicted["re-cut"]},
+        {"check": "re-cut step at least 1.2x faster than the static cut's",
+         "value": static / recut, "holds": static >= 1.2 * recut},
+    ]
+    return {
+        "settings": asdict(settings), "machine_before": before, "machine_after": after, "wall_s": wall_s,
+        "step_s": step, "predicted_span_s": predicted, "checks": checks,
+        **{k: first[k] for k in ("warmup", "history", "cuts", "placement", "cut_record")},
+    }
+
+
+def report(data: dict) -> str:
+    s = data["settings"]
+    cut = data["cut_record"] or {}
+    lines = [
+        "# A slower rank: zb-auto re-cut by measurement against the compiler's cut",
+        "",
+        f"Llama-style decoder ({s['layers']} layers, hidden {s['hidden']}, vocab {s['vocab']}, seq {s['seq_len']}), "
+        f"{s['rows']} rows per microbatch, m={s['microbatches']}, 2 gloo ranks; rank 1 slowed {s['slowdown']}x "
+        "(`_slowdown`, a testing aid). Machine: "
+        f"{_launch.load_line(data['machine_before'])} before, {_launch.load_line(data['machine_after'])} after; "
+        f"{data['wall_s']:.0f} s.",
+        "",
+        _launch.table(
+            ["pipeline", "cut", "placement", "steady step ms", "simulated span ms (its measured costs)",
+             "warm-up steps"],
+            [[name, data["cuts"][name], data["placement"][name], f"{1e3 * data['step_s'][name]:.1f}",
+              f"{1e3 * (data['predicted_span_s'][name] or float('nan')):.1f}", data["warmup"][name]]
+             for name in PIPELINES],
+        ),
+        "",
+        f"Decision: measured {cut.get('measured', {}).get('cut')}, chosen {cut.get('chosen', {}).get('cut')} "
+        f"(predicted {cut.get('predicted_gain', float('nan')):.3f}x); rank speeds "
+        f"{', '.join(f'{x:.2f}' for x in cut.get('rank_speeds', []))}; {cut.get('reason')}",
+        "",
+        _launch.table(
+            ["check", "value", "holds"],
+            [[c["check"], f"{c['value']:.3f}", "yes" if c["holds"] else "NO"] for c in data["checks"]],
+        ),
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--slowdown", type=float, default=Settings.slowdown)
+    parser.add_argument("--rounds", type=int, default=Settings.rounds)
+    parser.add_argument("--rows", type=int, default=Settings.rows)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: a small model, 2 rounds")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave the results files alone")
+    options = parser.parse_args()
+    settings = Settings(slowdown=options.slowdown, rounds=options.rounds, rows=options.rows)
+    if options.quick:
+        settings = Settings(seq_len=32, hidden=64, rows=1, rounds=2, steps_per_round=2, slowdown=options.slowdown)
+    _launch.run_and_report(
+        "straggler", 2, rank_main, settings, analyse, report, write=not options.no_write and not options.quick
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""What each rank runs for tests/runtime/test_recut.py: a distributed zb-auto pipeline whose first
+compile chooses its cut again by measurement (a rank slowed by the testing aid, so that it does),
+or is made to re-cut (`forced`: the decision replaced by a V, or one stage per rank where the
+compile was a V), against a pipeline compiled at the final cut from the start."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import zbcompile
+from helpers.models import build
+from zbcompile.passes.partition import partition_stages
+from zbcompile.runtime import recut
+from zbcompile.schedules import Costs
+from zbcompile.schedules.cut_search import Cut
+
+STEPS = 2
+SLOWDOWN = 3.0  # rank 1's actions take this times as long: a re-cut gains far more than the threshold
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach().clone()
+
+
+@contextlib.contextmanager
+def forced() -> Iterator[None]:
+    """The cut decision replaced: a V of the compiler's chunk cuts where the compile is one stage
+    per rank, else one stage per rank at the compiler's cuts."""
+    original = recut.decide
+
+    def decide(compiled, schedule, gathered, options, reduction):
+        measured = original(compiled, schedule, gathered, options, reduction)
+        current = recut.current_cut(compiled, schedule)
+        ranks = schedule.ranks
+        placement = "in-line" if current.placement == "v" else "v"
+        stages = ranks if placement == "in-line" else 2 * ranks
+        cut = Cut(placement, tuple(partition_stages(compiled.traced, stages).cuts))
+        costs = Costs(f=[1.0] * stages, i=[1.0] * stages, w=[1.0] * stages)
+        return recut.CutChoice(cut, costs, cut != current, {**measured.record, "changed": cut != current})
+
+    recut.decide = decide
+    try:
+        yield
+    finally:
+        recut.decide = original
+
+
+def _train(pipe, case) -> dict:
+    """`STEPS` steps with AdamW: the first step's gradients, then the last step's gradients,
+    parameters and optimizer state (this rank's shards under "shard")."""
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    first = None
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        case.step(pipe)
+        first = first or {n: _local(p.grad) for n, p in pipe.named_parameters()}
+        optimizer.step()
+    params = dict(pipe.named_parameters())
+    return {
+        "first_grads": first,
+        "grads": {n: _local(p.grad) for n, p in params.items()},
+        "params": {n: _local(p) for n, p in params.items()},
+        "optimizer": {n: {k: _local(v) for k, v in optimizer.state[p].items()} for n, p in params.items()},
+    }
+
+
+def recut_run(stages: int, data_parallel: str, meta: bool, force: bool) -> dict:
+    """One pipeline that re-cuts (by the slowed rank, or `force`d), one compiled at its final cut
+    from the start, one kept at the compiler's cut (what each rank held before the re-cut); with
+    `meta` the model is built on the meta device and the full state dict loaded after compile."""
+    case = build("gpt")
+
+    def model() -> torch.nn.Module:
+        if not meta:
+            return copy.deepcopy(case.model)
+        with torch.device("meta"):
+            return type(case.model)(case.model.config)
+
+    options = dict(
+        stages=stages, microbatches=4, loss_fn=case.loss_fn, timeout=60, solver_time_budget=0,
+        data_parallel=data_parallel,
+    )
+
+    def compiled(pipe):
+        pipe.compile(*case.args, target=case.target)
+        if meta:
+            pipe.load_state_dict(case.model.state_dict(), strict=False)
+        return pipe
+
+    with forced() if force else contextlib.nullcontext():
+        pipe = compiled(zbcompile.pipeline(model(), _slowdown=None if force else {1: SLOWDOWN}, **options))
+    choice = pipe._builder.cut_choice
+    reference = zbcompile.pipeline(model(), recut=False, **options)
+    reference._builder.cut_choice = choice  # compiled at the final cut from the start
+    compiled(reference)
+    static = compiled(zbcompile.pipeline(model(), recut=False, **options))
+    held = sorted(pipe._builder.ownership.held)
+    return {
+        "changed": choice.changes,
+        "cut": str(choice.cut),
+        "reference_cut": list(reference.compiled.partition.cuts),
+        "final_cut": list(pipe.compiled.partition.cuts),
+        "held": held,
+        "held_before": sorted(static._builder.ownership.held),
+        "materialised": sorted(n for n, p in pipe.module.named_parameters() if not p.is_meta),
+        "mine": _train(pipe, case),
+        "reference": _train(reference, case),
+        "explain": pipe.explain() if dist.get_rank() == 0 else None,
+        "history": pipe.tuner.history,
+        "record": pipe.compiled.cut_record,
+    }
+
+
+def recut_runs(runs: list[tuple[int, str, bool, bool]]) -> list[dict]:
+    """`recut_run(*run)` for each run, in one launch."""
+    return [recut_run(*run) for run in runs]

@@ -1,0 +1,75 @@
+"""The cut chosen again by measurement in a distributed pipeline's first compile
+(`runtime/recut.py`): the parameters, gradients and buffers that change ranks move there, and
+training at the new cut is bitwise training at that cut from the start (gradients, parameters
+and AdamW's state after two steps), with the first step's gradients eager's. Two ranks (one
+replica) and four (two replicas of two stages under "shard" and "replicate", and one pipeline of
+four stages), models on the meta device and not, re-cut by a rank slowed with the testing aid or
+made to re-cut to a V (or back to one stage per rank). The decision itself, on fixed costs, is
+tests/schedules/test_cut_choice.py's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import launches
+from helpers.models import build
+
+
+def _runs(launch: str) -> list[tuple[tuple, list[dict]]]:
+    """Per run of the launch: its (stages, data_parallel, meta, forced) and every rank's result."""
+    if launch == "two":
+        per_rank, runs = launches.two_rank_results("recut"), launches.TWO_RANK_RECUTS
+    else:
+        per_rank, runs = launches.four_rank_results("recut"), launches.FOUR_RANK_RECUTS
+    return [(run, [rank[i] for rank in per_rank]) for i, run in enumerate(runs)]
+
+
+def _check_run(run: tuple, per_rank: list[dict]) -> None:
+    stages, data_parallel, meta, forced = run
+    for rank, result in enumerate(per_rank):
+        label = f"{run} rank {rank}"
+        assert result["changed"], (label, result["record"])
+        assert result["final_cut"] == result["reference_cut"], label  # the reference cut there from the start
+        for part in ("first_grads", "grads", "params"):
+            mine, reference = result["mine"][part], result["reference"][part]
+            assert mine.keys() == reference.keys(), (label, part)
+            for name in mine:
+                assert torch.equal(mine[name], reference[name]), (label, part, name)
+        for name, state in result["mine"]["optimizer"].items():
+            for key, value in state.items():
+                assert torch.equal(value, result["reference"]["optimizer"][name][key]), (label, name, key)
+        if meta:  # a rank materialised only what it holds at the final cut
+            params = set(result["mine"]["params"])
+            assert set(result["materialised"]) == params, label
+    # the state moved: some rank holds other parameters than at the compiler's cut
+    assert any(r["held"] != r["held_before"] for r in per_rank), run
+    explained = next(r["explain"] for r in per_rank if r["explain"])
+    assert "cut by measurement: measured" in explained and "re-cut to" in explained, explained
+    history = per_rank[0]["history"]
+    assert history and history[0]["event"].startswith("re-cut at compile"), history
+    if data_parallel == "replicate":  # replicas of one batch: every replica's gradients are eager's
+        _check_eager_first_step(per_rank)
+
+
+def _check_eager_first_step(per_rank: list[dict]) -> None:
+    """The first step's gradients, gathered over the ranks, are the unpipelined model's."""
+    reference = build("gpt")
+    reference.eager_loss().backward()
+    grads = {k: v for r in per_rank for k, v in r["mine"]["first_grads"].items()}
+    for fqn, p in reference.model.named_parameters():
+        torch.testing.assert_close(grads[fqn], p.grad, rtol=1e-5, atol=1e-6, msg=fqn)
+
+
+@launches.READS_TWO_RANKS
+@pytest.mark.parametrize("index", range(len(launches.TWO_RANK_RECUTS)))
+def test_a_recut_moves_state_between_two_ranks(index):
+    run, per_rank = _runs("two")[index]
+    _check_run(run, per_rank)
+
+
+@launches.READS_FOUR_RANKS
+@pytest.mark.parametrize("index", range(len(launches.FOUR_RANK_RECUTS)))
+def test_a_recut_moves_state_between_four_ranks(index):
+    run, per_rank = _runs("four")[index]
+    _check_run(run, per_rank)

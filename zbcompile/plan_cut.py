@@ -1,0 +1,77 @@
+"""The plan's cut where the compiler's (balanced by FLOPs) is not the question's answer: where
+the memory limit binds (some rank's state and 1F1B's activations pass it) or the ranks are of
+different kinds, the cut is chosen by the predicted step time under each rank's memory
+(`schedules/cut_choice.choose_cut`, the decision the runtime makes with measured costs): each
+position's F, I and W timed on the hardware of the rank that would run it, each rank's state
+(parameters, gradients, optimizer state under the data-parallel mode) and activations within its
+limit, with each stage's largest action's transient memory (what the M_B/M_W model leaves out).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from zbcompile.compiler import CostedPipeline
+from zbcompile.hardware import Hardware
+from zbcompile.inspect.text import state_bytes
+from zbcompile.passes.cut_profile import cut_layout, static_units
+from zbcompile.schedules import make_schedule
+from zbcompile.schedules.cut_choice import Cut, CutDecision, CutSettings, choose_cut
+
+PLAN_THRESHOLD = 0.01  # the predicted gain a cut must bring over the compiler's
+
+
+@dataclass(frozen=True)
+class _Pass:
+    flops: float
+    written_bytes: float
+
+
+def binds(peaks: Sequence[float], limits: Sequence[float]) -> bool:
+    """Whether some rank's peak (state + 1F1B's activations) passes its limit."""
+    return any(p > limit for p, limit in zip(peaks, limits))
+
+
+def one_f_one_b_peaks(plan_: Any) -> list[float]:
+    """Per rank: state + 1F1B's activations with each action's own peak (`Plan.peak_bytes`)."""
+    return plan_.peak_bytes(make_schedule("1f1b", len(plan_.state), plan_.options.microbatches, plan_.costs))
+
+
+def cut_decision(
+    costed: CostedPipeline,
+    rank_hardware: Sequence[Hardware],
+    limits: Sequence[float],
+    options: Any,
+) -> CutDecision:
+    """The cut of `costed`'s model chosen by predicted step time on `rank_hardware` within
+    `limits` (bytes per rank; `options`: the plan's `PlanOptions`), against the compile's own."""
+    layout = cut_layout(costed.traced, costed.partition)
+    timers: list[tuple[Hardware, Any]] = []  # ranks of one kind share one timing
+    for hardware in rank_hardware:
+        if not any(h == hardware for h, _ in timers):
+            timers.append((hardware, lambda kind, f, b, hw=hardware: hw.pass_seconds(_Pass(f, b), kind)))
+    rank_time = [next(t for h, t in timers if h == hardware) for hardware in rank_hardware]
+    units = static_units(layout, costed.programs, rank_time, costed.representative)
+    per_byte = state_bytes(1.0, options.dp, options.data_parallel, options.grad_factor, options.optimizer_factor)
+    share = 1.0 if options.data_parallel == "replicate" else 0.5
+    settings = CutSettings(
+        microbatches=options.microbatches,
+        comm_per_byte=max(1.0 / h.link_bandwidth for h in rank_hardware),
+        reduce_per_byte=share * options.grad_factor * max(h.allreduce_seconds(1.0, options.dp) for h in rank_hardware),
+        state_per_byte=per_byte["total"],
+        limits=tuple(limits),
+        time_budget=options.time_budget,
+    )
+    return choose_cut(units, Cut("in-line", tuple(costed.partition.cuts)), settings, PLAN_THRESHOLD)
+
+
+def decision_record(decision: CutDecision, reason: str) -> dict[str, Any]:
+    """What the plan's report says of the cut: the compiler's, the chosen one, why."""
+    return {
+        "compiled": list(decision.current.cut.positions),
+        "chosen": list(decision.chosen.cut.positions),
+        "predicted_gain": decision.gain,
+        "why": reason,
+        "reason": decision.reason,
+    }

@@ -1,0 +1,204 @@
+"""Balance by measurement: where a distributed zb-auto pipeline cuts its model, chosen again from
+what its first steps measure, before the user's optimizer exists.
+
+The compiler cuts the model where its FLOP estimates balance; real ranks disagree with FLOPs (an
+embedding's backward, ops the estimate undercounts, a slower or shared GPU). So the first compile
+(`pipe.compile(batch)` or the first `step()`) runs calibration steps on its batch before it
+returns: a warm-up step, `profile_steps` steps whose per-action times are kept, and one step with
+marked programs that time each block inside every action (`runtime/block_timing.py`). Nothing of
+them stays: the parameters' `.grad`, the buffers and the RNG states are as they were before.
+
+The ranks' medians are gathered; the pipeline's first rank (of the first replica: one decision
+for every replica) turns them into per-position costs on every rank (`measured_cut.py`) and
+chooses the cut, in-line or a V, by zb-auto's predicted step time (`schedules/cut_choice.py`, the
+decision `zbcompile plan` makes on paper); the decision is broadcast. Where the chosen cut beats
+the one in use by more than `cut_choice.RECUT_THRESHOLD`, every rank compiles the model at the
+new cut, the parameters, gradients and buffers that change ranks move between them
+(`state_transfer.py`), and the new compile runs with a schedule solved on the predicted costs;
+otherwise the compile in use runs a schedule solved on its measured costs. Either way the cost
+tuner (`profile.py`) then measures and re-solves as usual.
+
+Since this happens inside the first compile, `pipe.parameters()` (which a distributed pipeline
+answers only after it) already names the parameters of the final cut: an optimizer built on it
+never sees a re-cut. Later compiles (other batch shapes) keep the chosen cut.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from zbcompile.compiler import CompiledPipeline
+from zbcompile.inspect.text import layers_of
+from zbcompile.passes.cut_profile import cut_layout
+from zbcompile.runtime import profile
+from zbcompile.runtime.block_timing import UnitTimes, marked
+from zbcompile.runtime.measured_cut import measured_units
+from zbcompile.schedules import Costs, Schedule
+from zbcompile.schedules.cut_choice import RECUT_THRESHOLD, CutDecision, CutSettings, choose_cut
+from zbcompile.schedules.cut_search import Cut
+from zbcompile.schedules.memory_limit import in_schedule_units
+
+DECISION_BUDGET_S = 0.5  # zb-auto's budget per shortlisted cut (deterministic work)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One rank's calibration: median seconds per (stage, kind) action, per (stage, kind, unit)
+    inside an action, and half a boundary message's round trip."""
+
+    actions: dict[tuple[int, str], float]
+    units: dict[tuple[int, str, str], float]
+    comm: float
+
+
+@dataclass(frozen=True)
+class CutChoice:
+    """The decision every rank runs: the cut (`placement`, `positions`), the costs zb-auto is to
+    solve it with (seconds per stage or chunk), whether it changes the cut in use, what the dump
+    and `pipe.explain()` say of it (`record`), and the measured costs of the cut in use."""
+
+    cut: Cut
+    costs: Costs
+    changes: bool
+    record: dict[str, Any] = field(default_factory=dict)
+    current_costs: Costs | None = None
+
+
+@contextlib.contextmanager
+def untouched(module: torch.nn.Module, device: torch.device) -> Iterator[None]:
+    """Steps run inside leave the module's gradients, buffers and RNG states as they were."""
+    grads = {n: (p.grad.detach().clone() if p.grad is not None else None) for n, p in module.named_parameters()}
+    buffers = {n: b.detach().clone() for n, b in module.named_buffers() if not b.is_meta}
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, param in module.named_parameters():
+                param.grad = grads.get(name)
+            for name, buffer in module.named_buffers():
+                if name in buffers:
+                    buffer.copy_(buffers[name])
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, device)
+
+
+def measure(runner, train: Any, steps: int) -> Measured:
+    """This rank's calibration (see the module docstring); `train()` runs one step."""
+    train()  # warm-up: allocator, caches
+    timelines = []
+    for _ in range(steps):
+        train()
+        timelines.append(list(runner.timeline))
+    times = UnitTimes()
+    compiled = runner.compiled
+    runner.use_programs(marked(compiled, times, runner.device))
+    try:
+        train()
+    finally:
+        runner.use_programs(compiled)
+    return Measured(profile.action_medians(timelines), times.medians(), profile.round_trip_seconds(runner))
+
+
+def current_cut(compiled: CompiledPipeline, schedule: Schedule) -> Cut:
+    """The cut a compile runs: in-line, or a V where its schedule holds two chunks per rank."""
+    placement = "v" if schedule.stages == 2 * schedule.ranks else "in-line"
+    return Cut(placement, tuple(compiled.partition.cuts))
+
+
+def decide(
+    compiled: CompiledPipeline, schedule: Schedule, gathered: list[Measured], options: Any, reduction: list[float]
+) -> CutChoice:
+    """The cut to run from every rank's calibration (`choose_cut` on `measured_cut.measured_units`);
+    `reduction`: per stage, its gradient reduction in boundary messages (0 without replicas)."""
+    actions: dict = {}
+    units: dict = {}
+    for part in gathered:
+        actions.update(part.actions)
+        units.update(part.units)
+    comm = max(part.comm for part in gathered)
+    layout = cut_layout(compiled.traced, compiled.partition)
+    cut_units, speeds = measured_units(
+        layout, compiled.programs, schedule.stage_to_rank, schedule.ranks, actions, units
+    )
+    largest = max(compiled.partition.boundary_bytes, default=0) or 1
+    held = [sum(nbytes for fqn, nbytes, _ in layout.params if fqn in s.param_fqns) for s in compiled.partition.stages]
+    per_byte = [r * comm / b for r, b in zip(reduction, held) if b > 0]
+    settings = CutSettings(
+        microbatches=options.microbatches,
+        placements=("in-line", "v"),
+        objective=options.objective,
+        comm_per_byte=comm / largest,
+        reduce_per_byte=statistics.median(per_byte) if per_byte else 0.0,
+        limits=_limits(options.memory_limit, compiled.memory_unit(), schedule.ranks),
+        time_budget=min(options.solver_time_budget or DECISION_BUDGET_S, DECISION_BUDGET_S),
+    )
+    decision = choose_cut(cut_units, current_cut(compiled, schedule), settings, RECUT_THRESHOLD)
+    record = decision_record(decision, compiled, speeds)
+    return CutChoice(decision.chosen.cut, decision.chosen.costs, decision.changes, record, decision.current.costs)
+
+
+def _limits(memory_limit: Any, unit_bytes: float, ranks: int) -> tuple[float, ...] | None:
+    """`memory_limit` (the pipeline's: activations per rank) in bytes per rank."""
+    units = in_schedule_units(memory_limit, unit_bytes)
+    if units is None:
+        return None
+    values = units if isinstance(units, list) else [units] * ranks
+    return tuple(v * unit_bytes for v in values)
+
+
+def decision_record(decision: CutDecision, compiled: CompiledPipeline, speeds: list[float]) -> dict[str, Any]:
+    """What the dump and `pipe.explain()` say: the cut measured, the one chosen, why."""
+
+    def entry(prediction) -> dict[str, Any]:
+        return {"cut": str(prediction.cut), "predicted_step_s": prediction.value, "schedule": prediction.schedule}
+
+    return {
+        "measured": {
+            **entry(decision.current),
+            "stages": [layers_of(s.param_fqns) for s in compiled.partition.stages],
+        },
+        "chosen": entry(decision.chosen),
+        "changed": decision.changes,
+        "predicted_gain": decision.gain,
+        "threshold": decision.threshold,
+        "rank_speeds": speeds,
+        "reason": decision.reason,
+        "candidates": [entry(p) for p in decision.candidates[:4]],
+    }
+
+
+def shared(value: Any, layout) -> Any:
+    """`value` of the first replica's first pipeline rank, on every rank of every replica."""
+    if layout.pp_rank == 0 and layout.dp_group is not None:
+        box = [value]
+        dist.broadcast_object_list(box, group=layout.dp_group, group_src=0)
+        value = box[0]
+    if layout.pp_group is not None:
+        box = [value]
+        dist.broadcast_object_list(box, group=layout.pp_group, group_src=0)
+        value = box[0]
+    return value
+
+
+def kept(choice: CutChoice, compiled: CompiledPipeline, schedule: Schedule, why: str) -> CutChoice:
+    """The cut in use after all, where the chosen one does not compile (`why`): its measured
+    costs are the decision's prediction for it."""
+    record = {**choice.record, "changed": False, "reason": f"{choice.record.get('reason')}; kept: {why}"}
+    return CutChoice(current_cut(compiled, schedule), choice.current_costs or choice.costs, False, record)
+
+
+def solve_costs(choice: CutChoice, compiled: CompiledPipeline) -> Costs:
+    """The chosen cut's predicted times with `compiled`'s memory (its unit) and no reduction
+    time of their own (the schedule's solve adds it, from the message time)."""
+    static = compiled.schedule_costs()
+    return dataclasses.replace(choice.costs, mem_b=static.mem_b, mem_w=static.mem_w, reduce=0.0)
