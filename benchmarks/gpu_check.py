@@ -45,8 +45,11 @@ def check(schedule: str, ranks: int, device: torch.device) -> dict:
     )
     targets = torch.roll(tokens, -1, dims=1)
     chunks = schedule_spec(schedule).chunks_per_rank
+    # zb-auto with the default compiler (Inductor stage programs on CUDA), the others op by op
+    compiler = None if schedule == "zb-auto" else "eager"
     pipe = zbcompile.pipeline(
-        model, stages=ranks * chunks, microbatches=4, loss_fn=loss_fn, schedule=schedule, timeout=120, profile=False
+        model, stages=ranks * chunks, microbatches=4, loss_fn=loss_fn, schedule=schedule, timeout=120, profile=False,
+        compiler=compiler,
     )
     pipe.step(tokens, target=targets)  # compile and warm up
     pipe.zero_grad()
@@ -55,7 +58,8 @@ def check(schedule: str, ranks: int, device: torch.device) -> dict:
     def forbidden(*args, **kwargs):
         raise AssertionError("torch.cuda.synchronize inside pipe.step")
 
-    torch.cuda.synchronize = forbidden
+    if device.type == "cuda":
+        torch.cuda.synchronize = forbidden
     try:
         started = time.perf_counter()
         loss = pipe.step(tokens, target=targets)
@@ -89,18 +93,21 @@ def main() -> None:
     parser.add_argument(
         "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu_check.json")
     )
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: gloo, every path but CUDA's")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    on_cpu = args.device == "cpu"
+    if not on_cpu and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; nothing checked")
         return
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     distributed = "WORLD_SIZE" in os.environ
     if distributed:
-        dist.init_process_group("nccl")  # the pipeline sets cuda:LOCAL_RANK before its first collective
+        dist.init_process_group("gloo" if on_cpu else "nccl")  # the pipeline sets cuda:LOCAL_RANK itself
     ranks = dist.get_world_size() if distributed else 1
+    device = torch.device("cpu") if on_cpu else torch.device("cuda", rank_device_index(distributed))
     rows = []
     for schedule in SCHEDULES if ranks > 1 else ("1f1b", "zb-h1", "zb-auto"):
-        row = check(schedule, ranks, torch.device("cuda", rank_device_index(distributed)))
+        row = check(schedule, ranks, device)
         rows.append(row)
         if not distributed or dist.get_rank() == 0:
             print(
@@ -116,8 +123,8 @@ def main() -> None:
                     json.dumps(
                         {
                             **row,
-                            "backend": "nccl" if distributed else "one process",
-                            "device": torch.cuda.get_device_name(),
+                            "backend": dist.get_backend() if distributed else "one process",
+                            "device": "cpu" if on_cpu else torch.cuda.get_device_name(),
                         }
                     )
                     + "\n"

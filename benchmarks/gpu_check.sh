@@ -59,15 +59,19 @@ case " $PARTS " in *" throughput "*)
 esac
 
 case " $PARTS " in *" nccl "*)
-  if [ "$GPUS" -ge 2 ]; then
-    for ranks in 2 4; do
-      if [ "$GPUS" -lt $ranks ]; then echo "== nccl $ranks ranks: skipped, $GPUS GPUs (NCCL needs a GPU per rank)"; continue; fi
+  if [ "$GPUS" -ge 2 ] || [ "$DEVICE" = cpu ]; then
+    # the dry run: 2 gloo ranks on the CPU through the same scripts (tiny models)
+    [ "$DEVICE" = cpu ] && RANKS=(2) || RANKS=(2 4)
+    for ranks in "${RANKS[@]}"; do
+      if [ "$DEVICE" != cpu ] && [ "$GPUS" -lt $ranks ]; then
+        echo "== nccl $ranks ranks: skipped, $GPUS GPUs (NCCL needs a GPU per rank)"; continue
+      fi
       run_part "nccl $ranks ranks: gradients against eager" 300 \
         $PY -m torch.distributed.run --standalone --nproc-per-node $ranks benchmarks/gpu_check.py \
-        --out "$OUT/gpu_check_${ranks}.json"
+        --device "$DEVICE" --out "$OUT/gpu_check_${ranks}.json"
       run_part "nccl $ranks ranks: step times against torch's schedules" 300 \
         $PY -m torch.distributed.run --standalone --nproc-per-node $ranks benchmarks/gpu_pipelines.py \
-        --out "$OUT/gpu_pipelines_${ranks}.json"
+        --device "$DEVICE" --out "$OUT/gpu_pipelines_${ranks}.json"
     done
   else
     echo "== nccl: skipped: $GPUS GPU(s); the 2- and 4-rank NCCL pipelines need a GPU per rank"

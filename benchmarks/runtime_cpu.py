@@ -92,6 +92,8 @@ class Settings:
     torch_schedules: tuple[str, ...] = TORCH_SCHEDULES
     quiet_share: float = 0.5  # medians over this share of each pipeline's rounds, the quietest ones
     model: str = "gpt"  # "gpt": the zoo GPT; "llama": benchmarks/llama_style.py (RMSNorm, rotary, SwiGLU)
+    device: str = "cpu"  # where each rank computes: "cpu", or "cuda" (cuda:LOCAL_RANK, benchmarks/gpu_pipelines.py)
+    dtype: str = "float32"  # the model's parameters and activations
 
 
 # --- the model, cut by hand for torch.distributed.pipelining ---------------------------------
@@ -147,6 +149,22 @@ def _chunk_class(settings: Settings):
     return Chunk
 
 
+def _even_split_points(layers: int, stages: int) -> list[str]:
+    """Where `stages` stages of `layers` blocks begin, evenly (the hand cut torch's schedules get)."""
+    if layers % stages:
+        raise ValueError(f"{layers} layers do not split into {stages} stages")
+    return [f"blocks.{s * layers // stages}" for s in range(1, stages)]
+
+
+def _rank_device(kind: str):
+    """This rank's device: the CPU, or cuda:LOCAL_RANK (torchrun's)."""
+    import os
+
+    import torch
+
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if kind == "cuda" else torch.device("cpu")
+
+
 def _torch_stage_ranks(name: str, chunks: int, ranks: int) -> list[int]:
     """Rank of each chunk: one per rank; a loop for interleaved; a V for ZBV and DualPipeV."""
     if name not in MULTI_STAGE:
@@ -162,19 +180,22 @@ def _torch_stage_ranks(name: str, chunks: int, ranks: int) -> list[int]:
 class ZbPipeline:
     def __init__(self, name: str, m: int, settings: Settings, tokens, targets) -> None:
         import torch
+        import torch.distributed as dist
 
         import zbcompile
         from zbcompile.models.gpt import lm_loss
+        from zbcompile.schedules import schedule_spec
 
         schedule, options = VARIANTS.get(name, (name, {}))
-        self.model = _gpt(settings)
+        self.model = _gpt(settings).to(getattr(torch, settings.dtype))
+        stages = dist.get_world_size() * schedule_spec(schedule).chunks_per_rank
         self.pipe = zbcompile.pipeline(
             self.model,
-            stages=2,
+            stages=stages,
             microbatches=m,
             loss_fn=lm_loss,
             schedule=schedule,
-            split_points=None if schedule == "zb-auto" else [f"blocks.{settings.layers // 2}"],
+            split_points=None if schedule == "zb-auto" else _even_split_points(settings.layers, stages),
             timeout=settings.timeout_s,
             **options,
         )
@@ -245,15 +266,16 @@ class TorchPipeline:
             raise ValueError(f"{settings.layers} layers do not split into {chunks} chunks")
         per = settings.layers // chunks
         owner = _torch_stage_ranks(name, chunks, ranks)
-        gpt = _gpt(settings)
+        device = _rank_device(settings.device)
+        gpt = _gpt(settings).to(getattr(torch, settings.dtype))
         Chunk = _chunk_class(settings)
         self.modules = [
-            Chunk(gpt, c * per, (c + 1) * per, c == 0, c == chunks - 1) for c in range(chunks) if owner[c] == rank
+            Chunk(gpt, c * per, (c + 1) * per, c == 0, c == chunks - 1).to(device)
+            for c in range(chunks)
+            if owner[c] == rank
         ]
         mine = [c for c in range(chunks) if owner[c] == rank]
-        stages = [
-            pipelining.PipelineStage(module, c, chunks, torch.device("cpu")) for module, c in zip(self.modules, mine)
-        ]
+        stages = [pipelining.PipelineStage(module, c, chunks, device) for module, c in zip(self.modules, mine)]
         cls = getattr(pipelining, name)
         self.schedule = cls(stages[0] if name not in MULTI_STAGE else stages, m, loss_fn=lm_loss)
         self.has_first, self.has_last = 0 in mine, chunks - 1 in mine
