@@ -108,23 +108,9 @@ def build(part: Part, device, dtype) -> tuple[Any, Callable, Callable, dict]:
 
         transformers.logging.set_verbosity_error()
         # Llama 3.2 1B's shape (tied embeddings); random weights, no download
-        shape = dict(
-            vocab_size=128256,
-            hidden_size=2048,
-            intermediate_size=8192,
-            num_hidden_layers=16,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-        )
-        if part.tiny:
-            shape = dict(
-                vocab_size=128,
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=4,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-            )
+        names = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        sizes = (128, 64, 128, 4, 4) if part.tiny else (128256, 2048, 8192, 16, 32)
+        shape = dict(zip(names, sizes), num_key_value_heads=sizes[-1] // 4)
         config = transformers.LlamaConfig(
             **shape,
             max_position_embeddings=max(part.seq_len, 128),
