@@ -350,6 +350,8 @@ def release_at_exit() -> None:
     """At interpreter exit (see the module docstring): join the transports' helper threads, let
     every distributed pipeline go of its compiles and layout, and free what that leaves unused."""
     stop_helper_threads()
-    for builder in list(_DISTRIBUTED):
+    builders = list(_DISTRIBUTED)
+    for builder in builders:
         builder.release()
-    gc.collect()
+    if builders:
+        gc.collect()  # compiles and runners refer to each other: freed by a collection
