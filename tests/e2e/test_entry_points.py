@@ -31,7 +31,22 @@ def _run(command: list[str], cwd: str, timeout: float) -> str:
         command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, preexec_fn=_two_cores
     )
     assert done.returncode == 0, f"{command} exited with {done.returncode}:\n{done.stdout}\n{done.stderr}"
+    assert "terminate called" not in done.stderr, f"{command}:\n{done.stderr}"
     return done.stdout
+
+
+EXIT_CHECK = os.path.join(ROOT, "tests", "helpers", "exit_check.py")
+
+
+def _torchrun(script: str, arguments: list[str], cwd: str, timeout: float = 300) -> str:
+    """`script` on 2 ranks under torchrun, as a user runs it, through `helpers/exit_check.py`:
+    besides exit code 0, every rank must have left no gloo or transport thread alive as Python
+    finalizes (a thread in C++ code then aborts the process, whatever the timing)."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    stdout = _run([torchrun, "--nproc-per-node", "2", EXIT_CHECK, script, *arguments], cwd, timeout)
+    for rank in range(2):
+        assert f"exit check, rank {rank}: no threads left" in stdout, stdout[-3000:]
+    return stdout
 
 
 def test_demo_one_round_writes_the_report_and_the_picture(tmp_path):
@@ -57,13 +72,8 @@ def test_demo_one_round_writes_the_report_and_the_picture(tmp_path):
 
 @TORCHRUN
 def test_train_gpt_example_runs_a_few_steps_under_torchrun(tmp_path):
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     script = os.path.join(ROOT, "examples", "train_gpt.py")
-    stdout = _run(
-        [torchrun, "--nproc-per-node", "2", script, "--stages", "2", "--microbatches", "2", "--steps", "4"],
-        str(tmp_path),
-        300,
-    )
+    stdout = _torchrun(script, ["--stages", "2", "--microbatches", "2", "--steps", "4"], str(tmp_path))
     losses = [float(x) for x in re.findall(r"rank \d step +\d+ loss (\d+\.\d+)", stdout)]  # the last stage's rank
     assert len(losses) == 4, stdout
     assert all(0 < loss < 10 for loss in losses) and losses[-1] < losses[0], losses
@@ -71,10 +81,10 @@ def test_train_gpt_example_runs_a_few_steps_under_torchrun(tmp_path):
 
 @TORCHRUN
 def test_finetune_llama_example_resumes_and_matches_eager(tmp_path):
-    """4 steps with a checkpoint every 2, then `--resume` to 6: the resumed run starts at step 4
-    with the history the checkpoint kept, and the picture's numbers (training loss every step,
-    held-out loss every 2 steps) equal the eager run's on the same batches."""
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    """4 steps with evaluation and a checkpoint every 2, then `--resume` to 6: the resumed run
+    starts at step 4 with the history the checkpoint kept, and the picture's numbers (training
+    loss every step, held-out loss every 2 steps) equal the eager run's on the same batches.
+    Both launches exit cleanly (`_torchrun`); `benchmarks/clean_exits.py` repeats them."""
     script = os.path.join(ROOT, "examples", "finetune_llama.py")
     out = tmp_path / "losses.png"
     common = [
@@ -87,8 +97,8 @@ def test_finetune_llama_example_resumes_and_matches_eager(tmp_path):
         "--out",
         str(out),
     ]
-    first = _run([torchrun, "--nproc-per-node", "2", script, "--steps", "4", *common], str(tmp_path), 300)
-    second = _run([torchrun, "--nproc-per-node", "2", script, "--steps", "6", "--resume", *common], str(tmp_path), 300)
+    first = _torchrun(script, ["--steps", "4", *common], str(tmp_path))
+    second = _torchrun(script, ["--steps", "6", "--resume", *common], str(tmp_path))
     assert re.search(r"rank 0: resumed from \S+step_000004 at step 4", second), second
     before = {int(s): float(v) for s, v in re.findall(r"rank \d step +(\d+) loss (\d+\.\d+)", first)}
     after = {int(s): float(v) for s, v in re.findall(r"rank \d step +(\d+) loss (\d+\.\d+)", second)}

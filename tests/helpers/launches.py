@@ -123,7 +123,8 @@ def eight_ranks() -> list[dict]:
 
 # tests/runtime/test_distributed.py: 3 steps of each (schedule, optimizer); the profiled runs'
 # (max_steps, options); batches that leave some microbatches out; forward messages delayed by
-# 0.1 s (late enough for a W to fit on a loaded machine)
+# 0.1 s (W may fit in the waits; which ones depends on the machine) and, on rank 1, never seen
+# arrived before a computation waits for them (the W the plan put before it always move there)
 TRAIN = ("gpt", ("zb-h1", "dualpipe"), 2, ("sgd", "adamw"), 3)
 PROFILED = {
     "default": (400, {}),

@@ -270,14 +270,12 @@ def test_meta_device_model_materialises_only_local_parameters():
 
 
 def test_a_dead_peer_fails_the_others_within_the_timeout():
-    """Rank 0 dies in the middle of the first step; rank 1 raises, naming the dead peer and the
-    action it was waiting on, within the 10 s timeout of the step (plus slack for a loaded
-    machine)."""
-    victim, (survivor, seconds) = run_ranks(2, workers.dies_mid_step, 0, allow_failures=True)
+    """Rank 0 dies in the middle of the first step; rank 1 raises, naming the dead peer, the
+    action it was waiting on and the 10 s timeout its wait had (the launch ends: no rank hangs)."""
+    victim, survivor = run_ranks(2, workers.dies_mid_step, 0, allow_failures=True)
     assert isinstance(victim, Failed) and victim.exitcode == 3
-    assert seconds < 10 + 15, seconds
     assert survivor.startswith("PeerError"), survivor
-    assert "rank 0" in survivor and "RECV" in survivor, survivor
+    assert "rank 0" in survivor and "RECV" in survivor and "after 10 s" in survivor, survivor
 
 
 @launches.READS_TWO_RANKS
@@ -307,7 +305,8 @@ def test_the_tuner_solves_with_its_first_measurement_and_switches_after_the_same
     events = [e["event"] for e in per_rank[0]["history"]]
     assert events[:2] == ["solving (first measurement)", "switched"], events
     assert per_rank[0]["history"][0]["step"] == 2  # a warm-up step, then profile_steps=2 timed ones
-    assert per_rank[0]["steps"] == per_rank[1]["steps"] < 400
+    assert per_rank[0]["history"][1]["step"] == 3  # the worker waits for the solve: the next step switches
+    _assert_eager_grads_after_steps(per_rank)
 
 
 @launches.READS_TWO_RANKS
@@ -335,7 +334,7 @@ def test_profile_false_keeps_the_static_schedule_and_profile_true_measures_any_s
     assert measured[0]["costs"] == measured[1]["costs"] and measured[0]["costs"] is not None
     assert measured[0]["history"][0]["step"] == 3, measured[0]["history"]
     assert all(r["name"] == "zb-h1" and r["cost_source"] == "measured" for r in measured), [r["name"] for r in measured]
-    assert measured[0]["steps"] > 4
+    assert measured[0]["steps"] == 6 and measured[0]["history"][1]["step"] == 4, measured[0]["history"]
     for name in ("profile=False", "profile=True"):
         _assert_eager_grads_after_steps(profiled[name])
 
@@ -461,10 +460,14 @@ def test_pipelines_over_a_process_group_or_a_device_mesh():
 
 @launches.READS_TWO_RANKS
 def test_late_messages_move_w_into_the_wait_and_change_no_bit():
-    """Rank 0 sends every forward message 100 ms late. Following readiness, rank 1 runs pending W
-    while it waits, and W that preceded a send run after it; without, every W stays where the
-    schedule put it. Gradients (three steps
-    accumulated) are the same bits in every run and schedule, and equal eager's."""
+    """Rank 0 sends every forward message 100 ms late, and rank 1's transport tells none arrived
+    before a computation waits for it. Following readiness, rank 1 runs in that wait the W the
+    plan put before the waiting computation (zb-h2: W0, before F1), every step, and W that
+    preceded a send run after it; more W may move where its forecast says they fit (how many
+    depends on the machine's speed: `test_readiness.py` checks that choice on logical time).
+    Without, every W stays where the schedule put it. Whatever moved, each W ran before a
+    computation the program puts first, and the gradients (three steps accumulated) are the
+    same bits in every run and schedule, and equal eager's."""
     steps = LATE_STEPS
     per_rank = _shared("late")
     runs = list(per_rank[0])
@@ -472,15 +475,17 @@ def test_late_messages_move_w_into_the_wait_and_change_no_bit():
         if not follow:
             assert all(not any(s["moved"].values()) for r in per_rank for s in r[(schedule, follow)]["steps"]), schedule
     late = per_rank[1][("zb-h2", True)]
-    assert late["steps"][0]["moved"]["past_send"]
-    for step in late["steps"]:  # the first step runs W the plan put before the wait; later ones, what fits
-        assert step["moved"]["into_wait"], step["moved"]
-        ran = [text for text, _, _ in sorted(step["timeline"], key=lambda e: e[1])]
-        for w in step["moved"]["into_wait"]:  # it ran before a computation the program puts first
-            planned_before = {
-                a for a in late["program"][: late["program"].index(w)] if "SEND" not in a and "RECV" not in a
-            }
-            assert planned_before - set(ran[: ran.index(w)]), (w, ran)
+    assert late["overtaken"] and all(step["moved"]["past_send"] for step in late["steps"]), late
+    for schedule in ("zb-h2", "zb-auto", "1f1b"):
+        run = per_rank[1][(schedule, True)]
+        for step in run["steps"]:
+            assert set(run["overtaken"]) <= set(step["moved"]["into_wait"]), (schedule, run["overtaken"], step["moved"])
+            ran = [text for text, _, _ in sorted(step["timeline"], key=lambda e: e[1])]
+            for w in step["moved"]["into_wait"]:  # it ran before a computation the program puts first
+                planned_before = {
+                    a for a in run["program"][: run["program"].index(w)] if "SEND" not in a and "RECV" not in a
+                }
+                assert planned_before - set(ran[: ran.index(w)]), (schedule, w, ran)
     reference = build("gpt")
     for _ in range(steps):
         reference.eager_loss().backward()

@@ -8,77 +8,15 @@ pairing rules)."""
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import pytest
 import torch
 
+from helpers.recording_rank import LAYOUT, NAMES, RecordingStage, RecordingTransport
 from zbcompile.runtime import readiness
 from zbcompile.runtime.dispatch import Interpreter
 from zbcompile.runtime.rank_program import rank_program
 from zbcompile.schedules import Costs, lower, make_schedule, schedule_spec
 from zbcompile.schedules.costs import resolve_costs
-
-NAMES = ("x",)  # what every message carries
-LAYOUT = (torch.Size([2]), torch.float32)
-
-
-class _RecordingTransport:
-    """A `MessageTransport` that records, in order, every receive the interpreter posts and every
-    send it makes, as (kind, peer, action). The peers are not run: a wait hands back zeros of
-    the message's layout, and no message is ever known to have arrived (so no W moves into a
-    wait)."""
-
-    def __init__(self, matches_by_tag: bool, log: list[tuple[str, int, str]]) -> None:
-        self.matches_by_tag = matches_by_tag
-        self.log = log
-
-    def post_recv(self, buffers: Sequence[torch.Tensor], peer: int, tag: int, action: str, watch: bool = False):
-        self.log.append(("recv", peer, action))
-        return [torch.zeros(b.shape, dtype=b.dtype) for b in buffers]
-
-    def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int, action: str) -> None:
-        self.log.append(("send", peer, action))
-
-    def can_tell(self, pending) -> bool:
-        return False
-
-    def arrived(self, pending) -> bool:
-        return False
-
-    def wait(self, pending, waiting_action: str) -> list[torch.Tensor]:
-        return pending
-
-    def arrival_time(self, pending) -> float | None:
-        return None
-
-    def complete_messages(self) -> None:
-        pass
-
-
-class _RecordingStage:
-    """Stands in for a StageExecutor: records its computation in the same log as the transport,
-    returns values of the message's names (the loss on the last stage)."""
-
-    def __init__(self, stage: int, last: int, log: list[tuple[str, int, str]]) -> None:
-        self.stage, self.last, self.log = stage, last, log
-
-    def _ran(self, kind: str, microbatch: int) -> dict[str, torch.Tensor]:
-        self.log.append(("compute", -1, f"{self.stage}{kind}{microbatch}"))
-        return {name: torch.zeros(LAYOUT[0]) for name in NAMES}
-
-    def forward(self, microbatch: int, feed) -> dict[str, torch.Tensor]:
-        values = self._ran("F", microbatch)
-        return {"loss": torch.zeros(())} if self.stage == self.last else values
-
-    def input_backward(self, microbatch: int, grads) -> dict[str, torch.Tensor]:
-        return self._ran("I", microbatch)
-
-    def backward(self, microbatch: int, grads) -> dict[str, torch.Tensor]:
-        return self._ran("B", microbatch)
-
-    def weight_backward(self, microbatch: int) -> None:
-        self._ran("W", microbatch)
 
 
 def _step(schedule, rank: int, matches_by_tag: bool, deferred: bool):
@@ -92,8 +30,8 @@ def _step(schedule, rank: int, matches_by_tag: bool, deferred: bool):
         schedule, rank, schedule.rank_of, lambda carries, stage: NAMES, lambda name: LAYOUT, memory
     )
     log: list[tuple[str, int, str]] = []
-    executors = {s: _RecordingStage(s, stages - 1, log) for s in schedule.stages_on(rank)}
-    interpreter = Interpreter(executors, _RecordingTransport(matches_by_tag, log), torch.device("cpu"), deferred)
+    executors = {s: RecordingStage(s, stages - 1, log) for s in schedule.stages_on(rank)}
+    interpreter = Interpreter(executors, RecordingTransport(matches_by_tag, log), torch.device("cpu"), deferred)
     interpreter.load(program, schedule)
     m = schedule.microbatches
     interpreter.step([{"input": torch.zeros(2)} for _ in range(m)], [{} for _ in range(m)])

@@ -52,6 +52,11 @@ class BackgroundSolve:
     def done(self) -> bool:
         return not self._reader.is_alive()
 
+    def wait(self, timeout: float) -> bool:
+        """Whether the child has finished, waiting for it up to `timeout` seconds."""
+        self._reader.join(timeout)
+        return self.done()
+
     def result(self, timeout: float):
         """The schedule, or raises RuntimeError with the child's error (or after `timeout` seconds)."""
         self._reader.join(timeout)

@@ -2,11 +2,22 @@
 compiled stages, the runner following the schedule (solved on one rank and broadcast), the cost
 tuner and the dump. `Builder` builds and keeps them, one per batch shape, with this process's
 layout among the pipelines; the schedule each runs is `schedule_choice.py`'s choice and the
-parameters and buffers this process holds `state_ownership.py`'s."""
+parameters and buffers this process holds `state_ownership.py`'s.
+
+At interpreter exit, while Python still runs, every distributed pipeline lets go of its
+compiles and layout (`release_at_exit`): its transports' helper threads are joined and, once
+the script has called `dist.destroy_process_group()`, nothing keeps its process groups alive,
+so they are freed and their backend's threads (gloo's) end before Python finalizes. A gloo
+worker thread frees the tensors of a collective after the caller's wait has returned, taking
+the GIL to do so; one doing that as Python finalizes is killed in C++ code, which aborts the
+process ("terminate called without an active exception")."""
 
 from __future__ import annotations
 
+import atexit
 import functools
+import gc
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
@@ -22,7 +33,7 @@ from zbcompile.runtime.distributed import DistributedRunner
 from zbcompile.runtime.forward_only import ForwardRunner
 from zbcompile.runtime.layout import Layout, make_layout
 from zbcompile.runtime.local import InProcessTransport, LocalRunner
-from zbcompile.runtime.p2p import device_for, gather_objects
+from zbcompile.runtime.p2p import device_for, gather_objects, stop_helper_threads
 from zbcompile.runtime.runner import Runner
 from zbcompile.runtime.schedule_choice import ScheduleChoice
 from zbcompile.runtime.state_ownership import StateOwnership
@@ -78,6 +89,8 @@ class Builder:
         self._batch = batch.LocalBatch()
         self._layout: Layout | None = None
         self._parallelized = False  # the tensor-parallel plan applied and the model checked
+        if options.distributed:
+            _DISTRIBUTED.add(self)
 
     @property
     def options(self) -> PipelineOptions:
@@ -89,6 +102,13 @@ class Builder:
         self.builds.clear()
         self.forward_builds.clear()
         self.latest_forward = None
+
+    def release(self) -> None:
+        """Let go of every compile and of the layout, and with them of the process groups (a
+        later step builds them again)."""
+        self.forget_compiles()
+        self._last_key = None
+        self._layout = None
 
     @property
     def distributed(self) -> bool:
@@ -428,3 +448,16 @@ class Builder:
         return built
 
 
+_DISTRIBUTED: weakref.WeakSet[Builder] = weakref.WeakSet()  # the distributed pipelines' builders
+
+
+@atexit.register
+def release_at_exit() -> None:
+    """At interpreter exit (see the module docstring): join the transports' helper threads, let
+    every distributed pipeline go of its compiles and layout, and free what that leaves unused."""
+    stop_helper_threads()
+    builders = list(_DISTRIBUTED)
+    for builder in builders:
+        builder.release()
+    if builders:
+        gc.collect()  # compiles and runners refer to each other: freed by a collection

@@ -9,10 +9,13 @@ of the step. A sent buffer is released as soon as its send has completed (on NCC
 the next message is posted or waited for; gloo cannot tell without waiting, so there at the
 step's end), and counted until then (`sending_bytes`, `peak_sending_bytes`).
 
-At interpreter exit (and when a transport is collected) the helper threads of gloo transports
-stop: a thread still inside gloo's `wait()` when Python finalizes is killed in C++ code, which
-aborts the process ("terminate called without an active exception"). A receive still unanswered
-after a short grace (a step that failed) is woken by aborting the transport's process group."""
+The helper threads of gloo transports stop when a transport is collected (each once idle) and
+are joined at interpreter exit (`stop_helper_threads`, also run by `runtime/build.py`'s exit
+hook), while Python still runs: a thread that is in C++ code (gloo's `wait()`, or freeing a
+message's Work and buffer) when Python finalizes is killed there, which aborts the process
+("terminate called without an active exception"). An idle helper thread holds no message, and
+a receive still unanswered after a short grace at exit (a step that failed) is woken by
+aborting the transport's process group."""
 
 from __future__ import annotations
 
@@ -126,6 +129,7 @@ class _Poster:
             except RuntimeError as error:
                 pending.error = error
             pending.posted.set()
+            del job, pending, post  # an idle helper thread holds no message (see the module docstring)
 
 
 class _Watch:
@@ -175,9 +179,7 @@ class _Watch:
     def _serve(self, jobs: queue.SimpleQueue) -> None:
         while (pending := jobs.get()) is not None:
             try:
-                for work in pending.works:
-                    if work.wait(self.timeout) is False:
-                        pending.timed_out = True
+                pending.timed_out = any([work.wait(self.timeout) is False for work in pending.works])
             except RuntimeError as error:
                 pending.error = error
             pending.arrived_at = time.perf_counter()
@@ -185,6 +187,10 @@ class _Watch:
                 self._idle.append(jobs)
                 self._waiting.discard(id(pending))
             pending.done.set()
+            del pending  # an idle helper thread holds no message (see the module docstring)
+
+    def threads(self) -> list[threading.Thread]:
+        return [thread for thread, _ in self._threads]
 
 
 def _abort(group: dist.ProcessGroup | None) -> None:
@@ -197,24 +203,30 @@ def _abort(group: dist.ProcessGroup | None) -> None:
         pass
 
 
-_RUNNING: set = set()  # the (poster, watch) pairs whose threads have not been stopped
+_RUNNING: set = set()  # the (poster, watch) pairs whose threads have not been joined
 EXIT_GRACE_S = 5.0  # how long a receive still awaited at exit may take before the group is aborted
 
 
 def _stop_helpers(helpers: tuple[_Poster, _Watch], at_exit: bool) -> None:
-    """Stop a transport's helper threads: when it is collected, each once idle; at exit, now
-    (see `_Watch.stop`)."""
-    if helpers in _RUNNING:
+    """Stop a transport's helper threads: when it is collected, each once idle (listed until
+    they have ended, so that exit still joins them); at exit, now (see `_Watch.stop`), and join
+    them."""
+    poster, watch = helpers
+    poster.stop()
+    watch.stop(EXIT_GRACE_S, abort=at_exit)
+    if at_exit:
+        poster.thread.join(EXIT_GRACE_S)
         _RUNNING.discard(helpers)
-        helpers[0].stop()
-        helpers[1].stop(EXIT_GRACE_S, abort=at_exit)
-        if at_exit:
-            helpers[0].thread.join(EXIT_GRACE_S)
+
+
+def _ended(helpers: tuple[_Poster, _Watch]) -> bool:
+    return not any(thread.is_alive() for thread in [helpers[0].thread, *helpers[1].threads()])
 
 
 @atexit.register
-def _stop_all_helpers() -> None:
-    """At interpreter exit, before Python finalizes: stop every transport's helper threads."""
+def stop_helper_threads() -> None:
+    """Stop and join every transport's helper threads (at interpreter exit, before Python
+    finalizes; no transport may send or receive afterwards)."""
     for helpers in list(_RUNNING):
         _stop_helpers(helpers, at_exit=True)
 
@@ -253,6 +265,7 @@ class Transport:
         blocking: gloo. None elsewhere (NCCL: the runner's thread posts, in order)."""
         if not self.matches_by_tag:
             return None
+        _RUNNING.difference_update([h for h in _RUNNING if _ended(h)])  # collected transports' threads
         helpers = (_Poster("zbcompile-send"), _Watch(self.timeout, self.group))
         _RUNNING.add(helpers)
         weakref.finalize(self, _stop_helpers, helpers, False)

@@ -166,6 +166,13 @@ class CostTuner:
         """A solve has started and its outcome is not taken yet (the same on every rank)."""
         return self._solving is not None
 
+    def wait_for_solve(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for the solve under way on this rank (rank 0's child
+        process) to finish, so that the next step switches whatever the solver's speed; True
+        once it has, or where this rank solves nothing."""
+        solve = self._solving[0] if self._solving is not None else None
+        return solve is None or solve.wait(timeout)
+
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps: the costs the running schedule was solved with and the
         decisions so far (a solve in flight is not kept: it starts again after a load)."""
