@@ -18,11 +18,17 @@ import zbcompile
 from helpers.models import build
 from zbcompile.auto_recompute import MeasuredRecomputation, calibrated_costs, evaluate_memory, with_levels
 from zbcompile.runtime import profile
+from zbcompile.runtime.layout import Layout
 from zbcompile.schedules import Costs, make_schedule, simulate
+
+ONE_RANK = Layout(
+    pp_size=1, dp_size=1, pp_rank=0, dp_rank=0, pipeline_ranks=(0,), replica_ranks=(0,), pp_group=None,
+    dp_group=None, mesh=None,
+)
 
 
 def _runner(schedule):
-    layout = SimpleNamespace(pp_group=None, pp_rank=0, pipeline_ranks=(0,))
+    layout = ONE_RANK
     compiled = SimpleNamespace(partition=SimpleNamespace(values={"x": torch.zeros(4)}))
     return SimpleNamespace(schedule=schedule, layout=layout, compiled=compiled, device=torch.device("cpu"),
                            transport=SimpleNamespace(timeout=timedelta(seconds=60)), timeline=[], comm_timeline=[])
@@ -163,7 +169,7 @@ class _OneRank:
 
     def __init__(self, runner) -> None:
         self.runner = runner
-        self.layout = SimpleNamespace(pp_group=None, pp_rank=0, pipeline_ranks=(0,))
+        self.layout = ONE_RANK
         self.device = torch.device("cpu")
         self.transport = SimpleNamespace(timeout=timedelta(seconds=60))
         self.timeline: list = []

@@ -53,10 +53,20 @@ def from_first_rank(value: Any, layout: Layout | None) -> Any:
     """The first rank's `value` on every rank that must run the same schedule: broadcast over the
     pipeline's ranks, then over each stage's tensor-parallel ranks (`Layout.decision_groups`)."""
     for group in layout.decision_groups if layout is not None else ():
-        box = [value]
-        dist.broadcast_object_list(box, group=group, group_src=0)
-        value = box[0]
+        value = _from_first_of(group, value)
     return value
+
+
+def from_first_tp_rank(value: Any, layout: Layout) -> Any:
+    """The value of each stage's first tensor-parallel rank on the stage's other tensor-parallel
+    ranks (`value` itself without tensor parallelism), e.g. what the pipeline's ranks gathered."""
+    return value if layout.tp_group is None else _from_first_of(layout.tp_group, value)
+
+
+def _from_first_of(group: dist.ProcessGroup, value: Any) -> Any:
+    box = [value]
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    return box[0]
 
 
 def make_layout(

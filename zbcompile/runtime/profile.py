@@ -24,7 +24,6 @@ from __future__ import annotations
 import statistics
 import time
 from collections import defaultdict
-from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -33,7 +32,7 @@ import torch.distributed as dist
 from zbcompile.runtime.background_solve import BackgroundSolve
 from zbcompile.runtime.distributed import DistributedRunner
 from zbcompile.runtime.grad_reduction import REDUCE
-from zbcompile.runtime.layout import from_first_rank
+from zbcompile.runtime.layout import from_first_rank, from_first_tp_rank
 from zbcompile.runtime.p2p import gather_objects
 from zbcompile.schedules import Action, Costs, Schedule, simulate
 from zbcompile.schedules.costs import with_reduction
@@ -224,7 +223,7 @@ class CostTuner:
             round_trip_seconds(runner),
         )
         # the tensor-parallel ranks' pipelines decide on the first one's numbers: they run one schedule
-        gathered = from_first_rank(gather_objects(local, runner.layout.pp_group), replace(runner.layout, pp_group=None))
+        gathered = from_first_tp_rank(gather_objects(local, runner.layout.pp_group), runner.layout)
         self._window = []
         measured = costs_of([g[0] for g in gathered], max(g[2] for g in gathered), runner.schedule.stages, self.static)
         costs = with_reduction(measured, self.reduction)
