@@ -2,12 +2,13 @@
 chooses given each rank's times and memory, deterministic (no timing, solver work counted)."""
 
 import math
+from dataclasses import replace
 
 import pytest
 
 from zbcompile.schedules import Costs, make_schedule, simulate
 from zbcompile.schedules.cut_choice import CutSettings, CutUnits, choose_cut, predict
-from zbcompile.schedules.cut_search import Cut, bottleneck_cut
+from zbcompile.schedules.cut_search import Cut, bottleneck_cut, holds_parameters, neighbours
 from zbcompile.schedules.cut_units import segments_of, v_rank
 
 N = 40  # positions: a model of 40 equal blocks
@@ -133,3 +134,23 @@ def test_predicted_costs_sum_the_positions_of_each_stage():
     assert isinstance(prediction.costs, Costs)
     assert prediction.costs.f == [10.0, 30 * 1.5] and prediction.costs.w == pytest.approx([7.0, 0.7 * 30 * 1.5])
     assert prediction.state_bytes == (0.0, 0.0)  # no state counted without state_per_byte
+
+
+def test_every_stage_keeps_a_parameter_however_slow_its_rank():
+    """Positions between the ones that read parameters (a block's activation, a residual add)
+    are not a stage: a rank left without parameters has nothing to train (and torch's optimizers
+    refuse its empty list), so the slow rank still gets a parameter, in-line and in a V."""
+    u = units(speeds=(1.0, 50.0, 1.0))
+    u = replace(u, params=tuple((100.0, (p,)) for p in range(0, N, 6)))  # 7 parameters, at 0, 6, ..., 36
+    segments = segments_of(u)
+    for placement, backward in [("in-line", False), ("in-line", True), ("v", False), ("v", True)]:
+        cut = Cut(placement, bottleneck_cut(segments, 3, placement, backward=backward))
+        assert holds_parameters(cut, segments), (placement, backward, cut)
+        assert all(holds_parameters(c, segments) for c in neighbours(cut, segments))
+    decision = choose_cut(u, Cut("in-line", (13, 26)), CutSettings(microbatches=8, placements=("in-line",)))
+    assert decision.changes and holds_parameters(decision.chosen.cut, segments)
+    bounds = decision.chosen.cut.bounds(N)
+    assert bounds[2] - bounds[1] < 13  # the slow rank still gets less work
+    # more stages than parameters: no cut qualifies (the cut in use stays)
+    few = replace(u, params=((100.0, (0,)), (100.0, (39,))))
+    assert bottleneck_cut(segments_of(few), 3, "in-line") is None

@@ -3,10 +3,12 @@ model's segments (`cut_units.Segments`).
 
 A candidate is the cut of the smallest bottleneck: every stage's time on its own rank (a V's
 chunks: each at most half of it) within one cap, the least cap for which the segments pack into
-the stages, packed from the front or from the back; where a memory limit is given, each stage
-must also hold its parameters' state and `mult` microbatches of its activations within its
-rank's limit, for every `mult` from one microbatch to 1F1B's count, so that the cut that buys
-time with memory and the one that buys memory with time are both among the candidates. Their
+the stages, packed from the front or from the back; every stage holds at least one parameter (a
+rank with nothing to train is no use, and torch's optimizers refuse an empty parameter list);
+where a memory limit is given, each stage must also hold its parameters' state and `mult`
+microbatches of its activations within its rank's limit, for every `mult` from one microbatch to
+1F1B's count, so that the cut that buys time with memory and the one that buys memory with time
+are both among the candidates. Their
 neighbours (one boundary moved by one segment) refine the best one.
 """
 
@@ -65,14 +67,21 @@ def pack(
 ) -> list[int] | None:
     """Segment bounds of `cut_stages` stages, each the longest run of segments (from the front,
     or with `backward` from the back) whose time on its rank stays within `cap[stage]` and whose
-    memory passes `memory`; None where the segments do not fit."""
+    memory passes `memory`, and which holds a parameter where the model has any (leaving one
+    segment that reads a parameter to each stage still to place); None where the segments do not
+    fit."""
     count = segments.count
+    holders = [j for j in range(count) if segments.param_ids[j]]  # segments that read a parameter
+    if holders and len(holders) < cut_stages:
+        return None
     step = -1 if backward else 1
     edge = count if backward else 0
     edges = [edge]
     for placed, stage in enumerate(range(cut_stages - 1, -1, -1) if backward else range(cut_stages)):
         rank, left = rank_of(stage), cut_stages - placed - 1  # stages still to place, a segment each
         limit = left if backward else count - left
+        if holders and left:  # the segments after this stage keep a parameter for each stage left
+            limit = max(limit, holders[left - 1] + 1) if backward else min(limit, holders[-left])
         ids: frozenset[int] = frozenset()
         grown_to = edge
         while grown_to != limit:
@@ -84,7 +93,7 @@ def pack(
             ):
                 break
             ids, grown_to = more, grown_to + step
-        if grown_to == edge or (left == 0 and grown_to != limit):
+        if grown_to == edge or (left == 0 and grown_to != limit) or (holders and not ids):
             return None
         edge = grown_to
         edges.append(edge)
@@ -115,8 +124,17 @@ def bottleneck_cut(
     return tuple(best)
 
 
+def holds_parameters(cut: Cut, segments: Segments) -> bool:
+    """Whether every stage of `cut` reads a parameter (or the model has none)."""
+    if not any(segments.param_ids):
+        return True
+    bounds = cut.bounds(segments.units.positions)
+    return all(segments.params_of(a, b) for a, b in zip(bounds, bounds[1:]))
+
+
 def neighbours(cut: Cut, segments: Segments) -> list[Cut]:
-    """`cut` with one boundary moved by one segment either way (positions stay increasing)."""
+    """`cut` with one boundary moved by one segment either way (positions stay increasing, every
+    stage still holding a parameter: `holds_parameters`)."""
     bounds = segments.bounds
     index = {b: j for j, b in enumerate(bounds)}
     result = []
@@ -129,6 +147,7 @@ def neighbours(cut: Cut, segments: Segments) -> list[Cut]:
             if moved is None:
                 continue
             positions = (*cut.positions[:k], moved, *cut.positions[k + 1 :])
-            if all(a < b for a, b in zip(positions, positions[1:])):
-                result.append(Cut(cut.placement, positions))
+            moved_cut = Cut(cut.placement, positions)
+            if all(a < b for a, b in zip(positions, positions[1:])) and holds_parameters(moved_cut, segments):
+                result.append(moved_cut)
     return result
