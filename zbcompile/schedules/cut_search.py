@@ -8,8 +8,8 @@ rank with nothing to train is no use, and torch's optimizers refuse an empty par
 where a memory limit is given, each stage must also hold its parameters' state and `mult`
 microbatches of its activations within its rank's limit, for every `mult` from one microbatch to
 1F1B's count, so that the cut that buys time with memory and the one that buys memory with time
-are both among the candidates. Their
-neighbours (one boundary moved by one segment) refine the best one.
+are both among the candidates. Their neighbours (one boundary moved by one segment) refine the
+best one.
 """
 
 from __future__ import annotations
