@@ -100,3 +100,47 @@ def test_other_masks_stay_masks(mask_fn, dropout):
     graph = trace_model(Attention(mask_fn, dropout), _loss, (_tokens(),), {}, _tokens()).graph_module.graph
     assert graph.find_nodes(op="call_function", target=torch.ops.aten.tril.default)
     assert not any(_is_causal_without_mask(node) for node in _attention_nodes(graph))
+
+
+class Block(nn.Module):
+    """Attention on hidden states that builds its own mask, as each of a decoder's layers does."""
+
+    def __init__(self, mask_fn) -> None:
+        super().__init__()
+        self.mask_fn = mask_fn
+        self.qkv, self.out = nn.Linear(HIDDEN, 3 * HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.unflatten(-1, (HEADS, -1)).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        mask = self.mask_fn(tokens.shape[1], tokens.device, tokens)
+        return x + self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).flatten(2))
+
+
+class Layers(nn.Module):
+    def __init__(self, mask_fns) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(32, HIDDEN), nn.Linear(HIDDEN, 32)
+        self.blocks = nn.ModuleList(Block(fn) for fn in mask_fns)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, tokens)
+        return self.head(x)
+
+
+@pytest.mark.parametrize(
+    "mask_fns, folded",
+    [((_additive,) * 3, (True, True, True)), ((_additive, _sliding_window, _additive), (True, False, True))],
+    ids=["alike", "one of another pattern"],
+)
+def test_each_layers_mask_is_judged_and_masks_computed_alike_are_checked_once(monkeypatch, mask_fns, folded):
+    from zbcompile.passes import causal_mask
+
+    checks = []
+    check = causal_mask._is_constant_causal
+    monkeypatch.setattr(causal_mask, "_is_constant_causal", lambda *a: checks.append(a[0]) or check(*a))
+    tokens = _tokens()
+    graph = trace_model(Layers(mask_fns), _loss, (tokens,), {}, tokens).graph_module.graph
+    assert tuple(_is_causal_without_mask(n) for n in _attention_nodes(graph)) == folded
+    assert len(checks) == len(set(mask_fns))  # one check per distinct way of computing a mask

@@ -9,7 +9,9 @@ finds each attention node whose mask depends on no input, parameter or buffer (a
 op), computes the mask on the CPU, and where it allows exactly what `is_causal=True` allows
 (every query its own and earlier keys; a boolean mask, or 0 and at most half of the dtype's
 lowest value, which softmax turns into exact zeros), traces `is_causal=True` attention on the
-same query, key and value in its place. The mask's nodes are then dead. Attention with dropout,
+same query, key and value in its place. The mask's nodes are then dead. Masks computed alike (a
+decoder's layers each build the same one) are computed and checked once: a 70B-class model's
+80 masks of 4096 x 4096 cost one check. Attention with dropout,
 with a mask that depends on the batch (padding), or with another pattern is left as it is.
 
     %mask = where(le(arange(...), arange(...)), 0, -inf)        # computed from nothing else
@@ -44,7 +46,7 @@ def fold_causal_masks(graph: fx.Graph, fake_mode: FakeTensorMode) -> int:
     """Replace, in place, attention nodes whose mask is a constant causal mask by `is_causal=True`
     attention traced under `fake_mode` (the graph's; see the module docstring); returns how many.
     The mask's nodes are left dead."""
-    folded, causal = 0, {}
+    folded, causal, keys, values = 0, {}, {}, {}
     for node in list(graph.nodes):
         mask_name = _MASKED_ATTENTION.get(node.target)
         if mask_name is None:
@@ -57,17 +59,55 @@ def fold_causal_masks(graph: fx.Graph, fake_mode: FakeTensorMode) -> int:
             continue
         if any(user.target is not operator.getitem or (user.args[1] != 0 and user.users) for user in node.users):
             continue  # only the attention's output is read (a forward graph's)
-        if mask not in causal:
-            causal[mask] = _is_constant_causal(mask)
-        if causal[mask] and _replace(graph, node, arguments, fake_mode):
+        key = _structure(mask, keys)  # every layer's mask computed alike is checked once
+        if key not in causal:
+            causal[key] = _is_constant_causal(mask, values)
+        if causal[key] and _replace(graph, node, arguments, fake_mode):
             folded += 1
     return folded
 
 
-def _is_constant_causal(mask: fx.Node) -> bool:
+def _structure(node: fx.Node, keys: dict[fx.Node, Any]) -> Any:
+    """A hashable key equal for nodes that compute the same value from the same computation
+    (op and constant arguments, recursively; a placeholder or a random op is itself), `keys`
+    memoising it per node."""
+    if node in keys:
+        return keys[node]
+    stack = [node]
+    while stack:  # ancestors first, without recursion (a mask may descend from a long chain)
+        current = stack.pop()
+        if current in keys:
+            continue
+        pending = [n for n in current.all_input_nodes if n not in keys]
+        if pending:
+            stack.append(current)
+            stack.extend(pending)
+            continue
+        if current.op != "call_function" or _seeded(current.target):
+            keys[current] = ("node", id(current))
+        else:
+            arguments = fx.node.map_arg((current.args, current.kwargs), lambda n: keys[n])
+            keys[current] = (current.target, _hashable(arguments))
+    return keys[node]
+
+
+def _hashable(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    try:
+        hash(value)
+    except TypeError:
+        return ("object", id(value))
+    return value
+
+
+def _is_constant_causal(mask: fx.Node, values: dict[fx.Node, Any]) -> bool:
     """Whether `mask` depends on no placeholder and no random op, and its value allows exactly
-    the causal pattern in every slice of its last two dimensions."""
-    value = _evaluate(mask)
+    the causal pattern in every slice of its last two dimensions (`values`: nodes computed so
+    far, shared between masks)."""
+    value = _evaluate(mask, values)
     if value is None or value.dim() < 2 or value.shape[-1] != value.shape[-2]:
         return False
     length = value.shape[-1]
@@ -77,17 +117,17 @@ def _is_constant_causal(mask: fx.Node) -> bool:
     if not value.is_floating_point():
         return False
     lowest = torch.finfo(value.dtype).min / 2
-    allowed, blocked = value[..., causal], value[..., ~causal]
-    return bool((allowed == 0).all()) and bool((blocked <= lowest).all())
+    return bool(torch.where(causal, value == 0, value <= lowest).all())
 
 
-def _evaluate(node: fx.Node) -> torch.Tensor | None:
-    """`node`'s value computed on the CPU from its ancestors, or None when it depends on a
-    placeholder or a random op, or is too large to compute at compile time."""
+def _evaluate(node: fx.Node, values: dict[fx.Node, Any]) -> torch.Tensor | None:
+    """`node`'s value computed on the CPU from its ancestors (those in `values` already computed;
+    the others added), or None when it depends on a placeholder or a random op, or is too large
+    to compute at compile time."""
     order, seen, stack = [], set(), [node]
     while stack:
         current = stack.pop()
-        if current in seen:
+        if current in seen or current in values:
             continue
         seen.add(current)
         if current.op != "call_function" or _seeded(current.target):
@@ -97,7 +137,6 @@ def _evaluate(node: fx.Node) -> torch.Tensor | None:
     value = node.meta.get("val")
     if not isinstance(value, torch.Tensor) or value.numel() > _MAX_MASK_ELEMENTS:
         return None
-    values: dict[fx.Node, Any] = {}
     try:
         for current in sorted(order, key=_position(node.graph)):
             args, kwargs = fx.node.map_arg((current.args, current.kwargs), lambda n: values[n])
