@@ -93,8 +93,7 @@ class DemoLayout:
 
     @property
     def spare_cores(self) -> int:
-        """Cores the ranks leave free (other processes may use them without slowing the ranks; a
-        rank driving a GPU keeps one core busy)."""
+        """Cores the ranks leave free for other processes (a rank driving a GPU keeps one busy)."""
         return max(0, self.cores - self.ranks * self.threads)
 
     def describe(self) -> str:
@@ -286,8 +285,7 @@ def summarize(
     others_cores: float,
     spare_cores: float,
 ) -> Summary:
-    """`periods[schedule]`: seconds per step, one value per round, rounds in the same order;
-    `predicted`: as `predicted_gains` returns."""
+    """`periods[schedule]`: seconds per step per round, rounds alike; `predicted`: `predicted_gains`'."""
     reference, other = SCHEDULES
     return Summary(
         step_s={name: measure.median(values) for name, values in periods.items()},
@@ -305,29 +303,31 @@ def predicted_gains(
     runs: dict[str, "_Training"], action_medians: dict[str, list[dict]], loop_s: dict[str, float]
 ) -> tuple[float, float, str]:
     """The simulator's steady-state gain of zb-auto over 1F1B for the step as the rounds time it
-    (1F1B's period / zb-auto's, a period being the simulated span plus `loop_s[schedule]`, the
-    training loop's own measured time per step around the pipeline: the batch, zero_grad and
-    the optimizer step, which no schedule shortens): with each schedule's costs from its own
-    measured actions (`action_medians[schedule]`: every rank's `profile.action_medians` of the
-    timed steps; 1F1B runs a fused backward, often cheaper than I and W apart); and under the
-    costs zb-auto was solved with (which charge 1F1B's backward as I + W), with where those came
-    from ("measured" or "static")."""
+    (1F1B's period / zb-auto's; a period is the simulated span plus `loop_s[schedule]`, the
+    training loop's own time per step: batch, zero_grad, optimizer step): under each schedule's
+    own measured action medians (`action_medians[schedule]`; 1F1B's fused backward is often
+    cheaper than I and W apart), and under the costs zb-auto was solved with (1F1B's backward as
+    I + W), with where those came from ("measured" or "static")."""
     from zbcompile.inspect.write import schedule_costs_used
     from zbcompile.runtime.profile import costs_of
     from zbcompile.schedules import simulate
+    from zbcompile.schedules.costs import resolve_costs
 
-    reference, other = (runs[name].pipe for name in SCHEDULES)
+    reference, other = pipes = [runs[name].pipe for name in SCHEDULES]
     solved, source = schedule_costs_used(other.schedule, other.compiled, other.measured_costs)
-    static, stages = other.compiled.schedule_costs(), other.schedule.stages
     comm = solved.comm if source == "measured" else 0.0  # the static estimates have none
-    measured = [costs_of(action_medians[name], comm, stages, static) for name in SCHEDULES]
-    loops = [loop_s[name] for name in SCHEDULES]
+    measured = [  # each on its own stages: zb-auto's may be a V's chunks after its re-cut
+        costs_of(action_medians[n], comm, p.schedule.stages, p.compiled.schedule_costs())
+        for n, p in zip(SCHEDULES, pipes)
+    ]
+    chunks = other.schedule.stages // reference.schedule.stages  # 1F1B under zb-auto's: a V's chunks summed
+    solved_in_line = resolve_costs(solved, other.schedule.stages).merged(chunks) if chunks > 1 else solved
 
-    def gain(reference_costs: Costs, other_costs: Costs) -> float:
-        reference_period = simulate(reference.schedule, reference_costs).span + loops[0]
-        return reference_period / (simulate(other.schedule, other_costs).span + loops[1])
+    def gain(*costs: Costs) -> float:  # 1F1B's period over zb-auto's, each under its costs
+        periods = [simulate(p.schedule, c).span + loop_s[n] for n, p, c in zip(SCHEDULES, pipes, costs)]
+        return periods[0] / periods[1]
 
-    return gain(measured[0], measured[1]), gain(solved, solved), source
+    return gain(measured[0], measured[1]), gain(solved_in_line, solved), source
 
 
 # --- the ranks ---------------------------------------------------------------------------------

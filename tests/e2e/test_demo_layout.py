@@ -137,3 +137,30 @@ def test_summary_without_proc_stat_says_the_load_is_unknown():
     assert summary.machine_line(demo.choose_layout(cores=2, gpus=0)).startswith(
         "other processes' CPU use during the run is unknown"
     )
+
+
+def test_predicted_gains_when_zb_auto_was_recut_into_a_v():
+    """zb-auto's re-cut may run a V of two chunks per rank beside 1F1B's one stage per rank: each
+    schedule's measured costs are its own stages', and 1F1B under zb-auto's solved costs sums a
+    V's chunks into the stages that hold them."""
+    from types import SimpleNamespace
+
+    from zbcompile.schedules import Costs, make_schedule, simulate
+
+    chunk = Costs(f=1.0, i=1.0, w=0.8, comm=0.0)
+    v = make_schedule("zbv", 4, 8, chunk, ranks=2).with_info(cost_source="measured")
+    one_f_one_b = make_schedule("1f1b", 2, 8, Costs(f=2.0, i=2.0, w=1.6))
+
+    def run(schedule, stages):
+        compiled = SimpleNamespace(schedule_costs=lambda: Costs(f=[1.0] * stages, i=[1.0] * stages, w=[1.0] * stages))
+        return SimpleNamespace(pipe=SimpleNamespace(schedule=schedule, compiled=compiled, measured_costs=chunk))
+
+    runs = {demo.REFERENCE_SCHEDULE: run(one_f_one_b, 2), demo.DEFAULT_SCHEDULE: run(v, 4)}
+    medians = {
+        demo.REFERENCE_SCHEDULE: [{(s, k): t for s in range(2) for k, t in (("F", 2.0), ("B", 3.6))}],
+        demo.DEFAULT_SCHEDULE: [{(s, k): t for s in range(4) for k, t in (("F", 1.0), ("I", 1.0), ("W", 0.8))}],
+    }
+    measured, solved, source = demo.predicted_gains(runs, medians, {name: 0.0 for name in demo.SCHEDULES})
+    in_line = Costs(f=2.0, i=2.0, w=1.6)  # two chunks of each stage
+    expected = simulate(one_f_one_b, in_line).span / simulate(v, chunk).span
+    assert source == "measured" and solved == pytest.approx(expected) and measured == pytest.approx(expected)
