@@ -29,6 +29,7 @@ from helpers.data_parallel_workers import local_bytes, whole
 from helpers.distributed_workers import make_optimizer
 from zbcompile.inspect.write import live_dump
 from zbcompile.models.gpt import GPT
+from zbcompile.runtime.layout import from_first_rank, make_layout
 from zbcompile.runtime.optimizer import SynchronousClipOptimizer
 
 STEPS = 3
@@ -118,36 +119,47 @@ def replica_case(name: str, mesh):
     return case
 
 
+QUICK = {"solver_time_budget": 0.2, "profile": False}  # no measured decisions: one compile serves all schedules
+
+
 def pipe_of(name: str, mesh, stages: int, schedule: str, **options):
-    """A pipeline of case `name` over `mesh` with its plan given as `tensor_parallel=`; the meta
-    GPT's applied by `parallelize_module` on `mesh["tp"]` first, as a user applies it."""
+    """A pipeline of case `name` over `mesh` with its plan given as `tensor_parallel=` (`QUICK`
+    unless `options` say otherwise); the meta GPT's applied by `parallelize_module` on
+    `mesh["tp"]` first, as a user applies it."""
     case = replica_case(name, mesh)
     if name == "meta-gpt":
         parallelize_module(case.model, mesh["tp"], gpt_plan())
-    options = {"tensor_parallel": PLANS[name](), **options}
+    options = {"tensor_parallel": PLANS[name](), **QUICK, **options}
     pipe = zbcompile.pipeline(
         case.model, stages=stages, microbatches=MICROBATCHES, loss_fn=case.loss_fn, schedule=schedule,
-        process_group=mesh, timeout=120, solver_time_budget=0.2, profile=False, **options,
+        process_group=mesh, timeout=120, **options,
     )
     pipe.compile(*case.args, target=case.target, **case.kwargs)
     return case, pipe
 
 
+DEFAULTS = {"solver_time_budget": None, "profile": None}  # zbcompile.pipeline's own
+
+
 def train(
     name: str, sizes: dict[str, int], data_parallel: str = "replicate", schedules=SCHEDULES, dump=None,
-    clipped: bool = False,
+    clipped: bool = False, successive: bool = False,
 ) -> dict:
     """`STEPS` AdamW steps of case `name` per schedule from the same initial parameters; per
-    schedule the losses, the first step's whole gradients and the whole parameters after the
-    steps (by FQN, this rank's); the last compile dumps into `dump`. With `clipped`, then 2 zb-h1
-    steps of AdamW behind `SynchronousClipOptimizer` (max_norm 0.05: every step clipped), whose
-    norm must sum the shards over "tp" (and "dp") once each: the whole parameters after them."""
+    schedule the losses, the first step's whole gradients, the whole parameters after the steps
+    (by FQN, this rank's) and the cut; the last compile dumps into `dump`. Schedules of one
+    number of stages share a `QUICK` compile, or with `successive` each is a pipeline of its
+    own with the default options (zb-auto measures, may re-cut and re-solves), built after the
+    one before, as a user tries schedules in one process. With `clipped`, then 2 zb-h1 steps of
+    AdamW behind `SynchronousClipOptimizer` (max_norm 0.05: every step clipped), whose norm must
+    sum the shards over "tp" (and "dp") once each: the whole parameters after them."""
     mesh, results = mesh_of(sizes), {}
     initial = initial_state(name)
     pipe, compiled_stages = None, None
     for schedule, stages in schedules:
-        if stages != compiled_stages:
+        if stages != compiled_stages or successive:
             extra = {"dump_dir": dump} if dump is not None and stages == schedules[-1][1] else {}
+            extra.update(DEFAULTS if successive else {})
             case, pipe = pipe_of(name, mesh, stages, schedule, data_parallel=data_parallel, **extra)
             compiled_stages = stages
         else:
@@ -169,6 +181,7 @@ def train(
                 "optimizer": local_bytes(v for s in optimizer.state.values() for v in s.values() if v.dim()),
             },
             "state_rows": live_dump(pipe).record["world"]["state_bytes"][pipe.runner.layout.pp_rank],
+            "cut": tuple(pipe.runner.compiled.partition.cuts),
         }
     if clipped:
         pipe.set_schedule("zb-h1")
@@ -286,10 +299,11 @@ def errors() -> dict:
 
 
 def four_ranks(directory: str) -> dict:
-    """Everything the four-rank launch checks of tensor parallelism, in order."""
+    """Everything the four-rank launch checks of tensor parallelism, in order (the Llama in
+    successive pipelines with the default options)."""
     return {
         "gpt": train("gpt", {"pp": 2, "tp": 2}, dump=os.path.join(directory, "dump"), clipped=True),
-        "llama": train("llama", {"pp": 2, "tp": 2}),
+        "llama": train("llama", {"pp": 2, "tp": 2}, successive=True),
         "sp-gpt": train("sp-gpt", {"pp": 2, "tp": 2}, schedules=(("zb-h1", 2),)),
         "meta-gpt": train("meta-gpt", {"pp": 2, "tp": 2}, schedules=(("zb-h1", 2),)),
         "bytes": parameter_bytes(),
@@ -298,9 +312,18 @@ def four_ranks(directory: str) -> dict:
     }
 
 
+def decided_everywhere(sizes: dict[str, int]) -> tuple[bool, int]:
+    """Whether this rank decides, and the deciding rank's value on this rank (each rank offers
+    its global rank) on a mesh of `sizes`."""
+    layout = make_layout(sizes["pp"], torch.device("cpu"), "a test's pipeline", mesh_of(sizes))
+    return layout.decides, from_first_rank(dist.get_rank(), layout)
+
+
 def eight_ranks() -> dict:
-    """dp=2 x pp=2 x tp=2: the GPT with data_parallel="shard", the Llama with "replicate"."""
+    """dp=2 x pp=2 x tp=2: one decision for every rank; the GPT with data_parallel="shard", the
+    Llama with "replicate" in successive pipelines."""
     return {
+        "decided": decided_everywhere({"dp": 2, "pp": 2, "tp": 2}),
         "gpt": train("gpt", {"dp": 2, "pp": 2, "tp": 2}, data_parallel="shard", clipped=True),
-        "llama": train("llama", {"dp": 2, "pp": 2, "tp": 2}),
+        "llama": train("llama", {"dp": 2, "pp": 2, "tp": 2}, successive=True),
     }

@@ -1,7 +1,12 @@
 """What the cut decision measures, in one process: marked stage programs time every block inside
-each action and compute the same bits as the unmarked ones (`runtime/block_timing.py`); measured
+each action and compute the same bits as the unmarked ones (`runtime/block_timing.py`), on the
+host clock or with timing events read after the step (CUDA's way, never a device-wide
+synchronize; events stood in for on CPU); measured
 times become per-position costs on every rank, each rank's speed from the blocks it ran
 (`runtime/measured_cut.py`), on fixed medians."""
+
+import pathlib
+import re
 
 import pytest
 import torch
@@ -9,7 +14,7 @@ import torch
 from helpers.models import build
 from zbcompile.compiler import compile_pipeline
 from zbcompile.passes.cut_profile import KINDS, cut_layout, program_work
-from zbcompile.runtime.block_timing import UnitTimes, marked
+from zbcompile.runtime.block_timing import UnitTimes, marked, unit_times
 from zbcompile.runtime.local import LocalRunner
 from zbcompile.runtime.measured_cut import measured_units
 from zbcompile.schedules import make_schedule
@@ -47,6 +52,58 @@ def test_marked_programs_time_every_block_and_compute_the_same_bits(gpt):
             assert blocks == expected, (stage, kind)
     assert all(len(v) == 4 for v in times.samples.values())  # one sample per microbatch's action
     assert all(seconds > 0 for seconds in medians.values())
+
+
+class LogicalEvent:
+    """A timing event on a logical clock: each record is 1 ms after the one before; counts queries."""
+
+    now = 0.0
+    queried: list["LogicalEvent"] = []
+
+    def record(self) -> None:
+        LogicalEvent.now += 1.0
+        self.at = LogicalEvent.now
+
+    def query(self) -> bool:
+        LogicalEvent.queried.append(self)
+        return True
+
+    def elapsed_time(self, other: "LogicalEvent") -> float:
+        return other.at - self.at
+
+
+def test_events_time_the_same_units_read_after_the_step_without_a_device_wide_synchronize(gpt, monkeypatch):
+    """With events (as on CUDA): the same (stage, kind, unit) samples as the host clock, each a
+    whole number of pieces (1 ms per mark on the logical clock), read after the step by waiting
+    for the last event alone; `torch.cuda.synchronize` is never called."""
+    case, compiled = gpt
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a device-wide synchronize")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", refused)
+    host, events = UnitTimes(), UnitTimes(event_type=LogicalEvent)
+    _step(case, marked(compiled, host))
+    grads = _step(case, marked(compiled, events))
+    assert all(torch.equal(grads[k], v) for k, v in _step(case, compiled).items())
+    assert not events.samples  # nothing read inside the step
+    LogicalEvent.queried = []
+    medians = events.medians(timeout_s=1.0)
+    assert len(LogicalEvent.queried) == 1  # the last event alone
+    assert {k: len(v) for k, v in events.samples.items()} == {k: len(v) for k, v in host.samples.items()}
+    assert all(round(s * 1e3) >= 1 and abs(s * 1e3 - round(s * 1e3)) < 1e-6 for v in events.samples.values() for s in v)
+    assert medians.keys() == host.medians().keys()
+    assert unit_times(torch.device("cpu")).event_type is None
+
+
+def test_the_runtime_never_synchronizes_the_whole_device():
+    """A device-wide synchronize waits for NCCL receives posted for peers that may wait for this
+    rank: the runtime waits for its own events only."""
+    runtime = pathlib.Path(__file__).parents[2] / "zbcompile" / "runtime"
+    calls = re.compile(r"cuda\.synchronize\(|cuda\.current_stream\([^)]*\)\.synchronize\(")
+    found = [f"{p.name}:{n}" for p in runtime.rglob("*.py") for n, line in enumerate(p.read_text().splitlines(), 1)
+             if calls.search(line)]
+    assert not found, found
 
 
 def test_measured_costs_become_positions_on_every_rank_by_its_speed(gpt):

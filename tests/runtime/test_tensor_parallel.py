@@ -82,12 +82,15 @@ def _check_equals_eager(per_rank: list[dict], names: tuple[str, ...]) -> None:
 
 
 def _check_bitwise_across_schedules(per_rank: list[dict], name: str) -> None:
-    """The first step's gradients of every schedule of one cut equal 1f1b's bitwise (zbv's cut in
-    4 stages sums a gradient's branches in another order: equal to eager within rounding)."""
+    """The first step's gradients of every schedule at 1f1b's cut equal 1f1b's bitwise (zbv's cut
+    in 4 stages sums a gradient's branches in another order, and zb-auto may choose another cut
+    by measurement: equal to eager within rounding); zb-h1 always shares 1f1b's cut."""
     schedules = [s for s in per_rank[0][name] if s != "clipped"]
     assert set(schedules) == {*IN_LINE, "zbv"}, schedules
     first = _merged(per_rank, name, "1f1b", "grads")
-    for schedule in IN_LINE:
+    same_cut = [s for s in IN_LINE if per_rank[0][name][s]["cut"] == per_rank[0][name]["1f1b"]["cut"]]
+    assert "zb-h1" in same_cut, same_cut
+    for schedule in same_cut:
         other = _merged(per_rank, name, schedule, "grads")
         for fqn, grad in first.items():
             assert torch.equal(grad, other[fqn]), f"{name}: {schedule}'s gradient of {fqn} differs from 1f1b's"
@@ -103,9 +106,11 @@ def four():
 
 @launches.READS_FOUR_RANKS
 def test_pp2_tp2_steps_equal_eager_over_the_whole_batch(four):
-    """GPT and Llama under every schedule, the GPT with sequence parallelism and the GPT built on
-    the meta device and parallelized by the user: the parameters after 3 AdamW steps equal
-    eager's; a stage's tensor-parallel ranks hold the same bits."""
+    """GPT and Llama under every schedule (the Llama's a pipeline of its own per schedule, one
+    after another, with the default options: zb-auto measures and decides on one rank for all),
+    the GPT with sequence parallelism and the GPT built on the meta device and parallelized by
+    the user: the parameters after 3 AdamW steps equal eager's; a stage's tensor-parallel ranks
+    hold the same bits."""
     _check_equals_eager(four, ("gpt", "llama", "sp-gpt", "meta-gpt"))
 
 
@@ -219,10 +224,17 @@ def eight():
 
 
 @launches.READS_EIGHT_RANKS
+def test_one_rank_decides_for_every_replica_pipeline_rank_and_tensor_parallel_rank(eight):
+    """The cut, a re-solved schedule and recompute levels come from `Layout.decides`' rank
+    through `from_first_rank`: global rank 0 alone decides, and every rank receives its value."""
+    assert [r["decided"] for r in eight] == [(True, 0)] + [(False, 0)] * 7
+
+
+@launches.READS_EIGHT_RANKS
 def test_dp2_pp2_tp2_steps_equal_eager_over_the_whole_batch(eight):
     """The GPT with data_parallel="shard" (parameters as DTensors over ("dp", "tp")), the Llama
-    with "replicate": every replica's parameters after 3 steps equal eager's over the batch both
-    replicas' halves make."""
+    with "replicate" in successive default pipelines: every replica's parameters after 3 steps
+    equal eager's over the batch both replicas' halves make."""
     _check_equals_eager(eight, ("gpt", "llama"))
     gpt = {fqn: kind for r in eight for fqn, kind in r["gpt"]["zb-h1"]["dtensor"].items()}
     assert all(gpt.values()), gpt

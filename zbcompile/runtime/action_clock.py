@@ -65,10 +65,20 @@ class HostClock:
         return intervals
 
 
-def _cuda_event() -> Any:
+def cuda_event() -> Any:
+    """A CUDA timing event (recorded on the current stream by `record()`)."""
     import torch
 
     return torch.cuda.Event(enable_timing=True)
+
+
+def wait_for_event(event: Any, timeout_s: float, what: str) -> None:
+    """Wait for `event` alone (polled, so that the wait has a timeout; never the whole device)."""
+    deadline = time.perf_counter() + timeout_s
+    while not event.query():
+        if time.perf_counter() > deadline:
+            raise TimeoutError(f"the device did not finish {what} within {timeout_s:.0f} s")
+        time.sleep(0.0002)
 
 
 class EventClock:
@@ -78,7 +88,7 @@ class EventClock:
 
     on_host = False
 
-    def __init__(self, event_type: Callable[[], Any] = _cuda_event) -> None:
+    def __init__(self, event_type: Callable[[], Any] = cuda_event) -> None:
         self.event_type = event_type
         self._pending: list[tuple[str, Any, Any, Any]] = []
         self._origin: Any = None
@@ -102,12 +112,7 @@ class EventClock:
 
     def end_step(self, timeout_s: float) -> Intervals:
         """Wait (at most `timeout_s`) for the step's last event, then read every interval."""
-        last = self.mark()
-        deadline = time.perf_counter() + timeout_s
-        while not last.query():  # a poll, so that the wait has a timeout
-            if time.perf_counter() > deadline:
-                raise TimeoutError(f"the device did not finish the step's work within {timeout_s:.0f} s")
-            time.sleep(0.0002)
+        wait_for_event(self.mark(), timeout_s, "the step's work")
         origin, base = self._origin, self._origin_host
         intervals: Intervals = defaultdict(list)
         for timeline, label, started, ended in self._pending:

@@ -31,7 +31,7 @@ from zbcompile.options import PipelineOptions
 from zbcompile.runtime import batch, batch_loss, placement, profile, recut, sharding, state_transfer, tensor_parallel
 from zbcompile.runtime.distributed import DistributedRunner
 from zbcompile.runtime.forward_only import ForwardRunner
-from zbcompile.runtime.layout import Layout, make_layout
+from zbcompile.runtime.layout import Layout, from_first_rank, make_layout
 from zbcompile.runtime.local import InProcessTransport, LocalRunner
 from zbcompile.runtime.p2p import device_for, gather_objects, stop_helper_threads
 from zbcompile.runtime.runner import Runner
@@ -177,10 +177,10 @@ class Builder:
             local = recut.measure(runner, train, self.options.profile_steps)
         gathered = gather_objects(local, layout.pp_group)
         choice = None
-        if layout.pp_rank == 0 and layout.dp_rank == 0:
+        if layout.decides:
             reduction = list(self.choice.reduction_per_message(built.compiled))
             choice = recut.decide(built.compiled, runner.schedule, gathered, self.options, reduction)
-        self.cut_choice = choice = recut.shared(choice, layout)
+        self.cut_choice = choice = from_first_rank(choice, layout)
         if choice.changes:
             try:
                 rebuilt = self._rebuilt(built, choice, (micro_inputs[0], micro_targets[0]))

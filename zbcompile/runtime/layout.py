@@ -1,7 +1,10 @@
 """Where this rank sits among the pipelines (`Layout`, made by `make_layout` from the process group
 or DeviceMesh given to `pipeline()`): its pipeline position, data-parallel replica and
 tensor-parallel rank, with the process groups of each, and how one rank's decision reaches every
-rank that must run the same schedule (`from_first_rank`)."""
+rank (`from_first_rank`): every adaptive choice (the cut, a re-solved schedule, recompute levels)
+is taken on the world's first rank (`Layout.decides`) and broadcast, so that the tensor-parallel
+ranks of a stage run the same programs in the same order (their collectives pair up) and the
+replicas post their gradient reductions in the same order."""
 
 from __future__ import annotations
 
@@ -42,25 +45,26 @@ class Layout:
     tp_group: dist.ProcessGroup | None = None
 
     @property
+    def decides(self) -> bool:
+        """Whether this rank takes the decisions every rank follows: the first pipeline position
+        of the first replica and tensor-parallel rank (global rank 0 of the layout)."""
+        return self.pp_rank == 0 and self.dp_rank == 0 and self.tp_rank == 0
+
+    @property
     def decision_groups(self) -> tuple[dist.ProcessGroup, ...]:
-        """The groups over which one rank's decision reaches every rank that must run the same
-        schedule: the pipeline's ranks, then each stage's tensor-parallel ranks (their
-        collectives pair up only if they run the same programs in the same order)."""
-        return tuple(g for g in (self.pp_group, self.tp_group) if g is not None)
+        """The groups over which the deciding rank's value reaches every rank: a broadcast from
+        the first member of each in turn (replicas, pipeline, tensor-parallel ranks) leaves
+        every rank with the value of the rank at position 0 of all three."""
+        return tuple(g for g in (self.dp_group, self.pp_group, self.tp_group) if g is not None)
 
 
 def from_first_rank(value: Any, layout: Layout | None) -> Any:
-    """The first rank's `value` on every rank that must run the same schedule: broadcast over the
-    pipeline's ranks, then over each stage's tensor-parallel ranks (`Layout.decision_groups`)."""
+    """The deciding rank's `value` (`Layout.decides`) on every rank of the layout (the value
+    itself in one process): one broadcast per group of `Layout.decision_groups`. Every rank must
+    call it at the same point."""
     for group in layout.decision_groups if layout is not None else ():
         value = _from_first_of(group, value)
     return value
-
-
-def from_first_tp_rank(value: Any, layout: Layout) -> Any:
-    """The value of each stage's first tensor-parallel rank on the stage's other tensor-parallel
-    ranks (`value` itself without tensor parallelism), e.g. what the pipeline's ranks gathered."""
-    return value if layout.tp_group is None else _from_first_of(layout.tp_group, value)
 
 
 def _from_first_of(group: dist.ProcessGroup, value: Any) -> Any:

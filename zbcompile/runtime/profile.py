@@ -32,7 +32,7 @@ import torch.distributed as dist
 from zbcompile.runtime.background_solve import BackgroundSolve
 from zbcompile.runtime.distributed import DistributedRunner
 from zbcompile.runtime.grad_reduction import REDUCE
-from zbcompile.runtime.layout import from_first_rank, from_first_tp_rank
+from zbcompile.runtime.layout import from_first_rank
 from zbcompile.runtime.p2p import gather_objects
 from zbcompile.schedules import Action, Costs, Schedule, simulate
 from zbcompile.schedules.costs import with_reduction
@@ -222,8 +222,8 @@ class CostTuner:
             statistics.median(_span(t) for t in self._window),
             round_trip_seconds(runner),
         )
-        # the tensor-parallel ranks' pipelines decide on the first one's numbers: they run one schedule
-        gathered = from_first_tp_rank(gather_objects(local, runner.layout.pp_group), runner.layout)
+        # every rank decides on the first pipeline's numbers: all run one schedule
+        gathered = from_first_rank(gather_objects(local, runner.layout.pp_group), runner.layout)
         self._window = []
         measured = costs_of([g[0] for g in gathered], max(g[2] for g in gathered), runner.schedule.stages, self.static)
         costs = with_reduction(measured, self.reduction)
@@ -241,7 +241,7 @@ class CostTuner:
             self.drift_resolves += 1
             reason = f"drift {drift:+.0%}"
         levels, solve = None, None
-        if runner.layout.pp_rank == 0:
+        if runner.layout.decides:
             levels, costs = self._recompute_levels(costs)
             solve = BackgroundSolve(self.solve_arguments(costs))
         self._solving = (solve, costs, levels)

@@ -8,14 +8,15 @@ returns: a warm-up step, `profile_steps` steps whose per-action times are kept, 
 marked programs that time each block inside every action (`runtime/block_timing.py`). Nothing of
 them stays: the parameters' `.grad`, the buffers and the RNG states are as they were before.
 
-The ranks' medians are gathered; the pipeline's first rank (of the first replica: one decision
-for every replica) turns them into per-position costs on every rank (`measured_cut.py`) and
-chooses the cut, in-line or a V, by zb-auto's predicted step time (`schedules/cut_choice.py`, the
-decision `zbcompile plan` makes on paper); the decision is broadcast. Where the chosen cut beats
-the one in use by more than `cut_choice.RECUT_THRESHOLD`, every rank compiles the model at the
-new cut, the parameters, gradients and buffers that change ranks move between them
-(`state_transfer.py`), and the new compile runs with a schedule solved on the predicted costs;
-otherwise the compile in use runs a schedule solved on its measured costs. Either way the cost
+The ranks' medians are gathered; the deciding rank (`Layout.decides`: one decision for every
+replica and tensor-parallel rank) turns them into per-position costs on every rank
+(`measured_cut.py`) and chooses the cut, in-line or a V, by zb-auto's predicted step time
+(`schedules/cut_choice.py`, the decision `zbcompile plan` makes on paper); the decision is
+broadcast (`layout.from_first_rank`). Where the chosen cut beats the one in use by more than
+`cut_choice.RECUT_THRESHOLD`, every rank compiles the model at the new cut, the parameters,
+gradients and buffers that change ranks move between them (`state_transfer.py`), and the new
+compile runs with a schedule solved on the predicted costs; otherwise the compile in use runs a
+schedule solved on its measured costs. Either way the cost
 tuner (`profile.py`) then measures and re-solves as usual.
 
 Since this happens inside the first compile, `pipe.parameters()` (which a distributed pipeline
@@ -32,13 +33,12 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
-import torch.distributed as dist
 
 from zbcompile.compiler import CompiledPipeline
 from zbcompile.inspect.text import layers_of
 from zbcompile.passes.cut_profile import cut_layout
 from zbcompile.runtime import profile
-from zbcompile.runtime.block_timing import UnitTimes, marked
+from zbcompile.runtime.block_timing import marked, unit_times
 from zbcompile.runtime.measured_cut import measured_units
 from zbcompile.schedules import Costs, Schedule
 from zbcompile.schedules.cut_choice import RECUT_THRESHOLD, CutDecision, CutSettings, choose_cut
@@ -99,14 +99,15 @@ def measure(runner, train: Any, steps: int) -> Measured:
     for _ in range(steps):
         train()
         timelines.append(list(runner.timeline))
-    times = UnitTimes()
+    times = unit_times(runner.device)
     compiled = runner.compiled
-    runner.use_programs(marked(compiled, times, runner.device))
+    runner.use_programs(marked(compiled, times))
     try:
         train()
     finally:
         runner.use_programs(compiled)
-    return Measured(profile.action_medians(timelines), times.medians(), profile.round_trip_seconds(runner))
+    units = times.medians(runner.transport.timeout.total_seconds())
+    return Measured(profile.action_medians(timelines), units, profile.round_trip_seconds(runner))
 
 
 def current_cut(compiled: CompiledPipeline, schedule: Schedule) -> Cut:
@@ -175,19 +176,6 @@ def decision_record(decision: CutDecision, compiled: CompiledPipeline, speeds: l
         "reason": decision.reason,
         "candidates": [entry(p) for p in decision.candidates[:4]],
     }
-
-
-def shared(value: Any, layout) -> Any:
-    """`value` of the first replica's first pipeline rank, on every rank of every replica."""
-    if layout.pp_rank == 0 and layout.dp_group is not None:
-        box = [value]
-        dist.broadcast_object_list(box, group=layout.dp_group, group_src=0)
-        value = box[0]
-    if layout.pp_group is not None:
-        box = [value]
-        dist.broadcast_object_list(box, group=layout.pp_group, group_src=0)
-        value = box[0]
-    return value
 
 
 def kept(choice: CutChoice, compiled: CompiledPipeline, schedule: Schedule, why: str) -> CutChoice:

@@ -125,10 +125,10 @@ class ScheduleChoice:
         return auto_recompute.with_levels(compiled, self._on_first_rank(choose))
 
     def _on_first_rank(self, make: Callable[[], Any]) -> Any:
-        """`make()` on the pipeline's first rank (in one process: here), broadcast to the others
-        (and to the other tensor-parallel ranks' pipelines, `distributed.from_first_rank`)."""
+        """`make()` on the deciding rank (in one process: here), broadcast to every other rank
+        (`layout.from_first_rank`)."""
         layout = self.layout() if self.options.distributed else None
-        value = make() if layout is None or (layout.pp_rank == 0 and layout.tp_rank == 0) else None
+        value = make() if layout is None or layout.decides else None
         return from_first_rank(value, layout)
 
     def solve_arguments(
