@@ -5,6 +5,7 @@ checkpoint saved at tp=2 and loaded at tp=1, at another pp and back; bad layouts
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -24,7 +25,7 @@ from torch.distributed.tensor.parallel import (
 
 import zbcompile
 import zbcompile.checkpoint
-from helpers import models, real_models
+from helpers import models, real_models, recut_workers
 from helpers.data_parallel_workers import local_bytes, whole
 from helpers.distributed_workers import make_optimizer
 from zbcompile.inspect.write import live_dump
@@ -143,14 +144,16 @@ DEFAULTS = {"solver_time_budget": None, "profile": None}  # zbcompile.pipeline's
 
 def train(
     name: str, sizes: dict[str, int], data_parallel: str = "replicate", schedules=SCHEDULES, dump=None,
-    clipped: bool = False, successive: bool = False,
+    clipped: bool = False, successive: bool = False, forced_recut: bool = False,
 ) -> dict:
     """`STEPS` AdamW steps of case `name` per schedule from the same initial parameters; per
     schedule the losses, the first step's whole gradients, the whole parameters after the steps
     (by FQN, this rank's) and the cut; the last compile dumps into `dump`. Schedules of one
     number of stages share a `QUICK` compile, or with `successive` each is a pipeline of its
     own with the default options (zb-auto measures, may re-cut and re-solves), built after the
-    one before, as a user tries schedules in one process. With `clipped`, then 2 zb-h1 steps of
+    one before, as a user tries schedules in one process; with `forced_recut` zb-auto's cut
+    decision is made to re-cut (`recut_workers.forced`: its state moves between ranks, as
+    DTensor shards over "tp"). With `clipped`, then 2 zb-h1 steps of
     AdamW behind `SynchronousClipOptimizer` (max_norm 0.05: every step clipped), whose norm must
     sum the shards over "tp" (and "dp") once each: the whole parameters after them."""
     mesh, results = mesh_of(sizes), {}
@@ -160,7 +163,9 @@ def train(
         if stages != compiled_stages or successive:
             extra = {"dump_dir": dump} if dump is not None and stages == schedules[-1][1] else {}
             extra.update(DEFAULTS if successive else {})
-            case, pipe = pipe_of(name, mesh, stages, schedule, data_parallel=data_parallel, **extra)
+            recutting = recut_workers.forced() if forced_recut and schedule == "zb-auto" else contextlib.nullcontext()
+            with recutting:
+                case, pipe = pipe_of(name, mesh, stages, schedule, data_parallel=data_parallel, **extra)
             compiled_stages = stages
         else:
             pipe.set_schedule(schedule)
@@ -300,10 +305,10 @@ def errors() -> dict:
 
 def four_ranks(directory: str) -> dict:
     """Everything the four-rank launch checks of tensor parallelism, in order (the Llama in
-    successive pipelines with the default options)."""
+    successive pipelines with the default options, zb-auto's re-cut forced)."""
     return {
         "gpt": train("gpt", {"pp": 2, "tp": 2}, dump=os.path.join(directory, "dump"), clipped=True),
-        "llama": train("llama", {"pp": 2, "tp": 2}, successive=True),
+        "llama": train("llama", {"pp": 2, "tp": 2}, successive=True, forced_recut=True),
         "sp-gpt": train("sp-gpt", {"pp": 2, "tp": 2}, schedules=(("zb-h1", 2),)),
         "meta-gpt": train("meta-gpt", {"pp": 2, "tp": 2}, schedules=(("zb-h1", 2),)),
         "bytes": parameter_bytes(),
@@ -321,9 +326,9 @@ def decided_everywhere(sizes: dict[str, int]) -> tuple[bool, int]:
 
 def eight_ranks() -> dict:
     """dp=2 x pp=2 x tp=2: one decision for every rank; the GPT with data_parallel="shard", the
-    Llama with "replicate" in successive pipelines."""
+    Llama with "replicate" in successive pipelines (zb-auto's re-cut forced)."""
     return {
         "decided": decided_everywhere({"dp": 2, "pp": 2, "tp": 2}),
         "gpt": train("gpt", {"dp": 2, "pp": 2, "tp": 2}, data_parallel="shard", clipped=True),
-        "llama": train("llama", {"dp": 2, "pp": 2, "tp": 2}, successive=True),
+        "llama": train("llama", {"dp": 2, "pp": 2, "tp": 2}, successive=True, forced_recut=True),
     }

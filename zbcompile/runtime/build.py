@@ -212,8 +212,7 @@ class Builder:
         mine = {f for f, ranks in new.items() if layout.pp_rank in ranks}
         dropped = {f for f, ranks in old.items() if layout.pp_rank in ranks and f not in mine}
         state_transfer.transfer(
-            self.module, self.ownership, state_transfer.moves(old, new), dropped, layout, built.runner.transport,
-            o.data_parallel,
+            self.module, self.ownership, state_transfer.moves(old, new), dropped, layout, built.runner.transport
         )
         self.ownership.held = mine
         runner = self._distributed_runner(compiled, schedule, device)

@@ -6,10 +6,11 @@ every rank that holds it under the new one and did not; ranks that no longer hol
 The ranks agree on every move without a handshake: each knows both cuts (every rank compiles
 both), so the moves and their order are the same everywhere; one gather tells what only a
 sender knows (whether a parameter has a `.grad`, its dtype, whether a tensor materialised from
-`meta` is still unfilled). Under data_parallel="shard" a parameter is a DTensor shard over the
-replicas: each replica moves its own shard between ranks of its own pipeline (the same rows: the
-same replica index), and the receiver wraps it as the same DTensor. The bits that arrive are the
-bits sent."""
+`meta` is still unfilled, and its DTensor layout). A DTensor (a tensor-parallel shard over "tp",
+under data_parallel="shard" a shard over "dp" too) moves as its local shard: a pipeline's ranks
+share their replica and tensor-parallel coordinates, so the sender's shard is the one the
+receiver must hold, and the receiver wraps it as the same DTensor (the sender's mesh dimensions,
+placements, global shape and stride). The bits that arrive are the bits sent."""
 
 from __future__ import annotations
 
@@ -18,13 +19,13 @@ from typing import Mapping
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
 
 from zbcompile.compiler import CompiledPipeline
 from zbcompile.runtime import placement
 from zbcompile.runtime.layout import Layout
 from zbcompile.runtime.p2p import MessageTransport, device_for, gather_objects
-from zbcompile.runtime.sharding import Rows
 from zbcompile.schedules import Schedule
 
 STATE_TAG = 1 << 26  # above every step's, post-validation's and tied weights' tags
@@ -61,12 +62,34 @@ def moves(old: Mapping[str, set[int]], new: Mapping[str, set[int]]) -> list[Move
 
 
 @dataclass(frozen=True)
+class _Layout:
+    """A DTensor's layout: the names of its mesh's dimensions, its placements, global shape and stride."""
+
+    dims: tuple[str, ...]
+    placements: tuple[Placement, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class _Sent:
-    """What the receiver cannot know of a tensor: its gradient's dtype (None: no `.grad`) and
-    whether it was materialised from `meta` and never filled."""
+    """What the receiver cannot know of a tensor: its gradient's dtype (None: no `.grad`),
+    whether it was materialised from `meta` and never filled, the shape of what is sent (the
+    local shard of a DTensor) and, for a DTensor, its layout."""
 
     grad_dtype: torch.dtype | None
     unfilled: bool
+    local_shape: torch.Size
+    dtensor: _Layout | None
+
+    @staticmethod
+    def of(tensor: torch.Tensor, unfilled: bool) -> "_Sent":
+        layout = None
+        if isinstance(tensor, DTensor):
+            dims = tuple(tensor.device_mesh.mesh_dim_names or ())
+            layout = _Layout(dims, tuple(tensor.placements), tensor.shape, tensor.stride())
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        return _Sent(_grad_dtype(tensor), unfilled, local.shape, layout)
 
 
 def transfer(
@@ -76,16 +99,13 @@ def transfer(
     dropped: set[str],
     layout: Layout,
     transport: MessageTransport,
-    data_parallel: str = "replicate",
 ) -> None:
     """Run `plan` (this rank sends what it is the source of, receives what it is the target of,
     in the plan's order), then let go of `dropped` (canonical FQNs this rank no longer holds).
-    `ownership`: the module's `state_ownership.StateOwnership` (its unfilled names follow);
-    `data_parallel`: how the replicas keep parameters ("shard": DTensor shards)."""
+    `ownership`: the module's `state_ownership.StateOwnership` (its unfilled names follow)."""
     state = placement.state_tensors(module)
-    sharded = {n for n in dict(module.named_parameters()) if data_parallel == "shard" and layout.dp_size > 1}
     me = layout.pp_rank
-    mine = {m.fqn: _Sent(_grad_dtype(state[m.fqn]), m.fqn in ownership.unfilled) for m in plan if m.source == me}
+    mine = {m.fqn: _Sent.of(state[m.fqn], m.fqn in ownership.unfilled) for m in plan if m.source == me}
     sent: dict[str, _Sent] = {}
     for part in gather_objects(mine, layout.pp_group):
         sent.update(part)
@@ -98,16 +118,14 @@ def transfer(
                 transport.send(tensors, layout.pipeline_ranks[move.target], STATE_TAG + index, action)
         elif move.target == me:
             meta, what = state[move.fqn], sent[move.fqn]
-            shape = _local_shape(meta, move.fqn in sharded, layout)
-            device = device_for(layout.pp_group)
+            shape, device = what.local_shape, device_for(layout.pp_group)
             like = [torch.empty(shape, dtype=meta.dtype, device=device)]
             if what.grad_dtype is not None:
                 like.append(torch.empty(shape, dtype=what.grad_dtype, device=device))
             if shape.numel():
                 pending = transport.post_recv(like, layout.pipeline_ranks[move.source], STATE_TAG + index, action)
                 like = transport.wait(pending, action)
-            sharding = layout.mesh["dp"] if move.fqn in sharded else None
-            arrived[move.fqn] = _rebuilt(meta, like, isinstance(meta, nn.Parameter), sharding)
+            arrived[move.fqn] = _rebuilt(meta, like, what.dtensor, layout)
             if sent[move.fqn].unfilled:
                 ownership.unfilled.add(move.fqn)
     transport.complete_messages()
@@ -134,23 +152,20 @@ def _local_parts(tensor: torch.Tensor) -> list[torch.Tensor]:
     return [] if parts[0].numel() == 0 else parts
 
 
-def _local_shape(meta: torch.Tensor, sharded: bool, layout: Layout) -> torch.Size:
-    if not sharded:
-        return meta.shape
-    return torch.Size((Rows(meta.shape[0], layout.dp_size).local(layout.dp_rank), *meta.shape[1:]))
-
-
-def _rebuilt(meta: torch.Tensor, received: list[torch.Tensor], is_param: bool, mesh) -> torch.Tensor:
-    """The module's new tensor from what arrived: a parameter (with its gradient where one came;
-    a DTensor shard over `mesh` where given), or a buffer."""
+def _rebuilt(meta: torch.Tensor, received: list[torch.Tensor], dtensor: _Layout | None, layout: Layout) -> torch.Tensor:
+    """The module's new tensor from what arrived: a parameter (with its gradient where one came)
+    or a buffer, as the DTensor `dtensor` over the layout's mesh where the sender's was one."""
 
     def whole(local: torch.Tensor) -> torch.Tensor:
-        if mesh is None:
+        if dtensor is None:
             return local
-        return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=meta.shape, stride=meta.stride())
+        mesh = layout.mesh[dtensor.dims] if len(dtensor.dims) > 1 else layout.mesh[dtensor.dims[0]]
+        return DTensor.from_local(
+            local, mesh, dtensor.placements, run_check=False, shape=dtensor.shape, stride=dtensor.stride
+        )
 
-    if not is_param:
-        return received[0]
+    if not isinstance(meta, nn.Parameter):
+        return whole(received[0])
     param = nn.Parameter(whole(received[0]), requires_grad=meta.requires_grad)
     if len(received) > 1:
         param.grad = whole(received[1])
