@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 
 import torch
@@ -27,7 +28,7 @@ import zbcompile
 import zbcompile.checkpoint
 from helpers import models, real_models, recut_workers
 from helpers.data_parallel_workers import local_bytes, whole
-from helpers.distributed_workers import make_optimizer
+from helpers.distributed_workers import eager_adamw, make_optimizer
 from zbcompile.inspect.write import live_dump
 from zbcompile.models.gpt import GPT
 from zbcompile.runtime.layout import from_first_rank, make_layout
@@ -332,3 +333,42 @@ def eight_ranks() -> dict:
         "gpt": train("gpt", {"dp": 2, "pp": 2, "tp": 2}, data_parallel="shard", clipped=True),
         "llama": train("llama", {"dp": 2, "pp": 2, "tp": 2}, successive=True, forced_recut=True),
     }
+
+
+# --- comparison with eager --------------------------------------------------------------------
+
+CLOSE = dict(rtol=1e-5, atol=1e-6)
+
+
+@functools.cache
+def eager(name: str) -> tuple[torch.Tensor, dict]:
+    """The first step's loss and the parameters after `STEPS` eager AdamW steps over the whole batch."""
+    case = build(INITIAL.get(name, name))
+    losses, _ = eager_adamw(case, STEPS)
+    return losses[0], {n: p.detach() for n, p in case.model.named_parameters()}
+
+
+def merged(per_rank: list[dict], name: str, schedule: str, field: str) -> dict:
+    """`field` of every rank's run merged by FQN, checking that every rank holding an entry holds
+    the same bits (the tensor-parallel ranks of a stage, the replicas)."""
+    result: dict = {}
+    for rank in per_rank:
+        for fqn, value in rank[name][schedule][field].items():
+            if fqn in result:
+                assert torch.equal(result[fqn], value), f"{name} {schedule}: ranks differ on {field} {fqn}"
+            result[fqn] = value
+    return result
+
+
+def check_equals_eager(per_rank: list[dict], names: tuple[str, ...]) -> None:
+    """Every schedule's first loss and parameters after the steps (`train`'s, every rank's) equal eager's."""
+    for name in names:
+        loss, params = eager(name)
+        for schedule in [s for s in per_rank[0][name] if s != "clipped"]:
+            losses = [r[name][schedule]["losses"] for r in per_rank if r[name][schedule]["losses"][0] is not None]
+            assert losses, (name, schedule)
+            torch.testing.assert_close(sum(ls[0] for ls in losses) / len(losses), loss, **CLOSE)
+            whole_params = merged(per_rank, name, schedule, "params")
+            assert whole_params.keys() == params.keys(), (name, schedule)
+            for fqn, value in params.items():
+                torch.testing.assert_close(whole_params[fqn], value, **CLOSE, msg=f"{name} {schedule} {fqn}")

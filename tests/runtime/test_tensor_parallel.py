@@ -18,30 +18,9 @@ import torch
 
 from helpers import launches
 from helpers import tensor_parallel_workers as workers
-from helpers.distributed_workers import eager_adamw, make_optimizer
+from helpers.distributed_workers import make_optimizer
 
-CLOSE = dict(rtol=1e-5, atol=1e-6)
 IN_LINE = ("1f1b", "zb-h1", "zb-auto")  # one cut (2 stages), besides zbv over 4
-
-
-@functools.cache
-def _eager(name: str) -> tuple[torch.Tensor, dict]:
-    """The first step's loss and the parameters after `STEPS` eager AdamW steps over the whole batch."""
-    case = workers.build(workers.INITIAL.get(name, name))
-    losses, _ = eager_adamw(case, workers.STEPS)
-    return losses[0], {n: p.detach() for n, p in case.model.named_parameters()}
-
-
-def _merged(per_rank: list[dict], name: str, schedule: str, field: str) -> dict:
-    """`field` of every rank's run merged by FQN, checking that every rank holding an entry holds
-    the same bits (the tensor-parallel ranks of a stage, the replicas)."""
-    merged: dict = {}
-    for result in per_rank:
-        for fqn, value in result[name][schedule][field].items():
-            if fqn in merged:
-                assert torch.equal(merged[fqn], value), f"{name} {schedule}: ranks differ on {field} {fqn}"
-            merged[fqn] = value
-    return merged
 
 
 @functools.cache
@@ -65,20 +44,7 @@ def _check_clipped(per_rank: list[dict]) -> None:
     expected = _eager_clipped()
     assert merged.keys() == expected.keys()
     for fqn, value in expected.items():
-        torch.testing.assert_close(merged[fqn], value, **CLOSE, msg=fqn)
-
-
-def _check_equals_eager(per_rank: list[dict], names: tuple[str, ...]) -> None:
-    for name in names:
-        loss, params = _eager(name)
-        for schedule in [s for s in per_rank[0][name] if s != "clipped"]:
-            losses = [r[name][schedule]["losses"] for r in per_rank if r[name][schedule]["losses"][0] is not None]
-            assert losses, (name, schedule)
-            torch.testing.assert_close(sum(ls[0] for ls in losses) / len(losses), loss, **CLOSE)
-            merged = _merged(per_rank, name, schedule, "params")
-            assert merged.keys() == params.keys(), (name, schedule)
-            for fqn, value in params.items():
-                torch.testing.assert_close(merged[fqn], value, **CLOSE, msg=f"{name} {schedule} {fqn}")
+        torch.testing.assert_close(merged[fqn], value, **workers.CLOSE, msg=fqn)
 
 
 def _check_bitwise_across_schedules(per_rank: list[dict], name: str) -> None:
@@ -87,11 +53,11 @@ def _check_bitwise_across_schedules(per_rank: list[dict], name: str) -> None:
     by measurement: equal to eager within rounding); zb-h1 always shares 1f1b's cut."""
     schedules = [s for s in per_rank[0][name] if s != "clipped"]
     assert set(schedules) == {*IN_LINE, "zbv"}, schedules
-    first = _merged(per_rank, name, "1f1b", "grads")
+    first = workers.merged(per_rank, name, "1f1b", "grads")
     same_cut = [s for s in IN_LINE if per_rank[0][name][s]["cut"] == per_rank[0][name]["1f1b"]["cut"]]
     assert "zb-h1" in same_cut, same_cut
     for schedule in same_cut:
-        other = _merged(per_rank, name, schedule, "grads")
+        other = workers.merged(per_rank, name, schedule, "grads")
         for fqn, grad in first.items():
             assert torch.equal(grad, other[fqn]), f"{name}: {schedule}'s gradient of {fqn} differs from 1f1b's"
 
@@ -112,7 +78,7 @@ def test_pp2_tp2_steps_equal_eager_over_the_whole_batch(four):
     the GPT with sequence parallelism and the GPT built on the meta device and parallelized by
     the user: the parameters after 3 AdamW steps equal eager's; a stage's tensor-parallel ranks
     hold the same bits."""
-    _check_equals_eager(four, ("gpt", "llama", "sp-gpt", "meta-gpt"))
+    workers.check_equals_eager(four, ("gpt", "llama", "sp-gpt", "meta-gpt"))
 
 
 @launches.READS_FOUR_RANKS
@@ -151,12 +117,12 @@ def test_each_rank_holds_at_most_0_55_of_tp1s_parameter_bytes_for_the_same_stage
     """The Llama with its vocabulary split too, cut at one place: a rank's parameter bytes at
     tp=2 against a rank of the same stage at tp=1; the first step's loss is eager's at both."""
     tp1 = {stage: size for r in four for stage, size, _ in [r["bytes"]["tp1"]]}
-    loss, _ = _eager("llama")
+    loss, _ = workers.eager("llama")
     for result in four:
         stage, size, tp2_loss = result["bytes"]["tp2"]
         assert size <= 0.55 * tp1[stage], (stage, size, tp1[stage])
         if tp2_loss is not None:
-            torch.testing.assert_close(tp2_loss, loss, **CLOSE)
+            torch.testing.assert_close(tp2_loss, loss, **workers.CLOSE)
     assert any(r["bytes"]["tp1"][2] is not None for r in four)
 
 
@@ -236,7 +202,7 @@ def test_dp2_pp2_tp2_steps_equal_eager_over_the_whole_batch(eight):
     """The GPT with data_parallel="shard" (parameters as DTensors over ("dp", "tp")), the Llama
     with "replicate" in successive default pipelines: every replica's parameters after 3 steps
     equal eager's over the batch both replicas' halves make."""
-    _check_equals_eager(eight, ("gpt", "llama"))
+    workers.check_equals_eager(eight, ("gpt", "llama"))
     gpt = {fqn: kind for r in eight for fqn, kind in r["gpt"]["zb-h1"]["dtensor"].items()}
     assert all(gpt.values()), gpt
 
