@@ -43,6 +43,7 @@ class PipelineOptions:
     solver_time_budget: float | None = None  # seconds zb-auto improves its heuristic
     profile: bool | None = None  # measure costs and re-solve (runtime/profile.py); None: where the schedule table says
     profile_steps: int = 2  # steps timed after the warm-up step before the first re-solve
+    race_rounds: int = 4  # zb-auto's first compile races its schedule on real steps (runtime/schedule_race.py); 0: not
     objective: str = "span"  # "span" (steps back to back) or "makespan" (a synchronisation ends every step)
     compiler: str | None = None  # "inductor" compiles each stage's graphs, "eager" runs them op by op; None: by device
     dump_dir: str | None = (
@@ -109,6 +110,8 @@ class PipelineOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"pipeline(): {name} must be a positive int, got {value!r}")
+        if not isinstance(self.race_rounds, int) or isinstance(self.race_rounds, bool) or self.race_rounds < 0:
+            raise ValueError(f"pipeline(): race_rounds must be an int >= 0 (0: no race), got {self.race_rounds!r}")
         check_schedule_option(self.schedule, self.stages, self.microbatches)
         check_memory_limit(self.memory_limit)
 

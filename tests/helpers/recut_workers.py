@@ -114,6 +114,7 @@ def recut_run(stages: int, data_parallel: str, meta: bool, force: bool) -> dict:
         "explain": pipe.explain() if dist.get_rank() == 0 else None,
         "history": pipe.tuner.history,
         "record": pipe.compiled.cut_record,
+        "running": pipe.schedule.name,
     }
 
 

@@ -48,8 +48,21 @@ def _check_run(run: tuple, per_rank: list[dict]) -> None:
     assert "cut by measurement: measured" in explained and "re-cut to" in explained, explained
     history = per_rank[0]["history"]
     assert history and history[0]["event"].startswith("re-cut at compile"), history
+    _check_race(per_rank, explained)
     if data_parallel == "replicate":  # replicas of one batch: every replica's gradients are eager's
         _check_eager_first_step(per_rank)
+
+
+def _check_race(per_rank: list[dict], explained: str) -> None:
+    """The re-cut compile raced zb-auto's solve against the handcrafted schedules of its
+    placement (1F1B in-line, ZBV in a V) on real steps, every rank keeps the winner, and
+    explain() shows each entrant's predicted and measured step."""
+    race = per_rank[0]["record"]["race"]
+    labels = [e["label"] for e in race["entrants"]]
+    assert labels[0] == "zb-auto" and ("1f1b" in labels or labels == ["zb-auto", "zbv"]), labels
+    assert all(e["steps"] >= 2 and e["measured_step_s"] > 0 for e in race["entrants"]), race
+    assert all(r["record"]["race"]["chosen"] == race["chosen"] == r["running"] for r in per_rank), race
+    assert f"schedule raced on real steps: kept {race['chosen']}" in explained, explained
 
 
 def _check_eager_first_step(per_rank: list[dict]) -> None:

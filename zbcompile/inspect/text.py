@@ -448,7 +448,23 @@ def cut_lines(cut: dict[str, Any] | None) -> list[str]:
             if cut["changed"] else "kept"
         ),
         f"  why: {cut['reason']}; each rank's time for the same work, relative to the fastest: {speeds}",
+        *race_lines(cut.get("race")),
     ]
+
+
+def race_lines(race: dict[str, Any] | None) -> list[str]:
+    """The schedule race of the compile (`runtime/schedule_race.py`): each entrant's predicted
+    and measured step (median, spread, steps timed), which was kept and why."""
+    if not race:
+        return []
+    rows = []
+    for e in race["entrants"]:
+        measured = (
+            f"measured {seconds_text(e['measured_step_s'])} +- {seconds_text(e['spread_s'])} over {e['steps']} steps"
+            if e["measured_step_s"] is not None else "not raced"
+        )
+        rows.append(f"    {e['label']:<8} predicted {seconds_text(e['predicted_step_s'])}, {measured}")
+    return [f"schedule raced on real steps: kept {race['chosen']} ({race['why']})", *rows]
 
 
 def summary_text(dump: Dump) -> str:

@@ -28,7 +28,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from zbcompile.compiler import CompiledPipeline, compile_forward_only, compile_pipeline
 from zbcompile.inspect.write import CompileDump, start_dump
 from zbcompile.options import PipelineOptions
-from zbcompile.runtime import batch, batch_loss, placement, profile, recut, sharding, state_transfer, tensor_parallel
+from zbcompile.runtime import (
+    batch,
+    batch_loss,
+    placement,
+    profile,
+    recut,
+    schedule_race,
+    sharding,
+    state_transfer,
+    tensor_parallel,
+)
 from zbcompile.runtime.distributed import DistributedRunner
 from zbcompile.runtime.forward_only import ForwardRunner
 from zbcompile.runtime.layout import Layout, from_first_rank, make_layout
@@ -189,11 +199,31 @@ class Builder:
                 self.cut_choice = choice
             else:
                 rebuilt.tuner.history.append({"step": 0, "event": f"re-cut at compile: {choice.cut} (predicted costs)"})
-                return rebuilt
+                return self._raced(rebuilt, choice.record, micro_inputs, micro_targets, absent)
         runner.compiled = replace(runner.compiled, cut_record=choice.record)
         self.measured_costs = recut.solve_costs(choice, runner.compiled)
         runner.reschedule(self.choice.schedule(runner.compiled, costs=self.measured_costs))
-        built.tuner.calibrated(self.measured_costs, runner.schedule, "solved at compile with calibration's costs")
+        return self._raced(built, choice.record, micro_inputs, micro_targets, absent)
+
+    def _raced(self, built: Build, record: dict, micro_inputs: list, micro_targets: list, absent: tuple) -> Build:
+        """`built` running the schedule measured fastest on calibration steps of this batch among
+        zb-auto's solve and the handcrafted schedules of its placement (`schedule_race`); the race
+        joins the cut's record, and the tuner checks drift against the winner from here on."""
+        runner, solved = built.runner, built.runner.schedule
+        field = schedule_race.entrants(solved, self.measured_costs, solved.info.get("memory_limit"))
+
+        def run_step(schedule) -> None:
+            if schedule is not runner.schedule:
+                runner.reschedule(schedule)
+            runner.train(micro_inputs, micro_targets, absent, self.ownership)
+
+        rounds = self.options.race_rounds if len(field) > 1 else 0
+        with recut.untouched(self.module, runner.device):
+            winner, race = schedule_race.race(field, run_step, self.layout(), rounds)
+        if winner.schedule is not runner.schedule:
+            runner.reschedule(winner.schedule)
+        runner.compiled = replace(runner.compiled, cut_record={**record, "race": race})
+        built.tuner.calibrated(self.measured_costs, winner.schedule, f"raced at compile: {race['chosen']} kept")
         return built
 
     def _rebuilt(self, built: Build, choice: recut.CutChoice, example: tuple) -> Build:

@@ -1,0 +1,84 @@
+"""The schedule race of a compile (`runtime/schedule_race.py`), in one process on a logical clock:
+its entrants (zb-auto's solve, 1F1B always, the handcrafted schedules of its placement that fit
+the limit), when it stops, and which it keeps."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from zbcompile.runtime import schedule_race
+from zbcompile.schedules import Costs, make_schedule
+
+COSTS = Costs(f=[1.0, 1.0], i=[1.0, 1.0], w=[1.0, 1.0], mem_b=[1.0, 1.0], mem_w=[0.5, 0.5])
+
+
+def _clocked(monkeypatch, seconds_of):
+    """`run_step` for `race`: each step of a schedule advances a logical clock by
+    `seconds_of(label, call)`; and the calls' labels in order."""
+    clock, calls = [0.0], []
+    monkeypatch.setattr(schedule_race.time, "perf_counter", lambda: clock[0])
+
+    def run_step(schedule):
+        label = schedule.info["race_label"]
+        calls.append(label)
+        clock[0] += seconds_of(label, len(calls))
+
+    return run_step, calls
+
+
+def _field(limit=None):
+    solved = make_schedule("zb-auto", 2, 4, COSTS, memory_limit=limit, time_budget=0)
+    field = schedule_race.entrants(solved, COSTS, limit)
+    for entrant in field:
+        entrant.schedule = entrant.schedule.with_info(race_label=entrant.label)
+    return field
+
+
+def test_entrants_are_the_solve_and_the_handcrafted_schedules_that_fit_the_limit():
+    assert [e.label for e in _field()] == ["zb-auto", "1f1b", "zb-h1", "zb-h2"]
+    one_f_one_b = make_schedule("1f1b", 2, 4, COSTS)
+    limit = max(schedule_race.simulate(one_f_one_b, COSTS).peak_memory)  # 1F1B's own memory
+    assert [e.label for e in _field(limit)] == ["zb-auto", "1f1b", "zb-h1"]  # zb-h2 needs about twice
+    assert all(e.predicted_s > 0 for e in _field())
+    v_costs = Costs(f=[1.0] * 4, i=[1.0] * 4, w=[1.0] * 4)
+    v = make_schedule("zbv", 4, 4, v_costs, ranks=2)
+    assert [e.label for e in schedule_race.entrants(v, v_costs, None)] == ["zb-auto", "zbv"]
+
+
+def test_a_clear_winner_stops_the_race_after_the_minimum_rounds(monkeypatch):
+    """1F1B's steps take 10 (ms), every other 12: after MIN_ROUNDS rounds every 1F1B step beat
+    every other step; each round runs every entrant twice, in an order rotated round by round."""
+    field = _field()
+    run_step, calls = _clocked(monkeypatch, lambda label, _: 10.0 if label == "1f1b" else 12.0)
+    winner, record = schedule_race.race(field, run_step, None, rounds=6)
+    assert winner.label == "1f1b" and record["chosen"] == "1f1b"
+    assert all(len(e.samples) == schedule_race.MIN_ROUNDS for e in field)
+    assert "beyond the spread" in record["why"]
+    turns = calls[::2]
+    assert turns[:4] == ["zb-auto", "1f1b", "zb-h1", "zb-h2"] and turns[4:8] == ["1f1b", "zb-h1", "zb-h2", "zb-auto"]
+    assert calls[::2] == calls[1::2]  # a settling step, then the timed one
+    assert [r["measured_step_s"] for r in record["entrants"]] == [12.0, 10.0, 12.0, 12.0]
+
+
+def test_overlapping_times_run_every_round_and_keep_the_fastest_median(monkeypatch):
+    """zb-h1 is faster by its median but its steps overlap the others' (noise of +-3 on every
+    other step): no early stop, the fastest median wins after all rounds."""
+    field = _field()
+    noise = itertools.cycle([3.0, -3.0])
+    base = {"zb-auto": 11.0, "1f1b": 12.0, "zb-h1": 10.0, "zb-h2": 11.5}
+    run_step, _ = _clocked(monkeypatch, lambda label, call: base[label] + (next(noise) if call % 2 == 0 else 0.0))
+    winner, record = schedule_race.race(field, run_step, None, rounds=5)
+    assert all(len(e.samples) == 5 for e in field)
+    assert winner.label == min(field, key=lambda e: e.median_s).label
+    assert "beyond the spread" not in record["why"]
+
+
+@pytest.mark.parametrize("rounds", [0, 3])
+def test_no_rounds_or_a_lone_entrant_keeps_the_solve_unraced(monkeypatch, rounds):
+    field = _field()[:1] if rounds else _field()
+    run_step, calls = _clocked(monkeypatch, lambda label, _: 1.0)
+    winner, record = schedule_race.race(field, run_step, None, rounds=rounds)
+    assert winner.label == "zb-auto" and not calls
+    assert record["entrants"][0]["measured_step_s"] is None

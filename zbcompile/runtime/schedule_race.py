@@ -1,0 +1,112 @@
+"""The schedule a compile keeps, chosen by timing real steps (cuDNN's benchmark mode and
+Inductor's autotuning choose kernels this way): a prediction from one short calibration is off
+by more than the few percent the schedules differ by, so the candidates are run.
+
+Entrants (`entrants`): the schedule zb-auto solved on the calibration's costs, and the handcrafted
+schedules of the same placement that fit the same memory limit: 1F1B always (the safe incumbent),
+ZB-H1 and ZB-H2 where the compile has one stage per rank, ZBV where it is a V. Schedules of one
+compile switch freely between steps (the same stages on the same ranks, no state moves), and
+none changes what a step computes, only when its work runs.
+
+A round runs every entrant in turn (the order rotated round by round, so that none always follows
+the same one): two steps each, the first settling the switch, the second timed on every rank; a
+step's time is the longest of the pipeline's ranks'. After `MIN_ROUNDS` rounds the race stops once
+every timed step of the fastest entrant beat every timed step of each other one (it leads by more
+than the spread); else after `rounds`; the fastest median wins. Each round costs one gather over
+the pipeline and one broadcast; the decision is the deciding rank's (`Layout.decides`), so every
+rank, replica and tensor-parallel rank keeps the same schedule. At most 2 x `rounds` x entrants
+calibration steps (`pipeline(race_rounds=...)`, 0: keep zb-auto's solve unraced).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from zbcompile.runtime.layout import Layout, from_first_rank
+from zbcompile.runtime.p2p import gather_objects
+from zbcompile.schedules import Costs, Schedule, make_schedule, simulate
+
+MIN_ROUNDS = 2
+IN_LINE_RIVALS = ("1f1b", "zb-h1", "zb-h2")  # where the compile runs one stage per rank
+V_RIVALS = ("zbv",)  # where it runs a V of two chunks per rank
+
+
+@dataclass
+class Entrant:
+    """One candidate schedule: its `label`, the time the simulator predicts for it under the
+    calibration's costs, and the seconds of its timed steps."""
+
+    label: str
+    schedule: Schedule
+    predicted_s: float
+    samples: list[float] = field(default_factory=list)
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.samples)
+
+    def record(self) -> dict[str, Any]:
+        spread = (max(self.samples) - min(self.samples)) / 2 if self.samples else None
+        return {
+            "label": self.label, "predicted_step_s": self.predicted_s,
+            "measured_step_s": self.median_s if self.samples else None, "spread_s": spread, "steps": len(self.samples),
+        }
+
+
+def entrants(solved: Schedule, costs: Costs, memory_limit: Any) -> list[Entrant]:
+    """zb-auto's `solved` schedule and the handcrafted ones of its placement that fit
+    `memory_limit` (the limit it was solved under; None: none), each with its predicted step
+    (the simulator's span under `costs`, the calibration's)."""
+    v = solved.stages == 2 * solved.ranks
+    found = [Entrant("zb-auto", solved, simulate(solved, costs).span)]
+    for name in V_RIVALS if v else IN_LINE_RIVALS:
+        try:
+            rival = make_schedule(
+                name, solved.stages, solved.microbatches, costs, memory_limit=memory_limit, ranks=solved.ranks
+            )
+        except ValueError:  # does not fit the limit
+            continue
+        if rival.placement == solved.placement:
+            found.append(Entrant(name, rival.with_info(cost_source="measured"), simulate(rival, costs).span))
+    return found
+
+
+def decided(field_: Sequence[Entrant], rounds_run: int) -> bool:
+    """Whether the race may stop: `MIN_ROUNDS` run and every timed step of the fastest (by
+    median) faster than every timed step of each other entrant."""
+    if len(field_) < 2:
+        return True
+    if rounds_run < MIN_ROUNDS:
+        return False
+    best = min(field_, key=lambda e: e.median_s)
+    return all(max(best.samples) < min(e.samples) for e in field_ if e is not best)
+
+
+def race(
+    field_: list[Entrant], run_step: Callable[[Schedule], None], layout: Layout | None, rounds: int
+) -> tuple[Entrant, dict[str, Any]]:
+    """Race `field_` (see the module docstring): `run_step(schedule)` runs one calibration step
+    under `schedule`. Returns the winner (the same on every rank) and the record `explain()` shows."""
+    rounds_run = 0
+    while rounds_run < rounds and not decided(field_, rounds_run):
+        mine = {}
+        for k in range(len(field_)):
+            entrant = field_[(k + rounds_run) % len(field_)]
+            run_step(entrant.schedule)  # settles the switch
+            started = time.perf_counter()
+            run_step(entrant.schedule)
+            mine[entrant.label] = time.perf_counter() - started
+        gathered = gather_objects(mine, layout.pp_group) if layout is not None else [mine]
+        times = from_first_rank([max(g[e.label] for g in gathered) for e in field_], layout)
+        for entrant, seconds in zip(field_, times):
+            entrant.samples.append(seconds)
+        rounds_run += 1
+    winner = min(field_, key=lambda e: e.median_s) if rounds_run else field_[0]
+    why = (
+        f"fastest measured over {rounds_run} round(s)"
+        + (", ahead of every other beyond the spread" if decided(field_, rounds_run) and len(field_) > 1 else "")
+    )
+    return winner, {"entrants": [e.record() for e in field_], "chosen": winner.label, "why": why}
