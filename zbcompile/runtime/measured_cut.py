@@ -111,11 +111,29 @@ def rank_speeds(
     return [v / min(values) for v in values]
 
 
+SPEED_NOISE = 0.05
+"""Below this, a rank's measured slowness is noise (`agreed_speeds`)."""
+
+
+def agreed_speeds(repeated: Sequence[Sequence[float]], noise: float = SPEED_NOISE) -> list[float]:
+    """Each rank's speed from several repeated measurements of the same blocks (`rank_speeds`
+    of each): a rank is slower only where every repetition says so by more than the spread
+    between them plus `noise`; then its median; else it is as fast as the fastest (1). Two
+    ranks of one kind thus come out equal however one repetition went."""
+    agreed = []
+    for estimates in zip(*repeated):
+        low, high = min(estimates), max(estimates)
+        agreed.append(statistics.median(estimates) if low - 1 > (high - low) / 2 + noise else 1.0)
+    return [v / min(agreed) for v in agreed] if agreed else []
+
+
 def measured_units(
-    layout: CutLayout, programs: Sequence, stage_rank: Sequence[int], ranks: int, actions: Actions, units: Units
+    layout: CutLayout, programs: Sequence, stage_rank: Sequence[int], ranks: int, actions: Actions, units: Units,
+    speeds: Sequence[float] | None = None,
 ) -> tuple[CutUnits, list[float]]:
     """The `CutUnits` of a compile whose stage s ran on rank `stage_rank[s]` with the measured
-    `actions` and `units` medians; and each rank's speed (`rank_speeds`)."""
+    `actions` and `units` medians; and each rank's speed (`rank_speeds`, unless `speeds` gives
+    them, e.g. `agreed_speeds`)."""
     static = _static(programs)
     measured = [
         {
@@ -124,7 +142,7 @@ def measured_units(
         }
         for s in range(len(programs))
     ]
-    speeds = rank_speeds(measured, static, stage_rank, ranks)
+    speeds = list(speeds) if speeds is not None else rank_speeds(measured, static, stage_rank, ranks)
     own = {k: per_position(layout, [m[k] for m in measured]) for k in KINDS}
     base = {k: [t / speeds[stage_rank[layout.stage_of(p)]] for p, t in enumerate(own[k])] for k in KINDS}
     times = [tuple(tuple(t * speed for t in base[k]) for k in KINDS) for speed in speeds]

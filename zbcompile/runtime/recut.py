@@ -8,7 +8,10 @@ returns: a warm-up step, `profile_steps` steps whose per-action times are kept, 
 marked programs that time each block inside every action (`runtime/block_timing.py`). Nothing of
 them stays: the parameters' `.grad`, the buffers and the RNG states are as they were before.
 
-The ranks' medians are gathered; the deciding rank (`Layout.decides`: one decision for every
+The ranks' medians are gathered (an action costs the least of its per-step medians, and a
+rank's speed must agree over the timed steps, each measured apart:
+`measured_cut.agreed_speeds`; a burst of other work in one step is not the rank's speed); the
+deciding rank (`Layout.decides`: one decision for every
 replica and tensor-parallel rank) turns them into per-position costs on every rank
 (`measured_cut.py`) and chooses the cut, in-line or a V, by zb-auto's predicted step time
 (`schedules/cut_choice.py`, the decision `zbcompile plan` makes on paper); the decision is
@@ -39,7 +42,7 @@ from zbcompile.inspect.text import layers_of
 from zbcompile.passes.cut_profile import cut_layout
 from zbcompile.runtime import profile
 from zbcompile.runtime.block_timing import marked, unit_times
-from zbcompile.runtime.measured_cut import measured_units
+from zbcompile.runtime.measured_cut import agreed_speeds, measured_units
 from zbcompile.schedules import Costs, Schedule
 from zbcompile.schedules.cut_choice import RECUT_THRESHOLD, CutDecision, CutSettings, choose_cut
 from zbcompile.schedules.cut_search import Cut
@@ -50,12 +53,14 @@ DECISION_BUDGET_S = 0.5  # zb-auto's budget per shortlisted cut (deterministic w
 
 @dataclass(frozen=True)
 class Measured:
-    """One rank's calibration: median seconds per (stage, kind) action, per (stage, kind, unit)
-    inside an action, and half a boundary message's round trip."""
+    """One rank's calibration: median seconds per (stage, kind) action over the timed steps and
+    in each of them (`per_step`: the repetitions a rank's speed must agree over), per
+    (stage, kind, unit) inside an action, and half a boundary message's round trip."""
 
     actions: dict[tuple[int, str], float]
     units: dict[tuple[int, str, str], float]
     comm: float
+    per_step: tuple[dict[tuple[int, str], float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -107,7 +112,8 @@ def measure(runner, train: Any, steps: int) -> Measured:
     finally:
         runner.use_programs(compiled)
     units = times.medians(runner.transport.timeout.total_seconds())
-    return Measured(profile.action_medians(timelines), units, profile.round_trip_seconds(runner))
+    per_step = tuple(profile.action_medians([t]) for t in timelines)
+    return Measured(profile.action_medians(timelines), units, profile.round_trip_seconds(runner), per_step)
 
 
 def current_cut(compiled: CompiledPipeline, schedule: Schedule) -> Cut:
@@ -123,14 +129,19 @@ def decide(
     `reduction`: per stage, its gradient reduction in boundary messages (0 without replicas)."""
     actions: dict = {}
     units: dict = {}
+    steps: list[dict] = [{} for _ in gathered[0].per_step]
     for part in gathered:
         actions.update(part.actions)
         units.update(part.units)
+        for merged, step in zip(steps, part.per_step):
+            merged.update(step)
+    if steps:  # a burst of other work in one step is not the rank's cost: the least step's median
+        actions = {key: min(step[key] for step in steps if key in step) for key in actions}
     comm = max(part.comm for part in gathered)
     layout = cut_layout(compiled.traced, compiled.partition)
-    cut_units, speeds = measured_units(
-        layout, compiled.programs, schedule.stage_to_rank, schedule.ranks, actions, units
-    )
+    where = (layout, compiled.programs, schedule.stage_to_rank, schedule.ranks)
+    speeds = agreed_speeds([measured_units(*where, step, units)[1] for step in steps or [actions]])
+    cut_units, _ = measured_units(*where, actions, units, speeds)
     largest = max(compiled.partition.boundary_bytes, default=0) or 1
     held = [sum(nbytes for fqn, nbytes, _ in layout.params if fqn in s.param_fqns) for s in compiled.partition.stages]
     per_byte = [r * comm / b for r, b in zip(reduction, held) if b > 0]
