@@ -36,12 +36,18 @@ def _field(limit=None):
     return field
 
 
-def test_entrants_are_the_solve_and_the_handcrafted_schedules_that_fit_the_limit():
+def test_entrants_are_the_solves_and_the_handcrafted_schedules_that_fit_the_limit():
     assert [e.label for e in _field()] == ["zb-auto", "1f1b", "zb-h1", "zb-h2"]
     one_f_one_b = make_schedule("1f1b", 2, 4, COSTS)
     limit = max(schedule_race.simulate(one_f_one_b, COSTS).peak_memory)  # 1F1B's own memory
     assert [e.label for e in _field(limit)] == ["zb-auto", "1f1b", "zb-h1"]  # zb-h2 needs about twice
     assert all(e.predicted_s > 0 for e in _field())
+    solved = make_schedule("zb-auto", 2, 4, COSTS, time_budget=0)
+    skewed = Costs(f=[1.0, 3.0], i=[1.0, 3.0], w=[1.0, 3.0], mem_b=[1.0, 1.0], mem_w=[0.5, 0.5])
+    static = make_schedule("zb-auto", 2, 4, skewed, time_budget=0)  # solved on other estimates
+    labels = [e.label for e in schedule_race.entrants(solved, COSTS, None, static)]
+    assert labels[:2] == ["zb-auto", "zb-auto (static costs)"] and "1f1b" in labels
+    assert "zb-auto (static costs)" not in [e.label for e in schedule_race.entrants(solved, COSTS, None, solved)]
     v_costs = Costs(f=[1.0] * 4, i=[1.0] * 4, w=[1.0] * 4)
     v = make_schedule("zbv", 4, 4, v_costs, ranks=2)
     assert [e.label for e in schedule_race.entrants(v, v_costs, None)] == ["zb-auto", "zbv"]

@@ -202,15 +202,20 @@ class Builder:
                 return self._raced(rebuilt, choice.record, micro_inputs, micro_targets, absent)
         runner.compiled = replace(runner.compiled, cut_record=choice.record)
         self.measured_costs = recut.solve_costs(choice, runner.compiled)
+        static = runner.schedule  # solved on the compiler's estimates
         runner.reschedule(self.choice.schedule(runner.compiled, costs=self.measured_costs))
-        return self._raced(built, choice.record, micro_inputs, micro_targets, absent)
+        return self._raced(built, choice.record, micro_inputs, micro_targets, absent, static)
 
-    def _raced(self, built: Build, record: dict, micro_inputs: list, micro_targets: list, absent: tuple) -> Build:
+    def _raced(
+        self, built: Build, record: dict, micro_inputs: list, micro_targets: list, absent: tuple,
+        static: Schedule | None = None,
+    ) -> Build:
         """`built` running the schedule measured fastest on calibration steps of this batch among
-        zb-auto's solve and the handcrafted schedules of its placement (`schedule_race`); the race
+        zb-auto's solves (measured and static costs) and the handcrafted schedules of its
+        placement (`schedule_race`); the race
         joins the cut's record, and the tuner checks drift against the winner from here on."""
         runner, solved = built.runner, built.runner.schedule
-        field = schedule_race.entrants(solved, self.measured_costs, solved.info.get("memory_limit"))
+        field = schedule_race.entrants(solved, self.measured_costs, solved.info.get("memory_limit"), static)
 
         def run_step(schedule) -> None:
             if schedule is not runner.schedule:

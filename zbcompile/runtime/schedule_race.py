@@ -2,9 +2,10 @@
 Inductor's autotuning choose kernels this way): a prediction from one short calibration is off
 by more than the few percent the schedules differ by, so the candidates are run.
 
-Entrants (`entrants`): the schedule zb-auto solved on the calibration's costs, and the handcrafted
-schedules of the same placement that fit the same memory limit: 1F1B always (the safe incumbent),
-ZB-H1 and ZB-H2 where the compile has one stage per rank, ZBV where it is a V. Schedules of one
+Entrants (`entrants`): the schedule zb-auto solved on the calibration's costs, zb-auto solved on
+the compiler's static estimates (where it differs), and the handcrafted schedules of the same
+placement that fit the same memory limit: 1F1B always (the safe incumbent), ZB-H1 and ZB-H2
+where the compile has one stage per rank, ZBV where it is a V. Schedules of one
 compile switch freely between steps (the same stages on the same ranks, no state moves), and
 none changes what a step computes, only when its work runs.
 
@@ -56,12 +57,17 @@ class Entrant:
         }
 
 
-def entrants(solved: Schedule, costs: Costs, memory_limit: Any) -> list[Entrant]:
-    """zb-auto's `solved` schedule and the handcrafted ones of its placement that fit
-    `memory_limit` (the limit it was solved under; None: none), each with its predicted step
-    (the simulator's span under `costs`, the calibration's)."""
+def entrants(
+    solved: Schedule, costs: Costs, memory_limit: Any, static: Schedule | None = None
+) -> list[Entrant]:
+    """zb-auto's `solved` schedule, zb-auto solved on the compiler's `static` estimates where
+    given and different, and the handcrafted schedules of the placement that fit `memory_limit`
+    (the limit it was solved under; None: none), each with its predicted step (the simulator's
+    span under `costs`, the calibration's)."""
     v = solved.stages == 2 * solved.ranks
     found = [Entrant("zb-auto", solved, simulate(solved, costs).span)]
+    if static is not None and static.placement == solved.placement and static.actions != solved.actions:
+        found.append(Entrant("zb-auto (static costs)", static, simulate(static, costs).span))
     for name in V_RIVALS if v else IN_LINE_RIVALS:
         try:
             rival = make_schedule(
