@@ -244,6 +244,7 @@ def profiled(max_steps: int, **options) -> dict:
         "cost_source": pipe.schedule.info.get("cost_source"),
         "history": None if pipe.tuner is None else pipe.tuner.history,
         "name": pipe.schedule.name,
+        "raced": ((pipe.compiled.cut_record or {}).get("race") or {}).get("chosen"),
         "levels": pipe.compiled.recompute_levels,
         "stage_programs": [id(e.program) == id(pipe.compiled.programs[s]) for s, e in pipe.runner.executors.items()],
     }

@@ -281,9 +281,10 @@ def test_a_dead_peer_fails_the_others_within_the_timeout():
 @launches.READS_TWO_RANKS
 def test_zb_auto_measures_its_costs_by_default(profiled):
     """Without options, a distributed zb-auto pipeline's first compile times calibration steps,
-    chooses its cut again with what they measured (kept, or re-cut) and runs a schedule solved with
-    measured (or, re-cut, predicted from measured) costs from its first step, the same on every
-    rank; gradients are eager's (the calibration steps leave none behind)."""
+    chooses its cut again with what they measured (kept, or re-cut), races the schedule solved
+    with measured (or, re-cut, predicted from measured) costs against the handcrafted ones on
+    real steps and runs the winner from its first step, the same on every rank; gradients are
+    eager's (the calibration steps leave none behind)."""
     per_rank = profiled["default"]
     assert per_rank[0]["steps"] == per_rank[1]["steps"] == 2  # the first step() had measured costs
     f, b, w, comm = per_rank[0]["costs"]
@@ -292,8 +293,9 @@ def test_zb_auto_measures_its_costs_by_default(profiled):
     assert per_rank[0]["schedule"] == per_rank[1]["schedule"]
     assert per_rank[0]["cost_source"] == "measured", per_rank[0]["history"]
     events = [e["event"] for e in per_rank[0]["history"]]
-    kept, recut = events[0] == "solved at compile with calibration's costs", events[0].startswith("re-cut at compile")
-    assert kept or recut, events
+    raced = [e for e in events if e.startswith("raced at compile: ")]
+    assert raced == [f"raced at compile: {per_rank[0]['raced']} kept"], events
+    assert events.index(raced[0]) == (1 if events[0].startswith("re-cut at compile") else 0), events
     _assert_eager_grads_after_steps(per_rank)
 
 

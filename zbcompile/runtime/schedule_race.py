@@ -9,7 +9,8 @@ where the compile has one stage per rank, ZBV where it is a V. Schedules of one
 compile switch freely between steps (the same stages on the same ranks, no state moves), and
 none changes what a step computes, only when its work runs.
 
-A round runs every entrant in turn (the order rotated round by round, so that none always follows
+Every entrant's `info["cost_source"]` is "measured": its predictions (`explain()`) are under the
+calibration's costs. A round runs every entrant in turn (the order rotated round by round, so that none always follows
 the same one): two steps each, the first settling the switch, the second timed on every rank; a
 step's time is the longest of the pipeline's ranks'. After `MIN_ROUNDS` rounds the race stops once
 every timed step of the fastest entrant beat every timed step of each other one (it leads by more
@@ -67,7 +68,8 @@ def entrants(
     v = solved.stages == 2 * solved.ranks
     found = [Entrant("zb-auto", solved, simulate(solved, costs).span)]
     if static is not None and static.placement == solved.placement and static.actions != solved.actions:
-        found.append(Entrant("zb-auto (static costs)", static, simulate(static, costs).span))
+        predicted = simulate(static, costs).span
+        found.append(Entrant("zb-auto (static costs)", static.with_info(cost_source="measured"), predicted))
     for name in V_RIVALS if v else IN_LINE_RIVALS:
         try:
             rival = make_schedule(
