@@ -211,9 +211,9 @@ class Builder:
         static: Schedule | None = None,
     ) -> Build:
         """`built` running the schedule measured fastest on calibration steps of this batch among
-        zb-auto's solves (measured and static costs) and the handcrafted schedules of its
-        placement (`schedule_race`); the race
-        joins the cut's record, and the tuner checks drift against the winner from here on."""
+        zb-auto's solves (measured and, given `static`, static costs) and the handcrafted
+        schedules of its placement (`schedule_race`); the race joins the cut's record, and the
+        tuner checks drift against the winner from here on."""
         runner, solved = built.runner, built.runner.schedule
         field = schedule_race.entrants(solved, self.measured_costs, solved.info.get("memory_limit"), static)
 
@@ -222,9 +222,8 @@ class Builder:
                 runner.reschedule(schedule)
             runner.train(micro_inputs, micro_targets, absent, self.ownership)
 
-        rounds = self.options.race_rounds if len(field) > 1 else 0
         with recut.untouched(self.module, runner.device):
-            winner, race = schedule_race.race(field, run_step, self.layout(), rounds)
+            winner, race = schedule_race.race(field, run_step, self.layout(), self.options.race_rounds)
         if winner.schedule is not runner.schedule:
             runner.reschedule(winner.schedule)
         runner.compiled = replace(runner.compiled, cut_record={**record, "race": race})

@@ -5,19 +5,20 @@ by more than the few percent the schedules differ by, so the candidates are run.
 Entrants (`entrants`): the schedule zb-auto solved on the calibration's costs, zb-auto solved on
 the compiler's static estimates (where it differs), and the handcrafted schedules of the same
 placement that fit the same memory limit: 1F1B always (the safe incumbent), ZB-H1 and ZB-H2
-where the compile has one stage per rank, ZBV where it is a V. Schedules of one
-compile switch freely between steps (the same stages on the same ranks, no state moves), and
-none changes what a step computes, only when its work runs.
+where the compile has one stage per rank, ZBV where it is a V. Schedules of one compile switch
+freely between steps (the same stages on the same ranks, no state moves), and none changes what
+a step computes, only when its work runs. Every entrant's `info["cost_source"]` is "measured":
+its predictions (`explain()`) are under the calibration's costs.
 
-Every entrant's `info["cost_source"]` is "measured": its predictions (`explain()`) are under the
-calibration's costs. A round runs every entrant in turn (the order rotated round by round, so that none always follows
-the same one): two steps each, the first settling the switch, the second timed on every rank; a
-step's time is the longest of the pipeline's ranks'. After `MIN_ROUNDS` rounds the race stops once
-every timed step of the fastest entrant beat every timed step of each other one (it leads by more
-than the spread); else after `rounds`; the fastest median wins. Each round costs one gather over
-the pipeline and one broadcast; the decision is the deciding rank's (`Layout.decides`), so every
-rank, replica and tensor-parallel rank keeps the same schedule. At most 2 x `rounds` x entrants
-calibration steps (`pipeline(race_rounds=...)`, 0: keep zb-auto's solve unraced).
+A round runs every entrant in turn (the order rotated round by round, so that none always
+follows the same one): two steps each, the first settling the switch, the second timed on every
+rank; a step's time is the longest of the pipeline's ranks'. After `MIN_ROUNDS` rounds the race
+stops once every timed step of the fastest entrant beat every timed step of each other one (it
+leads by more than the spread); else after `rounds`; the fastest median wins. Each round costs
+one gather over the pipeline and one broadcast; the decision is the deciding rank's
+(`Layout.decides`), so every rank, replica and tensor-parallel rank keeps the same schedule. At
+most 2 x `rounds` x entrants calibration steps (`pipeline(race_rounds=...)`, 0: keep zb-auto's
+solve unraced).
 """
 
 from __future__ import annotations
@@ -82,39 +83,39 @@ def entrants(
     return found
 
 
-def decided(field_: Sequence[Entrant], rounds_run: int) -> bool:
+def decided(entries: Sequence[Entrant], rounds_run: int) -> bool:
     """Whether the race may stop: `MIN_ROUNDS` run and every timed step of the fastest (by
     median) faster than every timed step of each other entrant."""
-    if len(field_) < 2:
+    if len(entries) < 2:
         return True
     if rounds_run < MIN_ROUNDS:
         return False
-    best = min(field_, key=lambda e: e.median_s)
-    return all(max(best.samples) < min(e.samples) for e in field_ if e is not best)
+    best = min(entries, key=lambda e: e.median_s)
+    return all(max(best.samples) < min(e.samples) for e in entries if e is not best)
 
 
 def race(
-    field_: list[Entrant], run_step: Callable[[Schedule], None], layout: Layout | None, rounds: int
+    entries: list[Entrant], run_step: Callable[[Schedule], None], layout: Layout | None, rounds: int
 ) -> tuple[Entrant, dict[str, Any]]:
-    """Race `field_` (see the module docstring): `run_step(schedule)` runs one calibration step
+    """Race `entries` (see the module docstring): `run_step(schedule)` runs one calibration step
     under `schedule`. Returns the winner (the same on every rank) and the record `explain()` shows."""
     rounds_run = 0
-    while rounds_run < rounds and not decided(field_, rounds_run):
+    while rounds_run < rounds and not decided(entries, rounds_run):
         mine = {}
-        for k in range(len(field_)):
-            entrant = field_[(k + rounds_run) % len(field_)]
+        for k in range(len(entries)):
+            entrant = entries[(k + rounds_run) % len(entries)]
             run_step(entrant.schedule)  # settles the switch
             started = time.perf_counter()
             run_step(entrant.schedule)
             mine[entrant.label] = time.perf_counter() - started
         gathered = gather_objects(mine, layout.pp_group) if layout is not None else [mine]
-        times = from_first_rank([max(g[e.label] for g in gathered) for e in field_], layout)
-        for entrant, seconds in zip(field_, times):
+        times = from_first_rank([max(g[e.label] for g in gathered) for e in entries], layout)
+        for entrant, seconds in zip(entries, times):
             entrant.samples.append(seconds)
         rounds_run += 1
-    winner = min(field_, key=lambda e: e.median_s) if rounds_run else field_[0]
+    winner = min(entries, key=lambda e: e.median_s) if rounds_run else entries[0]
     why = (
         f"fastest measured over {rounds_run} round(s)"
-        + (", ahead of every other beyond the spread" if decided(field_, rounds_run) and len(field_) > 1 else "")
+        + (", ahead of every other beyond the spread" if decided(entries, rounds_run) and len(entries) > 1 else "")
     )
-    return winner, {"entrants": [e.record() for e in field_], "chosen": winner.label, "why": why}
+    return winner, {"entrants": [e.record() for e in entries], "chosen": winner.label, "why": why}
