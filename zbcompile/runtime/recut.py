@@ -14,12 +14,13 @@ rank's speed must agree over the timed steps, each measured apart:
 deciding rank (`Layout.decides`: one decision for every replica and tensor-parallel rank) turns
 them into per-position costs on every rank (`measured_cut.py`) and chooses the cut, in-line or
 a V, by zb-auto's predicted step time (`schedules/cut_choice.py`, the decision `zbcompile plan`
-makes on paper); the decision is broadcast (`layout.from_first_rank`). Where the chosen cut beats the one in use by more than
-`cut_choice.RECUT_THRESHOLD`, every rank compiles the model at the new cut, the parameters,
-gradients and buffers that change ranks move between them (`state_transfer.py`), and the new
-compile runs with a schedule solved on the predicted costs; otherwise the compile in use runs a
-schedule solved on its measured costs. Either way that schedule then races the handcrafted ones
-on real steps (`schedule_race.py`), and the cost tuner (`profile.py`) starts from the winner.
+makes on paper); the decision is broadcast (`layout.from_first_rank`). Where the chosen cut
+beats the one in use by more than `cut_choice.RECUT_THRESHOLD`, every rank compiles the model at
+the new cut, the parameters, gradients and buffers that change ranks move between them
+(`state_transfer.py`), and the new compile runs with a schedule solved on the predicted costs;
+otherwise the compile in use runs a schedule solved on its measured costs. Either way that
+schedule then races the handcrafted ones on real steps (`schedule_race.py`), and the cost tuner
+(`profile.py`) starts from the winner.
 
 Since this happens inside the first compile, `pipe.parameters()` (which a distributed pipeline
 answers only after it) already names the parameters of the final cut: an optimizer built on it
