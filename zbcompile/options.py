@@ -43,7 +43,7 @@ class PipelineOptions:
     solver_time_budget: float | None = None  # seconds zb-auto improves its heuristic
     profile: bool | None = None  # measure costs and re-solve (runtime/profile.py); None: where the schedule table says
     profile_steps: int = 2  # steps timed after the warm-up step before the first re-solve
-    race_rounds: int = 4  # zb-auto's first compile races its schedule on real steps (runtime/schedule_race.py); 0: not
+    race_rounds: int = 3  # zb-auto's first compile races its schedule on real steps (runtime/schedule_race.py); 0: not
     objective: str = "span"  # "span" (steps back to back) or "makespan" (a synchronisation ends every step)
     compiler: str | None = None  # "inductor" compiles each stage's graphs, "eager" runs them op by op; None: by device
     dump_dir: str | None = (

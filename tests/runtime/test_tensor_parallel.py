@@ -200,8 +200,8 @@ def test_one_rank_decides_for_every_replica_pipeline_rank_and_tensor_parallel_ra
 @launches.READS_EIGHT_RANKS
 def test_dp2_pp2_tp2_steps_equal_eager_over_the_whole_batch(eight):
     """The GPT with data_parallel="shard" (parameters as DTensors over ("dp", "tp")), the Llama
-    with "replicate" in successive default pipelines: every replica's parameters after 3 steps
-    equal eager's over the batch both replicas' halves make."""
+    with "replicate": every replica's parameters after 3 steps equal eager's over the batch both
+    replicas' halves make."""
     workers.check_equals_eager(eight, ("gpt", "llama"))
     gpt = {fqn: kind for r in eight for fqn, kind in r["gpt"]["zb-h1"]["dtensor"].items()}
     assert all(gpt.values()), gpt
