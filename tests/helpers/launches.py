@@ -37,6 +37,10 @@ READS_FOUR_RANKS = pytest.mark.xdist_group("four-ranks")
 READS_TWO_RANKS = pytest.mark.xdist_group("two-ranks")
 READS_TWO_RANK_MODELS = pytest.mark.xdist_group("two-rank-models")
 READS_EIGHT_RANKS = pytest.mark.xdist_group("eight-ranks")
+# how long a shared launch may run before its processes count as hung: each runs many pipelines in a
+# row (5 minutes quiet for the two-rank one), two of them at once under `pytest -n 2`, and a CI-like
+# load beside can slow them threefold; a hung wait inside fails sooner, on the pipelines' own timeouts
+LAUNCH_TIMEOUT_S = 1800
 
 
 def several(calls: Calls) -> dict[str, Any]:
@@ -102,7 +106,7 @@ def four_rank_calls(out: str) -> Calls:
 @once
 def four_ranks() -> list[dict]:
     """Every rank's results of `four_rank_calls`, launched once."""
-    return run_ranks(4, several, four_rank_calls(directory("four-ranks")))
+    return run_ranks(4, several, four_rank_calls(directory("four-ranks")), timeout=LAUNCH_TIMEOUT_S)
 
 
 def four_rank_results(label: str) -> list:
@@ -116,7 +120,7 @@ def four_rank_results(label: str) -> list:
 @once
 def eight_ranks() -> list[dict]:
     """Every rank's results of the eight-rank checks (dp=2 x pp=2 x tp=2), launched once."""
-    return run_ranks(8, several, [("tensor_parallel", tensor_parallel_workers.eight_ranks, ())])
+    return run_ranks(8, several, [("tensor_parallel", tensor_parallel_workers.eight_ranks, ())], timeout=LAUNCH_TIMEOUT_S)
 
 
 # --- two ranks -------------------------------------------------------------------------------
@@ -169,7 +173,7 @@ def two_rank_calls(out: str) -> Calls:
 @once
 def two_ranks() -> list[dict]:
     """Every rank's results of `two_rank_calls`, launched once."""
-    return run_ranks(2, several, two_rank_calls(directory("two-ranks")))
+    return run_ranks(2, several, two_rank_calls(directory("two-ranks")), timeout=LAUNCH_TIMEOUT_S)
 
 
 # what each of two ranks runs for tests/e2e, a launch of its own: the library models built on
@@ -186,7 +190,7 @@ TWO_RANK_MODEL_CALLS = [
 @once
 def two_rank_models() -> list[dict]:
     """Every rank's results of `TWO_RANK_MODEL_CALLS`, launched once."""
-    return run_ranks(2, several, TWO_RANK_MODEL_CALLS)
+    return run_ranks(2, several, TWO_RANK_MODEL_CALLS, timeout=LAUNCH_TIMEOUT_S)
 
 
 def two_rank_results(label: str) -> list:
