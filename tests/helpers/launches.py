@@ -120,7 +120,8 @@ def four_rank_results(label: str) -> list:
 @once
 def eight_ranks() -> list[dict]:
     """Every rank's results of the eight-rank checks (dp=2 x pp=2 x tp=2), launched once."""
-    return run_ranks(8, several, [("tensor_parallel", tensor_parallel_workers.eight_ranks, ())], timeout=LAUNCH_TIMEOUT_S)
+    calls = [("tensor_parallel", tensor_parallel_workers.eight_ranks, ())]
+    return run_ranks(8, several, calls, timeout=LAUNCH_TIMEOUT_S)
 
 
 # --- two ranks -------------------------------------------------------------------------------
