@@ -44,6 +44,7 @@ from zbcompile.schedules import DEFAULT_SCHEDULE, REFERENCE_SCHEDULE, Costs
 
 SCHEDULES = (REFERENCE_SCHEDULE, DEFAULT_SCHEDULE)  # the reference first
 MAX_RANKS = 8
+MAX_WARM_UP = 200  # steps a pipeline may take to run the schedule chosen with measured costs (all ranks alike)
 MICROBATCHES_PER_STAGE = 2  # zb-auto's simulated steady-state gain over 1F1B peaks at m = 2p (p = 2..8)
 VOCAB, SEQ_LEN, HEADS, ROWS = 256, 64, 4, 4  # bytes as tokens; ROWS sequences per microbatch
 WIDTHS = (64, 128, 256, 512, 1024)  # candidate hidden sizes, smallest first
@@ -360,15 +361,16 @@ class _Training:
 
     def warm_up(self) -> int:
         """Run steps until the schedule the rounds will time is running and has run once: two
-        steps, and where costs are measured (zb-auto by default), until the schedule solved
-        with them is switched in (or the solve gave up) and one more. Every rank takes the
-        tuner's decisions at the same step, so all run as many. Returns the steps run."""
+        steps, and where costs are measured (zb-auto by default), until a schedule chosen with
+        them runs (raced at compile, or a solve switched in) with no solve in flight, at most
+        `MAX_WARM_UP` steps, and one more. Every rank takes the tuner's decisions at the same
+        step, so all run as many. Returns the steps run."""
         self.step()
         self.step()
         steps = 2
         tuner = self.pipe.tuner
         if tuner is not None:
-            while tuner.resolves == 0 or tuner.solving:
+            while (tuner.measured is None or tuner.solving) and steps < MAX_WARM_UP:
                 self.step()
                 steps += 1
             self.step()
