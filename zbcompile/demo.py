@@ -360,11 +360,9 @@ class _Training:
         self.loop_s: list[float] = []  # per recorded step: the loop's time outside `pipe.step`
 
     def warm_up(self) -> int:
-        """Run steps until the schedule the rounds will time is running and has run once: two
-        steps, and where costs are measured (zb-auto by default), until a schedule chosen with
-        them runs (raced at compile, or a solve switched in) with no solve in flight, at most
-        `MAX_WARM_UP` steps, and one more. Every rank takes the tuner's decisions at the same
-        step, so all run as many. Returns the steps run."""
+        """Two steps, then, where costs are measured, until a schedule chosen with them runs with
+        no solve in flight (at most `MAX_WARM_UP`), and one more; all ranks alike. Returns the
+        steps run."""
         self.step()
         self.step()
         steps = 2
