@@ -233,7 +233,7 @@ class ZbPipeline:
             return
         steps = 0
         tuner = self.pipe.tuner
-        while (tuner.measured is None or tuner.solving) and steps < MAX_SWITCH_STEPS:
+        while not tuner.settled and steps < MAX_SWITCH_STEPS:
             self.step()
             self.optimize()
             steps += 1

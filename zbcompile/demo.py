@@ -368,7 +368,7 @@ class _Training:
         steps = 2
         tuner = self.pipe.tuner
         if tuner is not None:
-            while (tuner.measured is None or tuner.solving) and steps < MAX_WARM_UP:
+            while not tuner.settled and steps < MAX_WARM_UP:
                 self.step()
                 steps += 1
             self.step()

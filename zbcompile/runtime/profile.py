@@ -165,6 +165,12 @@ class CostTuner:
         """A solve has started and its outcome is not taken yet (the same on every rank)."""
         return self._solving is not None
 
+    @property
+    def settled(self) -> bool:
+        """A schedule chosen with measured costs runs (raced at compile or switched in) and no
+        solve is under way: what a benchmark's warm-up waits for."""
+        return self.measured is not None and self._solving is None
+
     def wait_for_solve(self, timeout: float) -> bool:
         """Wait up to `timeout` seconds for the solve under way on this rank (rank 0's child
         process) to finish, so that the next step switches whatever the solver's speed; True
