@@ -206,10 +206,15 @@ def compile_pipeline(
 
 
 def _recompute_alternatives(
-    partition: StagePartition, programs: tuple[StageProgram, ...], predicates: list, min_deferral_intensity: float
+    partition: StagePartition,
+    programs: tuple[StageProgram, ...],
+    predicates: list,
+    min_deferral_intensity: float,
+    only: Sequence[int] | None = None,
 ) -> tuple[tuple[StageProgram, ...], ...]:
     """Per stage, its program and one per level of `RECOMPUTE_LEVELS`, from the joint's
-    separation under that level's predicate (`predicates`: the distinct ones, in order)."""
+    separation under that level's predicate (`predicates`: the distinct ones, in order); with
+    `only`, the other stages get none (an empty tuple)."""
     return tuple(
         (
             program,
@@ -220,6 +225,8 @@ def _recompute_alternatives(
                 for level in RECOMPUTE_LEVELS
             ),
         )
+        if only is None or stage.index in only
+        else ()
         for stage, program in zip(partition.stages, programs)
     )
 
@@ -238,6 +245,9 @@ class CostedPipeline:
     phase_cpu_seconds: dict[str, float] = field(default_factory=dict)
     annotation: Any = None  # what `compile_costs`'s `annotate` returned
     programs: tuple[StageProgram, ...] = ()  # each stage's programs (a reused stage: its own names)
+    # per stage compiled for itself (`representative[s] == s`), its program at each recompute level
+    # (index 0: none, then `RECOMPUTE_LEVELS`); the stages reusing another's: empty
+    alternatives: tuple[tuple[StageProgram, ...], ...] = ()
 
 
 def compile_costs(
@@ -253,6 +263,8 @@ def compile_costs(
     reuse_blocks: bool = True,
     annotate: Callable[[TracedModel], Any] | None = None,
     cuts: Sequence[int] | None = None,
+    traced: TracedModel | None = None,
+    recompute_alternatives: bool = False,
 ) -> CostedPipeline:
     """What `compile_pipeline` computes of each stage's cost, for a model on the meta device as
     well (nothing is materialised), with the joint export, the I/W split and the cost of stages
@@ -261,7 +273,10 @@ def compile_costs(
     and in this process's CPU seconds (what a shared machine does not distort). `reuse_blocks`
     and `cuts`: see `compile_pipeline`. `annotate(traced)` runs between the trace and the
     partition (a plan's tensor-parallel shares, `passes/tensor_parallel_shares.py`); what it
-    returns is `CostedPipeline.annotation`."""
+    returns is `CostedPipeline.annotation`. `traced`: the model's trace made before (by
+    `trace_model` with these inputs; annotating it again for another plan is allowed), not traced
+    again. `recompute_alternatives`: every stage compiled for itself also at each level of
+    `RECOMPUTE_LEVELS` (`CostedPipeline.alternatives`)."""
     seconds: dict[str, float] = {}
     cpu_seconds: dict[str, float] = {}
 
@@ -271,21 +286,35 @@ def compile_costs(
         seconds[phase], cpu_seconds[phase] = time.perf_counter() - started, time.process_time() - cpu
         return result
 
-    with ti.quiet_torch_logs():
-        traced = timed(
-            "trace", lambda: trace_model(model, loss_fn, args, kwargs, target, device, record_stack_traces=False)
-        )
+    if traced is None:
+        with ti.quiet_torch_logs():
+            traced = timed(
+                "trace", lambda: trace_model(model, loss_fn, args, kwargs, target, device, record_stack_traces=False)
+            )
     annotation = annotate(traced) if annotate is not None else None
+    predicates = list(dict.fromkeys(level.recompute for level in RECOMPUTE_LEVELS)) if recompute_alternatives else []
     with ti.quiet_torch_logs(warnings_too=True):
         partition = timed("partition", lambda: partition_stages(traced, stages, split_points, cuts=cuts))
         programs, representative = timed(
             "joint+split+cost",
             lambda: _programs_with_reuse(
-                partition, traced.fake_mode, min_deferral_intensity, reuse_blocks=reuse_blocks
+                partition, traced.fake_mode, min_deferral_intensity, predicates, reuse_blocks=reuse_blocks
             ),
         )
+        alternatives = (
+            timed(
+                "recompute",
+                lambda: _recompute_alternatives(
+                    partition, programs, predicates, min_deferral_intensity, set(representative)
+                ),
+            )
+            if predicates
+            else ()
+        )
     costs = tuple(p.cost for p in programs)
-    return CostedPipeline(traced, partition, costs, representative, seconds, cpu_seconds, annotation, programs)
+    return CostedPipeline(
+        traced, partition, costs, representative, seconds, cpu_seconds, annotation, programs, alternatives
+    )
 
 
 def _programs_with_reuse(

@@ -10,7 +10,7 @@ limit, with each stage's largest action's transient memory (what the M_B/M_W mod
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from zbcompile.compiler import CostedPipeline
 from zbcompile.hardware import Hardware
@@ -26,6 +26,12 @@ PLAN_THRESHOLD = 0.01  # the predicted gain a cut must bring over the compiler's
 class _Pass:
     flops: float
     written_bytes: float
+
+
+def pass_timer(hardware: Hardware) -> Callable[[str, float, float], float]:
+    """`passes/cut_profile.RankTime` on `hardware`: seconds of a pass of one kind from its FLOPs
+    and bytes written."""
+    return lambda kind, flops, written: hardware.pass_seconds(_Pass(flops, written), kind)
 
 
 def binds(peaks: Sequence[float], limits: Sequence[float]) -> bool:
@@ -50,7 +56,7 @@ def cut_decision(
     timers: list[tuple[Hardware, Any]] = []  # ranks of one kind share one timing
     for hardware in rank_hardware:
         if not any(h == hardware for h, _ in timers):
-            timers.append((hardware, lambda kind, f, b, hw=hardware: hw.pass_seconds(_Pass(f, b), kind)))
+            timers.append((hardware, pass_timer(hardware)))
     rank_time = [next(t for h, t in timers if h == hardware) for hardware in rank_hardware]
     units = static_units(layout, costed.programs, rank_time, costed.representative)
     per_byte = state_bytes(1.0, options.dp, options.data_parallel, options.grad_factor, options.optimizer_factor)

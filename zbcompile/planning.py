@@ -21,13 +21,17 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from zbcompile._torch_internals import pytree
 from zbcompile.compiler import CostedPipeline, compile_costs
 from zbcompile.hardware import Hardware, resolve_rank_hardware
 from zbcompile.inspect.plan_report import plan_text
 from zbcompile.inspect.text import DATA_PARALLEL_MODES, si, stage_rows_of, state_bytes
+from zbcompile.layout_search import MENU, Layout, Outcome, SearchSettings, menu, worth_recomputing
 from zbcompile.passes.stage_cost import peak_memory_with_transients
-from zbcompile.passes.tensor_parallel_shares import annotate_shares
+from zbcompile.passes.tensor_parallel_shares import annotate_shares, model_plan
 from zbcompile.plan_cut import binds, cut_decision, decision_record, one_f_one_b_peaks
+from zbcompile.plan_search import LayoutPlan, plan_layouts
+from zbcompile.plan_units import LEVEL_NAMES, compiled_units
 from zbcompile.runtime.batch import split
 from zbcompile.schedules import Costs, Schedule, ScheduleError, make_schedule, simulate
 from zbcompile.schedules.costs import resolve_costs
@@ -93,8 +97,8 @@ class Plan:
 def plan(
     model: nn.Module,
     *inputs: Any,
-    stages: int,
-    microbatches: int,
+    stages: int | None = None,
+    microbatches: int | None = None,
     target: Any = None,
     hardware: Hardware | str | Sequence[Hardware | str] = "H100-80GB",
     dp: int = 1,
@@ -109,8 +113,10 @@ def plan(
     tp: int = 1,
     tensor_parallel: Mapping[str, Any] | None = None,
     sequence_parallel: bool = False,
+    gpus: int | None = None,
+    gpus_per_node: int = 8,
     **kwargs: Any,
-) -> Plan:
+) -> "Plan | LayoutPlan":
     """Plan `stages` pipeline stages over `microbatches` microbatches of the batch `inputs`,
     `kwargs`, `target` (one data-parallel replica's, as `step()` takes it; meta tensors welcome)
     on `hardware` (a `Hardware`, a name from `hardware.NAMED` or a JSON file; or a list of them,
@@ -126,22 +132,37 @@ def plan(
     ({module-FQN pattern: ColwiseParallel() / RowwiseParallel() or "colwise" / "rowwise"}; default:
     a transformers model's own plan), with `sequence_parallel` the rest of the activations too
     (`passes/tensor_parallel_shares.py`: each rank's FLOPs, bytes and state, and the collectives'
-    time on the hardware's `intra_node_bandwidth`)."""
+    time on the hardware's `intra_node_bandwidth`). Where no schedule of the menu fits, the
+    record also names the nearest layouts of as many GPUs that do (`plan_search.py`).
+
+    With `gpus` (no `stages`, `microbatches`, `dp`, `tp`), the batch is the global batch and the
+    answer the fastest layouts of `gpus` GPUs that fit (`plan_search.plan_layouts`)."""
+    search_options = dict(
+        hardware=hardware, memory_limit=memory_limit, loss_fn=loss_fn, optimizer_factor=optimizer_factor,
+        grad_factor=grad_factor, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
+    )
+    if gpus is not None:
+        if stages is not None or microbatches is not None or dp != 1 or tp != 1:
+            raise ValueError("plan(gpus=...) searches the layout: give no stages, microbatches, dp or tp with it")
+        return plan_layouts(model, inputs, kwargs, target, gpus=gpus, gpus_per_node=gpus_per_node, **search_options)
+    if stages is None or microbatches is None:
+        raise ValueError("plan() needs stages= and microbatches= (a given layout), or gpus= (a layout searched)")
     micro_inputs, micro_targets, _ = split(inputs, kwargs, target, microbatches)
     (args, call_kwargs), micro_target = micro_inputs[0], micro_targets[0]
     _check_options(dp, data_parallel, tp)
     rank_hardware = resolve_rank_hardware(hardware, stages)
     annotate = None
     if tp > 1:
-        parallel_plan = _tensor_parallel_plan(model, tensor_parallel)
+        parallel_plan = model_plan(model, tensor_parallel)
         annotate = lambda traced: annotate_shares(traced, parallel_plan, tp, sequence_parallel)  # noqa: E731
 
-    def compiled(cuts: Sequence[int] | None = None) -> CostedPipeline:
+    def compiled(cuts: Sequence[int] | None = None, traced: Any = None) -> CostedPipeline:
         # traced as on a CPU (fake tensors, nothing allocated): its attention kernel saves what a GPU's
-        # flash attention saves (no sequence x sequence scores); the meta device's would keep them
+        # flash attention saves (no sequence x sequence scores); the meta device's would keep them.
+        # Given the trace: compiled again at every recompute level too, for the menu
         return compile_costs(
             model, loss_fn, args, call_kwargs, micro_target, stages, split_points, device=torch.device("cpu"),
-            annotate=annotate, cuts=cuts,
+            annotate=annotate, cuts=cuts, traced=traced, recompute_alternatives=traced is not None,
         )
 
     options = PlanOptions(
@@ -149,7 +170,31 @@ def plan(
         tp,
     )
     planned = plan_compiled(compiled(), rank_hardware, options, _shapes(args, call_kwargs))
-    return planned if split_points is not None else _cut_by_time(planned, compiled)
+    planned = planned if split_points is not None else _cut_by_time(planned, compiled)
+    return _priced_menu(planned, compiled, model, (inputs, kwargs, target), search_options)
+
+
+def _priced_menu(planned: Plan, compiled: Callable, model: nn.Module, batch: tuple, search_options: dict) -> Plan:
+    """`planned` with its menu priced at every recompute level where some level is worth it
+    (`compiled(cuts, traced)` compiles them), and the nearest layouts that fit where nothing on
+    the menu does."""
+    if planned.record.get("menu_binds"):
+        again = compiled(planned.costed.partition.cuts, planned.costed.traced)
+        planned.record.update(_menu(again, planned.hardware, planned.options, min(planned.limits)))
+    if "menu" in planned.record and planned.record["menu_choice"] is None:
+        planned.record["nearest"] = _nearest(model, batch, len(planned.state), planned.options, search_options)
+    return planned
+
+
+def _nearest(model: nn.Module, batch: tuple, stages: int, o: PlanOptions, search_options: dict) -> list[dict[str, Any]]:
+    """The layouts of as many GPUs nearest to `stages` x `o`'s that fit (`plan_search`), for one
+    replica's `batch` (inputs, kwargs, target) repeated over `o.dp` replicas."""
+    whole = pytree.tree_map(lambda x: torch.cat([x] * o.dp) if isinstance(x, torch.Tensor) else x, batch)
+    samples = next(x.shape[0] for x in pytree.tree_leaves(batch) if isinstance(x, torch.Tensor))
+    near = Layout(stages, o.tp, o.dp, o.data_parallel, samples // o.microbatches, o.microbatches)
+    found = plan_layouts(model, *whole, gpus=stages * o.tp * o.dp, gpus_per_node=max(8, o.tp), near=near,
+                         **search_options)
+    return found.record["nearest"]
 
 
 def _cut_by_time(planned: Plan, compiled: Callable[[Sequence[int]], CostedPipeline]) -> Plan:
@@ -200,23 +245,6 @@ def _check_options(dp: int, data_parallel: str, tp: int = 1) -> None:
     for name, value in (("dp", dp), ("tp", tp)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"plan(): {name} must be a positive int, got {value!r}")
-
-
-def _tensor_parallel_plan(model: nn.Module, given: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The plan `tp` ranks split: `given`, or a transformers model's own (its config's
-    `base_model_tp_plan` under the base model's prefix, and the head's)."""
-    if given is not None:
-        return dict(given)
-    config_plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
-    prefix = getattr(model, "base_model_prefix", "")
-    own = {f"{prefix}.{k}" if prefix and hasattr(model, prefix) else k: v for k, v in config_plan.items()}
-    own.update(getattr(type(model), "_tp_plan", None) or {})
-    if not own:
-        raise ValueError(
-            f"plan(tp=...): {type(model).__name__} has no tensor-parallel plan of its own; pass "
-            "tensor_parallel={'<module pattern>': ColwiseParallel() or 'colwise', ...}"
-        )
-    return own
 
 
 def plan_compiled(
@@ -288,8 +316,49 @@ def plan_compiled(
         "schedules": [e for e, _ in entries],
         "zb_auto": _zb_auto_choice([e for e, _ in entries], limits),
     }
+    if alike:
+        record.update(_menu(costed, ranks[0], o, min(limits)))
     schedules = {e["name"]: s for e, s in entries if s is not None}
     return Plan(costed, ranks[0], costs, unit, state, schedules, record, o, microbatch, ranks, limits)
+
+
+def _menu(costed: CostedPipeline, hardware: Hardware, o: PlanOptions, limit: float) -> dict[str, Any]:
+    """The record's "menu" (`layout_search.MENU`, each schedule without recomputation and, where
+    `costed` has its recompute alternatives, with the fastest level that fits), "menu_choice", the
+    fastest that fits (None: nothing does), and "menu_binds": whether, without them, some
+    recompute level would be priced (`layout_search.worth_recomputing`)."""
+    stages = len(costed.costs)
+    given = Layout(stages, o.tp, o.dp, o.data_parallel, 1, o.microbatches)
+    settings = SearchSettings(
+        gpus=stages * o.tp * o.dp, global_batch=o.microbatches * o.dp, memory_limit=limit,
+        link_bandwidth=hardware.link_bandwidth, gpus_per_node=max(8, o.tp), optimizer_factor=o.optimizer_factor,
+        grad_factor=o.grad_factor, allreduce_seconds_per_byte=lambda dp: hardware.allreduce_seconds(1.0, dp),
+        time_budget=o.time_budget,
+    )
+    units = compiled_units(costed, hardware, o.tp, 1)
+    priced = menu(units, settings, given)
+    entries = []
+    for name, placement in MENU:
+        own = [p for p in priced if (p.option.schedule, p.option.placement) == (name, placement)]
+        plain = [p for p in own if p.option.level == 0]
+        recomputed = sorted((p for p in own if p.option.level), key=lambda p: (not p.fits, p.step if p.fits else
+                                                                                   max(p.peaks or (math.inf,))))
+        if recomputed and plain and recomputed[0].error and plain[0].error:
+            recomputed = []  # no level helps: one line says why
+        entries += [_menu_entry(p) for p in plain[:1] + recomputed[:1]]
+    fitting = [e for e in entries if e["fits"]]
+    binds = not costed.alternatives and worth_recomputing(units, settings, given)
+    return {
+        "menu": entries, "menu_choice": min(fitting, key=lambda e: e["step"]) if fitting else None, "menu_binds": binds,
+    }
+
+
+def _menu_entry(outcome: Outcome) -> dict[str, Any]:
+    return {
+        "schedule": outcome.option.name, "recompute": LEVEL_NAMES[outcome.option.level], "step": outcome.step,
+        "peak_bytes": max(outcome.peaks) if outcome.peaks else None, "peaks": list(outcome.peaks),
+        "fits": outcome.fits, "error": outcome.error or None,
+    }
 
 
 def _collective_seconds(

@@ -2,10 +2,12 @@
 
     zbcompile plan config.json --stages 8 --microbatches 32 --dp 8 --seq-len 4096 --hardware H100-80GB
     zbcompile plan mypkg.models:build --stages 4 --microbatches 16 --svg zb-auto.svg --json plan.json
+    zbcompile plan config.json --gpus 64 --global-batch 256 --seq-len 4096     # search the layout
 
 MODEL is a transformers `config.json` (or a directory holding one; the causal LM it describes is
 built on the meta device from the config alone: nothing is downloaded, no weight allocated; the
-batch is `--batch` sequences of `--seq-len` token ids, which are also the labels), or
+batch is `--batch` sequences of `--seq-len` token ids, which are also the labels; with `--gpus`,
+`--global-batch` sequences over every replica), or
 `module:function`, a factory called under `torch.device("meta")` that returns either a model
 taking token ids and `labels=` as a causal LM does (the same batch), or a dict with "model" and
 the batch: "inputs" (a tuple), "kwargs", "target", "loss_fn" (all optional).
@@ -32,8 +34,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("model", help="a transformers config.json (or its directory), or module:function")
-    parser.add_argument("--stages", type=int, required=True, help="pipeline stages (one per rank)")
-    parser.add_argument("--microbatches", type=int, required=True)
+    parser.add_argument("--stages", type=int, default=None, help="pipeline stages (one per rank)")
+    parser.add_argument("--microbatches", type=int, default=None)
+    parser.add_argument(
+        "--gpus", type=int, default=None,
+        help="search the layout (pp x tp x dp x microbatch size x schedule x recomputation) of this many GPUs",
+    )
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="with --gpus: GPUs of a node (tp stays inside)")
+    parser.add_argument("--global-batch", type=int, default=None, help="with --gpus: sequences per step, all replicas")
     parser.add_argument(
         "--batch", type=int, default=None, help="sequences per replica per step (default: one per microbatch)"
     )
@@ -60,7 +68,14 @@ def run(args: argparse.Namespace) -> int:
     from zbcompile.planning import PLANNED_SCHEDULES, plan
 
     try:
+        _check_layout_arguments(args)
         model, inputs, kwargs, target, loss_fn = build(args)
+        if args.gpus is not None:
+            return _searched(args, plan(
+                model, *inputs, target=target, hardware=args.hardware, memory_limit=args.memory_limit,
+                loss_fn=loss_fn, gpus=args.gpus, gpus_per_node=args.gpus_per_node,
+                sequence_parallel=args.sequence_parallel, **kwargs,
+            ))
         schedules = tuple(args.schedules.split(",")) if args.schedules else PLANNED_SCHEDULES
         result = plan(
             model, *inputs, stages=args.stages, microbatches=args.microbatches, target=target,
@@ -86,11 +101,33 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_layout_arguments(args: argparse.Namespace) -> None:
+    if args.gpus is None:
+        if args.stages is None or args.microbatches is None:
+            raise ValueError("give --stages and --microbatches (a layout), or --gpus and --global-batch (a search)")
+        return
+    if args.global_batch is None:
+        raise ValueError("--gpus searches the layout for a global batch: give --global-batch (sequences per step)")
+    given = [f"--{n.replace('_', '-')}" for n in ("stages", "microbatches", "batch") if getattr(args, n) is not None]
+    given += [f"--{n}" for n in ("dp", "tp") if getattr(args, n) != 1]
+    if given:
+        raise ValueError(f"--gpus searches the layout; drop {', '.join(given)}")
+
+
+def _searched(args: argparse.Namespace, found: Any) -> int:
+    print(found)
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(found.record, file, indent=1, default=str)
+        print(f"record: {args.json}")
+    return 0 if found.best is not None else 1
+
+
 def build(args: argparse.Namespace) -> tuple[Any, tuple, dict, Any, Any]:
     """(model, inputs, kwargs, target, loss_fn) on the meta device, from MODEL."""
     import torch
 
-    batch = args.batch or args.microbatches
+    batch = args.global_batch if args.gpus is not None else args.batch or args.microbatches
     tokens = torch.zeros(batch, args.seq_len, dtype=torch.long, device="meta")
     language_model_batch = ((tokens,), {"labels": tokens}, None, None)
     if args.model.endswith(".json") or os.path.isdir(args.model):

@@ -20,7 +20,7 @@ import zbcompile
 from helpers import launches
 from helpers.models import build
 from zbcompile import cli
-from zbcompile.inspect.html import write_compared_png, write_report
+from zbcompile.inspect.html import compared_panels, write_compared_png, write_report
 from zbcompile.inspect.read import GRAPH_FILES, SCHEDULE_FILE, Dump, load, stage_dir
 from zbcompile.inspect.split_diff import split_diff
 from zbcompile.inspect.text import summary_text
@@ -436,6 +436,10 @@ def test_report_compares_measured_steps_with_the_bubble_shaded(distributed_dump,
     html = open(write_report(root, str(tmp_path / "compared.html"), compared=[root])).read()
     computed = sorted(a for result in per_rank for a in result["actions"] if Action.parse(a).is_compute)
     rect = re.compile(r'<rect class="action (\w+)" data-action="(\w*)" x="([\d.]+)" y="([\d.]+)" width="([\d.]+)"')
+    asked_other = load(root)
+    asked_other.record["options"]["schedule"] = "zb-auto"  # as where zb-auto's race chose zb-h1's order
+    (title, _), = compared_panels([asked_other])
+    assert re.match(r"zb-auto, step \d+ \(the median of \d+ steady steps\): ran zb-h1 \(chosen by timing\)", title)
     for svg in _svgs(html)[:2]:  # the compared run above, this run below
         assert re.search(r"zb-h1, step \d+ \(the median of \d+ steady steps\).*idle \d+% of the ranks' spans", svg)
         rects = [(kind, action, float(x), float(y), float(w)) for kind, action, x, y, w in rect.findall(svg)]

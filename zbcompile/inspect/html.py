@@ -85,8 +85,10 @@ def compared_panels(dumps: Sequence[Dump]) -> list[tuple[str, list[Box]]]:
             for r in {b.rank for b in compute}
         ]
         share = sum(b.end - b.start for b in idle) / max(sum(spans), 1e-12)
+        asked = run.record.get("options", {}).get("schedule", version["name"])
+        ran = "" if asked == version["name"] else f"ran {version['name']} (chosen by timing), "
         title = (
-            f"{version['name']}, step {step} (the median of {len(found['steps'])} steady steps): longest rank span "
+            f"{asked}, step {step} (the median of {len(found['steps'])} steady steps): {ran}longest rank span "
             f"{max(spans):.1f} ms, idle {share:.0%} of the ranks' spans (shaded)"
         )
         panels.append((title, [*idle, *compute]))

@@ -24,7 +24,10 @@ from zbcompile.inspect.text import (
     state_bytes,
 )
 
-__all__ = ["DATA_PARALLEL_MODES", "cut_line", "format_schedules", "plan_text", "state_bytes", "zb_auto_line"]
+__all__ = [
+    "DATA_PARALLEL_MODES", "cut_line", "format_schedules", "menu_text", "plan_text", "search_text", "state_bytes",
+    "zb_auto_line",
+]
 
 def format_schedules(record: dict[str, Any]) -> str:
     """One line per schedule: peak memory per rank (state + activations, the largest rank's
@@ -129,6 +132,11 @@ def plan_text(record: dict[str, Any]) -> str:
         "",
         format_schedules(record),
     ]
+    if record.get("menu"):
+        lines += ["", menu_text(record)]
+    if record.get("nearest") is not None:
+        lines += ["nearest layouts of as many GPUs that fit:",
+                  layout_rows(record["nearest"]) if record["nearest"] else "  none"]
     return "\n".join(lines)
 
 
@@ -148,3 +156,70 @@ def tensor_parallel_lines(record: dict[str, Any]) -> list[str]:
         f"rank's; its collectives per microbatch on {si(bandwidth, 'B/s')} (counted in F and I, none in W): "
         + per_stage
     ]
+
+
+def menu_text(record: dict[str, Any]) -> str:
+    """Every schedule of the menu with no recomputation and with the fastest level that fits (or,
+    where none does, the one whose peak is least): its peak against the limit, whether it fits,
+    its steady step and its throughput against 1F1B's; then the fastest that fits."""
+    menu = record["menu"]
+    one_f_one_b = next((e for e in menu if e["schedule"] == "1f1b" and e["recompute"] == "none"), None)
+    reference = one_f_one_b["step"] if one_f_one_b and one_f_one_b.get("step") else None
+    rows = []
+    for e in menu:
+        if e.get("error"):
+            rows.append((e["schedule"], e["recompute"], "-", "-", "-", "-", e["error"][:70]))
+            continue
+        ratio = f"{reference / e['step']:.3f}x" if reference else "-"
+        rows.append((e["schedule"], e["recompute"], si(e["peak_bytes"], "B"), "yes" if e["fits"] else "no",
+                     seconds_text(e["step"]), ratio, ""))
+    header = ("schedule", "recompute", "peak (max rank)", "fits", "steady step", "vs 1F1B", "")
+    lines = [
+        f"the menu (each schedule without recomputation and with the fastest level that fits; "
+        f"against {si(record['memory_limit_bytes'], 'B')} per rank):",
+        format_table(header, rows),
+    ]
+    chosen = record.get("menu_choice")
+    if chosen is None:
+        lines.append("nothing on the menu fits")
+    else:
+        fits = one_f_one_b is not None and one_f_one_b["fits"]
+        lines.append(
+            f"fastest that fits: {chosen['schedule']}, recompute {chosen['recompute']}: steady step "
+            f"{seconds_text(chosen['step'])}"
+            + (f", {reference / chosen['step']:.3f}x 1F1B's throughput" if reference else "")
+            + ("" if fits else " (1F1B itself does not fit: the ratio is against a run that cannot happen)")
+        )
+    return "\n".join(lines)
+
+
+def layout_rows(layouts: list[dict[str, Any]]) -> str:
+    header = ("pp", "tp", "dp", "data-parallel", "microbatches", "schedule", "recompute", "step", "tokens/s", "MFU",
+              "peak/GPU")
+    rows = [
+        (str(o["pp"]), str(o["tp"]), str(o["dp"]), o["data_parallel"],
+         f"{o['microbatches']} x {o['microbatch_size']}", o["schedule"], o["recompute"], seconds_text(o["step"]),
+         si(o["tokens_per_s"]), f"{o['mfu']:.1%}", si(o["peak_bytes"], "B"))
+        for o in layouts
+    ]
+    return format_table(header, rows)
+
+
+def search_text(record: dict[str, Any]) -> str:
+    """The layout search's answer: the best layouts, how the search went, what it dropped and why."""
+    lines = [
+        f"layouts of {record['gpus']} x {record['hardware']} ({record['gpus_per_node']} per node) for a global batch "
+        f"of {record['global_batch']} samples ({record['tokens_per_sample']} tokens each), "
+        f"{si(record['memory_limit_bytes'], 'B')} per GPU; fastest first:",
+        layout_rows(record["layouts"]) if record["layouts"] else "  none fits",
+        f"searched in {record['seconds']:.1f} s: {record['options']} schedule options, {record['priced']} priced, "
+        f"{record['pruned']} spared (their bound passes the best layouts' steps)",
+        "dropped:",
+        *(f"  {d['count']}: {d['why']} (e.g. {'; '.join(d['examples'])})" for d in record["dropped"]),
+        "step = steady step (steps back to back); MFU counts the model's FLOPs (no recomputation) at the peak "
+        "FLOP/s; pipeline messages over the inter-node link, tp's collectives over the node's",
+    ]
+    if record.get("nearest") is not None:
+        lines += [f"nearest layouts to {record['near']} that fit:",
+                  layout_rows(record["nearest"]) if record["nearest"] else "  none"]
+    return "\n".join(lines)

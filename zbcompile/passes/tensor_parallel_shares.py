@@ -198,3 +198,40 @@ def _collectives(calls: dict[str, dict[str, Any]], shares: TensorParallelShares,
             shares.forward_collectives.setdefault(first, []).append((scattered, output_bytes))
             if shares.sequence_parallel:
                 shares.input_collectives.setdefault(first, []).append(("all_gather", output_bytes))
+
+
+def split_mismatch(model: Any, plan: Mapping[str, Any], tp: int) -> str:
+    """Why `tp` ranks cannot split `model` under `plan` ("" where they can): its config's heads
+    or a planned module's weight whose split dimension (column-wise: the first, row-wise: the
+    last) `tp` does not divide."""
+    config = getattr(model, "config", None)
+    for attribute in ("num_attention_heads", "num_key_value_heads"):
+        value = getattr(config, attribute, None)
+        if isinstance(value, int) and value % tp:
+            return f"the config's {attribute}={value} is not a multiple of tp={tp}"
+    for fqn, module in model.named_modules():
+        style = next((s for p, s in plan.items() if style_kind(s) and _matches(p, fqn)), None)
+        weight = getattr(module, "weight", None)
+        if style is None or weight is None or weight.dim() == 0:
+            continue
+        dim = 0 if style_kind(style) == COLWISE else weight.dim() - 1
+        if weight.shape[dim] % tp:
+            return f"{fqn}.weight's dimension {dim} ({weight.shape[dim]}) is not a multiple of tp={tp}"
+    return ""
+
+
+def model_plan(model: Any, given: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The plan `tp` ranks split: `given`, or a transformers model's own (its config's
+    `base_model_tp_plan` under the base model's prefix, and the head's)."""
+    if given is not None:
+        return dict(given)
+    config_plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
+    prefix = getattr(model, "base_model_prefix", "")
+    own = {f"{prefix}.{k}" if prefix and hasattr(model, prefix) else k: v for k, v in config_plan.items()}
+    own.update(getattr(type(model), "_tp_plan", None) or {})
+    if not own:
+        raise ValueError(
+            f"plan(tp=...): {type(model).__name__} has no tensor-parallel plan of its own; pass "
+            "tensor_parallel={'<module pattern>': ColwiseParallel() or 'colwise', ...}"
+        )
+    return own

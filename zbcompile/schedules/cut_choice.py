@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from .costs import Costs, resolve_costs
 from .cut_search import PLACEMENT_NAMES, Cut, bottleneck_cut, neighbours
 from .cut_units import CutUnits, Segments, segments_of
+from .ir import Schedule
 from .registry import make_schedule
 
 RECUT_THRESHOLD = 0.03  # the predicted gain a new cut must bring over the one in use
@@ -135,27 +136,40 @@ def predict(
         if min(limits) <= 0:
             rank = limits.index(min(limits))
             return CutPrediction(cut, math.inf, costs, tuple(state), error=f"rank {rank}'s state passes its limit")
-    arguments = dict(
-        memory_limit=limits, objective=settings.objective, time_budget=budget, deterministic=True, check=False
-    )
     try:
-        if cut.placement == "v":
-            chunks = resolve_costs(scaled, cut.stages)
-            schedule = make_schedule(
-                "zb-auto", cut.ranks(), settings.microbatches, chunks.merged(2), chunk_costs=chunks,
-                placements=("v",), **arguments,
-            )
-        else:
-            schedule = make_schedule(
-                "zb-auto", cut.stages, settings.microbatches, scaled, placements=("in-line",), **arguments
-            )
+        schedule = cut_schedule("zb-auto", cut, scaled, settings.microbatches, limits, settings.objective, budget)
     except ValueError as error:
         return CutPrediction(cut, math.inf, costs, tuple(state), error=str(error).splitlines()[0])
     label = schedule.info.get("v_source", schedule.name)
     return CutPrediction(cut, float(schedule.info["value"]), costs, tuple(state), label)
 
 
-def _memory_rule(units: CutUnits, settings: CutSettings, segments: Segments, ranks: int, mult: int | None, v: bool):
+def cut_schedule(
+    name: str,
+    cut: Cut,
+    costs: Costs,
+    microbatches: int,
+    memory_limit: list[float] | None,
+    objective: str = "span",
+    time_budget: float = 0.0,
+) -> Schedule:
+    """Schedule `name` over `cut`'s stages (a V's chunks: "zbv", "v-half", "v-min", or zb-auto
+    placed as `cut` is) with their `costs` (memory in `memory_limit`'s unit; the limit binds the
+    solved schedules), deterministic and unchecked. ValueError where it cannot be made."""
+    arguments = dict(
+        memory_limit=memory_limit, objective=objective, time_budget=time_budget, deterministic=True, check=False
+    )
+    if name != "zb-auto":
+        return make_schedule(name, cut.stages, microbatches, costs, **arguments)
+    if cut.placement == "v":
+        chunks = resolve_costs(costs, cut.stages)
+        return make_schedule(
+            "zb-auto", cut.ranks(), microbatches, chunks.merged(2), chunk_costs=chunks, placements=("v",), **arguments
+        )
+    return make_schedule("zb-auto", cut.stages, microbatches, costs, placements=("in-line",), **arguments)
+
+
+def memory_rule(units: CutUnits, settings: CutSettings, segments: Segments, ranks: int, mult: int | None, v: bool):
     """A `cut_search.MemoryRule` for `mult` microbatches in flight (capped by 1F1B's count per
     stage); every stage fits where no limit is given or `mult` is None."""
     if settings.limits is None or mult is None:
@@ -186,7 +200,7 @@ def candidate_cuts(units: CutUnits, current: Cut, settings: CutSettings, segment
         if placement == "v" and units.positions < 2 * ranks:
             continue
         for mult in mults:
-            rule = _memory_rule(units, settings, segments, ranks, mult, placement == "v")
+            rule = memory_rule(units, settings, segments, ranks, mult, placement == "v")
             for backward in (False, True):
                 positions = bottleneck_cut(segments, ranks, placement, rule, backward)
                 if positions is not None:

@@ -1,0 +1,433 @@
+"""The planner's layout search: of every way to lay a model over N GPUs (pipeline stages pp, tensor-
+parallel ranks tp inside a node, data-parallel replicas dp keeping their state "replicate" or
+"shard", samples per microbatch), with every schedule of the menu and every recompute level, the
+fastest predicted step that fits each rank's memory.
+
+A layout's option (schedule, placement, recompute level) is priced on the model's per-position
+costs (`plan_units.ModelUnits`, compiled once for all layouts): its stages cut where the slowest
+stage is least (`cut_search.bottleneck_cut`), and, where it differs, where each stage also holds
+its state and 1F1B's microbatches in flight; each stage's costs, each rank's state (parameters,
+gradients, optimizer state by data-parallel mode) and the schedule made and simulated on them
+(zb-auto and ZBV solved under each rank's memory left after its state, zb-auto's heuristic).
+Branch and bound: options are priced in the order of a bound no schedule can beat (the busiest
+rank's summed action time per step) and the search stops where that bound reaches the `keep`-th
+best layout found; `exhaustive=True` prices everything (the same answer, for tests).
+
+Assumptions, stated where the report prints: pipeline neighbours talk over the inter-node link;
+tp's collectives over the node's; a pipeline has at least two stages and no fewer microbatches
+than stages. Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol, Sequence
+
+from zbcompile.inspect.text import DATA_PARALLEL_MODES, si, state_bytes
+from zbcompile.schedules.costs import resolve_costs
+from zbcompile.schedules.cut_choice import CutSettings, cut_schedule, memory_rule, stage_costs
+from zbcompile.schedules.cut_search import Cut, bottleneck_cut
+from zbcompile.schedules.cut_units import CutUnits, Segments, candidate_positions
+from zbcompile.schedules.simulate import simulate
+
+# (schedule, placement): every schedule the runtime runs that trades memory for bubble
+MENU: tuple[tuple[str, str], ...] = (
+    ("1f1b", "in-line"), ("zb-h1", "in-line"), ("zb-h2", "in-line"), ("zb-auto", "in-line"),
+    ("zb-auto", "v"), ("zbv", "v"), ("v-half", "v"), ("v-min", "v"),
+)
+SOLVED = ("zb-auto", "zbv")  # made under each rank's memory left after its state
+
+
+class Units(Protocol):
+    """What the search reads of a model (`plan_units.ModelUnits`)."""
+
+    tps: tuple[int, ...]
+    flops_per_sample: float
+    tokens_per_sample: int
+
+    def units(self, tp: int, microbatch_size: int) -> tuple[CutUnits, ...]: ...
+
+
+@dataclass(frozen=True, order=True)
+class Layout:
+    """`pp` stages x `tp` ranks each x `dp` replicas keeping their state as `data_parallel` says,
+    `microbatches` of `microbatch_size` samples per replica per step."""
+
+    pp: int
+    tp: int
+    dp: int
+    data_parallel: str
+    microbatch_size: int
+    microbatches: int
+
+    def __str__(self) -> str:
+        return (
+            f"pp={self.pp} tp={self.tp} dp={self.dp} ({self.data_parallel}), "
+            f"{self.microbatches} microbatches of {self.microbatch_size}"
+        )
+
+
+@dataclass(frozen=True, order=True)
+class Option:
+    """A schedule of the menu, its placement ("in-line" or "v") and its recompute `level` (0:
+    none); `cut`: "time" (the slowest stage least) or "memory" (each stage's state and 1F1B's
+    microbatches within its rank's memory too)."""
+
+    schedule: str
+    placement: str
+    level: int = 0
+    cut: str = "time"
+
+    @property
+    def name(self) -> str:
+        return f"{self.schedule} (V)" if self.schedule == "zb-auto" and self.placement == "v" else self.schedule
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """An option priced: its steady step (`step`: the span, steps back to back), the bound it was
+    ordered by (`busy`), each rank's peak bytes (state + activations), whether all fit, and why
+    not (`error`) where it could not be made."""
+
+    layout: Layout
+    option: Option
+    step: float
+    busy: float
+    peaks: tuple[float, ...] = ()
+    fits: bool = False
+    error: str = ""
+
+    def key(self) -> tuple:
+        return (self.step, self.layout, self.option)
+
+
+@dataclass(frozen=True)
+class SearchSettings:
+    """The question: `gpus` GPUs, `gpus_per_node` to a node, `global_batch` samples per step,
+    `memory_limit` bytes per GPU, `optimizer_factor` / `grad_factor` bytes of optimizer state and
+    gradients per parameter byte, the `data_parallel` modes and `microbatch_sizes` to try (default:
+    powers of two up to 8), the `menu`, the recompute `levels` (default: all the units have), how
+    many layouts to `keep`, and zb-auto's `time_budget` per option."""
+
+    gpus: int
+    global_batch: int
+    memory_limit: float
+    link_bandwidth: float
+    gpus_per_node: int = 8
+    optimizer_factor: float = 2.0
+    grad_factor: float = 1.0
+    data_parallel: tuple[str, ...] = DATA_PARALLEL_MODES
+    microbatch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    menu: tuple[tuple[str, str], ...] = MENU
+    levels: tuple[int, ...] | None = None
+    keep: int = 5
+    allreduce_seconds_per_byte: Any = None  # (dp) -> seconds per byte of a ring all-reduce over dp ranks
+    time_budget: float = 0.0  # zb-auto's solver seconds per option (0: its heuristic)
+
+    def __post_init__(self) -> None:
+        for name in ("gpus", "global_batch", "gpus_per_node", "keep"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"layout search: {name} must be a positive int, got {value!r}")
+        unknown = set(self.data_parallel) - set(DATA_PARALLEL_MODES)
+        if unknown:
+            raise ValueError(f"layout search: data_parallel modes are {DATA_PARALLEL_MODES}, got {sorted(unknown)}")
+
+
+@dataclass
+class SearchResult:
+    """The best layouts (`ranked`: each layout's fastest fitting option, fastest first), every
+    option priced (`priced`), the layouts dropped before pricing and why (`dropped`: (layout or
+    description, reason)), how many options the bound spared (`pruned`), and the time taken."""
+
+    settings: SearchSettings
+    ranked: list[Outcome]
+    priced: list[Outcome]
+    dropped: list[tuple[str, str]]
+    pruned: int
+    options: int
+    seconds: float = 0.0
+    flops_per_sample: float = 0.0
+    tokens_per_sample: int = 1
+    peak_flops: float = 0.0
+
+    @property
+    def best(self) -> Outcome | None:
+        return self.ranked[0] if self.ranked else None
+
+
+class _OneKind(Segments):
+    """Segments of units whose ranks are all of one kind: every rank reads the first's times."""
+
+    def time(self, rank: int, start: int, end: int, kind: int | None = None) -> float:
+        return super().time(0, start, end, kind)
+
+
+@dataclass
+class _Pricer:
+    """Prices options of layouts on one model's units, caching segments and cuts."""
+
+    model: Units
+    settings: SearchSettings
+    _segments: dict = field(default_factory=dict)
+    _cuts: dict = field(default_factory=dict)
+    _plain: dict = field(default_factory=dict)  # (layout, option at level 0) -> its outcome
+
+    def segments(self, tp: int, b: int, level: int) -> _OneKind:
+        key = (tp, b, level)
+        if key not in self._segments:
+            units = self.model.units(tp, b)[level]
+            self._segments[key] = _OneKind(units, [0, *candidate_positions(units), units.positions])
+        return self._segments[key]
+
+    def cut_settings(self, layout: Layout) -> CutSettings:
+        s, share = self.settings, 1.0 if layout.data_parallel == "replicate" else 0.5
+        per_byte = state_bytes(1.0, layout.dp, layout.data_parallel, s.grad_factor, s.optimizer_factor)["total"]
+        reduce = s.allreduce_seconds_per_byte(layout.dp) if s.allreduce_seconds_per_byte else 0.0
+        return CutSettings(
+            microbatches=layout.microbatches, comm_per_byte=1.0 / s.link_bandwidth,
+            reduce_per_byte=share * s.grad_factor * reduce, state_per_byte=per_byte,
+            limits=(s.memory_limit,) * layout.pp,
+        )
+
+    def cut(self, layout: Layout, option: Option) -> Cut | None:
+        """`option`'s cut of `layout`'s pipeline (module docstring; every recompute level takes
+        level 0's); None where none packs."""
+        by_memory = option.cut == "memory"
+        key = (layout.tp, layout.microbatch_size, layout.pp, option.placement,
+               (layout.dp, layout.data_parallel) if by_memory else None)
+        if key not in self._cuts:
+            segments = self.segments(layout.tp, layout.microbatch_size, 0)
+            rule = (
+                memory_rule(segments.units, self.cut_settings(layout), segments, layout.pp, layout.pp,
+                             option.placement == "v")
+                if by_memory else (lambda *_: True)
+            )
+            positions = bottleneck_cut(segments, layout.pp, option.placement, rule)
+            self._cuts[key] = None if positions is None else Cut(option.placement, positions)
+        return self._cuts[key]
+
+    def bound(self, layout: Layout, option: Option) -> tuple[float, Cut | None]:
+        """A step no schedule of `option` that fits can beat, and its cut: the busiest rank's
+        summed action time, or, where longer, what memory allows (`_memory_bound`); inf where
+        some rank's state alone passes the limit."""
+        cut = self.cut(layout, option)
+        if cut is None:
+            return math.inf, None
+        segments = self.segments(layout.tp, layout.microbatch_size, option.level)
+        costs, state = stage_costs(segments.units, cut, self.cut_settings(layout), segments)
+        busy = [0.0] * layout.pp
+        for stage in range(cut.stages):
+            busy[cut.rank_of(stage)] += costs.f[stage] + costs.i[stage] + costs.w[stage]
+        room = [self.settings.memory_limit - s for s in state]
+        if min(room) <= 0:
+            return math.inf, cut
+        return layout.microbatches * max(max(busy), _memory_bound(cut, costs, room)), cut
+
+    def worth_recomputing(self, layout: Layout, option: Option) -> bool:
+        """Whether `option`'s recompute level is priced: level 0 always; another where `option`
+        at level 0 does not fit, or is solved (zb-auto, ZBV) and holds some rank within one
+        microbatch's activations of the limit (the limit binds: more room may buy a shorter step)."""
+        if option.level == 0:
+            return True
+        plain = replace(option, level=0)
+        key = (layout, plain)
+        if key not in self._plain:
+            busy, cut = self.bound(layout, plain)
+            self._plain[key] = self.price(layout, plain, cut, busy) if cut is not None else None
+        outcome = self._plain[key]
+        if outcome is None or not outcome.fits:
+            return True
+        if option.schedule not in SOLVED:
+            return False
+        segments = self.segments(layout.tp, layout.microbatch_size, 0)
+        costs, _ = stage_costs(segments.units, self.cut(layout, plain), self.cut_settings(layout), segments)
+        return max(outcome.peaks) + max(costs.mem_b) > self.settings.memory_limit
+
+    def price(self, layout: Layout, option: Option, cut: Cut, busy: float) -> Outcome:
+        """`option` made and simulated on `layout` (module docstring); level 0's kept."""
+        key = (layout, option)
+        if self._plain.get(key) is None:
+            outcome = self._price(layout, option, cut, busy)
+            if option.level:
+                return outcome
+            self._plain[key] = outcome
+        return self._plain[key]
+
+    def _price(self, layout: Layout, option: Option, cut: Cut, busy: float) -> Outcome:
+        segments = self.segments(layout.tp, layout.microbatch_size, option.level)
+        costs, state = stage_costs(segments.units, cut, self.cut_settings(layout), segments)
+        limit = self.settings.memory_limit
+        unit = max([*costs.mem_b, 1.0])
+        scaled = replace(costs, mem_b=[b / unit for b in costs.mem_b], mem_w=[w / unit for w in costs.mem_w])
+        room = [(limit - s) / unit for s in state]
+        if min(room) <= 0:
+            rank = room.index(min(room))
+            return Outcome(layout, option, math.inf, busy, tuple(state), False,
+                           f"rank {rank}'s state ({si(state[rank], 'B')}) passes the memory limit")
+        try:
+            schedule = cut_schedule(option.schedule, cut, scaled, layout.microbatches,
+                                    room if option.schedule in SOLVED else None, time_budget=self.settings.time_budget)
+        except ValueError as error:
+            return Outcome(layout, option, math.inf, busy, error=str(error).splitlines()[0])
+        result = simulate(schedule, resolve_costs(scaled, schedule.stages))
+        peaks = tuple(s + p * unit for s, p in zip(state, result.peak_memory))
+        return Outcome(layout, option, result.span, busy, peaks, all(p <= limit for p in peaks))
+
+
+def _memory_bound(cut: Cut, costs: Any, room: Sequence[float]) -> float:
+    """Per microbatch, the least step memory allows (Little's law): a microbatch holds its
+    chunk's M_B on the chunk's rank at least from its F's end to its I's start, while it goes
+    down the rest of the pipeline and back (every later chunk's F and I, a message each way per
+    change of rank); a rank holds at most its `room` bytes at once, so a step of m microbatches
+    lasts at least m x (sum over its chunks of M_B x that time) / room."""
+    held = [0.0] * len(room)
+    trip = 0.0  # F and I of every later chunk, and the messages between them
+    for chunk in range(cut.stages - 1, -1, -1):
+        held[cut.rank_of(chunk)] += costs.mem_b[chunk] * trip
+        trip += costs.f[chunk] + costs.i[chunk]
+        if chunk and cut.rank_of(chunk) != cut.rank_of(chunk - 1):
+            trip += 2 * costs.comm
+    return max(h / r for h, r in zip(held, room))
+
+
+def layouts(model: Units, settings: SearchSettings, positions: int) -> tuple[list[Layout], list[tuple[str, str]]]:
+    """Every layout of `settings.gpus` the search prices, and those it drops with the reason."""
+    s = settings
+    found: list[Layout] = []
+    dropped: list[tuple[str, str]] = []
+    for tp in sorted(model.tps):
+        if s.gpus_per_node % tp or s.gpus % tp:
+            dropped.append((f"tp={tp}", f"does not divide the {s.gpus_per_node} GPUs of a node or the {s.gpus} GPUs"))
+            continue
+        for pp in range(2, s.gpus // tp + 1):
+            if (s.gpus // tp) % pp:
+                continue
+            if pp > positions:
+                dropped.append((f"pp={pp} tp={tp}", f"more stages than the model's {positions} positions"))
+                continue
+            dp = s.gpus // (tp * pp)
+            for b in s.microbatch_sizes:
+                if s.global_batch % (dp * b):
+                    dropped.append((f"pp={pp} tp={tp} dp={dp}, microbatches of {b}",
+                                    f"the global batch {s.global_batch} is not a multiple of dp x {b}"))
+                    continue
+                m = s.global_batch // (dp * b)
+                if m < pp:
+                    dropped.append((f"pp={pp} tp={tp} dp={dp}, microbatches of {b}",
+                                    f"{m} microbatches for {pp} stages"))
+                    continue
+                for mode in s.data_parallel if dp > 1 else ("replicate",):
+                    found.append(Layout(pp, tp, dp, mode, b, m))
+    return found, dropped
+
+
+def options_of(settings: SearchSettings, levels: int) -> list[Option]:
+    """Every option of the menu at every recompute level, each on both cuts."""
+    chosen = settings.levels if settings.levels is not None else tuple(range(levels))
+    return [Option(name, placement, level, cut) for name, placement in settings.menu for level in chosen
+            for cut in ("time", "memory")]
+
+
+def search(model: Units, settings: SearchSettings, exhaustive: bool = False) -> SearchResult:
+    """The `settings.keep` fastest layouts that fit (module docstring)."""
+    started = time.perf_counter()
+    pricer = _Pricer(model, settings)
+    sample = model.units(min(model.tps), 1)
+    found, dropped = layouts(model, settings, sample[0].positions)
+    heap: list[tuple[float, int, Layout, Option, Cut]] = []
+    count = 0
+    for layout in found:
+        seen: set[tuple] = set()
+        for option in options_of(settings, len(sample)):
+            bound, cut = pricer.bound(layout, option)
+            if cut is None or bound == math.inf or (option.schedule, option.level, cut) in seen:
+                continue  # no cut packs, the state alone passes the limit, or the memory cut is the time cut
+            seen.add((option.schedule, option.level, cut))
+            heap.append((bound, count, layout, option, cut))
+            count += 1
+        if not seen:
+            dropped.append((str(layout), "some rank's state alone passes the memory limit under every option"))
+    heapq.heapify(heap)
+    priced: list[Outcome] = []
+    best: dict[Layout, Outcome] = {}
+    spared = 0  # recompute levels not worth pricing
+    while heap:
+        bound, _, layout, option, cut = heap[0]
+        if not exhaustive and len(best) >= settings.keep:
+            if bound >= sorted(o.step for o in best.values())[settings.keep - 1]:
+                break
+        heapq.heappop(heap)
+        if not pricer.worth_recomputing(layout, option):
+            spared += 1
+            continue
+        outcome = pricer.price(layout, option, cut, bound)
+        priced.append(outcome)
+        if outcome.fits and (layout not in best or outcome.key() < best[layout].key()):
+            best[layout] = outcome
+    ranked = sorted(best.values(), key=Outcome.key)[: settings.keep]
+    for layout in found:
+        mine = [o for o in priced if o.layout == layout]
+        if layout not in best and mine:
+            reasons = sorted({o.error or "over the memory limit" for o in mine})
+            dropped.append((str(layout), "nothing fits: " + "; ".join(reasons[:2])))
+    return SearchResult(
+        settings, ranked, priced, dropped, len(heap) + spared, count, time.perf_counter() - started,
+        model.flops_per_sample, model.tokens_per_sample,
+    )
+
+
+def menu(model: Units, settings: SearchSettings, layout: Layout) -> list[Outcome]:
+    """Every option of the menu priced on one `layout`: per schedule and placement, on the cut
+    where it is faster, at level 0 and at each recompute level worth pricing (`_Pricer.worth_recomputing`)."""
+    pricer = _Pricer(model, settings)
+    levels = len(model.units(layout.tp, layout.microbatch_size))
+    priced: dict[tuple, Outcome] = {}
+    for option in options_of(settings, levels):
+        busy, cut = pricer.bound(layout, option)
+        if cut is None or not pricer.worth_recomputing(layout, option):
+            continue
+        outcome = pricer.price(layout, option, cut, busy)
+        key = (option.schedule, option.placement, option.level)
+        if key not in priced or _better(outcome, priced[key]):
+            priced[key] = outcome
+    return list(priced.values())
+
+
+def worth_recomputing(model: Units, settings: SearchSettings, layout: Layout, level: int = 1) -> bool:
+    """Whether `menu` would price some option of `layout` at recompute `level` (module docstring):
+    where the model's units have no such level, whether they should."""
+    pricer = _Pricer(model, settings)
+    for option in options_of(replace(settings, levels=(0,)), 1):
+        if pricer.cut(layout, option) is not None and pricer.worth_recomputing(layout, replace(option, level=level)):
+            return True
+    return False
+
+
+def _better(a: Outcome, b: Outcome) -> bool:
+    """Whether `a` is the better of two prices of one option: fits where `b` does not, else faster."""
+    return (a.fits, -a.step) > (b.fits, -b.step)
+
+
+def nearest(result: SearchResult, layout: Layout, count: int = 3) -> list[Outcome]:
+    """The fitting layouts of `result` closest to `layout`: fewest knobs changed, then fastest."""
+    def changed(other: Layout) -> int:
+        return sum(getattr(other, k) != getattr(layout, k) for k in ("pp", "tp", "dp", "data_parallel",
+                                                                       "microbatch_size"))
+    fitting: dict[Layout, Outcome] = {}
+    for o in result.priced:
+        if o.fits and (o.layout not in fitting or o.key() < fitting[o.layout].key()):
+            fitting[o.layout] = o
+    return sorted(fitting.values(), key=lambda o: (changed(o.layout), o.key()))[:count]
+
+
+def step_rates(result: SearchResult, outcome: Outcome) -> dict[str, float]:
+    """Samples and tokens per second of `outcome`, and its MFU on `result`'s peak FLOP/s."""
+    samples = result.settings.global_batch / outcome.step
+    flops = result.flops_per_sample * result.settings.global_batch
+    mfu = flops / (result.settings.gpus * result.peak_flops * outcome.step) if result.peak_flops else math.nan
+    return {"samples_per_s": samples, "tokens_per_s": samples * result.tokens_per_sample, "mfu": mfu}
+
