@@ -412,8 +412,9 @@ def _better(a: Outcome, b: Outcome) -> bool:
     return (a.fits, -a.step) > (b.fits, -b.step)
 
 
-def nearest(result: SearchResult, layout: Layout, count: int = 3) -> list[Outcome]:
-    """The fitting layouts of `result` closest to `layout`: fewest knobs changed, then fastest."""
+def nearest(model: Units, result: SearchResult, layout: Layout, count: int = 3) -> list[Outcome]:
+    """The fitting layouts of `result` closest to `layout`: fewest knobs changed, then fastest,
+    each at the best of its whole menu (`menu`: the search may have spared some of its options)."""
     def changed(other: Layout) -> int:
         return sum(getattr(other, k) != getattr(layout, k) for k in ("pp", "tp", "dp", "data_parallel",
                                                                        "microbatch_size"))
@@ -421,7 +422,9 @@ def nearest(result: SearchResult, layout: Layout, count: int = 3) -> list[Outcom
     for o in result.priced:
         if o.fits and (o.layout not in fitting or o.key() < fitting[o.layout].key()):
             fitting[o.layout] = o
-    return sorted(fitting.values(), key=lambda o: (changed(o.layout), o.key()))[:count]
+    closest = sorted(fitting.values(), key=lambda o: (changed(o.layout), o.key()))[: 2 * count]
+    best = [min((o for o in menu(model, result.settings, c.layout) if o.fits), key=Outcome.key) for c in closest]
+    return sorted(best, key=lambda o: (changed(o.layout), o.key()))[:count]
 
 
 def step_rates(result: SearchResult, outcome: Outcome) -> dict[str, float]:

@@ -11,18 +11,31 @@ it over dp replicas and microbatches itself.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from zbcompile._torch_internals import pytree
+from zbcompile.compiler import CostedPipeline
 from zbcompile.hardware import Hardware, resolve_hardware
 from zbcompile.inspect.plan_report import search_text
-from zbcompile.layout_search import Layout, Outcome, SearchResult, SearchSettings, nearest, search, step_rates
+from zbcompile.layout_search import (
+    MENU,
+    Layout,
+    Outcome,
+    SearchResult,
+    SearchSettings,
+    menu,
+    nearest,
+    search,
+    step_rates,
+    worth_recomputing,
+)
 from zbcompile.passes.tensor_parallel_shares import model_plan, split_mismatch
-from zbcompile.plan_units import LEVEL_NAMES, model_units
+from zbcompile.plan_units import LEVEL_NAMES, compiled_units, model_units
 from zbcompile.schedules.memory_limit import parse_bytes
 
 TP_DEGREES = (1, 2, 4, 8)
@@ -93,7 +106,7 @@ def plan_layouts(
     result = search(units, settings)
     result.peak_flops = device.flops
     result.dropped[:0] = [(f"tp={t}", why) for t, why in refused.items()]
-    return LayoutPlan(result, search_record(result, device, near))
+    return LayoutPlan(result, search_record(result, device, near, units))
 
 
 def _tensor_parallel_degrees(
@@ -126,7 +139,9 @@ def outcome_record(result: SearchResult, outcome: Outcome) -> dict[str, Any]:
     }
 
 
-def search_record(result: SearchResult, hardware: Hardware, near: Layout | None = None) -> dict[str, Any]:
+def search_record(
+    result: SearchResult, hardware: Hardware, near: Layout | None = None, units: Any = None
+) -> dict[str, Any]:
     """The JSON-able record `inspect/plan_report.search_text` prints."""
     s = result.settings
     reasons: dict[str, list[str]] = {}
@@ -141,5 +156,56 @@ def search_record(result: SearchResult, hardware: Hardware, near: Layout | None 
     }
     if near is not None:
         record["near"] = str(near)
-        record["nearest"] = [outcome_record(result, o) for o in nearest(result, near)]
+        record["nearest"] = [outcome_record(result, o) for o in nearest(units, result, near)]
     return record
+
+
+def menu_record(costed: CostedPipeline, hardware: Hardware, o: Any, limit: float) -> dict[str, Any]:
+    """What a given layout's plan (`planning.plan`, its `PlanOptions` `o`) says of the menu:
+    "menu" (`layout_search.MENU`, each schedule without recomputation and, where `costed` has its
+    recompute alternatives, with the fastest level that fits), "menu_choice", the fastest that
+    fits (None: nothing does), "menu_binds": whether, without the alternatives, some recompute
+    level would be priced (`layout_search.worth_recomputing`), and with dp > 1 "other_mode": the
+    fastest that fits keeping the state the other data-parallel way."""
+    stages = len(costed.costs)
+    given = Layout(stages, o.tp, o.dp, o.data_parallel, 1, o.microbatches)
+    settings = SearchSettings(
+        gpus=stages * o.tp * o.dp, global_batch=o.microbatches * o.dp, memory_limit=limit,
+        link_bandwidth=hardware.link_bandwidth, gpus_per_node=max(8, o.tp), optimizer_factor=o.optimizer_factor,
+        grad_factor=o.grad_factor, allreduce_seconds_per_byte=lambda dp: hardware.allreduce_seconds(1.0, dp),
+        time_budget=o.time_budget,
+    )
+    units = compiled_units(costed, hardware, o.tp, 1)
+    entries = _menu_entries(menu(units, settings, given))
+    fitting = [e for e in entries if e["fits"]]
+    record = {
+        "menu": entries, "menu_choice": min(fitting, key=lambda e: e["step"]) if fitting else None,
+        "menu_binds": not costed.alternatives and worth_recomputing(units, settings, given),
+    }
+    if o.dp > 1:
+        other = "shard" if o.data_parallel == "replicate" else "replicate"
+        fitting = [e for e in _menu_entries(menu(units, settings, replace(given, data_parallel=other))) if e["fits"]]
+        record["other_mode"] = {"data_parallel": other, **min(fitting, key=lambda e: e["step"])} if fitting else None
+    return record
+
+
+def _menu_entries(priced: list[Outcome]) -> list[dict[str, Any]]:
+    """Per schedule of the menu: its price without recomputation, and its best with some."""
+    entries = []
+    for name, placement in MENU:
+        own = [p for p in priced if (p.option.schedule, p.option.placement) == (name, placement)]
+        plain = [p for p in own if p.option.level == 0]
+        recomputed = sorted((p for p in own if p.option.level),
+                            key=lambda p: (not p.fits, p.step if p.fits else max(p.peaks or (math.inf,))))
+        if recomputed and plain and recomputed[0].error and plain[0].error:
+            recomputed = []  # no level helps: one line says why
+        entries += [_menu_entry(p) for p in plain[:1] + recomputed[:1]]
+    return entries
+
+
+def _menu_entry(outcome: Outcome) -> dict[str, Any]:
+    return {
+        "schedule": outcome.option.name, "recompute": LEVEL_NAMES[outcome.option.level], "step": outcome.step,
+        "peak_bytes": max(outcome.peaks) if outcome.peaks else None, "peaks": list(outcome.peaks),
+        "fits": outcome.fits, "error": outcome.error or None,
+    }

@@ -26,12 +26,11 @@ from zbcompile.compiler import CostedPipeline, compile_costs
 from zbcompile.hardware import Hardware, resolve_rank_hardware
 from zbcompile.inspect.plan_report import plan_text
 from zbcompile.inspect.text import DATA_PARALLEL_MODES, si, stage_rows_of, state_bytes
-from zbcompile.layout_search import MENU, Layout, Outcome, SearchSettings, menu, worth_recomputing
+from zbcompile.layout_search import Layout
 from zbcompile.passes.stage_cost import peak_memory_with_transients
 from zbcompile.passes.tensor_parallel_shares import annotate_shares, model_plan
 from zbcompile.plan_cut import binds, cut_decision, decision_record, one_f_one_b_peaks
-from zbcompile.plan_search import LayoutPlan, plan_layouts
-from zbcompile.plan_units import LEVEL_NAMES, compiled_units
+from zbcompile.plan_search import LayoutPlan, menu_record, plan_layouts
 from zbcompile.runtime.batch import split
 from zbcompile.schedules import Costs, Schedule, ScheduleError, make_schedule, simulate
 from zbcompile.schedules.costs import resolve_costs
@@ -73,9 +72,13 @@ class Plan:
         return plan_text(self.record)
 
     def peak_bytes(self, schedule: Schedule) -> list[float]:
-        """Per rank: state + the simulated peak activations, each action's own peak included."""
+        """Per rank: the state of every stage it runs (a V's two chunks) + the simulated peak
+        activations, each action's own peak included."""
         activations = peak_memory_with_transients(schedule, self.costs, self.costed.costs, self.unit_bytes)
-        return [self.state[rank] + peak * self.unit_bytes for rank, peak in enumerate(activations)]
+        held = [0.0] * len(activations)
+        for stage, rank in enumerate(schedule.stage_to_rank):
+            held[rank] += self.state[stage]
+        return [state + peak * self.unit_bytes for state, peak in zip(held, activations)]
 
     def svg(self, name: str) -> str:
         """The predicted timeline of the planned schedule `name`, as an SVG document."""
@@ -180,7 +183,7 @@ def _priced_menu(planned: Plan, compiled: Callable, model: nn.Module, batch: tup
     the menu does."""
     if planned.record.get("menu_binds"):
         again = compiled(planned.costed.partition.cuts, planned.costed.traced)
-        planned.record.update(_menu(again, planned.hardware, planned.options, min(planned.limits)))
+        planned.record.update(menu_record(again, planned.hardware, planned.options, min(planned.limits)))
     if "menu" in planned.record and planned.record["menu_choice"] is None:
         planned.record["nearest"] = _nearest(model, batch, len(planned.state), planned.options, search_options)
     return planned
@@ -317,48 +320,9 @@ def plan_compiled(
         "zb_auto": _zb_auto_choice([e for e, _ in entries], limits),
     }
     if alike:
-        record.update(_menu(costed, ranks[0], o, min(limits)))
+        record.update(menu_record(costed, ranks[0], o, min(limits)))
     schedules = {e["name"]: s for e, s in entries if s is not None}
     return Plan(costed, ranks[0], costs, unit, state, schedules, record, o, microbatch, ranks, limits)
-
-
-def _menu(costed: CostedPipeline, hardware: Hardware, o: PlanOptions, limit: float) -> dict[str, Any]:
-    """The record's "menu" (`layout_search.MENU`, each schedule without recomputation and, where
-    `costed` has its recompute alternatives, with the fastest level that fits), "menu_choice", the
-    fastest that fits (None: nothing does), and "menu_binds": whether, without them, some
-    recompute level would be priced (`layout_search.worth_recomputing`)."""
-    stages = len(costed.costs)
-    given = Layout(stages, o.tp, o.dp, o.data_parallel, 1, o.microbatches)
-    settings = SearchSettings(
-        gpus=stages * o.tp * o.dp, global_batch=o.microbatches * o.dp, memory_limit=limit,
-        link_bandwidth=hardware.link_bandwidth, gpus_per_node=max(8, o.tp), optimizer_factor=o.optimizer_factor,
-        grad_factor=o.grad_factor, allreduce_seconds_per_byte=lambda dp: hardware.allreduce_seconds(1.0, dp),
-        time_budget=o.time_budget,
-    )
-    units = compiled_units(costed, hardware, o.tp, 1)
-    priced = menu(units, settings, given)
-    entries = []
-    for name, placement in MENU:
-        own = [p for p in priced if (p.option.schedule, p.option.placement) == (name, placement)]
-        plain = [p for p in own if p.option.level == 0]
-        recomputed = sorted((p for p in own if p.option.level), key=lambda p: (not p.fits, p.step if p.fits else
-                                                                                   max(p.peaks or (math.inf,))))
-        if recomputed and plain and recomputed[0].error and plain[0].error:
-            recomputed = []  # no level helps: one line says why
-        entries += [_menu_entry(p) for p in plain[:1] + recomputed[:1]]
-    fitting = [e for e in entries if e["fits"]]
-    binds = not costed.alternatives and worth_recomputing(units, settings, given)
-    return {
-        "menu": entries, "menu_choice": min(fitting, key=lambda e: e["step"]) if fitting else None, "menu_binds": binds,
-    }
-
-
-def _menu_entry(outcome: Outcome) -> dict[str, Any]:
-    return {
-        "schedule": outcome.option.name, "recompute": LEVEL_NAMES[outcome.option.level], "step": outcome.step,
-        "peak_bytes": max(outcome.peaks) if outcome.peaks else None, "peaks": list(outcome.peaks),
-        "fits": outcome.fits, "error": outcome.error or None,
-    }
 
 
 def _collective_seconds(

@@ -162,7 +162,10 @@ class MenuTest(unittest.TestCase):
         fits, and says that 1F1B does not."""
         model = meta_llama()
         tokens = batch_of(8)[0][0]
-        free = zbcompile.plan(model, tokens, labels=tokens, stages=2, microbatches=4)
+        free = zbcompile.plan(model, tokens, labels=tokens, stages=2, microbatches=4, schedules=("1f1b", "v-half"))
+        v_half = next(e for e in free.record["schedules"] if e["name"] == "v-half")  # two chunks on one rank
+        self.assertEqual(len(v_half["peak_bytes"]), 1)
+        self.assertGreater(v_half["peak_bytes"][0], sum(free.state))  # both chunks' state, and activations
         names = {e["schedule"] for e in free.record["menu"]}
         self.assertEqual(names, {"zb-auto (V)" if (n, p) == ("zb-auto", "v") else n for n, p in MENU})
         limit = 0.8 * min(e["peak_bytes"] for e in free.record["menu"])  # under every peak without recomputation

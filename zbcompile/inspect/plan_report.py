@@ -12,6 +12,7 @@ mode holds.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from zbcompile.inspect.text import (
@@ -164,7 +165,7 @@ def menu_text(record: dict[str, Any]) -> str:
     its steady step and its throughput against 1F1B's; then the fastest that fits."""
     menu = record["menu"]
     one_f_one_b = next((e for e in menu if e["schedule"] == "1f1b" and e["recompute"] == "none"), None)
-    reference = one_f_one_b["step"] if one_f_one_b and one_f_one_b.get("step") else None
+    reference = one_f_one_b["step"] if one_f_one_b and math.isfinite(one_f_one_b.get("step") or math.inf) else None
     rows = []
     for e in menu:
         if e.get("error"):
@@ -189,6 +190,14 @@ def menu_text(record: dict[str, Any]) -> str:
             f"{seconds_text(chosen['step'])}"
             + (f", {reference / chosen['step']:.3f}x 1F1B's throughput" if reference else "")
             + ("" if fits else " (1F1B itself does not fit: the ratio is against a run that cannot happen)")
+        )
+    other = record.get("other_mode")
+    if other and (chosen is None or other["step"] < chosen["step"]):
+        lines.append(
+            f"{'faster' if chosen else 'fits'} with data_parallel=\"{other['data_parallel']}\" (the same stages, "
+            f"replicas and microbatches): {other['schedule']}, recompute {other['recompute']}: steady step "
+            f"{seconds_text(other['step'])}"
+            + (f", {reference / other['step']:.3f}x 1F1B's throughput" if reference else "")
         )
     return "\n".join(lines)
 
