@@ -8,13 +8,16 @@ import os
 import pathlib
 import pickle
 import platform
-import socket
+import sys
 import tempfile
 import time
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
 from zbcompile.measure import cpu_busy_seconds, median  # noqa: F401 (the benchmarks use them from here)
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
+from helpers.multiprocess import free_port  # noqa: E402 (one port choice for tests and benchmarks)
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
@@ -29,12 +32,6 @@ def gpt(settings: Any, **config: Any) -> Any:
     torch.manual_seed(0)
     shape = {k: getattr(settings, k) for k in ("seq_len", "hidden", "heads", "layers")}
     return GPT(GPTConfig(vocab_size=settings.vocab, **shape, **config))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank: int, world: int, port: int, out_dir: str, timeout_s: float, fn: Callable, args: tuple) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import random
 import socket
 import tempfile
 import traceback
@@ -27,9 +28,29 @@ class Failed:
 
 
 def free_port() -> int:
+    """A free port below the kernel's ephemeral range: a port bound to 0 and closed comes from
+    that range, where the other launches' gloo connections take their ports too, and one may take
+    it before rank 0's store listens on it (EADDRINUSE)."""
+    low = _ephemeral_low()
+    for _ in range(100):
+        port = random.randrange(max(1024, low - 20000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
