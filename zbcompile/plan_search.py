@@ -97,16 +97,22 @@ def plan_layouts(
                                                                                        target))
 
     units = model_units(model, batch_of, device, tps, parallel_plan, sequence_parallel, loss_fn)
-    settings = SearchSettings(
-        gpus=gpus, global_batch=global_batch, memory_limit=limit, link_bandwidth=device.link_bandwidth,
-        gpus_per_node=gpus_per_node, optimizer_factor=optimizer_factor, grad_factor=grad_factor,
-        data_parallel=tuple(data_parallel), keep=keep,
-        allreduce_seconds_per_byte=lambda dp: device.allreduce_seconds(1.0, dp),
+    settings = settings_on(
+        device, gpus=gpus, global_batch=global_batch, memory_limit=limit, gpus_per_node=gpus_per_node,
+        optimizer_factor=optimizer_factor, grad_factor=grad_factor, data_parallel=tuple(data_parallel), keep=keep,
     )
     result = search(units, settings)
     result.peak_flops = device.flops
     result.dropped[:0] = [(f"tp={t}", why) for t, why in refused.items()]
     return LayoutPlan(result, search_record(result, device, near, units))
+
+
+def settings_on(hardware: Hardware, **fields: Any) -> SearchSettings:
+    """`SearchSettings` of `fields` whose messages and gradient reductions run on `hardware`'s links."""
+    return SearchSettings(
+        link_bandwidth=hardware.link_bandwidth,
+        allreduce_seconds_per_byte=lambda dp: hardware.allreduce_seconds(1.0, dp), **fields,
+    )
 
 
 def _tensor_parallel_degrees(
@@ -169,10 +175,9 @@ def menu_record(costed: CostedPipeline, hardware: Hardware, o: Any, limit: float
     fastest that fits keeping the state the other data-parallel way."""
     stages = len(costed.costs)
     given = Layout(stages, o.tp, o.dp, o.data_parallel, 1, o.microbatches)
-    settings = SearchSettings(
-        gpus=stages * o.tp * o.dp, global_batch=o.microbatches * o.dp, memory_limit=limit,
-        link_bandwidth=hardware.link_bandwidth, gpus_per_node=max(8, o.tp), optimizer_factor=o.optimizer_factor,
-        grad_factor=o.grad_factor, allreduce_seconds_per_byte=lambda dp: hardware.allreduce_seconds(1.0, dp),
+    settings = settings_on(
+        hardware, gpus=stages * o.tp * o.dp, global_batch=o.microbatches * o.dp, memory_limit=limit,
+        gpus_per_node=max(8, o.tp), optimizer_factor=o.optimizer_factor, grad_factor=o.grad_factor,
         time_budget=o.time_budget,
     )
     units = compiled_units(costed, hardware, o.tp, 1)
