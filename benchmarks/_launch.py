@@ -6,18 +6,13 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import pickle
 import platform
-import sys
-import tempfile
 import time
-from datetime import timedelta
 from typing import Any, Callable, Sequence
 
+from zbcompile import local_ranks
+from zbcompile.local_ranks import free_port  # noqa: F401 (the benchmarks use it from here)
 from zbcompile.measure import cpu_busy_seconds, median  # noqa: F401 (the benchmarks use them from here)
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
-from helpers.multiprocess import free_port  # noqa: E402 (one port choice for tests and benchmarks)
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
@@ -34,36 +29,10 @@ def gpt(settings: Any, **config: Any) -> Any:
     return GPT(GPTConfig(vocab_size=settings.vocab, **shape, **config))
 
 
-def _entry(rank: int, world: int, port: int, out_dir: str, timeout_s: float, fn: Callable, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
-    try:
-        result = fn(*args)
-        with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
-            pickle.dump(result, f)
-    finally:
-        dist.destroy_process_group()
-
-
 def run_ranks(world: int, fn: Callable, *args: Any, timeout_s: float = 120.0) -> list[Any]:
-    """`fn(*args)` on `world` spawned processes joined in a gloo group on 127.0.0.1 (free port),
-    one intra-op thread each; returns rank r's result at index r, raises if any rank fails."""
-    import torch.multiprocessing as mp
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(
-            _entry, args=(world, free_port(), out_dir, timeout_s, fn, args), nprocs=world, start_method="spawn"
-        )
-        results = []
-        for rank in range(world):
-            with open(os.path.join(out_dir, f"{rank}.pkl"), "rb") as f:
-                results.append(pickle.load(f))
-        return results
+    """`fn(*args)` on `world` local gloo ranks (`zbcompile.local_ranks.run_ranks`), every wait on
+    a peer bounded by `timeout_s`; rank r's result at index r; raises if any rank fails."""
+    return local_ranks.run_ranks(world, fn, *args, timeout_s=max(timeout_s, 3600.0), group_timeout_s=timeout_s)
 
 
 def machine() -> dict[str, Any]:

@@ -12,6 +12,7 @@ SUBCOMMANDS = {
     "demo": "zbcompile.demo",
     "inspect": "zbcompile.inspect.cli",
     "plan": "zbcompile.planning_cli",
+    "rehearse": "zbcompile.rehearsal_cli",
 }
 
 

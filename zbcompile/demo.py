@@ -24,7 +24,6 @@ import importlib.resources
 import math
 import os
 import shutil
-import socket
 import tempfile
 import time
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ import torch.multiprocessing as mp
 
 import zbcompile
 from zbcompile import measure
+from zbcompile.local_ranks import free_port
 from zbcompile.models import GPT, GPTConfig
 from zbcompile.models.gpt import Block, lm_loss
 from zbcompile.runtime import profile
@@ -484,11 +484,8 @@ def run(args: argparse.Namespace) -> int:
     out_dir = args.out or tempfile.mkdtemp(prefix="zbcompile-demo-")
     shutil.rmtree(os.path.join(out_dir, "dump"), ignore_errors=True)  # the previous run's
     os.makedirs(out_dir, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     mp.start_processes(
-        _rank_main, args=(layout, size, port, out_dir, args.rounds), nprocs=layout.ranks, start_method="spawn"
+        _rank_main, args=(layout, size, free_port(), out_dir, args.rounds), nprocs=layout.ranks, start_method="spawn"
     )
     return 0
 

@@ -14,6 +14,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from zbcompile.schedules import DEFAULT_SCHEDULE, SCHEDULE_NAMES, Costs, Schedule, check_schedule_sizes
+from zbcompile.schedules.costs import EmulatedTimes
 from zbcompile.schedules.memory_limit import check_memory_limit
 from zbcompile.stage_compiler import check_compiler
 
@@ -63,6 +64,9 @@ class PipelineOptions:
     # a testing aid: {global rank: factor} slows that rank's F, I, W and B by sleeping (factor - 1)
     # times each one's own time (CPU: host time), as a slower or shared device would
     _slowdown: Mapping[int, float] | None = None
+    # a rehearsal and testing aid (runtime/action_pace.py): every F, I, W, B of stage s lasts its
+    # emulated time, every message between ranks at least the link time (CPU ranks only)
+    _emulate: EmulatedTimes | None = None
 
     @property
     def distributed(self) -> bool:
@@ -102,6 +106,11 @@ class PipelineOptions:
         for rank, factor in (self._slowdown or {}).items():
             if not isinstance(rank, int) or not isinstance(factor, (int, float)) or factor < 1:
                 raise ValueError(f"pipeline(): _slowdown maps a rank (int) to a factor >= 1, got {rank!r}: {factor!r}")
+        if self._emulate is not None and not isinstance(self._emulate, EmulatedTimes):
+            raise TypeError(
+                "pipeline(): _emulate must be a zbcompile.schedules.costs.EmulatedTimes, got "
+                f"{type(self._emulate).__name__}"
+            )
         if self.profile not in (None, True, False):
             raise ValueError(f"pipeline(): profile must be None (automatic), True or False, got {self.profile!r}")
         if self.costs is not None and not isinstance(self.costs, Costs):

@@ -380,6 +380,7 @@ def _plan_schedule(
     entry = {
         "name": name, "peak_bytes": peaks, "fits": fits, "makespan": sim.makespan, "span": sim.span,
         "bubble_rate": sim.bubble_rate, "stage_bubble_rate": sim.stage_bubble_rate, "error": None,
+        "actions": schedule.compute_only().rows_as_text(),  # what `zbcompile rehearse plan.json` runs
     }
     return entry, schedule
 

@@ -29,6 +29,7 @@ from zbcompile.compiler import CompiledPipeline, compile_forward_only, compile_p
 from zbcompile.inspect.write import CompileDump, start_dump
 from zbcompile.options import PipelineOptions
 from zbcompile.runtime import (
+    action_pace,
     batch,
     batch_loss,
     placement,
@@ -462,7 +463,7 @@ class Builder:
                 o.follow_readiness,
                 o.data_parallel,
             )
-            made.interpreter.slowdown = float((o._slowdown or {}).get(made.rank, 1.0))
+            action_pace.install(made.interpreter, made.rank, schedule.stages, o._slowdown, o._emulate)
             return made
 
         if self.ownership.held is not None:

@@ -26,12 +26,12 @@ end of the step), and a computation waits only for the messages it consumes (the
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Mapping, Sequence
 
 import torch
 
 from zbcompile.runtime.action_clock import ActionClock, HostClock
+from zbcompile.runtime.action_pace import ActionPace
 from zbcompile.runtime.p2p import MessageTransport
 from zbcompile.runtime.rank_program import ACTIVATIONS, GRADIENTS, RankProgram
 from zbcompile.runtime.readiness import ReceivesAhead, WaitForecast, WeightQueue
@@ -83,7 +83,8 @@ class Interpreter:
         self.timeline: list[tuple[str, float, float]] = []
         self.comm_timeline: list[tuple[str, float, float]] = []
         self.early_w: tuple[str, ...] = ()
-        self.slowdown = 1.0  # a testing aid (`PipelineOptions._slowdown`): every computation takes this times as long
+        # testing and rehearsal aids (`runtime/action_pace.py`): how long each computation waits after it ran
+        self.pace: ActionPace | None = None
         # called with the stage after every W and B (the actions that accumulate parameter gradients)
         self.grads_accumulated: Callable[[int], None] = _ignore
 
@@ -146,7 +147,7 @@ class Interpreter:
             self.results[k] = outputs
         else:
             (self.outgoing if self.forward_sent[s] else self.held)[(ACTIVATIONS, s + 1, k)] = outputs
-        self._ran(text, started)
+        self._ran(action, text, started)
 
     def _input_backward(self, index: int, action: Action) -> None:
         self._run_backward(index, action, self._executor(action.stage, action.microbatch).input_backward)
@@ -191,17 +192,17 @@ class Interpreter:
         grads_out = compute(k, grads_in)
         if s > 0:
             (self.outgoing if self.backward_sent[s] else self.held)[(GRADIENTS, s - 1, k)] = grads_out
-        self._ran(text, started)
+        self._ran(action, text, started)
 
     def _run_weight(self, action: Action, text: str) -> None:
         started = self.clock.mark()
         self._executor(action.stage, action.microbatch).weight_backward(action.microbatch)
-        self._ran(text, started)
+        self._ran(action, text, started)
         self.grads_accumulated(action.stage)
 
-    def _ran(self, text: str, started) -> None:
-        if self.slowdown > 1.0 and self.clock.on_host:  # the testing aid: as if this rank were slower
-            time.sleep((self.slowdown - 1.0) * self.clock.seconds_since(started))
+    def _ran(self, action: Action, text: str, started) -> None:
+        if self.pace is not None and self.clock.on_host:
+            self.pace.wait(action, self.clock.seconds_since(started))
         self.clock.record("compute", text, started)
 
     def _fetch(self, key: Key, waiting_action: str) -> Values:

@@ -237,3 +237,32 @@ def resolve_costs(costs: Costs | ResolvedCosts | None, stages: int) -> ResolvedC
     if not isinstance(costs, Costs):
         raise TypeError(f"costs must be a zbcompile.schedules.Costs, got {type(costs).__name__}")
     return costs.resolve(stages)
+
+
+@dataclass(frozen=True)
+class EmulatedTimes:
+    """Every action's time where a pipeline emulates them (`runtime/action_pace.py`): `costs` (per
+    stage, or per chunk for a multi-chunk schedule; a fused B takes I + W) times `unit_s` seconds
+    per unit (1e-3 for costs in ms, as the paper's); a message between ranks takes at least
+    `costs.comm` units."""
+
+    costs: ResolvedCosts
+    unit_s: float = 1e-3
+
+    @classmethod
+    def of(cls, costs: Costs | ResolvedCosts, stages: int, unit_s: float = 1e-3) -> "EmulatedTimes":
+        """`costs` resolved to `stages` stages (chunks)."""
+        if not unit_s > 0:
+            raise ValueError(f"emulated times: unit_s must be positive seconds per cost unit, got {unit_s!r}")
+        return cls(resolve_costs(costs, stages), float(unit_s))
+
+    @property
+    def stages(self) -> int:
+        return self.costs.stages
+
+    @property
+    def link_s(self) -> float:
+        return self.costs.comm * self.unit_s
+
+    def seconds(self, stage: int, kind: str) -> float:
+        return self.costs.duration(stage, kind) * self.unit_s

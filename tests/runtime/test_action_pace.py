@@ -1,0 +1,110 @@
+"""Emulated action and link times (`runtime/action_pace.py`), the rehearsal's schedules
+(`rehearsal.prepare`, the paper's settings) and torch's emulated chunk (`rehearsal_torch.py`):
+each sleep on the path it stands for, and only there."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from zbcompile.rehearsal import Rehearsal, paper_times, prepare
+from zbcompile.rehearsal_torch import EmulatedChunk
+from zbcompile.runtime.action_pace import Emulated, EmulatedLink, Slowed
+from zbcompile.schedules import Action, Costs, simulate
+from zbcompile.schedules.costs import EmulatedTimes
+
+
+def test_an_emulated_action_lasts_its_time_whatever_its_own_work_took():
+    pace = Emulated(EmulatedTimes.of(Costs(f=30, i=20, w=10), 2))
+    for kind, want in (("F", 0.030), ("I", 0.020), ("W", 0.010), ("B", 0.030)):
+        started = time.perf_counter()
+        time.sleep(0.004)  # the stand-in's own work
+        pace.wait(Action.parse(f"1{kind}0"), time.perf_counter() - started)
+        took = time.perf_counter() - started
+        assert took >= want - 1.5e-3, (kind, took)  # cut short by at most the running lateness (<= 1 ms)
+    assert 0.0 <= pace.late_s <= 1e-3
+    slow = time.perf_counter()
+    Slowed(2.0).wait(Action.parse("0F0"), 0.01)
+    assert time.perf_counter() - slow >= 0.01
+
+
+def test_emulated_times_name_the_stages_they_are_for():
+    with pytest.raises(ValueError, match="3 values but the schedule has 2 stages"):
+        EmulatedTimes.of(Costs(f=[1, 2, 3]), 2)
+    with pytest.raises(ValueError, match="unit_s must be positive"):
+        EmulatedTimes.of(Costs(), 2, unit_s=0)
+
+
+class _Loopback:
+    """A transport that hands each sent message to the next wait."""
+
+    matches_by_tag = True
+
+    def __init__(self) -> None:
+        self.sent: list[list[torch.Tensor]] = []
+
+    def send(self, tensors, peer, tag, action):
+        self.sent.append([t.clone() for t in tensors])
+
+    def post_recv(self, buffers, peer, tag, action, watch=False):
+        return len(buffers)
+
+    def wait(self, pending, waiting_action):
+        tensors = self.sent.pop(0)
+        assert len(tensors) == pending, "the receive expects the stamp too"
+        return tensors
+
+
+def test_a_message_is_handed_over_no_sooner_than_the_link_time_after_it_left():
+    link = EmulatedLink(_Loopback(), 0.05)
+    activation = torch.arange(6.0).view(2, 3)
+    pending = link.post_recv([torch.empty(2, 3)], 1, 0, "1RECV_F0")
+    left = time.perf_counter()
+    link.send([activation], 1, 0, "0SEND_F0")
+    (received,) = link.wait(pending, "1F0")
+    assert time.perf_counter() - left >= 0.05
+    assert torch.equal(received, activation)
+
+
+def test_torch_chunk_sleeps_i_on_the_input_path_and_w_on_the_weight_path():
+    warm = torch.ones(1, requires_grad=True)  # the first grad given output gradients imports torch's
+    torch.autograd.grad(warm * 2, [warm], torch.ones(1))  # symbolic shapes (a few 100 ms): not in the times
+    chunk = EmulatedChunk(4, f_s=0.02, i_s=0.03, w_s=0.3, link_s=0.0, last=True)
+    x = torch.cat([torch.randn(2, 4), torch.zeros(2, 1)], dim=-1).requires_grad_()
+    started = time.perf_counter()
+    y = chunk(x)
+    assert time.perf_counter() - started >= 0.02
+    grad = torch.ones_like(y)
+
+    def timed(fn):
+        started = time.perf_counter()
+        fn()
+        return time.perf_counter() - started
+
+    assert 0.03 <= timed(lambda: torch.autograd.grad(y, [x], grad, retain_graph=True)) < 0.3  # I alone
+    assert 0.3 <= timed(lambda: torch.autograd.grad(y, [chunk.b], grad, retain_graph=True)) < 0.33  # W alone
+    assert timed(lambda: y.backward(grad)) >= 0.33  # a fused backward: both
+
+
+def test_the_rehearsal_runs_zb_1p_and_zb_2p_in_1f1b_memory_and_twice_it_and_a_v_in_chunks():
+    settings = Rehearsal(4, 8, Costs(f=2, i=2, w=1), schedules=("1f1b", "zb-1p", "zb-2p", "zbv"))
+    prepared = {p.name: p for p in prepare(settings)}
+    one_f_one_b = max(simulate(prepared["1f1b"].schedule, prepared["1f1b"].costs).peak_memory)
+    assert max(simulate(prepared["zb-1p"].schedule, prepared["zb-1p"].costs).peak_memory) <= one_f_one_b
+    assert max(simulate(prepared["zb-2p"].schedule, prepared["zb-2p"].costs).peak_memory) <= 2 * one_f_one_b
+    zbv = prepared["zbv"]
+    assert zbv.schedule.stages == 8 and zbv.costs.f == (1.0,) * 8 and zbv.schedule.ranks == 4
+
+
+def test_the_papers_settings_predict_table_5s_bubbles():
+    """Table 9's times for the 1.5B model at m=24 (p=8): the simulator's per-stage bubble of each
+    handcrafted schedule and of ZB-1p is the paper's Table 5 figure (its own profiles, within 0.005)."""
+    settings = paper_times("1.5B", schedules=("1f1b", "zb-h1", "zb-h2", "zb-1p"))
+    assert (settings.ranks, settings.microbatches) == (8, 24)
+    table5 = {"1f1b": 0.2431, "zb-h1": 0.1585, "zb-h2": 0.1083, "zb-1p": 0.1585}
+    for p in prepare(settings):
+        assert simulate(p.schedule, p.costs).stage_bubble_rate == pytest.approx(table5[p.name], abs=0.005), p.name
+    with pytest.raises(ValueError, match="choose one of 1.5B"):
+        paper_times("7B")
