@@ -28,6 +28,13 @@ def cpu_busy_seconds() -> float:
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
+def sleep_until(deadline: float) -> None:
+    """Sleep until `time.perf_counter()` reaches `deadline` (at once when it has)."""
+    left = deadline - time.perf_counter()
+    if left > 0:
+        time.sleep(left)
+
+
 def median(values: Sequence[float]) -> float:
     """The median, NaN for no values."""
     return statistics.median(values) if values else float("nan")

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zbcompile.runtime.action_pace import sleep_until
+from zbcompile.measure import sleep_until
 from zbcompile.schedules.costs import ResolvedCosts
 
 MULTI_CHUNK = {"ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"}

@@ -11,7 +11,8 @@ import torch
 
 from zbcompile.rehearsal import Rehearsal, paper_times, prepare
 from zbcompile.rehearsal_torch import EmulatedChunk
-from zbcompile.runtime.action_pace import Emulated, EmulatedLink, Slowed
+from zbcompile.runtime.action_pace import Emulated, Slowed
+from zbcompile.runtime.p2p import Pending, _Poster
 from zbcompile.schedules import Action, Costs, simulate
 from zbcompile.schedules.costs import EmulatedTimes
 
@@ -37,35 +38,21 @@ def test_emulated_times_name_the_stages_they_are_for():
         EmulatedTimes.of(Costs(), 2, unit_s=0)
 
 
-class _Loopback:
-    """A transport that hands each sent message to the next wait."""
-
-    matches_by_tag = True
-
-    def __init__(self) -> None:
-        self.sent: list[list[torch.Tensor]] = []
-
-    def send(self, tensors, peer, tag, action):
-        self.sent.append([t.clone() for t in tensors])
-
-    def post_recv(self, buffers, peer, tag, action, watch=False):
-        return len(buffers)
-
-    def wait(self, pending, waiting_action):
-        tensors = self.sent.pop(0)
-        assert len(tensors) == pending, "the receive expects the stamp too"
-        return tensors
-
-
-def test_a_message_is_handed_over_no_sooner_than_the_link_time_after_it_left():
-    link = EmulatedLink(_Loopback(), 0.05)
-    activation = torch.arange(6.0).view(2, 3)
-    pending = link.post_recv([torch.empty(2, 3)], 1, 0, "1RECV_F0")
-    left = time.perf_counter()
-    link.send([activation], 1, 0, "0SEND_F0")
-    (received,) = link.wait(pending, "1F0")
-    assert time.perf_counter() - left >= 0.05
-    assert torch.equal(received, activation)
+def test_a_send_is_posted_no_sooner_than_the_link_time_after_it_was_given():
+    poster = _Poster("test-poster")
+    posted: list[float] = []
+    try:
+        given = time.perf_counter()
+        for k in range(3):
+            post = lambda: posted.append(time.perf_counter()) or []  # noqa: E731
+            poster.post(Pending([], [], 1, f"0SEND_F{k}"), post, given + 0.05)
+        assert not posted  # the caller goes on meanwhile
+        deadline = time.perf_counter() + 5
+        while len(posted) < 3 and time.perf_counter() < deadline:
+            time.sleep(0.01)
+    finally:
+        poster.stop()
+    assert len(posted) == 3 and all(t >= given + 0.05 for t in posted) and posted == sorted(posted)
 
 
 def test_torch_chunk_sleeps_i_on_the_input_path_and_w_on_the_weight_path():

@@ -6,7 +6,8 @@
 - `Emulated(times)`: every F, I, W and B of stage s lasts exactly `times.seconds(s, kind)`: the real
   computation runs, then the action waits out the rest inside its own measured interval (an
   action whose computation takes longer keeps its own time). Every message crossing ranks is
-  handed over no sooner than `times.link_s` after its sender posted it (`EmulatedLink`).
+  posted no sooner than `times.link_s` after its sender gave it (`p2p.Transport.link_s`, on the
+  send thread: the sender goes on meanwhile), so it is handed over no sooner either.
 
 Both act on the host's clock (CPU ranks, gloo): on CUDA the host does not wait for the device, so
 a host sleep would not lengthen the action."""
@@ -15,11 +16,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Mapping, Protocol
 
-import torch
-
-from zbcompile.runtime.p2p import MessageTransport
 from zbcompile.schedules import Action
 from zbcompile.schedules.costs import EmulatedTimes
 
@@ -59,52 +57,6 @@ class Emulated:
             self.late_s = min(max(0.0, self.late_s + 0.25 * (time.perf_counter() - deadline)), 1e-3)
 
 
-def sleep_until(deadline: float) -> None:
-    """Sleep until `time.perf_counter()` reaches `deadline` (at once when it has)."""
-    left = deadline - time.perf_counter()
-    if left > 0:
-        time.sleep(left)
-
-
-class EmulatedLink:
-    """`transport` with every message handed over no sooner than `link_s` after it was posted:
-    each message carries its sender's `time.perf_counter()` (one float64 more; `perf_counter` is
-    the machine's monotonic clock, one scale for every local process), and `wait` sleeps until
-    that time plus `link_s`. Everything else is the transport's."""
-
-    def __init__(self, transport: MessageTransport, link_s: float) -> None:
-        self.transport = transport
-        self.link_s = link_s
-        self.matches_by_tag = transport.matches_by_tag
-
-    def post_recv(
-        self, buffers: Sequence[torch.Tensor], peer: int, tag: int, action: str, watch: bool = False
-    ) -> Any:
-        stamp = torch.empty(1, dtype=torch.float64, device="meta")
-        return self.transport.post_recv([*buffers, stamp], peer, tag, action, watch)
-
-    def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int, action: str) -> None:
-        stamp = torch.tensor([time.perf_counter()], dtype=torch.float64, device=tensors[0].device)
-        self.transport.send([*tensors, stamp], peer, tag, action)
-
-    def wait(self, pending: Any, waiting_action: str) -> list[torch.Tensor]:
-        *tensors, stamp = self.transport.wait(pending, waiting_action)
-        sleep_until(float(stamp.item()) + self.link_s)
-        return tensors
-
-    def can_tell(self, pending: Any) -> bool:
-        return self.transport.can_tell(pending)
-
-    def arrived(self, pending: Any) -> bool:
-        return self.transport.arrived(pending)
-
-    def arrival_time(self, pending: Any) -> float | None:
-        return self.transport.arrival_time(pending)
-
-    def complete_messages(self) -> None:
-        self.transport.complete_messages()
-
-
 def install(
     interpreter: Any, rank: int, stages: int, slowdown: Mapping[int, float] | None, emulate: EmulatedTimes | None
 ) -> None:
@@ -117,6 +69,6 @@ def install(
                 f"schedule runs {stages} (chunks of a multi-chunk schedule count); give one time per stage"
             )
         interpreter.pace = Emulated(emulate)
-        interpreter.transport = EmulatedLink(interpreter.transport, emulate.link_s)
+        interpreter.transport.link_s = emulate.link_s
     elif (slowdown or {}).get(rank, 1.0) > 1.0:
         interpreter.pace = Slowed(float(slowdown[rank]))

@@ -33,6 +33,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
+from zbcompile.measure import sleep_until
 from zbcompile.runtime import flat_message
 
 
@@ -113,9 +114,11 @@ class _Poster:
         self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self.thread.start()
 
-    def post(self, pending: Pending, post: Callable[[], list]) -> None:
+    def post(self, pending: Pending, post: Callable[[], list], not_before: float = 0.0) -> None:
+        """Post `pending` by calling `post()`, after the sends given before it and no sooner than
+        `not_before` (a `time.perf_counter()`)."""
         pending.posted = threading.Event()
-        self._jobs.put((pending, post))
+        self._jobs.put((pending, post, not_before))
 
     def stop(self) -> None:
         """End the thread once it has posted what it was given."""
@@ -123,7 +126,8 @@ class _Poster:
 
     def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
-            pending, post = job
+            pending, post, not_before = job
+            sleep_until(not_before)
             try:
                 pending.works = post()
             except RuntimeError as error:
@@ -248,6 +252,9 @@ class Transport:
         self.peak_sending_bytes = 0
         self._sends: deque[Pending] = deque()
         self._device_waited: list[Pending] = []  # NCCL receives the compute stream waits for
+        # a rehearsal's link time (`runtime/action_pace.py`): each send is posted no sooner than this
+        # many seconds after it is given (on the poster thread; without one, on the caller's)
+        self.link_s = 0.0
 
     @functools.cached_property
     def matches_by_tag(self) -> bool:
@@ -290,10 +297,12 @@ class Transport:
         flat = flat_message.pack(tensors)
         pending = Pending([], [flat], peer, action, nbytes=flat.numel() * flat.element_size())
         post = functools.partial(self._post, dist.isend, flat, peer, tag, action)
+        not_before = time.perf_counter() + self.link_s if self.link_s else 0.0
         if self._helpers is None:
+            sleep_until(not_before)
             pending.works = post()
         else:
-            self._helpers[0].post(pending, post)
+            self._helpers[0].post(pending, post, not_before)
         self._sends.append(pending)
         self.sending_bytes += pending.nbytes
         self.peak_sending_bytes = max(self.peak_sending_bytes, self.sending_bytes)
