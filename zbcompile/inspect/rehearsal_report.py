@@ -19,7 +19,7 @@ from zbcompile.inspect.text import format_table
 from zbcompile.measure import median, paired_ratio
 from zbcompile.schedules import Action, simulate
 from zbcompile.schedules.costs import resolve_costs
-from zbcompile.schedules.render import Box, idle_boxes, to_svg
+from zbcompile.schedules.render import Box, idle_boxes, to_png_panels, to_svg
 
 REFERENCE = "1f1b"
 
@@ -170,11 +170,13 @@ def report_text(record: Mapping[str, Any]) -> str:
     return title + "\n" + format_table(header, lines) + "\n" + notes + plan
 
 
-def timeline_svg(record: Mapping[str, Any], width: float = 1200.0) -> str:
-    """Per schedule of ours, its last measured step on every rank (ms from the step's first
-    action, idle shaded) on one time scale."""
+def timeline_panels(record: Mapping[str, Any], names: Sequence[str] | None = None) -> list[tuple[str, list[Box]]]:
+    """Per schedule of ours (`names`, default all), its last measured step on every rank as
+    boxes (ms from the step's first action, idle gaps shaded), titled."""
     panels = []
     for name, timelines in record["timelines"].items():
+        if names is not None and name not in names:
+            continue
         compute = [(rank, text, s, e) for rank, t in enumerate(timelines) for text, s, e in t["compute"]]
         if not compute:
             continue
@@ -184,10 +186,23 @@ def timeline_svg(record: Mapping[str, Any], width: float = 1200.0) -> str:
             action = Action.parse(text)
             start, end = (s - origin) * 1e3, (e - origin) * 1e3
             boxes.append(Box(rank, start, end, str(action.microbatch), action.kind.value, text))
-        panels.append((name, [*idle_boxes(boxes), *boxes]))
+        panels.append((f"{record['label']}: {name} (a measured step)", [*idle_boxes(boxes), *boxes]))
+    return panels
+
+
+def timeline_svg(record: Mapping[str, Any], width: float = 1200.0) -> str:
+    """`timeline_panels` as SVG documents on one time scale (ms)."""
+    panels = timeline_panels(record)
     if not panels:
         return ""
     end = max(b.end for _, boxes in panels for b in boxes)
-    return "\n".join(
-        to_svg(boxes, f"{record['label']}: {name} (measured step, ms)", width, (0.0, end)) for name, boxes in panels
-    )
+    return "\n".join(to_svg(boxes, title, width, (0.0, end)) for title, boxes in panels)
+
+
+def write_timeline_png(record: Mapping[str, Any], path: str, names: Sequence[str] | None = None) -> str | None:
+    """`timeline_panels` (of `names`) as one PNG at `path`; None (nothing written) without timelines."""
+    panels = timeline_panels(record, names)
+    if not panels:
+        return None
+    to_png_panels(panels, path, xlabel="ms from the step's first action")
+    return path
