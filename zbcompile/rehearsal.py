@@ -109,7 +109,8 @@ def paper_times(model: str, microbatches: int | None = None, **options: Any) -> 
 def plan_times(record: Mapping[str, Any], time_scale: float = 1.0, **options: Any) -> Rehearsal:
     """A `zbcompile plan` record's pipeline and the schedules it made, as they are: its stages'
     predicted F, I and W seconds and its message time, each `time_scale` times as long (a
-    70B-class step of many seconds rehearsed at a tenth); a V's chunks take half a stage's time.
+    70B-class step of many seconds rehearsed at a tenth); a V's chunks take half a stage's time;
+    `schedules` (an option) picks some of the plan's by name.
     Each schedule keeps the plan's predicted step (`extra["plan_s"]`; with replicas it includes
     the gradient reduction's tail, which the rehearsal, one pipeline, does not run)."""
     rows = record["stage_rows"]
@@ -121,16 +122,20 @@ def plan_times(record: Mapping[str, Any], time_scale: float = 1.0, **options: An
         ),
         stages,
     )
+    wanted = options.pop("schedules", None)
     given = []
     for entry in record["schedules"]:
-        if entry.get("actions"):
+        if entry.get("actions") and (wanted is None or entry["name"] in wanted):
             schedule = Schedule.from_rows(entry["actions"], entry["name"], microbatches=record["microbatches"])
             costs = per_stage if schedule.stages == stages else per_stage.chunked(schedule.stages // stages)
             given.append(Prepared(entry["name"], schedule, costs, {"plan_s": entry["span"] * time_scale}))
+    if not given:
+        raise ValueError(f"rehearse: the plan record has no schedule {'of ' + ', '.join(wanted) if wanted else ''} "
+                         "to rehearse (a record of `zbcompile plan --json` lists each schedule's actions)")
     label = f"{record.get('model', 'plan')}, pp={stages}, m={record['microbatches']}, times x{time_scale:g}"
-    options.setdefault("schedules", ())
     return Rehearsal(
-        stages, int(record["microbatches"]), per_stage, unit_s=time_scale, label=label, given=tuple(given), **options
+        stages, int(record["microbatches"]), per_stage, unit_s=time_scale, label=label, schedules=(),
+        given=tuple(given), **options,
     )
 
 
