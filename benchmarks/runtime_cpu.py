@@ -62,13 +62,12 @@ sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(_
 import _launch  # noqa: E402
 from zbcompile import measure  # noqa: E402
 from zbcompile.inspect.text import race_lines  # noqa: E402
+from zbcompile.rehearsal_torch import MULTI_CHUNK, chunk_ranks  # noqa: E402
 
 FIXED = ("1f1b", "zb-h1", "zb-h2", "zbv")  # our schedules zb-auto must never be behind
 ZB_SCHEDULES = (*FIXED, "zb-auto", "zb-auto(static costs)", "zb-auto(plan order)")
 TORCH_SCHEDULES = ("ScheduleGPipe", "Schedule1F1B", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 MORE_ZB, MORE_TORCH = (), ("ScheduleInterleavedZeroBubble",)
-MULTI_STAGE = {"ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"}
-V_SHAPED = {"ScheduleZBVZeroBubble", "ScheduleDualPipeV"}
 # zbcompile variants: (schedule, pipeline options besides the defaults)
 VARIANTS = {
     "zb-auto(static costs)": ("zb-auto", {"profile": False}),
@@ -171,15 +170,6 @@ def _rank_device(kind: str):
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if kind == "cuda" else torch.device("cpu")
 
 
-def _torch_stage_ranks(name: str, chunks: int, ranks: int) -> list[int]:
-    """Rank of each chunk: one per rank; a loop for interleaved; a V for ZBV and DualPipeV."""
-    if name not in MULTI_STAGE:
-        return list(range(ranks))
-    if name in V_SHAPED:
-        return [s if s < ranks else chunks - 1 - s for s in range(chunks)]
-    return [s % ranks for s in range(chunks)]
-
-
 # --- one pipeline of either library, as a rank sees it ----------------------------------------
 
 
@@ -267,11 +257,11 @@ class TorchPipeline:
         from zbcompile.models.gpt import lm_loss
 
         ranks, rank = dist.get_world_size(), dist.get_rank()
-        chunks = 2 * ranks if name in MULTI_STAGE else ranks
+        chunks = 2 * ranks if name in MULTI_CHUNK else ranks
         if settings.layers % chunks:
             raise ValueError(f"{settings.layers} layers do not split into {chunks} chunks")
         per = settings.layers // chunks
-        owner = _torch_stage_ranks(name, chunks, ranks)
+        owner = chunk_ranks(name, chunks, ranks)
         device = _rank_device(settings.device)
         gpt = _gpt(settings).to(getattr(torch, settings.dtype))
         Chunk = _chunk_class(settings)
@@ -283,7 +273,7 @@ class TorchPipeline:
         mine = [c for c in range(chunks) if owner[c] == rank]
         stages = [pipelining.PipelineStage(module, c, chunks, device) for module, c in zip(self.modules, mine)]
         cls = getattr(pipelining, name)
-        self.schedule = cls(stages[0] if name not in MULTI_STAGE else stages, m, loss_fn=lm_loss)
+        self.schedule = cls(stages[0] if name not in MULTI_CHUNK else stages, m, loss_fn=lm_loss)
         self.has_first, self.has_last = 0 in mine, chunks - 1 in mine
         self.warmup = settings.warmup
         params = [p for module in self.modules for p in module.parameters()]
