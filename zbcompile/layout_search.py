@@ -74,12 +74,14 @@ class Layout:
 class Option:
     """A schedule of the menu, its placement ("in-line" or "v") and its recompute `level` (0:
     none); `cut`: "time" (the slowest stage least) or "memory" (each stage's state and 1F1B's
-    microbatches within its rank's memory too)."""
+    microbatches within its rank's memory too). `stage_levels`: one level per stage (chunk)
+    where they differ (`mixed_levels`; `level` is then their highest), () where all take `level`."""
 
     schedule: str
     placement: str
     level: int = 0
     cut: str = "time"
+    stage_levels: tuple[int, ...] = ()
 
     @property
     def name(self) -> str:
@@ -257,9 +259,53 @@ class _Pricer:
             self._plain[key] = outcome
         return self._plain[key]
 
+    def stage_costs(self, layout: Layout, option: Option, cut: Cut) -> tuple[Any, list[float]]:
+        """Each stage's costs at its recompute level and each rank's state bytes (`stage_costs`);
+        with `stage_levels`, a rank's state counts the largest transient its stages' levels have."""
+        settings = self.cut_settings(layout)
+        levels = option.stage_levels or (option.level,) * cut.stages
+        by_level = {}
+        for level in set(levels):
+            segments = self.segments(layout.tp, layout.microbatch_size, level)
+            by_level[level] = stage_costs(segments.units, cut, settings, segments)
+        if len(by_level) == 1:
+            return by_level[levels[0]]
+
+        def pick(name: str) -> list[float]:
+            return [getattr(by_level[level][0], name)[s] for s, level in enumerate(levels)]
+
+        costs = replace(by_level[levels[0]][0], **{n: pick(n) for n in ("f", "i", "w", "mem_b", "mem_w")})
+        state = [
+            max(by_level[levels[s]][1][rank] for s in range(cut.stages) if cut.rank_of(s) == rank)
+            for rank in range(cut.ranks())
+        ]
+        return costs, state
+
+    def mixed_levels(self, outcome: Outcome) -> Outcome | None:
+        """A solved schedule (zb-auto, ZBV) that fits with one recompute level for every stage,
+        made faster by recomputing less where memory allows, as the runtime's `recompute="auto"`
+        chooses per stage: stage by stage from the last (whose rank holds the fewest microbatches
+        in flight), each stage's level lowered one at a time while the schedule still fits and its
+        step shortens, passes repeated until none does. None where nothing shortens it."""
+        option, layout = outcome.option, outcome.layout
+        if option.schedule not in SOLVED or not option.level or not outcome.fits or option.stage_levels:
+            return None
+        cut = self.cut(layout, option)
+        levels, best = [option.level] * cut.stages, outcome
+        improved = True
+        while improved:
+            improved = False
+            for stage in reversed(range(cut.stages)):
+                while levels[stage] > 0:
+                    trial_levels = (*levels[:stage], levels[stage] - 1, *levels[stage + 1:])
+                    trial = self.price(layout, replace(option, stage_levels=trial_levels), cut, outcome.busy)
+                    if not (trial.fits and trial.step < best.step * (1 - 1e-9)):
+                        break
+                    levels, best, improved = list(trial_levels), trial, True
+        return best if best is not outcome else None
+
     def _price(self, layout: Layout, option: Option, cut: Cut, busy: float) -> Outcome:
-        segments = self.segments(layout.tp, layout.microbatch_size, option.level)
-        costs, state = stage_costs(segments.units, cut, self.cut_settings(layout), segments)
+        costs, state = self.stage_costs(layout, option, cut)
         limit = self.settings.memory_limit
         unit = max([*costs.mem_b, 1.0])
         scaled = replace(costs, mem_b=[b / unit for b in costs.mem_b], mem_w=[w / unit for w in costs.mem_w])
@@ -382,7 +428,9 @@ def search(model: Units, settings: SearchSettings, exhaustive: bool = False) -> 
 
 def menu(model: Units, settings: SearchSettings, layout: Layout) -> list[Outcome]:
     """Every option of the menu priced on one `layout`: per schedule and placement, on the cut
-    where it is faster, at level 0 and at each recompute level worth pricing (`_Pricer.worth_recomputing`)."""
+    where it is faster, at level 0 and at each recompute level worth pricing (`_Pricer.worth_recomputing`),
+    and a solved schedule's fastest fitting level lowered per stage where that is faster
+    (`_Pricer.mixed_levels`)."""
     pricer = _Pricer(model, settings)
     levels = len(model.units(layout.tp, layout.microbatch_size))
     priced: dict[tuple, Outcome] = {}
@@ -394,6 +442,11 @@ def menu(model: Units, settings: SearchSettings, layout: Layout) -> list[Outcome
         key = (option.schedule, option.placement, option.level)
         if key not in priced or _better(outcome, priced[key]):
             priced[key] = outcome
+    for schedule, placement in settings.menu:  # the fastest fitting level, per stage where that is faster
+        fitting = [o for k, o in priced.items() if k[:2] == (schedule, placement) and k[2] and o.fits]
+        mixed = pricer.mixed_levels(min(fitting, key=Outcome.key)) if fitting else None
+        if mixed is not None:
+            priced[(schedule, placement, "per stage")] = mixed
     return list(priced.values())
 
 

@@ -25,6 +25,7 @@ from zbcompile.inspect.plan_report import search_text
 from zbcompile.layout_search import (
     MENU,
     Layout,
+    Option,
     Outcome,
     SearchResult,
     SearchSettings,
@@ -139,7 +140,7 @@ def outcome_record(result: SearchResult, outcome: Outcome) -> dict[str, Any]:
     return {
         "pp": layout.pp, "tp": layout.tp, "dp": layout.dp, "data_parallel": layout.data_parallel,
         "microbatch_size": layout.microbatch_size, "microbatches": layout.microbatches,
-        "schedule": outcome.option.name, "recompute": LEVEL_NAMES[outcome.option.level],
+        "schedule": outcome.option.name, "recompute": recompute_name(outcome.option),
         "cut": outcome.option.cut, "step": outcome.step, "busy": outcome.busy,
         "peak_bytes": max(outcome.peaks), **step_rates(result, outcome),
     }
@@ -194,6 +195,19 @@ def menu_record(costed: CostedPipeline, hardware: Hardware, o: Any, limit: float
     return record
 
 
+def recompute_name(option: Option) -> str:
+    """An option's recomputation: a level's name, or per stage (runs of one level counted)."""
+    if not option.stage_levels:
+        return LEVEL_NAMES[option.level]
+    runs: list[list] = []
+    for level in option.stage_levels:
+        if runs and runs[-1][0] == level:
+            runs[-1][1] += 1
+        else:
+            runs.append([level, 1])
+    return "per stage: " + "; ".join(f"{LEVEL_NAMES[level]} x{count}" for level, count in runs)
+
+
 def _menu_entries(priced: list[Outcome]) -> list[dict[str, Any]]:
     """Per schedule of the menu: its price without recomputation, and its best with some."""
     entries = []
@@ -210,7 +224,7 @@ def _menu_entries(priced: list[Outcome]) -> list[dict[str, Any]]:
 
 def _menu_entry(outcome: Outcome) -> dict[str, Any]:
     return {
-        "schedule": outcome.option.name, "recompute": LEVEL_NAMES[outcome.option.level], "step": outcome.step,
+        "schedule": outcome.option.name, "recompute": recompute_name(outcome.option), "step": outcome.step,
         "peak_bytes": max(outcome.peaks) if outcome.peaks else None, "peaks": list(outcome.peaks),
         "fits": outcome.fits, "error": outcome.error or None,
     }

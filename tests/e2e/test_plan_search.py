@@ -20,7 +20,7 @@ from zbcompile.cli import main
 from zbcompile.compiler import compile_costs
 from zbcompile.hardware import NAMED
 from zbcompile.inspect.text import state_bytes
-from zbcompile.layout_search import MENU, SearchSettings, search
+from zbcompile.layout_search import MENU, Layout, SearchSettings, _Pricer, menu, search
 from zbcompile.passes.tensor_parallel_shares import annotate_shares, model_plan
 from zbcompile.plan_units import LEVEL_NAMES, _costed_units, compiled_units, for_ranks, model_units
 from zbcompile.schedules import make_schedule, simulate
@@ -153,6 +153,35 @@ class LayoutSearchTest(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "give no stages, microbatches, dp or tp"):
             zbcompile.plan(self.model, *batch_of(8)[0], gpus=8, stages=2)
 
+    def test_a_solved_schedule_recomputes_per_stage_where_that_is_faster(self):
+        """Under a limit where zb-auto fits only with recomputation, the menu also prices it with
+        each stage's level lowered where memory allows (`_Pricer.mixed_levels`): it fits, beats
+        every level for all stages, recomputes less somewhere, and each stage costs what its own
+        level's stage costs say (all stages at one level: exactly the uniform option's price)."""
+        layout = Layout(4, 1, 1, "replicate", 1, 8)
+        limit = 0.6 * max(search(self.units, settings()).best.peaks)
+        priced = menu(self.units, settings(limit), layout)
+        own = [o for o in priced if (o.option.schedule, o.option.placement) == ("zb-auto", "in-line") and o.fits]
+        mixed = [o for o in own if o.option.stage_levels]
+        self.assertEqual(len(mixed), 1, own)
+        mixed = mixed[0]
+        uniform = [o for o in own if not o.option.stage_levels]
+        self.assertTrue(uniform and all(mixed.step < o.step for o in uniform), own)
+        self.assertTrue(max(mixed.peaks) <= limit)
+        levels = mixed.option.stage_levels
+        self.assertEqual(max(levels), mixed.option.level)
+        self.assertLess(min(levels), mixed.option.level)
+        pricer = _Pricer(self.units, settings(limit))
+        cut = pricer.cut(layout, mixed.option)
+        costs, _ = pricer.stage_costs(layout, mixed.option, cut)
+        for stage, level in enumerate(levels):
+            own_costs, _ = pricer.stage_costs(layout, replace(mixed.option, stage_levels=(), level=level), cut)
+            self.assertEqual((costs.f[stage], costs.i[stage], costs.w[stage], costs.mem_b[stage]),
+                             (own_costs.f[stage], own_costs.i[stage], own_costs.w[stage], own_costs.mem_b[stage]))
+        same = replace(mixed.option, stage_levels=(mixed.option.level,) * cut.stages)
+        plain = replace(mixed.option, stage_levels=())
+        self.assertEqual(pricer.price(layout, same, cut, 0.0).step, pricer.price(layout, plain, cut, 0.0).step)
+
 
 @pytest.mark.xdist_group("plan")
 class MenuTest(unittest.TestCase):
@@ -173,7 +202,7 @@ class MenuTest(unittest.TestCase):
         menu = tight.record["menu"]
         self.assertFalse(next(e for e in menu if e["schedule"] == "1f1b" and e["recompute"] == "none")["fits"])
         self.assertTrue(any(e["recompute"] != "none" for e in menu), menu)
-        self.assertTrue(set(e["recompute"] for e in menu) <= set(LEVEL_NAMES))
+        self.assertTrue(all(e["recompute"] in LEVEL_NAMES or e["recompute"].startswith("per stage: ") for e in menu))
         fitting = [e for e in menu if e["fits"]]
         self.assertTrue(fitting)
         self.assertTrue(all(e["peak_bytes"] <= limit for e in fitting))
