@@ -411,7 +411,7 @@ def _rank_main(rank: int, layout: DemoLayout, size: ModelSize, port: int, out_di
         torch.set_num_threads(layout.threads)
         device = torch.device("cpu")
     dist.init_process_group(layout.backend, rank=rank, world_size=layout.ranks, timeout=timedelta(seconds=300))
-    reporter = rank == layout.ranks - 1  # the last stage's rank has the loss
+    reporter = rank == layout.ranks - 1  # prints the summary (each loss gathered from its last stage's rank)
     try:
         if reporter:
             print("compiling both pipelines", flush=True)
@@ -436,7 +436,9 @@ def _rank_main(rank: int, layout: DemoLayout, size: ModelSize, port: int, out_di
         gathered: list = [None] * layout.ranks
         medians = {name: profile.action_medians(run.timelines) for name, run in runs.items()}
         loops = {name: measure.median(run.loop_s) for name, run in runs.items()}
-        dist.all_gather_object(gathered, (usage.own_cpu_s, medians, loops))
+        # the last stage's rank has each schedule's loss (rank 0 where the race chose a V)
+        own_losses = {name: None if run.loss is None else run.loss.item() for name, run in runs.items()}
+        dist.all_gather_object(gathered, (usage.own_cpu_s, medians, loops, own_losses))
         if progress is not None:
             progress.close()
         if reporter:
@@ -447,7 +449,7 @@ def _rank_main(rank: int, layout: DemoLayout, size: ModelSize, port: int, out_di
             )
             others = measure.others_cores(usage.wall_s, usage.machine_busy_s, [part[0] for part in gathered])
             summary = summarize(periods, predicted, others, layout.spare_cores)
-            losses = {name: None if run.loss is None else run.loss.item() for name, run in runs.items()}
+            losses = {name: next((p[3][name] for p in gathered if p[3][name] is not None), None) for name in SCHEDULES}
             print("\n" + "\n".join(summary.lines(layout, losses)), flush=True)
             _write_pictures(out_dir)
         dist.barrier()  # every rank leaves together, none while the reporter still works

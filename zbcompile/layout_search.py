@@ -15,8 +15,7 @@ best layout found; `exhaustive=True` prices everything (the same answer, for tes
 
 Assumptions, stated where the report prints: pipeline neighbours talk over the inter-node link;
 tp's collectives over the node's; a pipeline has at least two stages and no fewer microbatches
-than stages. Pure Python: no torch.
-"""
+than stages. Pure Python: no torch."""
 
 from __future__ import annotations
 
@@ -72,10 +71,9 @@ class Layout:
 
 @dataclass(frozen=True, order=True)
 class Option:
-    """A schedule of the menu, its placement ("in-line" or "v") and its recompute `level` (0:
-    none); `cut`: "time" (the slowest stage least) or "memory" (each stage's state and 1F1B's
-    microbatches within its rank's memory too). `stage_levels`: one level per stage (chunk)
-    where they differ (`mixed_levels`; `level` is then their highest), () where all take `level`."""
+    """A schedule of the menu, its placement ("in-line" or "v"), its recompute `level` (0: none)
+    or `stage_levels` (one per stage; `level`: their highest); `cut`: "time" (the slowest stage
+    least) or "memory" (each stage's state and 1F1B's microbatches within its rank's memory too)."""
 
     schedule: str
     placement: str
@@ -161,6 +159,23 @@ class SearchResult:
         return self.ranked[0] if self.ranked else None
 
 
+def replica_cut_settings(
+    microbatches: int, dp: int, data_parallel: str, grad_factor: float, optimizer_factor: float,
+    comm_per_byte: float, allreduce_per_byte: float, limits: Sequence[float],
+    time_budget: float = CutSettings.time_budget,
+) -> CutSettings:
+    """The cut decision's settings for `dp` replicas keeping their state `data_parallel`: state
+    bytes per parameter byte; each stage's gradient reduction after its last W, a ring all-reduce
+    (`allreduce_per_byte` seconds per byte) or under "shard" a reduce-scatter, half of it."""
+    share = 1.0 if data_parallel == "replicate" else 0.5
+    return CutSettings(
+        microbatches=microbatches, comm_per_byte=comm_per_byte,
+        reduce_per_byte=share * grad_factor * allreduce_per_byte,
+        state_per_byte=state_bytes(1.0, dp, data_parallel, grad_factor, optimizer_factor)["total"],
+        limits=tuple(limits), time_budget=time_budget,
+    )
+
+
 class _OneKind(Segments):
     """Segments of units whose ranks are all of one kind: every rank reads the first's times."""
 
@@ -186,13 +201,11 @@ class _Pricer:
         return self._segments[key]
 
     def cut_settings(self, layout: Layout) -> CutSettings:
-        s, share = self.settings, 1.0 if layout.data_parallel == "replicate" else 0.5
-        per_byte = state_bytes(1.0, layout.dp, layout.data_parallel, s.grad_factor, s.optimizer_factor)["total"]
+        s = self.settings
         reduce = s.allreduce_seconds_per_byte(layout.dp) if s.allreduce_seconds_per_byte else 0.0
-        return CutSettings(
-            microbatches=layout.microbatches, comm_per_byte=1.0 / s.link_bandwidth,
-            reduce_per_byte=share * s.grad_factor * reduce, state_per_byte=per_byte,
-            limits=(s.memory_limit,) * layout.pp,
+        return replica_cut_settings(
+            layout.microbatches, layout.dp, layout.data_parallel, s.grad_factor, s.optimizer_factor,
+            1.0 / s.link_bandwidth, reduce, (s.memory_limit,) * layout.pp,
         )
 
     def cut(self, layout: Layout, option: Option) -> Cut | None:
@@ -260,8 +273,8 @@ class _Pricer:
         return self._plain[key]
 
     def stage_costs(self, layout: Layout, option: Option, cut: Cut) -> tuple[Any, list[float]]:
-        """Each stage's costs at its recompute level and each rank's state bytes (`stage_costs`);
-        with `stage_levels`, a rank's state counts the largest transient its stages' levels have."""
+        """Each stage's costs at its level and each rank's state bytes (`stage_costs`; per stage,
+        with the largest transient of its stages' levels)."""
         settings = self.cut_settings(layout)
         levels = option.stage_levels or (option.level,) * cut.stages
         by_level = {}
@@ -282,11 +295,10 @@ class _Pricer:
         return costs, state
 
     def mixed_levels(self, outcome: Outcome) -> Outcome | None:
-        """A solved schedule (zb-auto, ZBV) that fits with one recompute level for every stage,
-        made faster by recomputing less where memory allows, as the runtime's `recompute="auto"`
-        chooses per stage: stage by stage from the last (whose rank holds the fewest microbatches
-        in flight), each stage's level lowered one at a time while the schedule still fits and its
-        step shortens, passes repeated until none does. None where nothing shortens it."""
+        """A solved schedule (zb-auto, ZBV) fitting at one recompute level, made faster by
+        recomputing less per stage, as `recompute="auto"` chooses: from the last stage (its rank
+        holds the fewest microbatches), each level lowered while the schedule fits and its step
+        shortens, in passes until none does. None where nothing shortens it."""
         option, layout = outcome.option, outcome.layout
         if option.schedule not in SOLVED or not option.level or not outcome.fits or option.stage_levels:
             return None
@@ -444,8 +456,7 @@ def menu(model: Units, settings: SearchSettings, layout: Layout) -> list[Outcome
             priced[key] = outcome
     for schedule, placement in settings.menu:  # the fastest fitting level, per stage where that is faster
         fitting = [o for k, o in priced.items() if k[:2] == (schedule, placement) and k[2] and o.fits]
-        mixed = pricer.mixed_levels(min(fitting, key=Outcome.key)) if fitting else None
-        if mixed is not None:
+        if fitting and (mixed := pricer.mixed_levels(min(fitting, key=Outcome.key))) is not None:
             priced[(schedule, placement, "per stage")] = mixed
     return list(priced.values())
 

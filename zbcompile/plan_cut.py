@@ -14,10 +14,10 @@ from typing import Any, Callable, Sequence
 
 from zbcompile.compiler import CostedPipeline
 from zbcompile.hardware import Hardware
-from zbcompile.inspect.text import state_bytes
+from zbcompile.layout_search import replica_cut_settings
 from zbcompile.passes.cut_profile import cut_layout, static_units
 from zbcompile.schedules import make_schedule
-from zbcompile.schedules.cut_choice import Cut, CutDecision, CutSettings, choose_cut
+from zbcompile.schedules.cut_choice import Cut, CutDecision, choose_cut
 
 PLAN_THRESHOLD = 0.01  # the predicted gain a cut must bring over the compiler's
 
@@ -59,15 +59,10 @@ def cut_decision(
             timers.append((hardware, pass_timer(hardware)))
     rank_time = [next(t for h, t in timers if h == hardware) for hardware in rank_hardware]
     units = static_units(layout, costed.programs, rank_time, costed.representative)
-    per_byte = state_bytes(1.0, options.dp, options.data_parallel, options.grad_factor, options.optimizer_factor)
-    share = 1.0 if options.data_parallel == "replicate" else 0.5
-    settings = CutSettings(
-        microbatches=options.microbatches,
-        comm_per_byte=max(1.0 / h.link_bandwidth for h in rank_hardware),
-        reduce_per_byte=share * options.grad_factor * max(h.allreduce_seconds(1.0, options.dp) for h in rank_hardware),
-        state_per_byte=per_byte["total"],
-        limits=tuple(limits),
-        time_budget=options.time_budget,
+    settings = replica_cut_settings(
+        options.microbatches, options.dp, options.data_parallel, options.grad_factor, options.optimizer_factor,
+        max(1.0 / h.link_bandwidth for h in rank_hardware),
+        max(h.allreduce_seconds(1.0, options.dp) for h in rank_hardware), limits, options.time_budget,
     )
     return choose_cut(units, Cut("in-line", tuple(costed.partition.cuts)), settings, PLAN_THRESHOLD)
 

@@ -84,9 +84,9 @@ def test_a_device_wide_synchronize_after_each_computation_is_caught(monkeypatch)
     (as then) it deadlocks, and in any case nothing overlaps the wait."""
     ran = Interpreter._ran
 
-    def ran_then_synchronize(self, text, started):
+    def ran_then_synchronize(self, action, text, started):
         torch.cuda.synchronize()
-        ran(self, text, started)
+        ran(self, action, text, started)
 
     _replay("interleaved-1f1b", 3, 6, monkeypatch)
     monkeypatch.setattr(Interpreter, "_ran", ran_then_synchronize)
