@@ -25,7 +25,7 @@ from torch import nn
 
 from zbcompile import measure
 from zbcompile.local_ranks import run_ranks
-from zbcompile.rehearsal_torch import TorchRun, mse
+from zbcompile.rehearsal_torch import TORCH_SCHEDULES, TorchRun, mse
 from zbcompile.schedules import Costs, Schedule, make_schedule, schedule_spec
 from zbcompile.schedules.costs import EmulatedTimes, ResolvedCosts, resolve_costs
 
@@ -94,6 +94,10 @@ class Rehearsal:
         for name in self.schedules:
             if name not in MEMORY_NAMED:
                 schedule_spec(name)  # ValueError naming the choices
+        for name in self.torch_schedules:
+            if name not in TORCH_SCHEDULES:
+                choices = ", ".join(TORCH_SCHEDULES)
+                raise ValueError(f"rehearse: no torch schedule {name!r} to rehearse; choose one of {choices}")
 
 
 def paper_times(model: str, microbatches: int | None = None, **options: Any) -> Rehearsal:

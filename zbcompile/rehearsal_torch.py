@@ -24,6 +24,7 @@ from zbcompile.schedules.costs import ResolvedCosts
 
 MULTI_CHUNK = {"ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"}
 V_SHAPED = {"ScheduleZBVZeroBubble", "ScheduleDualPipeV"}
+TORCH_SCHEDULES = ("ScheduleGPipe", "Schedule1F1B", *sorted(MULTI_CHUNK))  # those a rehearsal runs
 
 
 class _Pause(torch.autograd.Function):

@@ -95,3 +95,5 @@ def test_the_papers_settings_predict_table_5s_bubbles():
         assert simulate(p.schedule, p.costs).stage_bubble_rate == pytest.approx(table5[p.name], abs=0.005), p.name
     with pytest.raises(ValueError, match="choose one of 1.5B"):
         paper_times("7B")
+    with pytest.raises(ValueError, match="no torch schedule 'Schedule2F2B'.*Schedule1F1B"):
+        Rehearsal(2, 2, Costs(), torch_schedules=("Schedule2F2B",))
