@@ -296,15 +296,15 @@ class _Pricer:
 
     def mixed_levels(self, outcome: Outcome) -> Outcome | None:
         """A solved schedule (zb-auto, ZBV) fitting at one recompute level, made faster by
-        recomputing less per stage, as `recompute="auto"` chooses: from the last stage (its rank
-        holds the fewest microbatches), each level lowered while the schedule fits and its step
-        shortens, in passes until none does. None where nothing shortens it."""
+        recomputing less per stage, as `recompute="auto"` chooses: from the last stage to the
+        first, each level lowered while the schedule fits and its step shortens, in passes until
+        none does (a greedy order: ordering by each rank's room found slower steps). None where
+        nothing shortens it."""
         option, layout = outcome.option, outcome.layout
         if option.schedule not in SOLVED or not option.level or not outcome.fits or option.stage_levels:
             return None
         cut = self.cut(layout, option)
-        levels, best = [option.level] * cut.stages, outcome
-        improved = True
+        levels, best, improved = [option.level] * cut.stages, outcome, True
         while improved:
             improved = False
             for stage in reversed(range(cut.stages)):
