@@ -89,8 +89,8 @@ class Option:
 @dataclass(frozen=True)
 class Outcome:
     """An option priced: its steady step (`step`: the span, steps back to back), the bound it was
-    ordered by (`busy`), each rank's peak bytes (state + activations), whether all fit, and why
-    not (`error`) where it could not be made."""
+    ordered by (`busy`), each rank's peak bytes (state + activations), whether all fit, why not
+    (`error`) where it could not be made, and what was `made` (the schedule, its per-stage costs)."""
 
     layout: Layout
     option: Option
@@ -99,6 +99,7 @@ class Outcome:
     peaks: tuple[float, ...] = ()
     fits: bool = False
     error: str = ""
+    made: Any = field(default=None, compare=False, repr=False)
 
     def key(self) -> tuple:
         return (self.step, self.layout, self.option)
@@ -132,8 +133,7 @@ class SearchSettings:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"layout search: {name} must be a positive int, got {value!r}")
-        unknown = set(self.data_parallel) - set(DATA_PARALLEL_MODES)
-        if unknown:
+        if unknown := set(self.data_parallel) - set(DATA_PARALLEL_MODES):
             raise ValueError(f"layout search: data_parallel modes are {DATA_PARALLEL_MODES}, got {sorted(unknown)}")
 
 
@@ -331,9 +331,10 @@ class _Pricer:
                                     room if option.schedule in SOLVED else None, time_budget=self.settings.time_budget)
         except ValueError as error:
             return Outcome(layout, option, math.inf, busy, error=str(error).splitlines()[0])
-        result = simulate(schedule, resolve_costs(scaled, schedule.stages))
+        result = simulate(schedule, resolved := resolve_costs(scaled, schedule.stages))
         peaks = tuple(s + p * unit for s, p in zip(state, result.peak_memory))
-        return Outcome(layout, option, result.span, busy, peaks, all(p <= limit for p in peaks))
+        fits = all(p <= limit for p in peaks)
+        return Outcome(layout, option, result.span, busy, peaks, fits, made=(schedule, resolved))
 
 
 def _memory_bound(cut: Cut, costs: Any, room: Sequence[float]) -> float:
@@ -439,10 +440,9 @@ def search(model: Units, settings: SearchSettings, exhaustive: bool = False) -> 
 
 
 def menu(model: Units, settings: SearchSettings, layout: Layout) -> list[Outcome]:
-    """Every option of the menu priced on one `layout`: per schedule and placement, on the cut
-    where it is faster, at level 0 and at each recompute level worth pricing (`_Pricer.worth_recomputing`),
-    and a solved schedule's fastest fitting level lowered per stage where that is faster
-    (`_Pricer.mixed_levels`)."""
+    """Every option of the menu priced on one `layout`: per schedule and placement, on the cut where
+    it is faster, at level 0 and each recompute level worth pricing (`_Pricer.worth_recomputing`),
+    and per stage where faster (`_Pricer.mixed_levels`)."""
     pricer = _Pricer(model, settings)
     levels = len(model.units(layout.tp, layout.microbatch_size))
     priced: dict[tuple, Outcome] = {}

@@ -223,8 +223,15 @@ def _menu_entries(priced: list[Outcome]) -> list[dict[str, Any]]:
 
 
 def _menu_entry(outcome: Outcome) -> dict[str, Any]:
-    return {
+    """A menu row; where the option was made, also its actions and per-stage (chunk) seconds, which
+    `zbcompile rehearse plan.json` runs."""
+    entry = {
         "schedule": outcome.option.name, "recompute": recompute_name(outcome.option), "step": outcome.step,
         "peak_bytes": max(outcome.peaks) if outcome.peaks else None, "peaks": list(outcome.peaks),
         "fits": outcome.fits, "error": outcome.error or None,
     }
+    if outcome.made is not None:
+        schedule, costs = outcome.made
+        entry["actions"] = schedule.compute_only().rows_as_text()
+        entry["seconds"] = {"f": list(costs.f), "i": list(costs.i), "w": list(costs.w), "comm": costs.comm}
+    return entry

@@ -114,7 +114,8 @@ def plan_times(record: Mapping[str, Any], time_scale: float = 1.0, **options: An
     """A `zbcompile plan` record's pipeline and the schedules it made, as they are: its stages'
     predicted F, I and W seconds and its message time, each `time_scale` times as long (a
     70B-class step of many seconds rehearsed at a tenth); a V's chunks take half a stage's time;
-    `schedules` (an option) picks some of the plan's by name.
+    the menu's choice (its recomputation and chunks) runs on its own times, as "menu: ...";
+    `schedules` (an option) picks some of the plan's by name ("menu": the menu's choice).
     Each schedule keeps the plan's predicted step (`extra["plan_s"]`; with replicas it includes
     the gradient reduction's tail, which the rehearsal, one pipeline, does not run)."""
     rows = record["stage_rows"]
@@ -133,6 +134,13 @@ def plan_times(record: Mapping[str, Any], time_scale: float = 1.0, **options: An
             schedule = Schedule.from_rows(entry["actions"], entry["name"], microbatches=record["microbatches"])
             costs = per_stage if schedule.stages == stages else per_stage.chunked(schedule.stages // stages)
             given.append(Prepared(entry["name"], schedule, costs, {"plan_s": entry["span"] * time_scale}))
+    choice = record.get("menu_choice")
+    if choice and choice.get("actions") and (wanted is None or "menu" in wanted):
+        name = f"menu: {choice['schedule']}, recompute {choice['recompute']}"
+        schedule = Schedule.from_rows(choice["actions"], name, microbatches=record["microbatches"])
+        seconds = choice["seconds"]
+        costs = Costs(f=seconds["f"], i=seconds["i"], w=seconds["w"], comm=seconds["comm"]).resolve(schedule.stages)
+        given.append(Prepared(name, schedule, costs, {"plan_s": choice["step"] * time_scale}))
     if not given:
         raise ValueError(f"rehearse: the plan record has no schedule {'of ' + ', '.join(wanted) if wanted else ''} "
                          "to rehearse (a record of `zbcompile plan --json` lists each schedule's actions)")

@@ -23,6 +23,7 @@ from zbcompile.inspect.text import state_bytes
 from zbcompile.layout_search import MENU, Layout, SearchSettings, _Pricer, menu, search
 from zbcompile.passes.tensor_parallel_shares import annotate_shares, model_plan
 from zbcompile.plan_units import LEVEL_NAMES, _costed_units, compiled_units, for_ranks, model_units
+from zbcompile.rehearsal import plan_times
 from zbcompile.schedules import make_schedule, simulate
 from zbcompile.schedules.cut_choice import CutSettings, stage_costs
 from zbcompile.schedules.cut_search import Cut, bottleneck_cut
@@ -208,6 +209,11 @@ class MenuTest(unittest.TestCase):
         self.assertTrue(all(e["peak_bytes"] <= limit for e in fitting))
         self.assertEqual(tight.record["menu_choice"], min(fitting, key=lambda e: e["step"]))
         self.assertIn("1F1B itself does not fit", str(tight))
+        # `zbcompile rehearse` runs the menu's choice as made: its actions on its own per-chunk times
+        rehearsed = {p.name: p for p in plan_times(json.loads(json.dumps(tight.record, default=str))).given}
+        choice = tight.record["menu_choice"]
+        made = rehearsed[f"menu: {choice['schedule']}, recompute {choice['recompute']}"]
+        self.assertAlmostEqual(simulate(made.schedule, made.costs).span, choice["step"], delta=1e-12)
 
     def test_a_layout_that_fits_nothing_names_the_nearest_that_do(self):
         """Two stages hold more state per rank than one microbatch on four stages needs: under a
