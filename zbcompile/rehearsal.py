@@ -136,11 +136,12 @@ def plan_times(record: Mapping[str, Any], time_scale: float = 1.0, **options: An
             given.append(Prepared(entry["name"], schedule, costs, {"plan_s": entry["span"] * time_scale}))
     choice = record.get("menu_choice")
     if choice and choice.get("actions") and (wanted is None or "menu" in wanted):
-        name = f"menu: {choice['schedule']}, recompute {choice['recompute']}"
+        name = f"menu: {choice['schedule']}"
         schedule = Schedule.from_rows(choice["actions"], name, microbatches=record["microbatches"])
         seconds = choice["seconds"]
         costs = Costs(f=seconds["f"], i=seconds["i"], w=seconds["w"], comm=seconds["comm"]).resolve(schedule.stages)
-        given.append(Prepared(name, schedule, costs, {"plan_s": choice["step"] * time_scale}))
+        given.append(Prepared(name, schedule, costs, {"plan_s": choice["step"] * time_scale,
+                                                     "recompute": choice["recompute"]}))
     if not given:
         raise ValueError(f"rehearse: the plan record has no schedule {'of ' + ', '.join(wanted) if wanted else ''} "
                          "to rehearse (a record of `zbcompile plan --json` lists each schedule's actions)")
