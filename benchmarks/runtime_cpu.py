@@ -62,7 +62,7 @@ sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(_
 import _launch  # noqa: E402
 from zbcompile import measure  # noqa: E402
 from zbcompile.inspect.text import race_lines  # noqa: E402
-from zbcompile.rehearsal_torch import MULTI_CHUNK, chunk_ranks  # noqa: E402
+from zbcompile.rehearsal_torch import MULTI_CHUNK, chunk_ranks, torch_step  # noqa: E402
 
 FIXED = ("1f1b", "zb-h1", "zb-h2", "zbv")  # our schedules zb-auto must never be behind
 ZB_SCHEDULES = (*FIXED, "zb-auto", "zb-auto(static costs)", "zb-auto(plan order)")
@@ -281,11 +281,7 @@ class TorchPipeline:
         self.tokens, self.targets = tokens, targets
 
     def step(self) -> None:
-        args = (self.tokens,) if self.has_first else ()
-        if self.has_last:
-            self.schedule.step(*args, target=self.targets, losses=[], return_outputs=False)
-        else:
-            self.schedule.step(*args, return_outputs=False)
+        torch_step(self.schedule, self.tokens, self.targets, self.has_first, self.has_last)
 
     def new_round(self) -> None:
         pass

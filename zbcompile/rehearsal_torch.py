@@ -133,11 +133,17 @@ class TorchRun:
         self.targets = torch.randn(m, width, generator=generator)
 
     def step(self) -> None:
-        args = (self.inputs,) if self.has_first else ()
-        if self.has_last:
-            self.schedule.step(*args, target=self.targets, losses=[], return_outputs=False)
-        else:
-            self.schedule.step(*args, return_outputs=False)
+        torch_step(self.schedule, self.inputs, self.targets, self.has_first, self.has_last)
+
+
+def torch_step(schedule: Any, inputs: Any, targets: Any, has_first: bool, has_last: bool) -> None:
+    """One step of torch's `schedule` on this rank: the inputs where it holds the first stage, the
+    targets where it holds the last."""
+    args = (inputs,) if has_first else ()
+    if has_last:
+        schedule.step(*args, target=targets, losses=[], return_outputs=False)
+    else:
+        schedule.step(*args, return_outputs=False)
 
 
 def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
