@@ -63,10 +63,8 @@ class Layout:
     microbatches: int
 
     def __str__(self) -> str:
-        return (
-            f"pp={self.pp} tp={self.tp} dp={self.dp} ({self.data_parallel}), "
-            f"{self.microbatches} microbatches of {self.microbatch_size}"
-        )
+        return (f"pp={self.pp} tp={self.tp} dp={self.dp} ({self.data_parallel}), "
+                f"{self.microbatches} microbatches of {self.microbatch_size}")
 
 
 @dataclass(frozen=True, order=True)
@@ -189,6 +187,7 @@ class _Pricer:
 
     model: Units
     settings: SearchSettings
+    keep_made: bool = True  # outcomes keep their schedule and costs (a menu's rows; not a search's hundreds)
     _segments: dict = field(default_factory=dict)
     _cuts: dict = field(default_factory=dict)
     _plain: dict = field(default_factory=dict)  # (layout, option at level 0) -> its outcome
@@ -333,8 +332,8 @@ class _Pricer:
             return Outcome(layout, option, math.inf, busy, error=str(error).splitlines()[0])
         result = simulate(schedule, resolved := resolve_costs(scaled, schedule.stages))
         peaks = tuple(s + p * unit for s, p in zip(state, result.peak_memory))
-        fits = all(p <= limit for p in peaks)
-        return Outcome(layout, option, result.span, busy, peaks, fits, made=(schedule, resolved))
+        made = (schedule, resolved) if self.keep_made else None
+        return Outcome(layout, option, result.span, busy, peaks, all(p <= limit for p in peaks), made=made)
 
 
 def _memory_bound(cut: Cut, costs: Any, room: Sequence[float]) -> float:
@@ -394,7 +393,7 @@ def options_of(settings: SearchSettings, levels: int) -> list[Option]:
 def search(model: Units, settings: SearchSettings, exhaustive: bool = False) -> SearchResult:
     """The `settings.keep` fastest layouts that fit (module docstring)."""
     started = time.perf_counter()
-    pricer = _Pricer(model, settings)
+    pricer = _Pricer(model, settings, keep_made=False)
     sample = model.units(min(model.tps), 1)
     found, dropped = layouts(model, settings, sample[0].positions)
     heap: list[tuple[float, int, Layout, Option, Cut]] = []
