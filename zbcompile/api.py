@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from zbcompile.compiler import CompiledPipeline
-from zbcompile.inspect.text import summary_text
+from zbcompile.inspect.text import summary_text, tuner_lines
 from zbcompile.inspect.write import live_dump
 from zbcompile.options import PipelineOptions
 from zbcompile.runtime import batch, profile
@@ -140,8 +140,11 @@ class PipelinedModule:
 
     def explain(self) -> str:
         """What `zbcompile inspect` prints for the latest compile: stages, balance, costs, predicted and measured
-        times, and each pipeline rank's bytes of parameters, gradients and optimizer state under `data_parallel`."""
-        return summary_text(live_dump(self, self._builder.latest().dump))
+        times, each pipeline rank's bytes of parameters, gradients and optimizer state under `data_parallel`, and
+        the measured-cost tuner's decisions (each trial's measured steps)."""
+        tuner = self.tuner
+        lines = tuner_lines(tuner.history) if tuner is not None else []
+        return "\n".join([summary_text(live_dump(self, self._builder.latest().dump)), *lines])
 
     @property
     def compiled(self) -> CompiledPipeline:

@@ -127,13 +127,15 @@ def eight_ranks() -> list[dict]:
 # --- two ranks -------------------------------------------------------------------------------
 
 # tests/runtime/test_distributed.py: 3 steps of each (schedule, optimizer); the profiled runs'
-# (max_steps, options); batches that leave some microbatches out; forward messages delayed by
+# (max_steps, options: "slowed rank" slows rank 0 so that the measured solve differs from the static
+# one and is tried against it); batches that leave some microbatches out; forward messages delayed by
 # 0.1 s (W may fit in the waits; which ones depends on the machine) and, on rank 1, never seen
 # arrived before a computation waits for them (the W the plan put before it always move there)
 TRAIN = ("gpt", ("zb-h1", "dualpipe"), 2, ("sgd", "adamw"), 3)
 PROFILED = {
     "default": (400, {}),
     "below 1f1b": (400, {"memory_limit": 1.5, "recut": False}),
+    "slowed rank": (400, {"recut": False, "_slowdown": {0: 3.0}}),
     "profile=False": (5, {"profile": False}),
     "profile=True": (400, {"schedule": "zb-h1", "profile": True, "profile_steps": 3}),
     "recompute auto": (400, {"memory_limit": 1.5, "recompute": "auto"}),

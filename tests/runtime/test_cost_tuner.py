@@ -1,7 +1,8 @@
 """The measured-cost tuner's decisions, on a pipeline of one rank (no collectives): a first
 solve after the warm-up and profiled steps, the switch once the background solver is done,
 calibration, and a re-solve when the measured step drifts from the prediction; under
-recompute="auto", the recompute levels chosen again with the measured costs."""
+recompute="auto", the recompute levels chosen again with the measured costs; each solve tried on
+real steps against the running schedule before it is kept."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ import torch
 import zbcompile
 from helpers.models import build
 from zbcompile.auto_recompute import MeasuredRecomputation, calibrated_costs, evaluate_memory, with_levels
-from zbcompile.runtime import profile
+from zbcompile.inspect.text import tuner_lines
+from zbcompile.runtime import profile, schedule_trial
 from zbcompile.runtime.layout import Layout
+from zbcompile.runtime.schedule_race import MIN_ROUNDS
 from zbcompile.schedules import Costs, make_schedule, simulate
 
 ONE_RANK = Layout(
@@ -229,3 +232,80 @@ def test_the_tuner_chooses_recomputation_again_with_measured_costs_and_the_runne
     plain.step(plain_pipe)
     for fqn, p in plain.model.named_parameters():
         assert torch.equal(grads[fqn], p.grad), fqn
+
+
+# --- each solve tried against the running schedule before it is kept (runtime/schedule_trial.py) ---
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """The trial's logical clock: the test advances `clock[0]`."""
+    now = [0.0]
+    monkeypatch.setattr(schedule_trial, "perf_counter", lambda: now[0])
+    return now
+
+
+def _tuner(trial_rounds: int):
+    static = Costs(f=[1.0, 1.0], i=[1.0, 1.0], w=[1.0, 1.0])
+    schedule = make_schedule("zb-auto", 2, 4, costs=static, time_budget=0)
+    arguments = lambda costs: dict(name="zb-auto", stages=2, microbatches=4, costs=costs, time_budget=0)  # noqa: E731
+    return profile.CostTuner(2, arguments, static, trial_rounds=trial_rounds), _runner(schedule)
+
+
+def _train(tuner, runner, clock, step_s, steps: int, scale: float = 1.0) -> None:
+    """`steps` steps, each lasting `step_s(schedule)` on the trial's clock; a switch runs from the next."""
+    for _ in range(steps):
+        runner.timeline = _timeline(runner.schedule, scale)
+        runner.comm_timeline = []
+        clock[0] += step_s(runner.schedule)
+        new = tuner.after_step(runner)
+        if new is not None:
+            runner.schedule = new
+
+
+def _until_trial(tuner, runner, clock, step_s, scale: float = 1.0) -> None:
+    deadline = time.monotonic() + SOLVE_WAIT_S
+    while not tuner.history[-1]["event"].startswith("trying"):
+        assert time.monotonic() < deadline, tuner.history
+        _train(tuner, runner, clock, step_s, 1, scale)
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("solved_faster", [True, False])
+def test_the_tuner_keeps_a_solved_schedule_only_where_it_is_measured_faster(clock, solved_faster):
+    tuner, runner = _tuner(trial_rounds=3)
+    original = runner.schedule
+
+    def step_s(schedule):  # the solved schedule carries cost_source "measured"
+        solved = schedule.info.get("cost_source") == "measured"
+        return 9.0 if solved == solved_faster else 10.0
+
+    _train(tuner, runner, clock, step_s, 3)  # a warm-up and two profiled steps start the first solve
+    _until_trial(tuner, runner, clock, step_s)
+    assert tuner.solving and not tuner.settled and runner.schedule.info["cost_source"] == "measured"
+    _train(tuner, runner, clock, step_s, 2 * 2 * MIN_ROUNDS)
+    assert not tuner.solving and tuner.settled, tuner.history
+    last = tuner.history[-1]
+    assert last["trial"]["chosen"] == ("solved" if solved_faster else "running")
+    text = "\n".join(tuner_lines(tuner.history))  # what explain() adds
+    assert f"tried on real steps: kept {last['trial']['chosen']}" in text and "    solved " in text, text
+    if solved_faster:
+        assert last["event"] == "switched" and runner.schedule.info["cost_source"] == "measured"
+    else:
+        assert last["event"].startswith("kept the running schedule") and runner.schedule is original
+    # not solved for again while the step keeps to the kept schedule's prediction
+    _train(tuner, runner, clock, step_s, 2 * profile.DRIFT_WINDOW)
+    assert tuner.resolves == 1 and tuner.history[-1]["event"] == "calibrated", tuner.history
+    _train(tuner, runner, clock, step_s, profile.DRIFT_WINDOW, scale=2.0)  # twice as slow: drift, tried again
+    assert tuner.history[-1]["event"].startswith("solving (drift +") and tuner.resolves == 2
+
+
+def test_without_trial_rounds_the_solve_is_switched_in_untried(clock):
+    tuner, runner = _tuner(trial_rounds=0)
+    _train(tuner, runner, clock, lambda _: 1.0, 3)
+    deadline = time.monotonic() + SOLVE_WAIT_S
+    while tuner.solving:
+        assert time.monotonic() < deadline, tuner.history
+        _train(tuner, runner, clock, lambda _: 1.0, 1)
+        time.sleep(0.01)
+    assert tuner.history[-1]["event"] == "switched" and "trial" not in tuner.history[-1]

@@ -11,6 +11,7 @@ from helpers import distributed_workers as workers
 from helpers import launches
 from helpers.models import NAMES, batch_for, build
 from helpers.multiprocess import Failed, run_ranks
+from zbcompile.runtime.schedule_race import MIN_ROUNDS
 from zbcompile.schedules import Action, make_schedule, schedule_spec
 
 SINGLE_CHUNK, TWO_CHUNK, MORE_TWO_CHUNK, MIRRORED, SMALLEST = (
@@ -302,13 +303,30 @@ def test_zb_auto_measures_its_costs_by_default(profiled):
 @launches.READS_TWO_RANKS
 def test_the_tuner_solves_with_its_first_measurement_and_switches_after_the_same_step(profiled):
     """With the cut kept as compiled (recut=False), zb-auto times its first steps, solves with what
-    it measured while steps go on, and switches on every rank after the same step."""
-    per_rank = profiled["below 1f1b"]
+    it measured while steps go on, and from the same step on every rank tries the solve against
+    the running schedule (rank 0 slowed 3x: the measured costs solve to another order)."""
+    per_rank = profiled["slowed rank"]
     events = [e["event"] for e in per_rank[0]["history"]]
-    assert events[:2] == ["solving (first measurement)", "switched"], events
+    assert events[:2] == ["solving (first measurement)", "trying the solved schedule against the running one"], events
     assert per_rank[0]["history"][0]["step"] == 2  # a warm-up step, then profile_steps=2 timed ones
     assert per_rank[0]["history"][1]["step"] == 3  # the worker waits for the solve: the next step switches
+    assert events == [e["event"] for e in per_rank[1]["history"]] and any("trial" in e for e in per_rank[0]["history"])
+    _kept_solve(per_rank)
     _assert_eager_grads_after_steps(per_rank)
+
+
+def _kept_solve(per_rank: list[dict]) -> bool:
+    """Whether the first solve was kept, the same on every rank: switched in untried (the same
+    actions and programs as the running ones: nothing to try) or measured faster in its trial."""
+    if not any("trial" in e for e in per_rank[0]["history"]):
+        assert [e["event"] for e in per_rank[0]["history"]][-1] == "switched", per_rank[0]["history"]
+        return True
+    ended = [next(e for e in r["history"] if "trial" in e) for r in per_rank]
+    assert ended[0]["trial"] == ended[1]["trial"] and ended[0]["event"] == ended[1]["event"], ended
+    assert all(e["steps"] >= MIN_ROUNDS for e in ended[0]["trial"]["entrants"]), ended
+    kept = ended[0]["trial"]["chosen"] == "solved"
+    assert ended[0]["event"] == "switched" if kept else ended[0]["event"].startswith("kept the running schedule")
+    return kept
 
 
 @launches.READS_TWO_RANKS
@@ -317,7 +335,7 @@ def test_zb_auto_under_a_limit_below_one_f_one_b_runs_a_v_on_the_same_ranks(prof
     a V schedule, re-solves it with measured chunk costs, and gives eager's gradients."""
     per_rank = profiled["below 1f1b"]
     assert [r["placement"] for r in per_rank] == ["v", "v"]
-    assert per_rank[0]["cost_source"] == "measured", per_rank[0]["history"]
+    assert per_rank[0]["cost_source"] == ("measured" if _kept_solve(per_rank) else "static"), per_rank[0]["history"]
     assert len(per_rank[0]["costs"][0]) == 4  # measured per chunk
     assert per_rank[0]["schedule"] == per_rank[1]["schedule"]
     assert {a[0] for a in per_rank[0]["schedule"][0] if a[1] == "F"} == {"0", "3"}  # rank 0: first and last chunk
@@ -344,13 +362,15 @@ def test_profile_false_keeps_the_static_schedule_and_profile_true_measures_any_s
 @launches.READS_TWO_RANKS
 def test_auto_recompute_is_chosen_again_with_the_measured_costs_on_every_rank(profiled):
     """recompute="auto" under a limit: when zb-auto re-solves with measured costs, rank 0 chooses
-    the levels again with them and every rank switches to those levels' programs with the new
-    schedule; the gradients stay eager's."""
+    the levels again with them and every rank tries those levels' programs with the new schedule
+    against the running ones, keeping the faster; the gradients stay eager's."""
     per_rank = profiled["recompute auto"]
-    assert per_rank[0]["cost_source"] == "measured", per_rank[0]["history"]
+    kept = _kept_solve(per_rank)  # the solve and its levels, tried against the running ones where they differ
+    assert per_rank[0]["cost_source"] == ("measured" if kept else "static"), per_rank[0]["history"]
     events = [[e["event"] for e in r["history"]] for r in per_rank]
     assert events[0] == events[1] and events[0][1].startswith("recompute levels"), events
-    assert events[0][1].endswith(f"-> {list(per_rank[0]['levels'])} (measured costs)"), events
+    before, after = events[0][1].removeprefix("recompute levels ").removesuffix(" (measured costs)").split(" -> ")
+    assert str(list(per_rank[0]["levels"])) == (after if kept else before), events
     assert per_rank[0]["levels"] == per_rank[1]["levels"] and all(all(r["stage_programs"]) for r in per_rank)
     assert per_rank[0]["schedule"] == per_rank[1]["schedule"]
     _assert_eager_grads_after_steps(per_rank)

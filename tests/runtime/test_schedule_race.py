@@ -5,6 +5,7 @@ the limit), when it stops, and which it keeps."""
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 import pytest
 
@@ -20,8 +21,8 @@ def _clocked(monkeypatch, seconds_of):
     clock, calls = [0.0], []
     monkeypatch.setattr(schedule_race.time, "perf_counter", lambda: clock[0])
 
-    def run_step(schedule):
-        label = schedule.info["race_label"]
+    def run_step(entrant):
+        label = entrant.label
         calls.append(label)
         clock[0] += seconds_of(label, len(calls))
 
@@ -30,10 +31,7 @@ def _clocked(monkeypatch, seconds_of):
 
 def _field(limit=None):
     solved = make_schedule("zb-auto", 2, 4, COSTS, memory_limit=limit, time_budget=0)
-    field = schedule_race.entrants(solved, COSTS, limit)
-    for entrant in field:
-        entrant.schedule = entrant.schedule.with_info(race_label=entrant.label)
-    return field
+    return schedule_race.entrants(solved, COSTS, limit)
 
 
 def test_entrants_are_the_solves_and_the_handcrafted_schedules_that_fit_the_limit():
@@ -51,6 +49,33 @@ def test_entrants_are_the_solves_and_the_handcrafted_schedules_that_fit_the_limi
     v_costs = Costs(f=[1.0] * 4, i=[1.0] * 4, w=[1.0] * 4)
     v = make_schedule("zbv", 4, 4, v_costs, ranks=2)
     assert [e.label for e in schedule_race.entrants(v, v_costs, None)] == ["zb-auto", "zbv"]
+
+
+def test_a_pipeline_that_follows_readiness_also_races_the_solve_in_the_plans_order():
+    """Moving W into waits is a prediction too: the solve runs once following readiness and once
+    in the plan's order; the other entrants follow readiness, as the pipeline does."""
+    solved = make_schedule("zb-auto", 2, 4, COSTS, time_budget=0)
+    field = schedule_race.entrants(solved, COSTS, None, readiness=True)
+    assert [(e.label, e.follow_readiness) for e in field] == [
+        ("zb-auto", True), ("zb-auto (plan order)", False), ("1f1b", True), ("zb-h1", True), ("zb-h2", True),
+    ]
+    assert field[1].schedule is solved and field[1].predicted_s == field[0].predicted_s
+    fused = make_schedule("1f1b", 2, 4, COSTS)  # no W to move: nothing to race in the plan's order
+    assert "zb-auto (plan order)" not in [e.label for e in schedule_race.entrants(fused, COSTS, None, readiness=True)]
+    assert not any(e.follow_readiness for e in schedule_race.entrants(solved, COSTS, None))
+
+
+def test_run_as_sets_the_runners_readiness_and_schedule():
+    solved = make_schedule("zb-auto", 2, 4, COSTS, time_budget=0)
+    field = schedule_race.entrants(solved, COSTS, None, readiness=True)
+    calls = []
+    runner = SimpleNamespace(
+        schedule=solved, follow=lambda flag: calls.append(("follow", flag)),
+        reschedule=lambda schedule: calls.append(("reschedule", schedule.name)),
+    )
+    schedule_race.run_as(runner, field[1])
+    schedule_race.run_as(runner, field[2])
+    assert calls == [("follow", False), ("follow", True), ("reschedule", "1f1b")]
 
 
 def test_a_clear_winner_stops_the_race_after_the_minimum_rounds(monkeypatch):

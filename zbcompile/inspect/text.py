@@ -452,9 +452,10 @@ def cut_lines(cut: dict[str, Any] | None) -> list[str]:
     ]
 
 
-def race_lines(race: dict[str, Any] | None) -> list[str]:
-    """The schedule race of the compile (`runtime/schedule_race.py`): each entrant's predicted
-    and measured step (median, spread, steps timed), which was kept and why."""
+def race_lines(race: dict[str, Any] | None, title: str = "schedule raced on real steps") -> list[str]:
+    """The schedule race of the compile (`runtime/schedule_race.py`) or a trial of the tuner's
+    (`runtime/schedule_trial.py`): each entrant's predicted and measured step (median, spread,
+    steps timed), which was kept and why."""
     if not race:
         return []
     rows = []
@@ -464,7 +465,18 @@ def race_lines(race: dict[str, Any] | None) -> list[str]:
             if e["measured_step_s"] is not None else "not raced"
         )
         rows.append(f"    {e['label']:<8} predicted {seconds_text(e['predicted_step_s'])}, {measured}")
-    return [f"schedule raced on real steps: kept {race['chosen']} ({race['why']})", *rows]
+    return [f"{title}: kept {race['chosen']} ({race['why']})", *rows]
+
+
+def tuner_lines(history: list[dict[str, Any]]) -> list[str]:
+    """The measured-cost tuner's decisions (`CostTuner.history`), each trial's entrants below it."""
+    if not history:
+        return []
+    lines = ["measured costs, decisions while training:"]
+    for entry in history:
+        lines.append(f"  step {entry['step']}: {entry['event']}")
+        lines += [f"  {line}" for line in race_lines(entry.get("trial"), "tried on real steps")]
+    return lines
 
 
 def summary_text(dump: Dump) -> str:

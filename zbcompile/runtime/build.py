@@ -216,17 +216,17 @@ class Builder:
         schedules of its placement (`schedule_race`); the race joins the cut's record, and the
         tuner checks drift against the winner from here on."""
         runner, solved = built.runner, built.runner.schedule
-        field = schedule_race.entrants(solved, self.measured_costs, solved.info.get("memory_limit"), static)
+        field = schedule_race.entrants(
+            solved, self.measured_costs, solved.info.get("memory_limit"), static, self.options.follow_readiness
+        )
 
-        def run_step(schedule) -> None:
-            if schedule is not runner.schedule:
-                runner.reschedule(schedule)
+        def run_step(entrant: schedule_race.Entrant) -> None:
+            schedule_race.run_as(runner, entrant)
             runner.train(micro_inputs, micro_targets, absent, self.ownership)
 
         with recut.untouched(self.module, runner.device):
             winner, race = schedule_race.race(field, run_step, self.layout(), self.options.race_rounds)
-        if winner.schedule is not runner.schedule:
-            runner.reschedule(winner.schedule)
+        schedule_race.run_as(runner, winner)
         runner.compiled = replace(runner.compiled, cut_record={**record, "race": race})
         built.tuner.calibrated(self.measured_costs, winner.schedule, f"raced at compile: {race['chosen']} kept")
         return built

@@ -11,6 +11,9 @@ those steps rank 0 broadcasts one number, whether the solver has finished; the s
 has is the switch, on every rank, with one broadcast of the new schedule. Under recompute="auto",
 rank 0 first chooses the recompute levels again with the measured costs (under the same limit), and
 the switch broadcasts them with the schedule: every rank then runs those levels' stage programs.
+Before a switch is kept it is tried (`schedule_trial.py`): the new schedule and the running one
+alternate over the next steps, and the one measured faster stays (the running one on a tie); a
+schedule rejected so is not solved for again until the step drifts once more.
 From then on it compares the measured step (the longest rank's span of actions and gradient
 reductions, median over a window of steps, gathered) with the simulator's span of the running
 schedule under the costs it was solved with: when their ratio moves more than `DRIFT_THRESHOLD` away
@@ -34,6 +37,8 @@ from zbcompile.runtime.distributed import DistributedRunner
 from zbcompile.runtime.grad_reduction import REDUCE
 from zbcompile.runtime.layout import from_first_rank
 from zbcompile.runtime.p2p import gather_objects
+from zbcompile.runtime.schedule_race import Entrant
+from zbcompile.runtime.schedule_trial import ScheduleTrial
 from zbcompile.schedules import Action, Costs, Schedule, simulate
 from zbcompile.schedules.costs import with_reduction
 
@@ -134,7 +139,9 @@ class CostTuner:
     over the replicas in boundary messages (`grad_reduction.reduction_per_message`; empty or
     zeros without replicas): measured costs carry it as a reduction time (`costs.with_reduction`
     on the measured message time), so solves, predictions and the drift check count each stage's
-    reduction after its last W, and a measured step lasts until this rank's last reduction ends."""
+    reduction after its last W, and a measured step lasts until this rank's last reduction ends.
+    `trial_rounds`: the most rounds a solved schedule is tried against the running one before
+    it is kept (`schedule_trial.py`; 0: switched in untried)."""
 
     def __init__(
         self,
@@ -143,8 +150,10 @@ class CostTuner:
         static: Costs,
         recompute: Any = None,
         reduction: Sequence[float] = (),
+        trial_rounds: int = 0,
     ) -> None:
         self.profile_steps = profile_steps
+        self.trial_rounds = trial_rounds
         self.reduction = tuple(reduction)
         self.solve_arguments = solve_arguments
         self.static = static
@@ -157,19 +166,22 @@ class CostTuner:
         self.history: list[dict[str, Any]] = []  # one entry per decision, for people
         self._steps = 0
         self._window: list[Timeline] = []  # per step, its actions and its gradient reductions
-        # the solve under way: rank 0's child process (None elsewhere), the costs and levels it solves for
-        self._solving: tuple[BackgroundSolve | None, Costs, tuple[int, ...] | None] | None = None
+        # the solve under way: rank 0's child process (None elsewhere), the costs and levels it solves
+        # for, and the costs measured running the schedule in use
+        self._solving: tuple[BackgroundSolve | None, Costs, tuple[int, ...] | None, Costs] | None = None
+        # the trial under way, with the costs measured running the incumbent and the candidate's
+        self._trial: tuple[ScheduleTrial, Costs, Costs] | None = None
 
     @property
     def solving(self) -> bool:
-        """A solve has started and its outcome is not taken yet (the same on every rank)."""
-        return self._solving is not None
+        """A solve has started and its outcome is not kept or rejected yet (the same on every rank)."""
+        return self._solving is not None or self._trial is not None
 
     @property
     def settled(self) -> bool:
         """A schedule chosen with measured costs runs (raced at compile or switched in) and no
         solve is under way: what a benchmark's warm-up waits for."""
-        return self.measured is not None and self._solving is None
+        return self.measured is not None and not self.solving
 
     def wait_for_solve(self, timeout: float) -> bool:
         """Wait up to `timeout` seconds for the solve under way on this rank (rank 0's child
@@ -193,7 +205,7 @@ class CostTuner:
         self.measured, self.predicted_span = state["measured"], state["predicted_span"]
         self.resolves, self.drift_resolves = state["resolves"], state["drift_resolves"]
         self.history = list(state["history"])
-        self.reference, self._steps, self._window, self._solving = None, 0, [], None
+        self.reference, self._steps, self._window, self._solving, self._trial = None, 0, [], None, None
 
     def calibrated(self, costs: Costs, schedule: Schedule, event: str) -> None:
         """The running `schedule` was solved at compile with `costs` measured by calibration steps
@@ -210,6 +222,8 @@ class CostTuner:
         step, self._steps = self._steps, self._steps + 1
         if step == 0:
             return None  # the first step warms up (allocator, caches): not representative
+        if self._trial is not None:
+            return self._tried(runner, step)
         self._window.append([*runner.timeline, *_reductions(runner.comm_timeline)])
         if self._solving is not None:
             return self._switch_if_solved(runner, step)
@@ -246,11 +260,11 @@ class CostTuner:
                 return
             self.drift_resolves += 1
             reason = f"drift {drift:+.0%}"
-        levels, solve = None, None
+        levels, solve, running = None, None, costs
         if runner.layout.decides:
             levels, costs = self._recompute_levels(costs)
             solve = BackgroundSolve(self.solve_arguments(costs))
-        self._solving = (solve, costs, levels)
+        self._solving = (solve, costs, levels, running)
         self.resolves += 1
         self.history.append({"step": step, "event": f"solving ({reason})", "measured_span_s": span})
 
@@ -267,8 +281,9 @@ class CostTuner:
 
     def _switch_if_solved(self, runner: DistributedRunner, step: int) -> Schedule | None:
         """While rank 0 solves: one broadcast per step says whether it has finished (or given up
-        after the pipeline's timeout); the step after which it has is the switch, everywhere."""
-        solve, costs, levels = self._solving
+        after the pipeline's timeout); the step after which it has is the switch, everywhere: to
+        the solved schedule for good, or for a trial against the running one."""
+        solve, costs, levels, running = self._solving
         self._window.clear()  # the old schedule's steps tell nothing about the new one
         limit = runner.transport.timeout.total_seconds()
         finished = solve is None or solve.done() or time.perf_counter() - solve.started > limit
@@ -289,18 +304,54 @@ class CostTuner:
         if schedule is None:
             self.history.append({"step": step, "event": f"kept the schedule: {error}"})
             return None
+        schedule = schedule.with_info(cost_source="measured")
+        incumbent = runner.compiled
         if levels is not None:
             before = self.recompute.levels
             runner.use_programs(self.recompute.use(levels))
-            self.static = runner.compiled.schedule_costs()
             self.history.append(
                 {"step": step, "event": f"recompute levels {list(before)} -> {list(levels)} (measured costs)"}
             )
+        if self.trial_rounds == 0 or (runner.compiled is incumbent and schedule.actions == runner.schedule.actions):
+            self._use(runner, schedule, costs, step, "switched")  # untried, or nothing to try: the same actions
+            return schedule
+        programs = {"solved": runner.compiled, "running": incumbent}
+        candidate = Entrant("solved", schedule, simulate(schedule, costs).span)
+        held = Entrant("running", runner.schedule, simulate(runner.schedule, running).span)
+        self._trial = (ScheduleTrial(held, candidate, self.trial_rounds, programs), running, costs)
+        self.history.append({"step": step, "event": "trying the solved schedule against the running one"})
+        return schedule
+
+    def _tried(self, runner: DistributedRunner, step: int) -> Schedule | None:
+        """A step of the trial under way: the schedule to run next where it changes; at its end
+        the winner stays, with the costs it was measured or solved with."""
+        trial, running, solved = self._trial
+        entrant = trial.after_step(runner.layout)
+        if entrant is not None and trial.programs[entrant.label] is not runner.compiled:
+            runner.use_programs(trial.programs[entrant.label])
+        if not trial.finished:
+            return entrant.schedule if entrant is not None else None
+        self._trial, self._window = None, []
+        winner = trial.winner
+        if self.recompute is not None:
+            self.recompute.running = runner.compiled
+        record = trial.record()
+        kept = winner.label == "solved"
+        event = "switched" if kept else "kept the running schedule: the solved one was not measured faster"
+        self._use(runner, winner.schedule, solved if kept else running, step, event, record)
+        return entrant.schedule if entrant is not None else None
+
+    def _use(
+        self, runner: DistributedRunner, schedule: Schedule, costs: Costs, step: int, event: str,
+        trial: dict[str, Any] | None = None,
+    ) -> None:
+        """From here on `schedule` runs, its drift checked against its prediction under `costs`."""
+        self.static = runner.compiled.schedule_costs() if self.recompute is not None else self.static
         self.measured = costs
         self.predicted_span = simulate(schedule, costs).span
         self.reference = None
-        self.history.append({"step": step, "event": "switched", "predicted_span_s": self.predicted_span})
-        return schedule.with_info(cost_source="measured")
+        entry = {"step": step, "event": event, "predicted_span_s": self.predicted_span}
+        self.history.append({**entry, "trial": trial} if trial is not None else entry)
 
 
 def _is_reduction(entry: tuple[Any, float, float]) -> bool:

@@ -61,6 +61,13 @@ class Runner(ABC):
         """Run `schedule` from the next step on."""
         self._load(schedule)
 
+    def follow(self, readiness: bool) -> None:
+        """From the next step on, follow readiness (W run in waits and past sends) or keep the
+        plan's order (`runtime/dispatch.py`)."""
+        if readiness != self.follow_readiness:
+            self.follow_readiness = self.interpreter.follow_readiness = readiness
+            self._load(self._schedule)
+
     def use_programs(self, compiled: CompiledPipeline) -> None:
         """Run `compiled`'s stage programs from the next step on: the same stages, cut and
         messages, other programs (recompute="auto"'s levels chosen again). Between steps only."""

@@ -194,7 +194,8 @@ class ScheduleChoice:
             recompute = auto_recompute.MeasuredRecomputation(compiled, self.solve_arguments, finish)
         reduction = self.reduction_per_message(compiled)
         return profile.CostTuner(
-            self.options.profile_steps, solve_arguments, compiled.schedule_costs(), recompute, reduction
+            self.options.profile_steps, solve_arguments, compiled.schedule_costs(), recompute, reduction,
+            self.options.race_rounds,
         )
 
 

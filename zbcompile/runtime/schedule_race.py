@@ -5,7 +5,9 @@ by more than the few percent the schedules differ by, so the candidates are run.
 Entrants (`entrants`): the schedule zb-auto solved on the calibration's costs, zb-auto solved on
 the compiler's static estimates (where it differs), and the handcrafted schedules of the same
 placement that fit the same memory limit: 1F1B always (the safe incumbent), ZB-H1 and ZB-H2
-where the compile has one stage per rank, ZBV where it is a V. Schedules of one compile switch
+where the compile has one stage per rank, ZBV where it is a V; where the pipeline follows
+readiness (W run in waits for messages, `runtime/dispatch.py`), zb-auto's solve also in the
+plan's order, since moving W is a prediction too (from recent waits). Schedules of one compile switch
 freely between steps (the same stages on the same ranks, no state moves), and none changes what
 a step computes, only when its work runs. Every entrant's `info["cost_source"]` is "measured":
 its predictions (`explain()`) are under the calibration's costs.
@@ -40,11 +42,12 @@ V_RIVALS = ("zbv",)  # where it runs a V of two chunks per rank
 @dataclass
 class Entrant:
     """One candidate schedule: its `label`, the time the simulator predicts for it under the
-    calibration's costs, and the seconds of its timed steps."""
+    calibration's costs, whether it follows readiness, and the seconds of its timed steps."""
 
     label: str
     schedule: Schedule
     predicted_s: float
+    follow_readiness: bool = True
     samples: list[float] = field(default_factory=list)
 
     @property
@@ -60,14 +63,17 @@ class Entrant:
 
 
 def entrants(
-    solved: Schedule, costs: Costs, memory_limit: Any, static: Schedule | None = None
+    solved: Schedule, costs: Costs, memory_limit: Any, static: Schedule | None = None, readiness: bool = False
 ) -> list[Entrant]:
     """zb-auto's `solved` schedule, zb-auto solved on the compiler's `static` estimates where
     given and different, and the handcrafted schedules of the placement that fit `memory_limit`
     (the limit it was solved under; None: none), each with its predicted step (the simulator's
-    span under `costs`, the calibration's)."""
+    span under `costs`, the calibration's) and following `readiness`; with `readiness`, also
+    `solved` in the plan's order where it has a W to move."""
     v = solved.stages == 2 * solved.ranks
     found = [Entrant("zb-auto", solved, simulate(solved, costs).span)]
+    if readiness and any(a.kind == "W" for row in solved.actions for a in row):
+        found.append(Entrant("zb-auto (plan order)", solved, found[0].predicted_s, follow_readiness=False))
     if static is not None and static.placement == solved.placement and static.actions != solved.actions:
         predicted = simulate(static, costs).span
         found.append(Entrant("zb-auto (static costs)", static.with_info(cost_source="measured"), predicted))
@@ -80,7 +86,17 @@ def entrants(
             continue
         if rival.placement == solved.placement:
             found.append(Entrant(name, rival.with_info(cost_source="measured"), simulate(rival, costs).span))
+    for entrant in found:
+        entrant.follow_readiness = entrant.follow_readiness and readiness
     return found
+
+
+def run_as(runner: Any, entrant: Entrant) -> None:
+    """From its next step on, `runner` runs `entrant`'s schedule, following readiness or not as
+    the entrant does."""
+    runner.follow(entrant.follow_readiness)
+    if entrant.schedule is not runner.schedule:
+        runner.reschedule(entrant.schedule)
 
 
 def decided(entries: Sequence[Entrant], rounds_run: int) -> bool:
@@ -95,18 +111,18 @@ def decided(entries: Sequence[Entrant], rounds_run: int) -> bool:
 
 
 def race(
-    entries: list[Entrant], run_step: Callable[[Schedule], None], layout: Layout | None, rounds: int
+    entries: list[Entrant], run_step: Callable[[Entrant], None], layout: Layout | None, rounds: int
 ) -> tuple[Entrant, dict[str, Any]]:
-    """Race `entries` (see the module docstring): `run_step(schedule)` runs one calibration step
-    under `schedule`. Returns the winner (the same on every rank) and the record `explain()` shows."""
+    """Race `entries` (see the module docstring): `run_step(entrant)` runs one calibration step
+    as `entrant` says. Returns the winner (the same on every rank) and the record `explain()` shows."""
     rounds_run = 0
     while rounds_run < rounds and not decided(entries, rounds_run):
         mine = {}
         for k in range(len(entries)):
             entrant = entries[(k + rounds_run) % len(entries)]
-            run_step(entrant.schedule)  # settles the switch
+            run_step(entrant)  # settles the switch
             started = time.perf_counter()
-            run_step(entrant.schedule)
+            run_step(entrant)
             mine[entrant.label] = time.perf_counter() - started
         gathered = gather_objects(mine, layout.pp_group) if layout is not None else [mine]
         times = from_first_rank([max(g[e.label] for g in gathered) for e in entries], layout)

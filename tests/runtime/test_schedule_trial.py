@@ -1,0 +1,77 @@
+"""A re-solved schedule tried against the running one before it is kept (`runtime/schedule_trial.py`;
+the tuner's side in test_cost_tuner.py), in one process on a logical clock: the blocks alternate,
+the trial stops as the race does, the faster is kept and the incumbent on a tie."""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+
+from zbcompile.runtime import schedule_trial
+from zbcompile.runtime.schedule_race import MIN_ROUNDS, Entrant
+from zbcompile.runtime.schedule_trial import ScheduleTrial
+from zbcompile.schedules import Costs, make_schedule
+
+COSTS = Costs(f=[1.0, 1.0], i=[1.0, 1.0], w=[1.0, 1.0])
+ONE_RANK = SimpleNamespace(pp_group=None, decision_groups=())  # a pipeline of one process: no collectives
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """A logical clock for the trial: the test advances `clock[0]`."""
+    now = [0.0]
+    monkeypatch.setattr(schedule_trial, "perf_counter", lambda: now[0])
+    return now
+
+
+def _trial(rounds: int) -> ScheduleTrial:
+    running = Entrant("running", make_schedule("1f1b", 2, 4, COSTS), 10.0)
+    solved = Entrant("solved", make_schedule("zb-h1", 2, 4, COSTS), 9.0)
+    return ScheduleTrial(running, solved, rounds, {"solved": None, "running": None})
+
+
+def _steps(trial: ScheduleTrial, clock, seconds_of, steps: int) -> list[str]:
+    """Run `steps` steps (each lasting `seconds_of(label, step)`); the label each step ran."""
+    ran = []
+    for step in range(steps):
+        label = trial.running.label
+        ran.append(label)
+        clock[0] += seconds_of(label, step)
+        switched = trial.after_step(ONE_RANK)
+        if trial.finished:
+            break
+        assert (switched is None) == (trial.running.label == label)
+    return ran
+
+
+def test_blocks_alternate_and_a_clear_winner_ends_the_trial_after_the_minimum_rounds(clock):
+    trial = _trial(rounds=5)
+    ran = _steps(trial, clock, lambda label, _: 9.0 if label == "solved" else 10.0, 100)
+    assert ran == ["solved", "solved", "running", "running", "running", "running", "solved", "solved"]
+    assert trial.finished and trial.rounds_run == MIN_ROUNDS and trial.winner.label == "solved"
+    record = trial.record()
+    assert record["chosen"] == "solved" and "beyond the spread" in record["why"]
+    assert [e["measured_step_s"] for e in record["entrants"]] == [9.0, 10.0]
+
+
+def test_overlapping_steps_run_every_round_and_a_tie_keeps_the_incumbent(clock):
+    noise = itertools.cycle([2.0, -2.0])
+    trial = _trial(rounds=4)
+    _steps(trial, clock, lambda label, step: 10.0 + next(noise), 100)
+    assert trial.rounds_run == 4 and trial.winner.label == "running"
+    assert "beyond the spread" not in trial.record()["why"]
+
+
+def test_the_trials_end_switches_back_where_the_incumbent_won(clock):
+    trial = _trial(rounds=MIN_ROUNDS)
+    seen = []
+    for _ in range(4 * MIN_ROUNDS):
+        clock[0] += 12.0 if trial.running.label == "solved" else 10.0
+        switched = trial.after_step(ONE_RANK)
+        seen.append(switched.label if switched is not None else None)
+        if trial.finished:
+            break
+    # the last block of the second round is the solved one's: its end switches back to the winner
+    assert trial.finished and trial.winner.label == "running" and seen[-1] == "running"

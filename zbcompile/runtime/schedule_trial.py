@@ -1,0 +1,87 @@
+"""A schedule the cost tuner solves while training goes on is kept only where real steps say it
+is faster than the one it would replace (`profile.CostTuner`): the solve's prediction comes from
+the same measured costs that may be off by more than the gain it promises.
+
+The incumbent and the candidate alternate over the training's own steps, in blocks of two (the
+first settles the switch, the second is timed: the time since the previous step ended, on every
+rank; a step's time is the longest rank's). A round is one block of each, the order rotated
+round by round; after each round one gather over the pipeline. The trial ends as the compile's
+race does (`schedule_race.decided`: every timed step of the faster beat every one of the other,
+after `schedule_race.MIN_ROUNDS`) or after its rounds; the faster median is kept, the incumbent
+on a tie. Where the candidate brings other stage programs (recompute levels chosen again), each
+switch runs that entrant's programs; none changes what a step computes.
+"""
+
+from __future__ import annotations
+
+from time import perf_counter
+from typing import Any
+
+from zbcompile.runtime.layout import from_first_rank
+from zbcompile.runtime.p2p import gather_objects
+from zbcompile.runtime.schedule_race import Entrant, decided
+
+BLOCK_STEPS = 2  # per entrant and round: one settling step, one timed
+
+
+class ScheduleTrial:
+    """`incumbent` (running until now) against `candidate` (run from the next step on), each with
+    the stage programs it runs (`programs`: label -> compiled pipeline; None: the runner's own,
+    unchanged). Every rank of the pipeline calls `after_step` after each step of the trial."""
+
+    def __init__(self, incumbent: Entrant, candidate: Entrant, rounds: int, programs: dict[str, Any]) -> None:
+        self.entrants = [candidate, incumbent]  # the candidate's block first: it is switched in now
+        self.rounds = max(rounds, 1)
+        self.programs = programs
+        self.rounds_run = 0
+        self._turn = 0  # the block's place in this round's order
+        self._step = 0  # the step's place in its block
+        self._mine: dict[str, float] = {}  # this round's timed steps on this rank, by label
+        self._last = perf_counter()
+
+    @property
+    def running(self) -> Entrant:
+        return self.entrants[(self._turn + self.rounds_run) % len(self.entrants)]
+
+    def after_step(self, layout: Any) -> Entrant | None:
+        """Record the step just run; returns the entrant to run from the next step on where it
+        changes (None: keep the running one). `finished` tells when the trial has ended."""
+        now = perf_counter()
+        seconds, self._last = now - self._last, now
+        self._step += 1
+        if self._step < BLOCK_STEPS:
+            return None
+        before = self.running
+        self._mine[before.label] = seconds
+        self._step, self._turn = 0, self._turn + 1
+        if self._turn == len(self.entrants):
+            self._end_round(layout)
+        after = self.winner if self.finished else self.running
+        return after if after is not before else None
+
+    @property
+    def finished(self) -> bool:
+        return self.rounds_run >= self.rounds or decided(self.entrants, self.rounds_run)
+
+    @property
+    def winner(self) -> Entrant:
+        """The faster by median; the incumbent unless the candidate is strictly faster."""
+        candidate, incumbent = self.entrants
+        return candidate if candidate.median_s < incumbent.median_s else incumbent
+
+    def record(self) -> dict[str, Any]:
+        """What `explain()` shows: both entrants' predicted and measured steps, the choice and why."""
+        beyond = decided(self.entrants, self.rounds_run)
+        return {
+            "entrants": [e.record() for e in self.entrants], "chosen": self.winner.label,
+            "why": f"faster measured over {self.rounds_run} round(s)" + (", beyond the spread" if beyond else ""),
+        }
+
+    def _end_round(self, layout: Any) -> None:
+        gathered = gather_objects(self._mine, layout.pp_group)
+        times = from_first_rank([max(g[e.label] for g in gathered) for e in self.entrants], layout)
+        for entrant, seconds in zip(self.entrants, times):
+            entrant.samples.append(seconds)
+        self._mine, self._turn = {}, 0
+        self.rounds_run += 1
+
