@@ -42,9 +42,10 @@ its busy-time bound (the slowest rank's summed action medians); our 1f1b at leas
 
     python benchmarks/runtime_cpu.py                 # ~6 minutes on 2 quiet cores
     python benchmarks/runtime_cpu.py --model llama   # the Llama-style decoder
+    python benchmarks/runtime_cpu.py --model tiny-llama   # the same at d=96, seq 32, m=16: host time shows
     python benchmarks/runtime_cpu.py --quick         # a smoke run (with --model llama: the decoder, small)
 
-Writes benchmarks/results/runtime_cpu.{json,md} (runtime_cpu_llama.{json,md} for the decoder).
+Writes benchmarks/results/runtime_cpu.{json,md} (runtime_cpu_MODEL.{json,md} for the others).
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ class Settings:
     zb_schedules: tuple[str, ...] = ZB_SCHEDULES
     torch_schedules: tuple[str, ...] = TORCH_SCHEDULES
     quiet_share: float = 0.5  # medians over this share of each pipeline's rounds, the quietest ones
-    model: str = "gpt"  # "gpt": the zoo GPT; "llama": benchmarks/llama_style.py (RMSNorm, rotary, SwiGLU)
+    model: str = "gpt"  # "gpt": the zoo GPT; "llama", "tiny-llama": benchmarks/llama_style.py (`SHAPES`)
     device: str = "cpu"  # where each rank computes: "cpu", or "cuda" (cuda:LOCAL_RANK, benchmarks/gpu_pipelines.py)
     dtype: str = "float32"  # the model's parameters and activations
 
@@ -103,16 +104,24 @@ class Settings:
 # --- the model, cut by hand for torch.distributed.pipelining ---------------------------------
 
 
-MODEL_NAMES = {"gpt": "GPT (untied embeddings)", "llama": "Llama-style (RMSNorm, rotary, SwiGLU, untied head)"}
+MODEL_NAMES = {
+    "gpt": "GPT (untied embeddings)",
+    "llama": "Llama-style (RMSNorm, rotary, SwiGLU, untied head)",
+    "tiny-llama": "Llama-style, tiny (actions of a few ms: the runtimes' own time per action shows)",
+}
 # zb-auto never behind: against torch's best, against our best fixed schedule (`FIXED`), and its
 # step against its busy-time bound (the slowest rank's summed action medians); our 1F1B against torch's
 NEVER_BEHIND = {"torch": 1.00, "ours": 0.98, "bound": 1.05, "1f1b": 0.98}
 LLAMA = dict(vocab=512, seq_len=128, hidden=256, heads=4, layers=8, microbatches=(4, 8))  # the held-out shape
+SHAPES = {  # per model other than the GPT: its shape, microbatches, and rows per microbatch (None: sized)
+    "llama": (LLAMA, None),
+    "tiny-llama": (dict(vocab=512, seq_len=32, hidden=96, heads=4, layers=8, microbatches=(16,)), 1),
+}
 
 
 def _gpt(settings: Settings):
     """The benchmark's model: the zoo GPT (untied embeddings), or the Llama-style decoder."""
-    if settings.model == "llama":
+    if settings.model in SHAPES:
         import llama_style
 
         return llama_style.llama_style(settings)
@@ -121,7 +130,7 @@ def _gpt(settings: Settings):
 
 def _chunk_class(settings: Settings):
     """The module torch's pipelining runs a chunk of the model as."""
-    if settings.model == "llama":
+    if settings.model in SHAPES:
         import llama_style
 
         return llama_style.Chunk
@@ -857,17 +866,20 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="print only; leave the results files alone")
     parser.add_argument(
         "--model", choices=tuple(MODEL_NAMES), default="gpt",
-        help="the zoo GPT, or the Llama-style decoder (8 layers, d=256, vocab 512; m=4,8 unless --microbatches)",
+        help="the zoo GPT, the Llama-style decoder (8 layers, d=256, vocab 512; m=4,8 unless --microbatches), or "
+        "a tiny one (d=96, seq 32, one row per microbatch; m=16)",
     )
     options = parser.parse_args()
-    shape = {k: v for k, v in LLAMA.items() if k != "microbatches"} if options.model == "llama" else {}
+    shape, rows = SHAPES.get(options.model, ({}, None))
     microbatches = options.microbatches
-    if options.model == "llama" and microbatches == ",".join(map(str, Settings.microbatches)):
-        microbatches = ",".join(map(str, LLAMA["microbatches"]))
+    if shape and microbatches == ",".join(map(str, Settings.microbatches)):
+        microbatches = ",".join(map(str, shape["microbatches"]))
+    sized = rows is None and options.step_target
     settings = Settings(
         rounds=options.rounds, steps_per_round=options.steps_per_round, warmup=options.warmup,
-        microbatches=tuple(int(m) for m in microbatches.split(",")), rows=options.rows,
-        step_target_s=options.step_target or None, model=options.model, **shape,
+        microbatches=tuple(int(m) for m in microbatches.split(",")), rows=rows or options.rows,
+        step_target_s=options.step_target if sized else None, model=options.model,
+        **{k: v for k, v in shape.items() if k != "microbatches"},
     )
     if options.all:
         settings = replace(settings, zb_schedules=ZB_SCHEDULES + MORE_ZB, torch_schedules=TORCH_SCHEDULES + MORE_TORCH)
