@@ -62,7 +62,7 @@ sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(_
 
 import _launch  # noqa: E402
 from zbcompile import measure  # noqa: E402
-from zbcompile.inspect.text import race_lines  # noqa: E402
+from zbcompile.inspect.decisions_text import race_lines  # noqa: E402
 from zbcompile.rehearsal_torch import MULTI_CHUNK, chunk_ranks, torch_step  # noqa: E402
 
 FIXED = ("1f1b", "zb-h1", "zb-h2", "zbv")  # our schedules zb-auto must never be behind

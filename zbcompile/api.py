@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from zbcompile.compiler import CompiledPipeline
-from zbcompile.inspect.text import summary_text, tuner_lines
+from zbcompile.inspect.decisions_text import tuner_lines
+from zbcompile.inspect.text import summary_text
 from zbcompile.inspect.write import live_dump
 from zbcompile.options import PipelineOptions
 from zbcompile.runtime import batch, profile

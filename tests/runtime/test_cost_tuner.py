@@ -18,7 +18,7 @@ import torch
 import zbcompile
 from helpers.models import build
 from zbcompile.auto_recompute import MeasuredRecomputation, calibrated_costs, evaluate_memory, with_levels
-from zbcompile.inspect.text import tuner_lines
+from zbcompile.inspect.decisions_text import tuner_lines
 from zbcompile.runtime import profile, schedule_trial
 from zbcompile.runtime.layout import Layout
 from zbcompile.runtime.schedule_race import MIN_ROUNDS

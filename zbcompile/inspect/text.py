@@ -12,8 +12,10 @@ import math
 import re
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+from zbcompile.inspect.decisions_text import cut_lines
 from zbcompile.inspect.read import Dump
 from zbcompile.inspect.timelines import MOVED, median, median_step, steady_steps, step_stats
+from zbcompile.inspect.units import seconds_text, si
 from zbcompile.options import DATA_PARALLEL_MODES
 
 if TYPE_CHECKING:
@@ -21,15 +23,6 @@ if TYPE_CHECKING:
 
 PASSES = ("F", "I", "W")  # the schedule's letters: forward, input-gradient, weight-gradient
 _NO_TRACE = "none (per-action times are recorded in distributed runs with pipeline(dump_dir=...) or ZBCOMPILE_DUMP)"
-
-
-def si(value: float, unit: str = "") -> str:
-    """`1234567` -> `1.23 M`; units after the prefix (`si(2048, "B")` -> `2.05 kB`)."""
-    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(value) >= factor:
-            return f"{value / factor:.2f} {prefix}{unit}"
-    return f"{value:.0f} {unit}".rstrip()
-
 
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -276,13 +269,6 @@ def format_state_table(rows: Sequence[dict[str, Any]], dp: int, mode: str) -> st
     return title + (", predicted pass times" if timed else "") + ":\n" + format_table(header, lines)
 
 
-def seconds_text(seconds: float) -> str:
-    """Seconds in the unit that reads best: s, ms or µs."""
-    if seconds >= 1:
-        return f"{seconds:.3f} s"
-    return f"{seconds * 1e3:.2f} ms" if seconds >= 1e-4 else f"{seconds * 1e6:.2f} µs"
-
-
 # --- the schedule, predicted and measured ----------------------------------------------------
 
 
@@ -431,52 +417,6 @@ def format_measured(version: dict[str, Any], trace: dict[str, Any] | None) -> st
 def _replicas(world: dict[str, Any]) -> int:
     """Data-parallel replicas of the pipeline (1 in one process)."""
     return max(1, world["world_size"] // world["ranks_per_pipeline"]) if world["distributed"] else 1
-
-
-def cut_lines(cut: dict[str, Any] | None) -> list[str]:
-    """What the cut chosen by measurement (`runtime/recut.py`) says: measured, chosen, why."""
-    if not cut:
-        return []
-    measured, chosen = cut["measured"], cut["chosen"]
-    speeds = ", ".join(f"{s:.2f}" for s in cut["rank_speeds"])
-    return [
-        f"cut by measurement: measured {measured['cut']} ({'; '.join(measured['stages'])}), predicted step "
-        f"{seconds_text(measured['predicted_step_s'])}; "
-        + (
-            f"re-cut to {chosen['cut']} ({chosen['schedule']}), predicted step "
-            f"{seconds_text(chosen['predicted_step_s'])} ({cut['predicted_gain']:.3f}x)"
-            if cut["changed"] else "kept"
-        ),
-        f"  why: {cut['reason']}; each rank's time for the same work, relative to the fastest: {speeds}",
-        *race_lines(cut.get("race")),
-    ]
-
-
-def race_lines(race: dict[str, Any] | None, title: str = "schedule raced on real steps") -> list[str]:
-    """The schedule race of the compile (`runtime/schedule_race.py`) or a trial of the tuner's
-    (`runtime/schedule_trial.py`): each entrant's predicted and measured step (median, spread,
-    steps timed), which was kept and why."""
-    if not race:
-        return []
-    rows = []
-    for e in race["entrants"]:
-        measured = (
-            f"measured {seconds_text(e['measured_step_s'])} +- {seconds_text(e['spread_s'])} over {e['steps']} steps"
-            if e["measured_step_s"] is not None else "not raced"
-        )
-        rows.append(f"    {e['label']:<8} predicted {seconds_text(e['predicted_step_s'])}, {measured}")
-    return [f"{title}: kept {race['chosen']} ({race['why']})", *rows]
-
-
-def tuner_lines(history: list[dict[str, Any]]) -> list[str]:
-    """The measured-cost tuner's decisions (`CostTuner.history`), each trial's entrants below it."""
-    if not history:
-        return []
-    lines = ["measured costs, decisions while training:"]
-    for entry in history:
-        lines.append(f"  step {entry['step']}: {entry['event']}")
-        lines += [f"  {line}" for line in race_lines(entry.get("trial"), "tried on real steps")]
-    return lines
 
 
 def summary_text(dump: Dump) -> str:

@@ -69,15 +69,15 @@ class Build:
 
     def after_step(self, measured: Costs | None) -> Costs | None:
         """After a step (its gradients reduced): record it in the dump, and where the tuner
-        switches schedules, run the new one from the next step on. Returns the costs of the
-        latest schedule solved with measured ones (`measured`, unless it switched)."""
+        switches schedules, run the new one from the next step on. Returns the measured costs
+        the running schedule is checked against (`measured` until the tuner has some)."""
         if self.dump is not None:
             self.dump.record_step(self.runner, measured)
         if self.tuner is not None:
             schedule = self.tuner.after_step(self.runner)
             if schedule is not None:
                 self.runner.reschedule(schedule)
-                return self.tuner.measured
+            return self.tuner.measured if self.tuner.measured is not None else measured
         return measured
 
 
@@ -94,7 +94,7 @@ class Builder:
         self.builds: dict[Any, Build] = {}  # by compile key (`batch.split`)
         self.forward_builds: dict[Any, ForwardRunner] = {}  # evaluation's, by compile key, results and placement
         self.latest_forward: ForwardRunner | None = None
-        self.measured_costs: Costs | None = None  # the costs of the latest schedule solved with measured ones
+        self.measured_costs: Costs | None = None  # measured costs the running schedule is checked against
         self.cut_choice: recut.CutChoice | None = None  # the cut chosen by measurement, kept by later compiles
         self._last_key: Any = None
         self._batch = batch.LocalBatch()
