@@ -87,6 +87,21 @@ def test_the_v_is_chosen_where_fill_and_drain_dominate_and_not_where_messages_ar
     assert dear.chosen.cut.placement == "in-line"
 
 
+def test_the_runtimes_own_time_per_action_counts_against_the_v_which_runs_twice_the_actions():
+    """Each action's host time is added to F, I and W of every stage or chunk: where it is large
+    against the actions (short actions), the V's halved fill and drain no longer pay for its
+    doubled actions."""
+    settings = CutSettings(microbatches=4, placements=("in-line", "v"))
+    in_line = Cut("in-line", (10, 20, 30))
+    assert choose_cut(units(speeds=(1.0,) * 4), in_line, settings).chosen.cut.placement == "v"
+    costly = choose_cut(units(speeds=(1.0,) * 4), in_line, replace(settings, action_host=8.0))
+    assert costly.chosen.cut.placement == "in-line"
+    segments = segments_of(units())
+    plain = predict(units(), Cut("in-line", (20,)), CutSettings(microbatches=4), segments).costs
+    hosted = predict(units(), Cut("in-line", (20,)), CutSettings(microbatches=4, action_host=0.5), segments).costs
+    assert hosted.f == [f + 0.5 for f in plain.f] and hosted.w == [w + 0.5 for w in plain.w]
+
+
 def test_memory_moves_the_cut_where_the_balanced_one_does_not_fit():
     """The second half's parameters are four times heavier: the balanced cut puts 80% of the
     state on rank 1, over its limit; the chosen cut fits both ranks, at some cost in time."""

@@ -55,12 +55,14 @@ DECISION_BUDGET_S = 0.5  # zb-auto's budget per shortlisted cut (deterministic w
 class Measured:
     """One rank's calibration: median seconds per (stage, kind) action over the timed steps and
     in each of them (`per_step`: the repetitions a rank's speed must agree over), per
-    (stage, kind, unit) inside an action, and half a boundary message's round trip."""
+    (stage, kind, unit) inside an action, half a boundary message's round trip, and the
+    runtime's own time per action (`profile.host_seconds_per_action`, the median step's)."""
 
     actions: dict[tuple[int, str], float]
     units: dict[tuple[int, str, str], float]
     comm: float
     per_step: tuple[dict[tuple[int, str], float], ...] = ()
+    host: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -100,10 +102,11 @@ def untouched(module: torch.nn.Module, device: torch.device) -> Iterator[None]:
 def measure(runner, train: Any, steps: int) -> Measured:
     """This rank's calibration (see the module docstring); `train()` runs one step."""
     train()  # warm-up: allocator, caches
-    timelines = []
+    timelines, host = [], []
     for _ in range(steps):
         train()
         timelines.append(list(runner.timeline))
+        host.append(profile.host_seconds_per_action(runner.timeline, runner.comm_timeline))
     times = unit_times(runner.device)
     compiled = runner.compiled
     runner.use_programs(marked(compiled, times))
@@ -113,7 +116,8 @@ def measure(runner, train: Any, steps: int) -> Measured:
         runner.use_programs(compiled)
     units = times.medians(runner.transport.timeout.total_seconds())
     per_step = tuple(profile.action_medians([t]) for t in timelines)
-    return Measured(profile.action_medians(timelines), units, profile.round_trip_seconds(runner), per_step)
+    comm = profile.round_trip_seconds(runner)
+    return Measured(profile.action_medians(timelines), units, comm, per_step, statistics.median(host) if host else 0.0)
 
 
 def current_cut(compiled: CompiledPipeline, schedule: Schedule) -> Cut:
@@ -150,6 +154,7 @@ def decide(
         placements=("in-line", "v"),
         objective=options.objective,
         comm_per_byte=comm / largest,
+        action_host=max(part.host for part in gathered),
         reduce_per_byte=statistics.median(per_byte) if per_byte else 0.0,
         limits=_limits(options.memory_limit, compiled.memory_unit(), schedule.ranks),
         time_budget=min(options.solver_time_budget or DECISION_BUDGET_S, DECISION_BUDGET_S),

@@ -30,9 +30,11 @@ RECUT_THRESHOLD = 0.03  # the predicted gain a new cut must bring over the one i
 class CutSettings:
     """How cuts are predicted: `microbatches` and the `objective` zb-auto solves for;
     `placements` the cuts considered ("in-line", "v"); a message takes `comm_per_byte` seconds
-    per byte the boundary crosses; a stage's gradient reduction `reduce_per_byte` per byte of its
-    parameters; a rank holds `state_per_byte` bytes of state per byte of its parameters (0: its
-    limit counts activations alone) within `limits` (bytes per rank; None: no limit). zb-auto gets
+    per byte the boundary crosses; every action `action_host` seconds of the runtime's own time
+    (between actions: posting messages, bookkeeping; a V runs twice the actions of in-line); a
+    stage's gradient reduction `reduce_per_byte` per byte of its parameters; a rank holds
+    `state_per_byte` bytes of state per byte of its parameters (0: its limit counts activations
+    alone) within `limits` (bytes per rank; None: no limit). zb-auto gets
     `time_budget` seconds (deterministic work) on the shortlist of `shortlist` cuts, after
     `climb_rounds` rounds of moving single boundaries."""
 
@@ -40,6 +42,7 @@ class CutSettings:
     placements: tuple[str, ...] = ("in-line",)
     objective: str = "span"
     comm_per_byte: float = 0.0
+    action_host: float = 0.0
     reduce_per_byte: float = 0.0
     state_per_byte: float = 0.0
     limits: tuple[float, ...] | None = None
@@ -105,9 +108,9 @@ def stage_costs(units: CutUnits, cut: Cut, settings: CutSettings, segments: Segm
     transient = [0.0] * ranks
     for stage, (start, end) in enumerate(ranges):
         rank = cut.rank_of(stage)
-        f.append(segments.time(rank, start, end, 0))
-        i.append(segments.time(rank, start, end, 1))
-        w.append(segments.time(rank, start, end, 2))
+        f.append(segments.time(rank, start, end, 0) + settings.action_host)
+        i.append(segments.time(rank, start, end, 1) + settings.action_host)
+        w.append(segments.time(rank, start, end, 2) + settings.action_host)
         b, ww, extra = segments.memory(start, end)
         transient[rank] = max(transient[rank], extra)
         mem_b.append(b)
