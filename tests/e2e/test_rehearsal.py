@@ -1,7 +1,8 @@
 """`zbcompile rehearse` end to end at p = 4, as a user runs it: 1F1B, ZB-H1 and torch's
 Schedule1F1B on four local processes, every action taking its emulated time; each of our
-schedules' measured bubble within tolerance of the simulator's for the same times (never below
-it, but for the sleeps' trim: the runtime only adds), the record and the timelines written."""
+schedules' measured bubble within tolerance of the simulator's for the times its actions took
+(never below the emulated times' own, but for the sleeps' trim: the runtime only adds), the
+record and the timelines written."""
 
 from __future__ import annotations
 
@@ -31,10 +32,13 @@ def test_rehearse_four_ranks_measures_what_the_simulator_predicts(tmp_path):
         row = rows[name]
         # every action lasts at least its time, so no step beats the simulator's (2% for the sleeps' trim)
         assert row["measured_s"] >= 0.98 * row["predicted_s"], row
-        assert row["predicted_with_host_s"] >= row["predicted_s"] and row["host_per_action_s"] > 0, row
-        # the host time between actions and, on busy cores, the wait for one add a few points at most
-        # (0.01-0.02 quiet; 0.08 beside the suite's other launches)
-        assert -0.02 <= row["bubble"] - row["bubble_predicted"] <= 0.15, row
+        assert row["predicted_as_ran_s"] >= row["predicted_s"] and row["host_per_action_s"] > 0, row
+        # never below the emulated times' own bubble; above it by what the simulator gives with each action
+        # as long as it ran (the host time after it, a late wake-up on busy cores), and by the wake-ups
+        # from waits on messages: 0.01-0.02 quiet, up to 0.06 on cores three times oversubscribed
+        as_ran = 1.0 - sum(row["busy_s"]) / (4 * row["predicted_as_ran_s"])
+        assert row["bubble"] - row["bubble_predicted"] >= -0.02, row
+        assert row["bubble"] - as_ran <= 0.10, (as_ran, row)
     assert rows["zb-h1"]["bubble_predicted"] < rows["1f1b"]["bubble_predicted"]
     assert rows["torch Schedule1F1B"]["measured_s"] >= 0.98 * rows["1f1b"]["predicted_s"]
     svg = (tmp_path / "timelines.svg").read_text()
