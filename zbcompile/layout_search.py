@@ -6,9 +6,10 @@ fastest predicted step that fits each rank's memory.
 A layout's option (schedule, placement, recompute level) is priced on the model's per-position
 costs (`plan_units.ModelUnits`, compiled once for all layouts): its stages cut where the slowest
 stage is least (`cut_search.bottleneck_cut`), and, where it differs, where each stage also holds
-its state and 1F1B's microbatches in flight; each stage's costs, each rank's state (parameters,
-gradients, optimizer state by data-parallel mode) and the schedule made and simulated on them
-(zb-auto and ZBV solved under each rank's memory left after its state, zb-auto's heuristic).
+its state and 1F1B's microbatches in flight (one given layout's `menu` also on the cuts where each
+stage's recomputation is chosen with it: `plan_memory.recompute_cut`); each stage's costs, each
+rank's state (parameters, gradients, optimizer state by data-parallel mode) and the schedule made
+and simulated on them (zb-auto and ZBV solved under each rank's memory left after its state).
 Branch and bound: options are priced in the order of a bound no schedule can beat (the busiest
 rank's summed action time per step) and the search stops where that bound reaches the `keep`-th
 best layout found; `exhaustive=True` prices everything (the same answer, for tests).
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, Sequence
 
 from zbcompile.inspect.text import DATA_PARALLEL_MODES, si, state_bytes
+from zbcompile.plan_memory import flights, memory_bound, recompute_cut
 from zbcompile.schedules.costs import resolve_costs
 from zbcompile.schedules.cut_choice import CutSettings, cut_schedule, memory_rule, stage_costs
 from zbcompile.schedules.cut_search import Cut, bottleneck_cut
@@ -71,13 +73,18 @@ class Layout:
 class Option:
     """A schedule of the menu, its placement ("in-line" or "v"), its recompute `level` (0: none)
     or `stage_levels` (one per stage; `level`: their highest); `cut`: "time" (the slowest stage
-    least) or "memory" (each stage's state and 1F1B's microbatches within its rank's memory too)."""
+    least), "memory" (each stage's state and 1F1B's microbatches within its rank's memory too) or
+    "recompute" (the cut and each stage's level chosen together for `flight` microbatches in
+    flight, packed from the front or `from_back`: `plan_memory`; `_Pricer.resolved` fills in the
+    levels)."""
 
     schedule: str
     placement: str
     level: int = 0
     cut: str = "time"
     stage_levels: tuple[int, ...] = ()
+    flight: int = 0
+    from_back: bool = False
 
     @property
     def name(self) -> str:
@@ -189,7 +196,7 @@ class _Pricer:
     settings: SearchSettings
     keep_made: bool = True  # outcomes keep their schedule and costs (a menu's rows; not a search's hundreds)
     _segments: dict = field(default_factory=dict)
-    _cuts: dict = field(default_factory=dict)
+    _cuts: dict = field(default_factory=dict)  # -> Cut, or for a recompute cut (Cut, stage levels); None: none packs
     _plain: dict = field(default_factory=dict)  # (layout, option at level 0) -> its outcome
 
     def segments(self, tp: int, b: int, level: int) -> _OneKind:
@@ -197,6 +204,13 @@ class _Pricer:
         if key not in self._segments:
             units = self.model.units(tp, b)[level]
             self._segments[key] = _OneKind(units, [0, *candidate_positions(units), units.positions])
+        return self._segments[key]
+
+    def level_segments(self, tp: int, b: int) -> tuple[Segments, ...]:
+        """The units at every recompute level, on level 0's segment bounds."""
+        if (key := (tp, b, "levels")) not in self._segments:
+            bounds = self.segments(tp, b, 0).bounds
+            self._segments[key] = tuple(_OneKind(units, bounds) for units in self.model.units(tp, b))
         return self._segments[key]
 
     def cut_settings(self, layout: Layout) -> CutSettings:
@@ -208,46 +222,60 @@ class _Pricer:
         )
 
     def cut(self, layout: Layout, option: Option) -> Cut | None:
-        """`option`'s cut of `layout`'s pipeline (module docstring; every recompute level takes
-        level 0's); None where none packs."""
-        by_memory = option.cut == "memory"
+        """`option`'s cut of `layout`'s pipeline (module docstring; every uniform recompute level
+        takes level 0's); None where none packs."""
+        found = self._made_cut(layout, option)
+        return found[0] if isinstance(found, tuple) else found
+
+    def resolved(self, layout: Layout, option: Option) -> Option | None:
+        """`option` with a recompute cut's stage levels (None where no cut packs); another as it is."""
+        if option.cut != "recompute":
+            return option
+        found = self._made_cut(layout, option)
+        return None if found is None else replace(option, level=max(found[1]), stage_levels=found[1])
+
+    def _made_cut(self, layout: Layout, option: Option) -> Cut | tuple[Cut, tuple[int, ...]] | None:
+        by_memory = option.cut != "time"
         key = (layout.tp, layout.microbatch_size, layout.pp, option.placement,
-               (layout.dp, layout.data_parallel) if by_memory else None)
-        if key not in self._cuts:
-            segments = self.segments(layout.tp, layout.microbatch_size, 0)
-            rule = (
-                memory_rule(segments.units, self.cut_settings(layout), segments, layout.pp, layout.pp,
-                             option.placement == "v")
-                if by_memory else (lambda *_: True)
-            )
+               (layout.dp, layout.data_parallel) if by_memory else None, option.cut, option.flight, option.from_back)
+        if key in self._cuts:
+            return self._cuts[key]
+        settings, segments = self.cut_settings(layout), self.segments(layout.tp, layout.microbatch_size, 0)
+        if option.cut == "recompute":
+            self._cuts[key] = recompute_cut(self.level_segments(layout.tp, layout.microbatch_size), layout.pp,
+                                            option.placement, settings, option.flight, option.from_back)
+        else:
+            rule = (memory_rule(segments.units, settings, segments, layout.pp, layout.pp, option.placement == "v")
+                    if by_memory else (lambda *_: True))
             positions = bottleneck_cut(segments, layout.pp, option.placement, rule)
             self._cuts[key] = None if positions is None else Cut(option.placement, positions)
         return self._cuts[key]
 
     def bound(self, layout: Layout, option: Option) -> tuple[float, Cut | None]:
         """A step no schedule of `option` that fits can beat, and its cut: the busiest rank's
-        summed action time, or, where longer, what memory allows (`_memory_bound`); inf where
-        some rank's state alone passes the limit."""
+        summed action time, or, where longer, what memory allows (`plan_memory.memory_bound`); inf
+        where some rank's state alone passes the limit."""
         cut = self.cut(layout, option)
         if cut is None:
             return math.inf, None
-        segments = self.segments(layout.tp, layout.microbatch_size, option.level)
-        costs, state = stage_costs(segments.units, cut, self.cut_settings(layout), segments)
+        costs, state = self.stage_costs(layout, option, cut)
         busy = [0.0] * layout.pp
         for stage in range(cut.stages):
             busy[cut.rank_of(stage)] += costs.f[stage] + costs.i[stage] + costs.w[stage]
         room = [self.settings.memory_limit - s for s in state]
         if min(room) <= 0:
             return math.inf, cut
-        return layout.microbatches * max(max(busy), _memory_bound(cut, costs, room)), cut
+        return layout.microbatches * max(max(busy), memory_bound(cut, costs, room)), cut
 
     def worth_recomputing(self, layout: Layout, option: Option) -> bool:
         """Whether `option`'s recompute level is priced: level 0 always; another where `option`
         at level 0 does not fit, or is solved (zb-auto, ZBV) and holds some rank within one
-        microbatch's activations of the limit (the limit binds: more room may buy a shorter step)."""
-        if option.level == 0:
+        microbatch's activations of the limit (the limit binds: more room may buy a shorter step);
+        a recompute cut's levels where the same holds on the memory cut without recomputation."""
+        if option.level == 0 and option.cut != "recompute":
             return True
-        plain = replace(option, level=0)
+        plain = (replace(option, level=0) if option.cut != "recompute"
+                 else Option(option.schedule, option.placement, cut="memory"))
         key = (layout, plain)
         if key not in self._plain:
             busy, cut = self.bound(layout, plain)
@@ -336,22 +364,6 @@ class _Pricer:
         return Outcome(layout, option, result.span, busy, peaks, all(p <= limit for p in peaks), made=made)
 
 
-def _memory_bound(cut: Cut, costs: Any, room: Sequence[float]) -> float:
-    """Per microbatch, the least step memory allows (Little's law): a microbatch holds its
-    chunk's M_B on the chunk's rank at least from its F's end to its I's start, while it goes
-    down the rest of the pipeline and back (every later chunk's F and I, a message each way per
-    change of rank); a rank holds at most its `room` bytes at once, so a step of m microbatches
-    lasts at least m x (sum over its chunks of M_B x that time) / room."""
-    held = [0.0] * len(room)
-    trip = 0.0  # F and I of every later chunk, and the messages between them
-    for chunk in range(cut.stages - 1, -1, -1):
-        held[cut.rank_of(chunk)] += costs.mem_b[chunk] * trip
-        trip += costs.f[chunk] + costs.i[chunk]
-        if chunk and cut.rank_of(chunk) != cut.rank_of(chunk - 1):
-            trip += 2 * costs.comm
-    return max(h / r for h, r in zip(held, room))
-
-
 def layouts(model: Units, settings: SearchSettings, positions: int) -> tuple[list[Layout], list[tuple[str, str]]]:
     """Every layout of `settings.gpus` the search prices, and those it drops with the reason."""
     s = settings
@@ -383,11 +395,17 @@ def layouts(model: Units, settings: SearchSettings, positions: int) -> tuple[lis
     return found, dropped
 
 
-def options_of(settings: SearchSettings, levels: int) -> list[Option]:
-    """Every option of the menu at every recompute level, each on both cuts."""
+def options_of(settings: SearchSettings, levels: int, pp: int, recompute_cuts: bool = False) -> list[Option]:
+    """Every option of the menu at every recompute level, each on both cuts, and with
+    `recompute_cuts` where the units have recompute levels, on the recompute cuts too (each count
+    in flight of `plan_memory.flights`, packed from either end)."""
     chosen = settings.levels if settings.levels is not None else tuple(range(levels))
-    return [Option(name, placement, level, cut) for name, placement in settings.menu for level in chosen
-            for cut in ("time", "memory")]
+    uniform = [Option(name, placement, level, cut) for name, placement in settings.menu for level in chosen
+               for cut in ("time", "memory")]
+    if len(chosen) < 2 or not recompute_cuts:
+        return uniform
+    return uniform + [Option(name, placement, cut="recompute", flight=flight, from_back=back)
+                      for name, placement in settings.menu for flight in flights(pp) for back in (False, True)]
 
 
 def search(model: Units, settings: SearchSettings, exhaustive: bool = False) -> SearchResult:
@@ -400,11 +418,13 @@ def search(model: Units, settings: SearchSettings, exhaustive: bool = False) -> 
     count = 0
     for layout in found:
         seen: set[tuple] = set()
-        for option in options_of(settings, len(sample)):
-            bound, cut = pricer.bound(layout, option)
-            if cut is None or bound == math.inf or (option.schedule, option.level, cut) in seen:
+        for option in options_of(settings, len(sample), layout.pp):
+            option = pricer.resolved(layout, option)
+            bound, cut = pricer.bound(layout, option) if option is not None else (math.inf, None)
+            made = (option.schedule, option.stage_levels or option.level, cut) if option is not None else None
+            if cut is None or bound == math.inf or made in seen:
                 continue  # no cut packs, the state alone passes the limit, or the memory cut is the time cut
-            seen.add((option.schedule, option.level, cut))
+            seen.add(made)
             heap.append((bound, count, layout, option, cut))
             count += 1
         if not seen:
@@ -441,59 +461,39 @@ def search(model: Units, settings: SearchSettings, exhaustive: bool = False) -> 
 def menu(model: Units, settings: SearchSettings, layout: Layout) -> list[Outcome]:
     """Every option of the menu priced on one `layout`: per schedule and placement, on the cut where
     it is faster, at level 0 and each recompute level worth pricing (`_Pricer.worth_recomputing`),
-    and per stage where faster (`_Pricer.mixed_levels`)."""
+    per stage where faster (`_Pricer.mixed_levels`), and on the recompute cuts (`plan_memory`) in
+    the order of their bound, each where the bound beats its schedule's fastest fitting price."""
     pricer = _Pricer(model, settings)
     levels = len(model.units(layout.tp, layout.microbatch_size))
+    candidates: list[tuple[bool, float, Option, Cut]] = []
+    seen: set[tuple] = set()
+    for option in options_of(settings, levels, layout.pp, recompute_cuts=True):
+        option = pricer.resolved(layout, option)
+        busy, cut = pricer.bound(layout, option) if option is not None else (math.inf, None)
+        made = (option.schedule, option.placement, option.stage_levels or option.level, cut) if cut else None
+        if cut is not None and made not in seen:
+            seen.add(made)
+            candidates.append((option.cut == "recompute", busy, option, cut))
     priced: dict[tuple, Outcome] = {}
-    for option in options_of(settings, levels):
-        busy, cut = pricer.bound(layout, option)
-        if cut is None or not pricer.worth_recomputing(layout, option):
+    for by_cut, busy, option, cut in sorted(candidates, key=lambda c: (c[0], c[1] if c[0] else 0.0)):
+        key = (option.schedule, option.placement, "recompute cut" if by_cut else option.level)
+        fastest = min((o.step for k, o in priced.items() if k[:2] == key[:2] and o.fits), default=math.inf)
+        if not pricer.worth_recomputing(layout, option) or (by_cut and busy >= fastest):
             continue
         outcome = pricer.price(layout, option, cut, busy)
-        key = (option.schedule, option.placement, option.level)
-        if key not in priced or _better(outcome, priced[key]):
+        if key not in priced or (outcome.fits, -outcome.step) > (priced[key].fits, -priced[key].step):
             priced[key] = outcome
     for schedule, placement in settings.menu:  # the fastest fitting level, per stage where that is faster
-        fitting = [o for k, o in priced.items() if k[:2] == (schedule, placement) and k[2] and o.fits]
+        fitting = [o for k, o in priced.items()
+                   if k[:2] == (schedule, placement) and k[2] in range(1, levels) and o.fits]
         if fitting and (mixed := pricer.mixed_levels(min(fitting, key=Outcome.key))) is not None:
             priced[(schedule, placement, "per stage")] = mixed
     return list(priced.values())
 
 
 def worth_recomputing(model: Units, settings: SearchSettings, layout: Layout, level: int = 1) -> bool:
-    """Whether `menu` would price some option of `layout` at recompute `level` (module docstring):
-    where the model's units have no such level, whether they should."""
+    """Whether `menu` would price some option of `layout` at recompute `level` (where the units
+    have no such level: whether they should)."""
     pricer = _Pricer(model, settings)
-    for option in options_of(replace(settings, levels=(0,)), 1):
-        if pricer.cut(layout, option) is not None and pricer.worth_recomputing(layout, replace(option, level=level)):
-            return True
-    return False
-
-
-def _better(a: Outcome, b: Outcome) -> bool:
-    """Whether `a` is the better of two prices of one option: fits where `b` does not, else faster."""
-    return (a.fits, -a.step) > (b.fits, -b.step)
-
-
-def nearest(model: Units, result: SearchResult, layout: Layout, count: int = 3) -> list[Outcome]:
-    """The fitting layouts of `result` closest to `layout`: fewest knobs changed, then fastest,
-    each at the best of its whole menu (`menu`: the search may have spared some of its options)."""
-    def changed(other: Layout) -> int:
-        return sum(getattr(other, k) != getattr(layout, k) for k in ("pp", "tp", "dp", "data_parallel",
-                                                                       "microbatch_size"))
-    fitting: dict[Layout, Outcome] = {}
-    for o in result.priced:
-        if o.fits and (o.layout not in fitting or o.key() < fitting[o.layout].key()):
-            fitting[o.layout] = o
-    closest = sorted(fitting.values(), key=lambda o: (changed(o.layout), o.key()))[: 2 * count]
-    best = [min((o for o in menu(model, result.settings, c.layout) if o.fits), key=Outcome.key) for c in closest]
-    return sorted(best, key=lambda o: (changed(o.layout), o.key()))[:count]
-
-
-def step_rates(result: SearchResult, outcome: Outcome) -> dict[str, float]:
-    """Samples and tokens per second of `outcome`, and its MFU on `result`'s peak FLOP/s."""
-    samples = result.settings.global_batch / outcome.step
-    flops = result.flops_per_sample * result.settings.global_batch
-    mfu = flops / (result.settings.gpus * result.peak_flops * outcome.step) if result.peak_flops else math.nan
-    return {"samples_per_s": samples, "tokens_per_s": samples * result.tokens_per_sample, "mfu": mfu}
-
+    return any(pricer.cut(layout, option) is not None and pricer.worth_recomputing(layout, replace(option, level=level))
+               for option in options_of(replace(settings, levels=(0,)), 1, layout.pp))

@@ -29,10 +29,9 @@ from zbcompile.layout_search import (
     Outcome,
     SearchResult,
     SearchSettings,
+    Units,
     menu,
-    nearest,
     search,
-    step_rates,
     worth_recomputing,
 )
 from zbcompile.passes.tensor_parallel_shares import model_plan, split_mismatch
@@ -235,3 +234,27 @@ def _menu_entry(outcome: Outcome) -> dict[str, Any]:
         entry["actions"] = schedule.compute_only().rows_as_text()
         entry["seconds"] = {"f": list(costs.f), "i": list(costs.i), "w": list(costs.w), "comm": costs.comm}
     return entry
+
+
+def nearest(model: Units, result: SearchResult, layout: Layout, count: int = 3) -> list[Outcome]:
+    """The fitting layouts of `result` closest to `layout`: fewest knobs changed, then fastest,
+    each at the best of its whole menu (`menu`: the search may have spared some of its options)."""
+    def changed(other: Layout) -> int:
+        return sum(getattr(other, k) != getattr(layout, k) for k in ("pp", "tp", "dp", "data_parallel",
+                                                                       "microbatch_size"))
+    fitting: dict[Layout, Outcome] = {}
+    for o in result.priced:
+        if o.fits and (o.layout not in fitting or o.key() < fitting[o.layout].key()):
+            fitting[o.layout] = o
+    closest = sorted(fitting.values(), key=lambda o: (changed(o.layout), o.key()))[: 2 * count]
+    best = [min((o for o in menu(model, result.settings, c.layout) if o.fits), key=Outcome.key) for c in closest]
+    return sorted(best, key=lambda o: (changed(o.layout), o.key()))[:count]
+
+
+def step_rates(result: SearchResult, outcome: Outcome) -> dict[str, float]:
+    """Samples and tokens per second of `outcome`, and its MFU on `result`'s peak FLOP/s."""
+    samples = result.settings.global_batch / outcome.step
+    flops = result.flops_per_sample * result.settings.global_batch
+    mfu = flops / (result.settings.gpus * result.peak_flops * outcome.step) if result.peak_flops else math.nan
+    return {"samples_per_s": samples, "tokens_per_s": samples * result.tokens_per_sample, "mfu": mfu}
+
