@@ -95,7 +95,8 @@ class Option:
 class Outcome:
     """An option priced: its steady step (`step`: the span, steps back to back), the bound it was
     ordered by (`busy`), each rank's peak bytes (state + activations), whether all fit, why not
-    (`error`) where it could not be made, and what was `made` (the schedule, its per-stage costs)."""
+    (`error`) where it could not be made, and what was `made` (the schedule, its per-stage costs,
+    its cut)."""
 
     layout: Layout
     option: Option
@@ -360,7 +361,7 @@ class _Pricer:
             return Outcome(layout, option, math.inf, busy, error=str(error).splitlines()[0])
         result = simulate(schedule, resolved := resolve_costs(scaled, schedule.stages))
         peaks = tuple(s + p * unit for s, p in zip(state, result.peak_memory))
-        made = (schedule, resolved) if self.keep_made else None
+        made = (schedule, resolved, cut) if self.keep_made else None
         return Outcome(layout, option, result.span, busy, peaks, all(p <= limit for p in peaks), made=made)
 
 

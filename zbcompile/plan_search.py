@@ -230,7 +230,8 @@ def _menu_entry(outcome: Outcome) -> dict[str, Any]:
         "fits": outcome.fits, "error": outcome.error or None,
     }
     if outcome.made is not None:
-        schedule, costs = outcome.made
+        schedule, costs, cut = outcome.made
+        entry["cut"] = {"placement": cut.placement, "positions": list(cut.positions)}
         entry["actions"] = schedule.compute_only().rows_as_text()
         entry["seconds"] = {"f": list(costs.f), "i": list(costs.i), "w": list(costs.w), "comm": costs.comm}
     return entry

@@ -186,8 +186,9 @@ def menu_text(record: dict[str, Any]) -> str:
     else:
         fits = one_f_one_b is not None and one_f_one_b["fits"]
         lines.append(
-            f"fastest that fits: {chosen['schedule']}, recompute {chosen['recompute']}: steady step "
-            f"{seconds_text(chosen['step'])}"
+            f"fastest that fits: {chosen['schedule']}, recompute {chosen['recompute']}"
+            + (f", cut at {chosen['cut']['positions']}" if chosen.get("cut") else "")
+            + f": steady step {seconds_text(chosen['step'])}"
             + (f", {reference / chosen['step']:.3f}x 1F1B's throughput" if reference else "")
             + ("" if fits else " (1F1B itself does not fit: the ratio is against a run that cannot happen)")
         )
