@@ -208,12 +208,13 @@ def recompute_name(option: Option) -> str:
 
 
 def _menu_entries(priced: list[Outcome]) -> list[dict[str, Any]]:
-    """Per schedule of the menu: its price without recomputation, and its best with some."""
+    """Per schedule of the menu: its price without recomputation, and its best with some (or on a
+    recompute cut, which may recompute nothing)."""
     entries = []
     for name, placement in MENU:
         own = [p for p in priced if (p.option.schedule, p.option.placement) == (name, placement)]
-        plain = [p for p in own if p.option.level == 0]
-        recomputed = sorted((p for p in own if p.option.level),
+        plain = [p for p in own if p.option.level == 0 and not p.option.stage_levels]
+        recomputed = sorted((p for p in own if p.option.level or p.option.stage_levels),
                             key=lambda p: (not p.fits, p.step if p.fits else max(p.peaks or (math.inf,))))
         if recomputed and plain and recomputed[0].error and plain[0].error:
             recomputed = []  # no level helps: one line says why
