@@ -16,8 +16,8 @@ import math
 from typing import Any, Sequence
 
 from zbcompile.schedules.cut_choice import CutSettings, memory_rule
-from zbcompile.schedules.cut_search import BISECTION_STEPS, Cut, pack
-from zbcompile.schedules.cut_units import V_CHUNKS_PER_RANK, Segments, v_rank
+from zbcompile.schedules.cut_search import Cut, chunking, least_cap, pack
+from zbcompile.schedules.cut_units import Segments
 
 
 def recompute_cut(
@@ -28,9 +28,7 @@ def recompute_cut(
     each level, all on one set of bounds) of the least bottleneck, every stage at the fastest level
     that fits `flight` microbatches in flight (1F1B's count per stage where fewer), packed from the
     front (or with `backward` from the back); None where no cut fits at any level."""
-    chunks = V_CHUNKS_PER_RANK * ranks if placement == "v" else ranks
-    share = 1.0 / V_CHUNKS_PER_RANK if placement == "v" else 1.0
-    rank_of = (lambda c: v_rank(c, ranks)) if placement == "v" else (lambda s: s)
+    chunks, share, rank_of = chunking(ranks, placement)
     rules = [memory_rule(s.units, settings, s, ranks, flight, placement == "v") for s in levels]
     base, end = levels[0], levels[0].units.positions
     fastest: dict[tuple[int, int, int], tuple[float, int | None]] = {}  # (stage, lo, hi) -> (seconds, level)
@@ -47,18 +45,10 @@ def recompute_cut(
             return fastest_fitting(stage, rank, lo, hi, params)[0] <= cap * share
         return pack(base, chunks, rank_of, [math.inf] * chunks, fits, backward)
 
-    high = max(s.time(r, 0, end) for s in levels for r in range(ranks)) * 1.0001 + 1e-12
-    best = packed(high)
-    if best is None:
+    found = least_cap(packed, max(s.time(r, 0, end) for s in levels for r in range(ranks)) * 1.0001 + 1e-12)
+    if found is None:
         return None
-    low = 0.0
-    for _ in range(BISECTION_STEPS):
-        mid = (low + high) / 2
-        if (found := packed(mid)) is None:
-            low = mid
-        else:
-            high, best = mid, found
-    cut = Cut(placement, tuple(best))
+    cut = Cut(placement, tuple(found[1]))
     index = {b: j for j, b in enumerate(base.bounds)}
     edges = [index[b] for b in cut.bounds(end)]
     chosen = tuple(

@@ -105,23 +105,34 @@ def bottleneck_cut(
 ) -> tuple[int, ...] | None:
     """The cut positions of the least cap that packs (`pack`): in-line, every stage's time on its
     rank within the cap; a V, every chunk's within half of it."""
-    chunks = V_CHUNKS_PER_RANK * ranks if placement == "v" else ranks
-    share = 1.0 / V_CHUNKS_PER_RANK if placement == "v" else 1.0
-    rank_of = (lambda c: v_rank(c, ranks)) if placement == "v" else (lambda s: s)
+    chunks, share, rank_of = chunking(ranks, placement)
     end = segments.units.positions
     high = max(segments.time(r, 0, end) for r in range(ranks)) * 1.0001 + 1e-12
-    best = pack(segments, chunks, rank_of, [high * share] * chunks, memory, backward)
+    found = least_cap(lambda cap: pack(segments, chunks, rank_of, [cap * share] * chunks, memory, backward), high)
+    return None if found is None else tuple(found[1])
+
+
+def chunking(ranks: int, placement: str) -> tuple[int, float, Callable[[int], int]]:
+    """`placement`'s chunks over `ranks`, the share of a rank's cap each takes, and each chunk's rank."""
+    if placement == "v":
+        return V_CHUNKS_PER_RANK * ranks, 1.0 / V_CHUNKS_PER_RANK, lambda c: v_rank(c, ranks)
+    return ranks, 1.0, lambda s: s
+
+
+def least_cap(packed: Callable[[float], list[int] | None], high: float) -> tuple[float, list[int]] | None:
+    """The least cap at which `packed(cap)` packs (bisection below `high`, `BISECTION_STEPS`
+    halvings) and its packing; None where it does not pack at `high`."""
+    best = packed(high)
     if best is None:
         return None
     low = 0.0
     for _ in range(BISECTION_STEPS):
         mid = (low + high) / 2
-        packed = pack(segments, chunks, rank_of, [mid * share] * chunks, memory, backward)
-        if packed is None:
+        if (found := packed(mid)) is None:
             low = mid
         else:
-            high, best = mid, packed
-    return tuple(best)
+            high, best = mid, found
+    return high, best
 
 
 def holds_parameters(cut: Cut, segments: Segments) -> bool:
