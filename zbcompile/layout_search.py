@@ -459,16 +459,16 @@ def search(model: Units, settings: SearchSettings, exhaustive: bool = False) -> 
     )
 
 
-def menu(model: Units, settings: SearchSettings, layout: Layout) -> list[Outcome]:
+def menu(model: Units, settings: SearchSettings, layout: Layout, recompute_cuts: bool = True) -> list[Outcome]:
     """Every option of the menu priced on one `layout`: per schedule and placement, on the cut where
     it is faster, at level 0 and each recompute level worth pricing (`_Pricer.worth_recomputing`),
-    per stage where faster (`_Pricer.mixed_levels`), and on the recompute cuts (`plan_memory`) in
-    the order of their bound, each where the bound beats its schedule's fastest fitting price."""
+    per stage where faster (`_Pricer.mixed_levels`), and with `recompute_cuts` on the recompute cuts
+    (`plan_memory`) in the order of their bound, each where it beats its schedule's fastest fit."""
     pricer = _Pricer(model, settings)
     levels = len(model.units(layout.tp, layout.microbatch_size))
     candidates: list[tuple[bool, float, Option, Cut]] = []
     seen: set[tuple] = set()
-    for option in options_of(settings, levels, layout.pp, recompute_cuts=True):
+    for option in options_of(settings, levels, layout.pp, recompute_cuts):
         option = pricer.resolved(layout, option)
         busy, cut = pricer.bound(layout, option) if option is not None else (math.inf, None)
         made = (option.schedule, option.placement, option.stage_levels or option.level, cut) if cut else None
