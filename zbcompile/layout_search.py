@@ -75,7 +75,7 @@ class Option:
     or `stage_levels` (one per stage; `level`: their highest); `cut`: "time" (the slowest stage
     least), "memory" (each stage's state and 1F1B's microbatches within its rank's memory too) or
     "recompute" (the cut and each stage's level chosen together for `flight` microbatches in
-    flight, packed from the front or `from_back`: `plan_memory`; `_Pricer.resolved` fills in the
+    flight, packed from the front or `from_back`: `plan_memory`; `_Pricer.candidate` fills in the
     levels)."""
 
     schedule: str
@@ -228,13 +228,6 @@ class _Pricer:
         found = self._made_cut(layout, option)
         return found[0] if isinstance(found, tuple) else found
 
-    def resolved(self, layout: Layout, option: Option) -> Option | None:
-        """`option` with a recompute cut's stage levels (None where no cut packs); another as it is."""
-        if option.cut != "recompute":
-            return option
-        found = self._made_cut(layout, option)
-        return None if found is None else replace(option, level=max(found[1]), stage_levels=found[1])
-
     def _made_cut(self, layout: Layout, option: Option) -> Cut | tuple[Cut, tuple[int, ...]] | None:
         by_memory = option.cut != "time"
         key = (layout.tp, layout.microbatch_size, layout.pp, option.placement,
@@ -251,6 +244,14 @@ class _Pricer:
             positions = bottleneck_cut(segments, layout.pp, option.placement, rule)
             self._cuts[key] = None if positions is None else Cut(option.placement, positions)
         return self._cuts[key]
+
+    def candidate(self, layout: Layout, option: Option) -> tuple[Option, float, Cut, tuple] | None:
+        """`option` (a recompute cut's with its stage levels), its bound, its cut and what it makes
+        (alike: priced alike); None where no cut packs."""
+        if option.cut == "recompute" and (found := self._made_cut(layout, option)) is not None:
+            option = replace(option, level=max(found[1]), stage_levels=found[1])
+        busy, cut = self.bound(layout, option)
+        return None if cut is None else (option, busy, cut, (option.schedule, option.stage_levels or option.level, cut))
 
     def bound(self, layout: Layout, option: Option) -> tuple[float, Cut | None]:
         """A step no schedule of `option` that fits can beat, and its cut: the busiest rank's
@@ -420,13 +421,11 @@ def search(model: Units, settings: SearchSettings, exhaustive: bool = False) -> 
     for layout in found:
         seen: set[tuple] = set()
         for option in options_of(settings, len(sample), layout.pp):
-            option = pricer.resolved(layout, option)
-            bound, cut = pricer.bound(layout, option) if option is not None else (math.inf, None)
-            made = (option.schedule, option.stage_levels or option.level, cut) if option is not None else None
-            if cut is None or bound == math.inf or made in seen:
+            made = pricer.candidate(layout, option)
+            if made is None or made[1] == math.inf or made[3] in seen:
                 continue  # no cut packs, the state alone passes the limit, or the memory cut is the time cut
-            seen.add(made)
-            heap.append((bound, count, layout, option, cut))
+            seen.add(made[3])
+            heap.append((made[1], count, layout, made[0], made[2]))
             count += 1
         if not seen:
             dropped.append((str(layout), "some rank's state alone passes the memory limit under every option"))
@@ -469,12 +468,9 @@ def menu(model: Units, settings: SearchSettings, layout: Layout, recompute_cuts:
     candidates: list[tuple[bool, float, Option, Cut]] = []
     seen: set[tuple] = set()
     for option in options_of(settings, levels, layout.pp, recompute_cuts):
-        option = pricer.resolved(layout, option)
-        busy, cut = pricer.bound(layout, option) if option is not None else (math.inf, None)
-        made = (option.schedule, option.placement, option.stage_levels or option.level, cut) if cut else None
-        if cut is not None and made not in seen:
-            seen.add(made)
-            candidates.append((option.cut == "recompute", busy, option, cut))
+        if (made := pricer.candidate(layout, option)) is not None and made[3] not in seen:
+            seen.add(made[3])
+            candidates.append((made[0].cut == "recompute", made[1], made[0], made[2]))
     priced: dict[tuple, Outcome] = {}
     for by_cut, busy, option, cut in sorted(candidates, key=lambda c: (c[0], c[1] if c[0] else 0.0)):
         key = (option.schedule, option.placement, "recompute cut" if by_cut else option.level)
