@@ -130,7 +130,9 @@ def test_measured_costs_count_each_stages_reduction_and_a_step_lasts_until_it_en
 def test_host_time_per_action_counts_the_gaps_between_actions_but_not_the_waits_for_messages():
     timeline = [("0F0", 0.0, 1.0), ("0F1", 1.5, 2.5), ("0I0", 5.0, 6.0)]  # gaps 0.5 and 2.5
     comm = [("0SEND_F0", 1.0, 1.2), ("0RECV_B0", 3.0, 5.0)]  # 2.0 of the second gap waited for a message
-    assert profile.host_seconds_per_action(timeline, comm) == pytest.approx((0.5 + 0.5) / 3)
+    assert profile.host_seconds_per_action(timeline, comm) == pytest.approx(0.5)
+    descheduled = timeline + [("0W0", 9.0, 10.0)]  # one gap of 3.0 with no message: the machine, not the runtime
+    assert profile.host_seconds_per_action(descheduled, comm) == pytest.approx(0.5)
     assert profile.host_seconds_per_action([], comm) == 0.0
 
 

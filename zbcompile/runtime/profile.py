@@ -65,16 +65,17 @@ def action_medians(timelines: Sequence[Timeline]) -> Medians:
 
 
 def host_seconds_per_action(timeline: Timeline, comm_timeline: Sequence[tuple[Any, float, float]]) -> float:
-    """A step's time between consecutive compute actions on this rank that was not a wait for a
-    message, per action: the runtime's own work (posting messages, bookkeeping, its clock), which
-    no action's measured time holds."""
+    """The runtime's own time per compute action on this rank (posting messages, bookkeeping, its
+    clock), which no action's measured time holds: the median over consecutive actions of the gap
+    between them that was not a wait for a message. The median, not the mean, so that a process
+    descheduled once by a busy machine does not read as every action's cost."""
     waits = [(s, e) for text, s, e in comm_timeline if isinstance(text, str) and "RECV" in text]
     actions = sorted(timeline, key=lambda e: e[1])
-    own = 0.0
+    gaps = []
     for (_, _, previous_end), (_, start, _) in zip(actions, actions[1:]):
         waited = sum(max(0.0, min(start, e) - max(previous_end, s)) for s, e in waits)
-        own += max(0.0, start - previous_end - waited)
-    return own / len(actions) if actions else 0.0
+        gaps.append(max(0.0, start - previous_end - waited))
+    return statistics.median(gaps) if gaps else 0.0
 
 
 def round_trip_seconds(runner: DistributedRunner, repeats: int = 5) -> float:
