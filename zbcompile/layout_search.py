@@ -458,16 +458,17 @@ def search(model: Units, settings: SearchSettings, exhaustive: bool = False) -> 
     )
 
 
-def menu(model: Units, settings: SearchSettings, layout: Layout, recompute_cuts: bool = True) -> list[Outcome]:
+def menu(model: Units, settings: SearchSettings, layout: Layout, refined: bool = True) -> list[Outcome]:
     """Every option of the menu priced on one `layout`: per schedule and placement, on the cut where
-    it is faster, at level 0 and each recompute level worth pricing (`_Pricer.worth_recomputing`),
-    per stage where faster (`_Pricer.mixed_levels`), and with `recompute_cuts` on the recompute cuts
-    (`plan_memory`) in the order of their bound, each where it beats its schedule's fastest fit."""
+    it is faster, at level 0 and each recompute level worth pricing (`_Pricer.worth_recomputing`);
+    `refined` also per stage where faster (`_Pricer.mixed_levels`) and on the recompute cuts
+    (`plan_memory`) in the order of their bound, each where it beats its schedule's fastest fit
+    (most of a menu's time: without them a menu prices the uniform levels only)."""
     pricer = _Pricer(model, settings)
     levels = len(model.units(layout.tp, layout.microbatch_size))
     candidates: list[tuple[bool, float, Option, Cut]] = []
     seen: set[tuple] = set()
-    for option in options_of(settings, levels, layout.pp, recompute_cuts):
+    for option in options_of(settings, levels, layout.pp, refined):
         if (made := pricer.candidate(layout, option)) is not None and made[3] not in seen:
             seen.add(made[3])
             candidates.append((made[0].cut == "recompute", made[1], made[0], made[2]))
@@ -480,7 +481,7 @@ def menu(model: Units, settings: SearchSettings, layout: Layout, recompute_cuts:
         outcome = pricer.price(layout, option, cut, busy)
         if key not in priced or (outcome.fits, -outcome.step) > (priced[key].fits, -priced[key].step):
             priced[key] = outcome
-    for schedule, placement in settings.menu:  # the fastest fitting level, per stage where that is faster
+    for schedule, placement in settings.menu if refined else ():  # the fastest fitting level, per stage
         fitting = [o for k, o in priced.items()
                    if k[:2] == (schedule, placement) and k[2] in range(1, levels) and o.fits]
         if fitting and (mixed := pricer.mixed_levels(min(fitting, key=Outcome.key))) is not None:

@@ -240,8 +240,9 @@ def _menu_entry(outcome: Outcome) -> dict[str, Any]:
 
 def nearest(model: Units, result: SearchResult, layout: Layout, count: int = 3) -> list[Outcome]:
     """The fitting layouts of `result` closest to `layout`: fewest knobs changed, then fastest,
-    each at the best of its menu (`menu`: the search may have spared some of its options; the
-    recompute cuts are left to the named layout's own plan, whose menu prices them)."""
+    each at the best of its menu's uniform recompute levels (`menu`, not refined: the search may
+    have spared some of its options; the per-stage levels and recompute cuts, which can only make a
+    layout faster, are left to the named layout's own plan, whose menu prices them)."""
     def changed(other: Layout) -> int:
         return sum(getattr(other, k) != getattr(layout, k) for k in ("pp", "tp", "dp", "data_parallel",
                                                                        "microbatch_size"))
@@ -250,7 +251,7 @@ def nearest(model: Units, result: SearchResult, layout: Layout, count: int = 3) 
         if o.fits and (o.layout not in fitting or o.key() < fitting[o.layout].key()):
             fitting[o.layout] = o
     closest = sorted(fitting.values(), key=lambda o: (changed(o.layout), o.key()))[: 2 * count]
-    best = [min((o for o in menu(model, result.settings, c.layout, recompute_cuts=False) if o.fits), key=Outcome.key)
+    best = [min((o for o in menu(model, result.settings, c.layout, refined=False) if o.fits), key=Outcome.key)
             for c in closest]
     return sorted(best, key=lambda o: (changed(o.layout), o.key()))[:count]
 
