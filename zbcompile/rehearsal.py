@@ -100,14 +100,17 @@ class Rehearsal:
                 raise ValueError(f"rehearse: no torch schedule {name!r} to rehearse; choose one of {choices}")
 
 
-def paper_times(model: str, microbatches: int | None = None, **options: Any) -> Rehearsal:
+def paper_times(model: str, microbatches: int | None = None, time_scale: float = 1.0, **options: Any) -> Rehearsal:
     """The paper's setting `model` ("1.5B", "6.2B", "14.6B", "28.3B"): its ranks and Table 9's
-    times in ms, at `microbatches` (default the smallest of the paper's)."""
+    times in ms, each `time_scale` times as long (the bubble rates and gains stay the simulator's;
+    the runtime's own time per action weighs less: what many processes sharing few cores need),
+    at `microbatches` (default the smallest of the paper's)."""
     if model not in PAPER_TIMES:
         raise ValueError(f"rehearse: the paper has no setting {model!r}; choose one of {', '.join(PAPER_TIMES)}")
     ranks, f, i, w, comm, counts = PAPER_TIMES[model]
     m = counts[0] if microbatches is None else microbatches
-    return Rehearsal(ranks, m, Costs(f=f, i=i, w=w, comm=comm), label=f"{model}, m={m}", **options)
+    label = f"{model}, m={m}" + (f", times x{time_scale:g}" if time_scale != 1 else "")
+    return Rehearsal(ranks, m, Costs(f=f, i=i, w=w, comm=comm), unit_s=1e-3 * time_scale, label=label, **options)
 
 
 def plan_times(record: Mapping[str, Any], time_scale: float = 1.0, **options: Any) -> Rehearsal:

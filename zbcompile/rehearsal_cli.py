@@ -1,6 +1,6 @@
 """The `zbcompile rehearse` command (`zbcompile/rehearsal.py`):
 
-    zbcompile rehearse --paper 1.5B [--microbatches 32]          # the paper's Table 9 times
+    zbcompile rehearse --paper 1.5B [--microbatches 32] [--time-scale 4]   # the paper's Table 9 times
     zbcompile rehearse plan.json [--time-scale 0.1]               # a `zbcompile plan --json` record
     zbcompile rehearse --ranks 8 --microbatches 24 --times 18.5,18.1,9.3,0.6   # F, I, W, link (ms)
 
@@ -34,7 +34,7 @@ def settings_of(args: argparse.Namespace) -> Rehearsal:
         with open(args.plan) as file:
             return plan_times(json.load(file), args.time_scale, **options)
     if args.paper is not None:
-        return paper_times(args.paper, args.microbatches, **options)
+        return paper_times(args.paper, args.microbatches, args.time_scale, **options)
     if args.times is None or args.ranks is None or args.microbatches is None:
         raise SystemExit(
             "zbcompile rehearse: give a plan record, --paper MODEL, or --ranks, --microbatches and --times"
@@ -68,7 +68,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--ranks", type=int, help="pipeline ranks (with --times)")
     parser.add_argument("--microbatches", type=int, help="microbatches (default for --paper: the paper's smallest)")
     parser.add_argument("--times", help="F,I,W[,LINK] per stage in ms")
-    parser.add_argument("--time-scale", type=float, default=1.0, help="a plan's times scaled by this (default 1)")
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help="a plan's or the paper's times scaled by this (default 1)")
     parser.add_argument("--schedules", help=f"ours, comma-separated (default {','.join(OURS)}; zb-1p/zb-2p: "
                         "zb-auto under 1F1B's memory and twice it)")
     parser.add_argument("--torch", help="torch.distributed.pipelining's schedule classes beside them, e.g. "
