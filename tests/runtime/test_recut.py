@@ -42,9 +42,9 @@ def _check_run(run: tuple, per_rank: list[dict]) -> None:
         if meta:  # a rank materialised only what it holds at the final cut
             params = set(result["mine"]["params"])
             assert set(result["materialised"]) == params, label
-    # the state moved: some rank holds other parameters than at the compiler's cut
-    assert any(r["held"] != r["held_before"] for r in per_rank), run
     explained = next(r["explain"] for r in per_rank if r["explain"])
+    # the state moved: some rank holds other parameters than at the compiler's cut
+    assert any(r["held"] != r["held_before"] for r in per_rank), (run, per_rank[0]["cut"], explained)
     assert "cut by measurement: measured" in explained and "re-cut to" in explained, explained
     history = per_rank[0]["history"]
     assert history and history[0]["event"].startswith("re-cut at compile"), history
