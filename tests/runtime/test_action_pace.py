@@ -93,7 +93,7 @@ def test_the_papers_settings_predict_table_5s_bubbles():
     table5 = {"1f1b": 0.2431, "zb-h1": 0.1585, "zb-h2": 0.1083, "zb-1p": 0.1585}
     for p in prepare(settings):
         assert simulate(p.schedule, p.costs).stage_bubble_rate == pytest.approx(table5[p.name], abs=0.005), p.name
-    scaled = paper_times("28.3B", 128, 4.0)  # the same costs in units of 4 ms: the same bubbles
+    scaled = paper_times("28.3B", 128, 4.0)  # Table 9's costs as they are, each unit 4 ms long
     assert (scaled.ranks, scaled.microbatches, scaled.unit_s, scaled.label) == (32, 128, 4e-3, "28.3B, m=128, times x4")
     with pytest.raises(ValueError, match="choose one of 1.5B"):
         paper_times("7B")
