@@ -19,7 +19,7 @@ from zbcompile.passes.cut_profile import KINDS, cut_layout, program_work
 from zbcompile.runtime import recut
 from zbcompile.runtime.block_timing import UnitTimes, marked, unit_times
 from zbcompile.runtime.local import LocalRunner
-from zbcompile.runtime.measured_cut import agreed_speeds, measured_units
+from zbcompile.runtime.measured_cut import agreed_speeds, measured_units, speeds_in_doubt
 from zbcompile.schedules import make_schedule
 from zbcompile.value_names import buffer_name, param_name
 
@@ -144,6 +144,17 @@ def test_a_rank_is_slower_only_where_every_repetition_says_so_beyond_their_sprea
     assert agreed_speeds([[1.28, 1.0], [1.0, 1.02]]) == [1.0, 1.0]  # one repetition's burst
     assert agreed_speeds([[1.0, 1.04], [1.0, 1.03]]) == [1.0, 1.0]  # within the noise
     assert agreed_speeds([[1.0, 1.6], [1.0, 1.1]]) == [1.0, 1.0]  # they disagree by more than they say
+    # from four repetitions on, one burst among them (either way) is set aside
+    assert agreed_speeds([[1.0, 3.0], [1.0, 1.4], [1.0, 2.9], [1.0, 3.1]]) == pytest.approx([1.0, 2.95])
+    assert agreed_speeds([[1.28, 1.0], [1.0, 1.02], [1.0, 1.0], [1.0, 1.01]]) == [1.0, 1.0]
+
+
+def test_more_repetitions_are_asked_for_only_where_they_may_settle_a_rank():
+    assert speeds_in_doubt([[1.0, 4.0], [1.0, 1.5]]) == [1]  # slower taken together, not agreed
+    assert speeds_in_doubt([[1.28, 1.0], [1.0, 1.02]]) == [0]  # a burst: more steps tell
+    assert speeds_in_doubt([[1.0, 1.5], [1.0, 1.46]]) == []  # agreed
+    assert speeds_in_doubt([[1.0, 1.04], [1.0, 1.03]]) == []  # within the noise
+    assert speeds_in_doubt([[1.0, 3.0], [1.0, 1.4], [1.0, 2.9], [1.0, 3.1]]) == []
 
 
 def _recorded(compiled, bias: dict[tuple[int, int], float]) -> list[recut.Measured]:
@@ -172,6 +183,9 @@ def test_two_equal_ranks_are_not_recut_for_one_repetitions_burst(gpt):
     burst = recut.decide(compiled, schedule, _recorded(compiled, {(0, 0): 1.28}), options, [0.0, 0.0])
     equal = recut.decide(compiled, schedule, _recorded(compiled, {}), options, [0.0, 0.0])
     assert burst.record["rank_speeds"] == [1.0, 1.0]
+    doubt = recut.speeds_in_doubt(compiled, schedule)  # the calibration times more steps where in doubt
+    assert doubt(_recorded(compiled, {(0, 0): 1.28})) and not doubt(_recorded(compiled, {}))
+    assert not doubt(_recorded(compiled, {(0, 0): 1.5, (0, 1): 1.5}))
     assert (burst.cut, burst.changes) == (equal.cut, equal.changes)
     slowed = recut.decide(compiled, schedule, _recorded(compiled, {(0, 0): 1.5, (0, 1): 1.5}), options, [0.0, 0.0])
     assert slowed.record["rank_speeds"] == pytest.approx([1.5, 1.0])

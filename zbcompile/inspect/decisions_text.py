@@ -23,7 +23,8 @@ def cut_lines(cut: dict[str, Any] | None) -> list[str]:
             f"{seconds_text(chosen['predicted_step_s'])} ({cut['predicted_gain']:.3f}x)"
             if cut["changed"] else "kept"
         ),
-        f"  why: {cut['reason']}; each rank's time for the same work, relative to the fastest: {speeds}",
+        f"  why: {cut['reason']}; each rank's time for the same work, relative to the fastest: {speeds}"
+        + (f" (agreed over {cut['timed_steps']} timed steps)" if "timed_steps" in cut else ""),
         *race_lines(cut.get("race")),
     ]
 

@@ -44,7 +44,7 @@ from zbcompile.runtime.distributed import DistributedRunner
 from zbcompile.runtime.forward_only import ForwardRunner
 from zbcompile.runtime.layout import Layout, from_first_rank, make_layout
 from zbcompile.runtime.local import InProcessTransport, LocalRunner
-from zbcompile.runtime.p2p import device_for, gather_objects, stop_helper_threads
+from zbcompile.runtime.p2p import device_for, stop_helper_threads
 from zbcompile.runtime.runner import Runner
 from zbcompile.runtime.schedule_choice import ScheduleChoice
 from zbcompile.runtime.state_ownership import StateOwnership
@@ -184,9 +184,9 @@ class Builder:
         def train() -> None:
             runner.train(micro_inputs, micro_targets, absent, self.ownership)
 
+        doubt = recut.speeds_in_doubt(built.compiled, runner.schedule)
         with recut.untouched(self.module, runner.device):
-            local = recut.measure(runner, train, self.options.profile_steps)
-        gathered = gather_objects(local, layout.pp_group)
+            gathered = recut.calibrate(runner, train, self.options.profile_steps, layout, doubt)
         choice = None
         if layout.decides:
             reduction = list(self.choice.reduction_per_message(built.compiled))

@@ -118,13 +118,26 @@ SPEED_NOISE = 0.05
 def agreed_speeds(repeated: Sequence[Sequence[float]], noise: float = SPEED_NOISE) -> list[float]:
     """Each rank's speed from several repeated measurements of the same blocks (`rank_speeds`
     of each): a rank is slower only where every repetition says so by more than the spread
-    between them plus `noise`; then its median; else it is as fast as the fastest (1). Two
+    between them plus `noise` (from four repetitions on, the outer quarter at each end set
+    aside: one burst among many); then its median; else it is as fast as the fastest (1). Two
     ranks of one kind thus come out equal however one repetition went."""
-    agreed = []
-    for estimates in zip(*repeated):
-        low, high = min(estimates), max(estimates)
-        agreed.append(statistics.median(estimates) if low - 1 > (high - low) / 2 + noise else 1.0)
+    agreed = [statistics.median(e) if _agree(e, noise) else 1.0 for e in zip(*repeated)]
     return [v / min(agreed) for v in agreed] if agreed else []
+
+
+def speeds_in_doubt(repeated: Sequence[Sequence[float]], noise: float = SPEED_NOISE) -> list[int]:
+    """The ranks whose repetitions, taken together (their median), say slower by more than
+    `noise` while they do not agree on it (`agreed_speeds`): more repetitions may settle them."""
+    return [r for r, e in enumerate(zip(*repeated)) if statistics.median(e) - 1 > noise and not _agree(e, noise)]
+
+
+def _agree(estimates: Sequence[float], noise: float) -> bool:
+    """Whether every estimate (the outer quarter at each end set aside) says slower by more than
+    the spread between them plus `noise`."""
+    ordered = sorted(estimates)
+    inner = ordered[len(ordered) // 4: len(ordered) - len(ordered) // 4]
+    low, high = inner[0], inner[-1]
+    return low - 1 > (high - low) / 2 + noise
 
 
 def measured_units(

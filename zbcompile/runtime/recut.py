@@ -4,13 +4,15 @@ what its first steps measure, before the user's optimizer exists.
 The compiler cuts the model where its FLOP estimates balance; real ranks disagree with FLOPs (an
 embedding's backward, ops the estimate undercounts, a slower or shared GPU). So the first compile
 (`pipe.compile(batch)` or the first `step()`) runs calibration steps on its batch before it
-returns: a warm-up step, `profile_steps` steps whose per-action times are kept, and one step with
-marked programs that time each block inside every action (`runtime/block_timing.py`). Nothing of
-them stays: the parameters' `.grad`, the buffers and the RNG states are as they were before.
+returns: a warm-up step, one step with marked programs that time each block inside every action
+(`runtime/block_timing.py`), and `profile_steps` steps whose per-action times are kept. Nothing
+of them stays: the parameters' `.grad`, the buffers and the RNG states are as they were before.
 
 The ranks' medians are gathered (an action costs the least of its per-step medians, and a
 rank's speed must agree over the timed steps, each measured apart:
-`measured_cut.agreed_speeds`; a burst of other work in one step is not the rank's speed); the
+`measured_cut.agreed_speeds`; a burst of other work in one step is not the rank's speed; where
+the steps taken together call a rank slower but do not agree, `profile_steps` more are timed, up
+to `MORE_TIMED_ROUNDS` times); the
 deciding rank (`Layout.decides`: one decision for every replica and tensor-parallel rank) turns
 them into per-position costs on every rank (`measured_cut.py`) and chooses the cut, in-line or
 a V, by zb-auto's predicted step time (`schedules/cut_choice.py`, the decision `zbcompile plan`
@@ -33,16 +35,18 @@ import contextlib
 import dataclasses
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from zbcompile.compiler import CompiledPipeline
 from zbcompile.inspect.text import layers_of
 from zbcompile.passes.cut_profile import cut_layout
-from zbcompile.runtime import profile
+from zbcompile.runtime import measured_cut, profile
 from zbcompile.runtime.block_timing import marked, unit_times
-from zbcompile.runtime.measured_cut import agreed_speeds, measured_units
+from zbcompile.runtime.layout import from_first_rank
+from zbcompile.runtime.measured_cut import measured_units
+from zbcompile.runtime.p2p import gather_objects
 from zbcompile.schedules import Costs, Schedule
 from zbcompile.schedules.cut_choice import RECUT_THRESHOLD, CutDecision, CutSettings, choose_cut
 from zbcompile.schedules.cut_search import Cut
@@ -99,14 +103,18 @@ def untouched(module: torch.nn.Module, device: torch.device) -> Iterator[None]:
             torch.cuda.set_rng_state(cuda_rng, device)
 
 
-def measure(runner, train: Any, steps: int) -> Measured:
-    """This rank's calibration (see the module docstring); `train()` runs one step."""
+MORE_TIMED_ROUNDS = 3
+"""How many times the calibration times `profile_steps` more steps while a rank's speed is in
+doubt (`measured_cut.speeds_in_doubt`)."""
+
+
+def calibrate(runner, train: Any, steps: int, layout: Any, doubt: Callable[[list[Measured]], bool]) -> list[Measured]:
+    """Every pipeline rank's calibration (see the module docstring), in pipeline order, on every
+    rank of `layout` (a collective of them all); `train()` runs one step. A warm-up step, one
+    step of marked programs (the units inside actions), `steps` timed steps, then `steps` more
+    (at most `MORE_TIMED_ROUNDS` times) while the deciding rank finds `doubt` in what the
+    pipeline measured so far: every rank runs as many steps."""
     train()  # warm-up: allocator, caches
-    timelines, host = [], []
-    for _ in range(steps):
-        train()
-        timelines.append(list(runner.timeline))
-        host.append(profile.host_seconds_per_action(runner.timeline, runner.comm_timeline))
     times = unit_times(runner.device)
     compiled = runner.compiled
     runner.use_programs(marked(compiled, times))
@@ -115,9 +123,19 @@ def measure(runner, train: Any, steps: int) -> Measured:
     finally:
         runner.use_programs(compiled)
     units = times.medians(runner.transport.timeout.total_seconds())
-    per_step = tuple(profile.action_medians([t]) for t in timelines)
     comm = profile.round_trip_seconds(runner)
-    return Measured(profile.action_medians(timelines), units, comm, per_step, statistics.median(host) if host else 0.0)
+    timelines, host = [], []
+    for more in range(MORE_TIMED_ROUNDS + 1):
+        for _ in range(steps):
+            train()
+            timelines.append(list(runner.timeline))
+            host.append(profile.host_seconds_per_action(runner.timeline, runner.comm_timeline))
+        per_step = tuple(profile.action_medians([t]) for t in timelines)
+        local = Measured(profile.action_medians(timelines), units, comm, per_step, statistics.median(host))
+        gathered = gather_objects(local, layout.pp_group)
+        if not from_first_rank(more < MORE_TIMED_ROUNDS and layout.decides and doubt(gathered), layout):
+            return gathered
+    raise AssertionError("unreachable: the last round returns")
 
 
 def current_cut(compiled: CompiledPipeline, schedule: Schedule) -> Cut:
@@ -126,11 +144,9 @@ def current_cut(compiled: CompiledPipeline, schedule: Schedule) -> Cut:
     return Cut(placement, tuple(compiled.partition.cuts))
 
 
-def decide(
-    compiled: CompiledPipeline, schedule: Schedule, gathered: list[Measured], options: Any, reduction: list[float]
-) -> CutChoice:
-    """The cut to run from every rank's calibration (`choose_cut` on `measured_cut.measured_units`);
-    `reduction`: per stage, its gradient reduction in boundary messages (0 without replicas)."""
+def _merged(gathered: list[Measured]) -> tuple[dict, dict, list[dict]]:
+    """The pipeline's actions (each the least of its per-step medians: a burst of other work in
+    one step is not the rank's cost), units and per-step actions, over every rank's calibration."""
     actions: dict = {}
     units: dict = {}
     steps: list[dict] = [{} for _ in gathered[0].per_step]
@@ -139,12 +155,33 @@ def decide(
         units.update(part.units)
         for merged, step in zip(steps, part.per_step):
             merged.update(step)
-    if steps:  # a burst of other work in one step is not the rank's cost: the least step's median
+    if steps:
         actions = {key: min(step[key] for step in steps if key in step) for key in actions}
+    return actions, units, steps
+
+
+def repeated_speeds(compiled: CompiledPipeline, schedule: Schedule, gathered: list[Measured]) -> list[list[float]]:
+    """Each timed step's rank speeds (`measured_cut.rank_speeds`), for `agreed_speeds`."""
+    actions, units, steps = _merged(gathered)
+    where = (cut_layout(compiled.traced, compiled.partition), compiled.programs, schedule.stage_to_rank, schedule.ranks)
+    return [measured_units(*where, step, units)[1] for step in steps or [actions]]
+
+
+def speeds_in_doubt(compiled: CompiledPipeline, schedule: Schedule) -> Callable[[list[Measured]], bool]:
+    """`calibrate`'s doubt for this compile: a rank's speed that more steps may settle."""
+    return lambda gathered: bool(measured_cut.speeds_in_doubt(repeated_speeds(compiled, schedule, gathered)))
+
+
+def decide(
+    compiled: CompiledPipeline, schedule: Schedule, gathered: list[Measured], options: Any, reduction: list[float]
+) -> CutChoice:
+    """The cut to run from every rank's calibration (`choose_cut` on `measured_cut.measured_units`);
+    `reduction`: per stage, its gradient reduction in boundary messages (0 without replicas)."""
+    actions, units, _ = _merged(gathered)
     comm = max(part.comm for part in gathered)
     layout = cut_layout(compiled.traced, compiled.partition)
     where = (layout, compiled.programs, schedule.stage_to_rank, schedule.ranks)
-    speeds = agreed_speeds([measured_units(*where, step, units)[1] for step in steps or [actions]])
+    speeds = measured_cut.agreed_speeds(repeated_speeds(compiled, schedule, gathered))
     cut_units, _ = measured_units(*where, actions, units, speeds)
     largest = max(compiled.partition.boundary_bytes, default=0) or 1
     held = [sum(nbytes for fqn, nbytes, _ in layout.params if fqn in s.param_fqns) for s in compiled.partition.stages]
@@ -160,7 +197,7 @@ def decide(
         time_budget=min(options.solver_time_budget or DECISION_BUDGET_S, DECISION_BUDGET_S),
     )
     decision = choose_cut(cut_units, current_cut(compiled, schedule), settings, RECUT_THRESHOLD)
-    record = decision_record(decision, compiled, speeds)
+    record = {**decision_record(decision, compiled, speeds), "timed_steps": len(gathered[0].per_step)}
     return CutChoice(decision.chosen.cut, decision.chosen.costs, decision.changes, record, decision.current.costs)
 
 
