@@ -81,8 +81,8 @@ def directory(launch: str) -> str:
 # post-validation on 4 ranks: a 4-stage pipeline, then 2 replicas x 2 stages
 POST_VALIDATION_PIPELINES = [(4, ("sgd", "adam", "adamw")), (2, ("adamw",))]
 # tests/runtime/test_recut.py: (stages, data_parallel, meta init, forced) of the pipelines that re-cut
-FOUR_RANK_RECUTS = [(2, "shard", True, False), (2, "replicate", False, True), (4, "replicate", True, False)]
-TWO_RANK_RECUTS = [(2, "replicate", True, False), (2, "replicate", False, True)]
+FOUR_RANK_RECUTS = [(2, "shard", True, None), (2, "replicate", False, "flip"), (4, "replicate", True, None)]
+TWO_RANK_RECUTS = [(2, "replicate", True, None), (2, "replicate", False, "unbalanced")]
 
 
 def four_rank_calls(out: str) -> Calls:

@@ -1,7 +1,9 @@
 """What each rank runs for tests/runtime/test_recut.py: a distributed zb-auto pipeline whose first
 compile chooses its cut again by measurement (a rank slowed by the testing aid, so that it does),
-or is made to re-cut (`forced`: the decision replaced by a V, or one stage per rank where the
-compile was a V), against a pipeline compiled at the final cut from the start."""
+or is made to re-cut (`force`: "flip", the decision replaced by a V where the compile is one
+stage per rank, else one stage per rank, trusted unraced; "unbalanced", replaced by a cut that
+leaves stage 0 a quarter of the model, which the race on real steps must undo), against a
+pipeline compiled at the final cut from the start."""
 
 from __future__ import annotations
 
@@ -29,20 +31,23 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def forced() -> Iterator[None]:
-    """The cut decision replaced: a V of the compiler's chunk cuts where the compile is one stage
-    per rank, else one stage per rank at the compiler's cuts."""
+def forced(force: str) -> Iterator[None]:
+    """The cut decision replaced (`force`: see the module docstring)."""
     original = recut.decide
 
     def decide(compiled, schedule, gathered, options, reduction):
         measured = original(compiled, schedule, gathered, options, reduction)
         current = recut.current_cut(compiled, schedule)
         ranks = schedule.ranks
-        placement = "in-line" if current.placement == "v" else "v"
+        placement = "in-line" if current.placement == "v" or force == "unbalanced" else "v"
         stages = ranks if placement == "in-line" else 2 * ranks
-        cut = Cut(placement, tuple(partition_stages(compiled.traced, stages).cuts))
+        positions = tuple(partition_stages(compiled.traced, stages).cuts)
+        if force == "unbalanced":  # stage 0 ends where the first of four balanced chunks does
+            positions = tuple(partition_stages(compiled.traced, 2 * ranks).cuts)[:1]
+        cut = Cut(placement, positions)
         costs = Costs(f=[1.0] * stages, i=[1.0] * stages, w=[1.0] * stages)
-        return recut.CutChoice(cut, costs, cut != current, {**measured.record, "changed": cut != current})
+        record = {**measured.record, "changed": cut != current}
+        return recut.CutChoice(cut, costs, cut != current, record, measured.current_costs)
 
     recut.decide = decide
     try:
@@ -70,7 +75,7 @@ def _train(pipe, case) -> dict:
     }
 
 
-def recut_run(stages: int, data_parallel: str, meta: bool, force: bool) -> dict:
+def recut_run(stages: int, data_parallel: str, meta: bool, force: str | None) -> dict:
     """One pipeline that re-cuts (by the slowed rank, or `force`d), one compiled at its final cut
     from the start, one kept at the compiler's cut (what each rank held before the re-cut); with
     `meta` the model is built on the meta device and the full state dict loaded after compile."""
@@ -93,8 +98,9 @@ def recut_run(stages: int, data_parallel: str, meta: bool, force: bool) -> dict:
             pipe.load_state_dict(case.model.state_dict(), strict=False)
         return pipe
 
-    with forced() if force else contextlib.nullcontext():
-        pipe = compiled(zbcompile.pipeline(model(), _slowdown=None if force else {1: SLOWDOWN}, **options))
+    unraced = {"race_rounds": 0} if force == "flip" else {}
+    with forced(force) if force else contextlib.nullcontext():
+        pipe = compiled(zbcompile.pipeline(model(), _slowdown=None if force else {1: SLOWDOWN}, **options, **unraced))
     choice = pipe._builder.cut_choice
     reference = zbcompile.pipeline(model(), recut=False, **options)
     reference._builder.cut_choice = choice  # compiled at the final cut from the start
@@ -103,6 +109,7 @@ def recut_run(stages: int, data_parallel: str, meta: bool, force: bool) -> dict:
     held = sorted(pipe._builder.ownership.held)
     return {
         "changed": choice.changes,
+        "static_cut": list(static.compiled.partition.cuts),
         "cut": str(choice.cut),
         "reference_cut": list(reference.compiled.partition.cuts),
         "final_cut": list(pipe.compiled.partition.cuts),
@@ -118,6 +125,6 @@ def recut_run(stages: int, data_parallel: str, meta: bool, force: bool) -> dict:
     }
 
 
-def recut_runs(runs: list[tuple[int, str, bool, bool]]) -> list[dict]:
+def recut_runs(runs: list[tuple[int, str, bool, str | None]]) -> list[dict]:
     """`recut_run(*run)` for each run, in one launch."""
     return [recut_run(*run) for run in runs]

@@ -113,3 +113,17 @@ def test_no_rounds_or_a_lone_entrant_keeps_the_solve_unraced(monkeypatch, rounds
     winner, record = schedule_race.race(field, run_step, None, rounds=rounds)
     assert winner.label == "zb-auto" and not calls
     assert record["entrants"][0]["measured_step_s"] is None
+
+
+def test_an_entrant_every_step_of_which_is_slower_than_the_leaders_runs_no_more(monkeypatch):
+    """1F1B's steps (20) are slower than every step of the leader (10-12): after MIN_ROUNDS rounds
+    it is out (its steps are kept in the record), while the others, overlapping, race on."""
+    field = _field()
+    noise = itertools.cycle([1.0, -1.0])
+    base = {"zb-auto": 11.0, "1f1b": 20.0, "zb-h1": 11.2, "zb-h2": 11.4}
+    run_step, calls = _clocked(monkeypatch, lambda label, call: base[label] + (next(noise) if call % 2 == 0 else 0.0))
+    winner, record = schedule_race.race(field, run_step, None, rounds=4)
+    steps = {r["label"]: r["steps"] for r in record["entrants"]}
+    assert steps == {"zb-auto": 4, "1f1b": schedule_race.MIN_ROUNDS, "zb-h1": 4, "zb-h2": 4}
+    assert calls.count("1f1b") == 2 * schedule_race.MIN_ROUNDS
+    assert winner.label != "1f1b" and "beyond the spread" not in record["why"]

@@ -32,17 +32,17 @@ from zbcompile.runtime import (
     action_pace,
     batch,
     batch_loss,
+    calibration,
     placement,
     profile,
     recut,
-    schedule_race,
     sharding,
     state_transfer,
     tensor_parallel,
 )
 from zbcompile.runtime.distributed import DistributedRunner
 from zbcompile.runtime.forward_only import ForwardRunner
-from zbcompile.runtime.layout import Layout, from_first_rank, make_layout
+from zbcompile.runtime.layout import Layout, make_layout
 from zbcompile.runtime.local import InProcessTransport, LocalRunner
 from zbcompile.runtime.p2p import device_for, stop_helper_threads
 from zbcompile.runtime.runner import Runner
@@ -154,7 +154,7 @@ class Builder:
             built = self.build(micro_inputs[0], micro_targets[0])
             self.ownership.set_grad_dtype()
             if self._recut_wanted(built):
-                built = self._calibrated(built, micro_inputs, micro_targets, absent)
+                built = calibration.calibrated(self, built, micro_inputs, micro_targets, absent)
             o = self.options
             self.builds[key] = replace(
                 built, dump=start_dump(o.dump_dir, built.compiled, built.runner.schedule, o, built.runner)
@@ -175,83 +175,34 @@ class Builder:
             and len(built.compiled.programs) > 1
         )
 
-    def _calibrated(self, built: Build, micro_inputs: list, micro_targets: list, absent: tuple[str, ...]) -> Build:
-        """`built` after calibration steps on this batch (`recut.py`): at the cut chosen by
-        measurement (compiled anew, state moved between ranks) or, kept, with its schedule solved
-        on its measured costs."""
-        runner, layout = built.runner, self.layout()
-
-        def train() -> None:
-            runner.train(micro_inputs, micro_targets, absent, self.ownership)
-
-        doubt = recut.speeds_in_doubt(built.compiled, runner.schedule)
-        with recut.untouched(self.module, runner.device):
-            gathered = recut.calibrate(runner, train, self.options.profile_steps, layout, doubt)
-        choice = None
-        if layout.decides:
-            reduction = list(self.choice.reduction_per_message(built.compiled))
-            choice = recut.decide(built.compiled, runner.schedule, gathered, self.options, reduction)
-        self.cut_choice = choice = from_first_rank(choice, layout)
-        if choice.changes:
-            try:
-                rebuilt = self._rebuilt(built, choice, (micro_inputs[0], micro_targets[0]))
-            except ValueError as error:  # the model does not compile at that cut (on every rank alike)
-                choice = recut.kept(choice, built.compiled, runner.schedule, str(error).splitlines()[0])
-                self.cut_choice = choice
-            else:
-                rebuilt.tuner.history.append({"step": 0, "event": f"re-cut at compile: {choice.cut} (predicted costs)"})
-                return self._raced(rebuilt, choice.record, micro_inputs, micro_targets, absent)
-        runner.compiled = replace(runner.compiled, cut_record=choice.record)
-        self.measured_costs = recut.solve_costs(choice, runner.compiled)
-        static = runner.schedule  # solved on the compiler's estimates
-        runner.reschedule(self.choice.schedule(runner.compiled, costs=self.measured_costs))
-        return self._raced(built, choice.record, micro_inputs, micro_targets, absent, static)
-
-    def _raced(
-        self, built: Build, record: dict, micro_inputs: list, micro_targets: list, absent: tuple,
-        static: Schedule | None = None,
-    ) -> Build:
-        """`built` running the schedule measured fastest on calibration steps of this batch among
-        zb-auto's solves (measured and, given `static`, static costs) and the handcrafted
-        schedules of its placement (`schedule_race`); the race joins the cut's record, and the
-        tuner checks drift against the winner from here on."""
-        runner, solved = built.runner, built.runner.schedule
-        field = schedule_race.entrants(
-            solved, self.measured_costs, solved.info.get("memory_limit"), static, self.options.follow_readiness
-        )
-
-        def run_step(entrant: schedule_race.Entrant) -> None:
-            schedule_race.run_as(runner, entrant)
-            runner.train(micro_inputs, micro_targets, absent, self.ownership)
-
-        with recut.untouched(self.module, runner.device):
-            winner, race = schedule_race.race(field, run_step, self.layout(), self.options.race_rounds)
-        schedule_race.run_as(runner, winner)
-        runner.compiled = replace(runner.compiled, cut_record={**record, "race": race})
-        built.tuner.calibrated(self.measured_costs, winner.schedule, f"raced at compile: {race['chosen']} kept")
-        return built
-
-    def _rebuilt(self, built: Build, choice: recut.CutChoice, example: tuple) -> Build:
-        """The model compiled at `choice`'s cut on every rank, the state that changes ranks moved
-        there (`state_transfer`), its schedule solved on the predicted costs."""
-        o, layout = self.options, self.layout()
+    def compile_at(self, built: Build, choice: recut.CutChoice, example: tuple) -> Build:
+        """The model compiled at `choice`'s cut on every rank, its schedule solved on the
+        predicted costs, the state that changes ranks moved there from `built` (`move_state`)."""
+        o = self.options
         (args, kwargs), target = example
         cut = choice.cut
-        compiled = self._compile((args, kwargs), target, cut.stages, built.compiled.memory_unit(), cut.positions)
+        compiled = self.compile_model((args, kwargs), target, cut.stages, built.compiled.memory_unit(), cut.positions)
         device = self.device()
         compiled = replace(compile_stage_programs(compiled, o.compiler, device), cut_record=choice.record)
-        self.measured_costs = recut.solve_costs(choice, compiled)
-        schedule = self.choice.schedule(compiled, costs=self.measured_costs)
-        old = state_transfer.holders(built.compiled, built.runner.schedule)
-        new = state_transfer.holders(compiled, schedule)
-        mine = {f for f, ranks in new.items() if layout.pp_rank in ranks}
-        dropped = {f for f, ranks in old.items() if layout.pp_rank in ranks and f not in mine}
-        state_transfer.transfer(
-            self.module, self.ownership, state_transfer.moves(old, new), dropped, layout, built.runner.transport
-        )
-        self.ownership.held = mine
+        schedule = self.choice.schedule(compiled, costs=recut.solve_costs(choice.costs, compiled))
+        self._move_state(built.compiled, built.runner.schedule, compiled, schedule, built.runner.transport)
         runner = self._distributed_runner(compiled, schedule, device)
         return Build(runner, self.choice.tuner(compiled, device))
+
+    def move_state(self, source: Build, target: Build) -> None:
+        """Hand the parameters, gradients and buffers from where `source`'s ranks read them to
+        where `target`'s do (`state_transfer`); this rank then holds what `target` reads here."""
+        runner = source.runner
+        self._move_state(source.compiled, runner.schedule, target.compiled, target.runner.schedule, runner.transport)
+
+    def _move_state(self, compiled, schedule: Schedule, to_compiled, to_schedule: Schedule, transport) -> None:
+        layout = self.layout()
+        old = state_transfer.holders(compiled, schedule)
+        new = state_transfer.holders(to_compiled, to_schedule)
+        mine = {f for f, ranks in new.items() if layout.pp_rank in ranks}
+        dropped = {f for f, ranks in old.items() if layout.pp_rank in ranks and f not in mine}
+        state_transfer.transfer(self.module, self.ownership, state_transfer.moves(old, new), dropped, layout, transport)
+        self.ownership.held = mine
 
     def step(self, inputs: tuple, kwargs: dict, target: Any, before: Sequence[Callable[[], None]]) -> Any:
         """One training step on this batch: its compile (`prepare`) runs it (`Runner.train`, after
@@ -365,7 +316,7 @@ class Builder:
         o = self.options
         if self.distributed:
             self._parallelize()
-        compile_in = functools.partial(self._compile, example, example_target)
+        compile_in = functools.partial(self.compile_model, example, example_target)
         compiled, schedule = self._at_chosen_cut(compile_in) or self.choice.placed(compile_in(o.stages), compile_in)
         device = self.device() if self.distributed else batch.device_of((example, example_target))
         compiled = compile_stage_programs(compiled, o.compiler, device)
@@ -399,7 +350,7 @@ class Builder:
         tensor_parallel.check_model(self.module, layout)
         self._parallelized = True
 
-    def _compile(
+    def compile_model(
         self,
         example: tuple,
         example_target: Any,

@@ -20,9 +20,9 @@ makes on paper); the decision is broadcast (`layout.from_first_rank`). Where the
 beats the one in use by more than `cut_choice.RECUT_THRESHOLD`, every rank compiles the model at
 the new cut, the parameters, gradients and buffers that change ranks move between them
 (`state_transfer.py`), and the new compile runs with a schedule solved on the predicted costs;
-otherwise the compile in use runs a schedule solved on its measured costs. Either way that
-schedule then races the handcrafted ones on real steps (`schedule_race.py`), and the cost tuner
-(`profile.py`) starts from the winner.
+otherwise the compile in use runs a schedule solved on its measured costs. Either way the
+schedules race on real steps, a re-cut's against the compiler's cut (`calibration.py`), and the
+cost tuner (`profile.py`) starts from the winner.
 
 Since this happens inside the first compile, `pipe.parameters()` (which a distributed pipeline
 answers only after it) already names the parameters of the final cut: an optimizer built on it
@@ -238,8 +238,9 @@ def kept(choice: CutChoice, compiled: CompiledPipeline, schedule: Schedule, why:
     return CutChoice(current_cut(compiled, schedule), choice.current_costs or choice.costs, False, record)
 
 
-def solve_costs(choice: CutChoice, compiled: CompiledPipeline) -> Costs:
-    """The chosen cut's predicted times with `compiled`'s memory (its unit) and no reduction
-    time of their own (the schedule's solve adds it, from the message time)."""
+def solve_costs(costs: Costs, compiled: CompiledPipeline) -> Costs:
+    """A cut's measured or predicted `costs` (`CutChoice.costs`, `.current_costs`) with the memory
+    of `compiled` (compiled at that cut, in its unit) and no reduction time of their own (the
+    schedule's solve adds it, from the message time)."""
     static = compiled.schedule_costs()
-    return dataclasses.replace(choice.costs, mem_b=static.mem_b, mem_w=static.mem_w, reduce=0.0)
+    return dataclasses.replace(costs, mem_b=static.mem_b, mem_w=static.mem_w, reduce=0.0)

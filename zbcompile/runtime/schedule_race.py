@@ -12,12 +12,13 @@ freely between steps (the same stages on the same ranks, no state moves), and no
 a step computes, only when its work runs. Every entrant's `info["cost_source"]` is "measured":
 its predictions (`explain()`) are under the calibration's costs.
 
-A round runs every entrant in turn (the order rotated round by round, so that none always
-follows the same one): two steps each, the first settling the switch, the second timed on every
-rank; a step's time is the longest of the pipeline's ranks'. After `MIN_ROUNDS` rounds the race
-stops once every timed step of the fastest entrant beat every timed step of each other one (it
-leads by more than the spread); else after `rounds`; the fastest median wins. Each round costs
-one gather over the pipeline and one broadcast; the decision is the deciding rank's
+A round runs every entrant still in the race in turn (the order rotated round by round, so
+that none always follows the same one): two steps each, the first settling the switch, the
+second timed on every rank; a step's time is the longest of the pipeline's ranks'. From
+`MIN_ROUNDS` rounds on, an entrant every timed step of which is slower than every timed step of
+the fastest (by median) is out: it runs no more. The race stops once every other entrant is out
+(the fastest leads by more than the spread), else after `rounds`; the fastest median wins. Each
+round costs one gather over the pipeline and one broadcast; the decision is the deciding rank's
 (`Layout.decides`), so every rank, replica and tensor-parallel rank keeps the same schedule. At
 most 2 x `rounds` x entrants calibration steps (`pipeline(race_rounds=...)`, 0: keep zb-auto's
 solve unraced).
@@ -99,15 +100,19 @@ def run_as(runner: Any, entrant: Entrant) -> None:
         runner.reschedule(entrant.schedule)
 
 
+def still_in(entries: Sequence[Entrant], rounds_run: int) -> list[Entrant]:
+    """The entrants that run in the next round: before `MIN_ROUNDS`, all; then the fastest (by
+    median) and every one with a timed step as fast as one of the fastest's."""
+    if rounds_run < MIN_ROUNDS or len(entries) < 2:
+        return list(entries)
+    best = min(entries, key=lambda e: e.median_s)
+    return [e for e in entries if e is best or min(e.samples) <= max(best.samples)]
+
+
 def decided(entries: Sequence[Entrant], rounds_run: int) -> bool:
     """Whether the race may stop: `MIN_ROUNDS` run and every timed step of the fastest (by
     median) faster than every timed step of each other entrant."""
-    if len(entries) < 2:
-        return True
-    if rounds_run < MIN_ROUNDS:
-        return False
-    best = min(entries, key=lambda e: e.median_s)
-    return all(max(best.samples) < min(e.samples) for e in entries if e is not best)
+    return len(entries) < 2 or (rounds_run >= MIN_ROUNDS and len(still_in(entries, rounds_run)) == 1)
 
 
 def race(
@@ -115,23 +120,23 @@ def race(
 ) -> tuple[Entrant, dict[str, Any]]:
     """Race `entries` (see the module docstring): `run_step(entrant)` runs one calibration step
     as `entrant` says. Returns the winner (the same on every rank) and the record `explain()` shows."""
-    rounds_run = 0
-    while rounds_run < rounds and not decided(entries, rounds_run):
-        mine = {}
-        for k in range(len(entries)):
-            entrant = entries[(k + rounds_run) % len(entries)]
+    rounds_run, running = 0, list(entries)
+    while rounds_run < rounds and not decided(running, rounds_run):
+        running, mine = still_in(running, rounds_run), {}
+        for k in range(len(running)):
+            entrant = running[(k + rounds_run) % len(running)]
             run_step(entrant)  # settles the switch
             started = time.perf_counter()
             run_step(entrant)
             mine[entrant.label] = time.perf_counter() - started
         gathered = gather_objects(mine, layout.pp_group) if layout is not None else [mine]
-        times = from_first_rank([max(g[e.label] for g in gathered) for e in entries], layout)
-        for entrant, seconds in zip(entries, times):
+        times = from_first_rank([max(g[e.label] for g in gathered) for e in running], layout)
+        for entrant, seconds in zip(running, times):
             entrant.samples.append(seconds)
         rounds_run += 1
-    winner = min(entries, key=lambda e: e.median_s) if rounds_run else entries[0]
+    winner = min(running, key=lambda e: e.median_s) if rounds_run else entries[0]
     why = (
         f"fastest measured over {rounds_run} round(s)"
-        + (", ahead of every other beyond the spread" if decided(entries, rounds_run) and len(entries) > 1 else "")
+        + (", ahead of every other beyond the spread" if decided(running, rounds_run) and len(entries) > 1 else "")
     )
     return winner, {"entrants": [e.record() for e in entries], "chosen": winner.label, "why": why}
