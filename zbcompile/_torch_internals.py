@@ -56,6 +56,8 @@ __all__ = [
     "default_partition",
     "graph_break",
     "inductor_compile",
+    "traced",
+    "dispatch_mode_active",
     "default_store",
     "register_dynamo_backend",
     "export_joint",
@@ -390,6 +392,38 @@ def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor
 
     with torch._inductor.config.patch(compile_threads=1):  # no worker pool to start per process
         return torch._inductor.compile(gm, example_inputs)
+
+
+def dispatch_mode_active() -> bool:
+    """Whether a Python dispatch mode sees each op now (a memory tracker, fake tensors)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode() is not None
+
+
+def traced(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable | None:
+    """`gm`'s ops recorded by TorchScript's tracer on `example_inputs` (run once, under no_grad,
+    the CPU's and the inputs' devices' RNG states put back after), or None where `gm` calls
+    other than aten ops (a collective would run once more than its peers' on this rank), takes
+    other than plain tensors (a DTensor), or the tracer refuses it. `torch.jit.trace` warns
+    that it is deprecated (torch.compile and torch.export are its successors: neither runs a
+    graph's aten ops as they are from C++ without a compiler); the warning is silenced here, and
+    a torch without it leaves graphs op by op."""
+    aten = all(
+        isinstance(n.target, OpOverload) and n.target.namespace == "aten" or n.target.__module__ == "_operator"
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+    )
+    plain = all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in example_inputs)  # no DTensor, no subclass
+    if not aten or not plain or not hasattr(torch.jit, "trace"):
+        return None
+    devices = sorted({t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda}, key=str)
+    try:
+        with warnings.catch_warnings(), torch.random.fork_rng(devices=devices), torch.no_grad():
+            warnings.filterwarnings("ignore", message=".*torch.jit.* is deprecated", category=DeprecationWarning)
+            return torch.jit.trace(lambda *inputs: gm(*inputs), tuple(example_inputs), check_trace=False)
+    except Exception:  # noqa: BLE001 - whatever the tracer refuses runs op by op
+        return None
 
 
 def strided_shard(dim: int, split_factor: int):

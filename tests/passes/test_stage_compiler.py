@@ -1,17 +1,22 @@
 """compiler="inductor": every stage's F, B and W run as Inductor-generated code and the step's
-gradients equal eager's within fp32 tolerance (one small case: Inductor compiles slowly on CPU)."""
+gradients equal eager's within fp32 tolerance (one small case: Inductor compiles slowly on CPU);
+compiler="traced" (the default on CPU): the recorded ops compute eager's bits, every schedule
+alike, and leave the RNG where eager leaves it; a graph the tracer cannot take runs op by op."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 from torch import nn
 
 import zbcompile
+from helpers.models import GPT_CONFIG, build
 from zbcompile import stage_compiler
-from zbcompile.stage_compiler import InductorProgram, compile_stage_programs
+from zbcompile.models.gpt import GPT
+from zbcompile.stage_compiler import InductorProgram, TracedProgram, compile_stage_programs
 
 
 def test_inductor_stage_programs_match_eager():
@@ -57,10 +62,11 @@ def _compiled_mlp():
     return pipe, x, target
 
 
-def test_default_compiler_is_inductor_with_a_fallback_on_cuda_and_eager_elsewhere():
+def test_default_compiler_is_inductor_with_a_fallback_on_cuda_and_traced_elsewhere():
     pipe, _, _ = _compiled_mlp()
     on_cpu = compile_stage_programs(pipe.compiled, None, torch.device("cpu"))
-    assert on_cpu is pipe.compiled
+    assert all(isinstance(p.forward, TracedProgram) for p in on_cpu.programs)
+    assert compile_stage_programs(pipe.compiled, "eager", torch.device("cpu")) is pipe.compiled
     on_cuda = compile_stage_programs(pipe.compiled, None, torch.device("cuda"))
     forwards = [p.forward for p in on_cuda.programs]
     assert all(isinstance(f, InductorProgram) and f.fallback for f in forwards)
@@ -91,3 +97,63 @@ def test_a_graph_inductor_cannot_compile_runs_op_by_op_under_the_default(monkeyp
     strict = compile_stage_programs(pipe.compiled, "inductor", torch.device("cuda")).programs[0].forward
     with pytest.raises(RuntimeError, match="no kernel for this"):
         strict.run(dict(env), {})
+
+
+def _trained(compiler: str, schedule: str) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    """The loss and gradients of one pipelined step of the zoo's GPT with dropout, and the RNG
+    state after."""
+    case = build("gpt")
+    model = GPT(dataclasses.replace(GPT_CONFIG, dropout=0.1))
+    options = dict(stages=2, microbatches=2, loss_fn=case.loss_fn, schedule=schedule, compiler=compiler)
+    pipe = zbcompile.pipeline(model, **options)
+    torch.manual_seed(7)
+    loss = case.step(pipe)
+    return loss, {n: p.grad.clone() for n, p in pipe.named_parameters()}, torch.get_rng_state()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_traced_programs_compute_eager_bits_and_leave_the_rng_alone(schedule):
+    """A GPT (dropout on: its masks come from the RNG), one step: the same loss and gradients,
+    bit for bit, as its graphs run op by op, under a fused and a split backward; the RNG ends
+    where eager's does (recording ran the graphs once more, on the side)."""
+    loss, grads, rng = _trained("eager", schedule)
+    traced_loss, traced_grads, traced_rng = _trained("traced", schedule)
+    assert torch.equal(loss, traced_loss)
+    assert grads.keys() == traced_grads.keys()
+    assert all(torch.equal(grads[n], traced_grads[n]) for n in grads)
+    assert torch.equal(rng, traced_rng)
+
+
+def test_traced_programs_record_once_and_a_graph_of_other_ops_runs_op_by_op(monkeypatch):
+    pipe, x, target = _compiled_mlp()
+    program = compile_stage_programs(pipe.compiled, "traced", torch.device("cpu")).programs[0].forward
+    placeholders = program.graph.graph.find_nodes(op="placeholder")
+    env = {name: torch.randn(node.meta["val"].shape) for name, node in zip(program.signature.inputs, placeholders)}
+    expected = dict(env)
+    pipe.compiled.programs[0].forward.run(expected, {})
+    for _ in range(2):
+        got = dict(env)
+        program.run(got, {})
+        assert all(torch.equal(got[n], expected[n]) for n in program.signature.outputs)
+    assert isinstance(program._traced["fn"], torch.jit.ScriptFunction)  # recorded on the first run, kept
+
+    refused = TracedProgram(program.graph, program.signature)
+    monkeypatch.setattr(stage_compiler.ti, "traced", lambda gm, inputs: None)
+    got = dict(env)
+    refused.run(got, {}, consumed=[program.signature.inputs[-1]])  # op by op: the consumed input freed
+    assert refused._traced["fn"] is False and program.signature.inputs[-1] not in got
+    assert all(torch.equal(got[n], expected[n]) for n in program.signature.outputs)
+
+
+def test_only_graphs_of_aten_ops_are_recorded():
+    """A graph that calls anything but aten ops (a collective: recording would run it once more
+    on this rank than on its peers) is left to run op by op."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.output((graph.call_function(torch.ops.aten.sin.default, (x,)),))
+    plain = torch.fx.GraphModule({}, graph)
+    assert stage_compiler.ti.traced(plain, [torch.randn(3)]) is not None
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.output((graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (x,)),))
+    assert stage_compiler.ti.traced(torch.fx.GraphModule({}, graph), [torch.randn(3)]) is None
