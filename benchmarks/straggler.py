@@ -1,7 +1,7 @@
 """A slower rank: zb-auto re-cut by measurement against zb-auto at the compiler's cut.
 
-Two gloo ranks train the Llama-style decoder (benchmarks/llama_style.py); rank 1's actions are
-slowed by `--slowdown` (default 1.5: each F, I, W sleeps half its own time more,
+Two gloo ranks train the Llama-style decoder (benchmarks/llama_style.py); rank 1's actions
+(`--slowed-rank 0`: rank 0's) are slowed by `--slowdown` (default 1.5: each F, I, W sleeps half its own time more,
 `pipeline(_slowdown=...)`, a testing aid standing for a slower or shared device). Two pipelines,
 default options but the cut: `recut=False` (the cut the compiler balances by FLOPs; zb-auto still
 re-solves its order with measured costs) and the default (the first compile measures each block
@@ -44,6 +44,7 @@ class Settings:
     rows: int = 2  # sequences per microbatch
     microbatches: int = 8
     slowdown: float = 1.5
+    slowed_rank: int = 1
     rounds: int = 6
     steps_per_round: int = 4
     max_warmup: int = 60  # steps until a tuner runs its measured schedule
@@ -57,7 +58,7 @@ def _pipeline(name: str, settings: Settings, tokens, targets):
 
     pipe = zbcompile.pipeline(
         llama_style.llama_style(settings), stages=2, microbatches=settings.microbatches, loss_fn=lm_loss,
-        timeout=settings.timeout_s, recut=name == "re-cut", _slowdown={1: settings.slowdown},
+        timeout=settings.timeout_s, recut=name == "re-cut", _slowdown={settings.slowed_rank: settings.slowdown},
     )
     pipe.compile(tokens, target=targets)
     return pipe
@@ -138,7 +139,8 @@ def report(data: dict) -> str:
         "# A slower rank: zb-auto re-cut by measurement against the compiler's cut",
         "",
         f"Llama-style decoder ({s['layers']} layers, hidden {s['hidden']}, vocab {s['vocab']}, seq {s['seq_len']}), "
-        f"{s['rows']} rows per microbatch, m={s['microbatches']}, 2 gloo ranks; rank 1 slowed {s['slowdown']}x "
+        f"{s['rows']} rows per microbatch, m={s['microbatches']}, 2 gloo ranks; rank {s.get('slowed_rank', 1)} slowed "
+        f"{s['slowdown']}x "
         "(`_slowdown`, a testing aid). Machine: "
         f"{_launch.load_line(data['machine_before'])} before, {_launch.load_line(data['machine_after'])} after; "
         f"{data['wall_s']:.0f} s.",
@@ -166,14 +168,20 @@ def report(data: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--slowdown", type=float, default=Settings.slowdown)
+    parser.add_argument("--slowed-rank", type=int, choices=(0, 1), default=Settings.slowed_rank)
     parser.add_argument("--rounds", type=int, default=Settings.rounds)
     parser.add_argument("--rows", type=int, default=Settings.rows)
     parser.add_argument("--quick", action="store_true", help="a smoke run: a small model, 2 rounds")
     parser.add_argument("--no-write", action="store_true", help="print only; leave the results files alone")
     options = parser.parse_args()
-    settings = Settings(slowdown=options.slowdown, rounds=options.rounds, rows=options.rows)
+    settings = Settings(
+        slowdown=options.slowdown, slowed_rank=options.slowed_rank, rounds=options.rounds, rows=options.rows
+    )
     if options.quick:
-        settings = Settings(seq_len=32, hidden=64, rows=1, rounds=2, steps_per_round=2, slowdown=options.slowdown)
+        settings = Settings(
+            seq_len=32, hidden=64, rows=1, rounds=2, steps_per_round=2, slowdown=options.slowdown,
+            slowed_rank=options.slowed_rank,
+        )
     _launch.run_and_report(
         "straggler", 2, rank_main, settings, analyse, report, write=not options.no_write and not options.quick
     )

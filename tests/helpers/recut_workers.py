@@ -1,9 +1,10 @@
 """What each rank runs for tests/runtime/test_recut.py: a distributed zb-auto pipeline whose first
 compile chooses its cut again by measurement (a rank slowed by the testing aid, so that it does),
 or is made to re-cut (`force`: "flip", the decision replaced by a V where the compile is one
-stage per rank, else one stage per rank, trusted unraced; "unbalanced", replaced by a cut that
-leaves stage 0 a quarter of the model, which the race on real steps must undo), against a
-pipeline compiled at the final cut from the start."""
+stage per rank, else one stage per rank, trusted unraced; "unbalanced", rank 0 slowed
+`SLOWDOWN_UNBALANCED` times and the decision replaced by a cut that gives stage 0 three
+quarters of the model, which the race on real steps must undo), against a pipeline compiled at
+the final cut from the start."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ from zbcompile.schedules.cut_search import Cut
 
 STEPS = 2
 SLOWDOWN = 3.0  # rank 1's actions take this times as long: a re-cut gains far more than the threshold
+# rank 0's under "unbalanced": its actions' sleep then outweighs the host time of a step of this
+# tiny model (about 10 ms), so that 1.5x rank 0's work is measured slower beyond the noise
+SLOWDOWN_UNBALANCED = 10.0
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -42,8 +46,8 @@ def forced(force: str) -> Iterator[None]:
         placement = "in-line" if current.placement == "v" or force == "unbalanced" else "v"
         stages = ranks if placement == "in-line" else 2 * ranks
         positions = tuple(partition_stages(compiled.traced, stages).cuts)
-        if force == "unbalanced":  # stage 0 ends where the first of four balanced chunks does
-            positions = tuple(partition_stages(compiled.traced, 2 * ranks).cuts)[:1]
+        if force == "unbalanced":  # stage 0 ends where the third of four balanced chunks does
+            positions = tuple(partition_stages(compiled.traced, 2 * ranks).cuts)[2:3]
         cut = Cut(placement, positions)
         costs = Costs(f=[1.0] * stages, i=[1.0] * stages, w=[1.0] * stages)
         record = {**measured.record, "changed": cut != current}
@@ -99,8 +103,9 @@ def recut_run(stages: int, data_parallel: str, meta: bool, force: str | None) ->
         return pipe
 
     unraced = {"race_rounds": 0} if force == "flip" else {}
+    slowdown = {None: {1: SLOWDOWN}, "unbalanced": {0: SLOWDOWN_UNBALANCED}}.get(force)
     with forced(force) if force else contextlib.nullcontext():
-        pipe = compiled(zbcompile.pipeline(model(), _slowdown=None if force else {1: SLOWDOWN}, **options, **unraced))
+        pipe = compiled(zbcompile.pipeline(model(), _slowdown=slowdown, **options, **unraced))
     choice = pipe._builder.cut_choice
     reference = zbcompile.pipeline(model(), recut=False, **options)
     reference._builder.cut_choice = choice  # compiled at the final cut from the start

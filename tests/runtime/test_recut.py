@@ -6,8 +6,8 @@ eager's. Two ranks (one replica) and four (two replicas of two stages under "sha
 "replicate", and one pipeline of four stages), models on the meta device and not, re-cut by a
 rank slowed with the testing aid (the re-cut then races the compiler's cut on real steps, the
 state moving between the cuts, and wins) or made to re-cut: to a V (or back to one stage per
-rank), trusted unraced, or to a cut that leaves stage 0 a quarter of the model, which the race
-measures slower and undoes. The decision itself, on fixed costs, is
+rank), trusted unraced, or to a cut that gives a slowed rank 0 three quarters of the model,
+which the race measures slower and undoes. The decision itself, on fixed costs, is
 tests/schedules/test_cut_choice.py's."""
 
 from __future__ import annotations
