@@ -154,7 +154,7 @@ def train(
     own with the default options (zb-auto measures, may re-cut and re-solves), built after the
     one before, as a user tries schedules in one process; with `forced_recut` zb-auto's cut
     decision is made to re-cut (`recut_workers.forced`: its state moves between ranks, as
-    DTensor shards over "tp"). With `clipped`, then 2 zb-h1 steps of
+    DTensor shards over "tp", and back where the race keeps the compiler's cut). With `clipped`, then 2 zb-h1 steps of
     AdamW behind `SynchronousClipOptimizer` (max_norm 0.05: every step clipped), whose norm must
     sum the shards over "tp" (and "dp") once each: the whole parameters after them."""
     mesh, results = mesh_of(sizes), {}
@@ -164,7 +164,8 @@ def train(
         if stages != compiled_stages or successive:
             extra = {"dump_dir": dump} if dump is not None and stages == schedules[-1][1] else {}
             extra.update(DEFAULTS if successive else {})
-            recutting = recut_workers.forced() if forced_recut and schedule == "zb-auto" else contextlib.nullcontext()
+            forcing = forced_recut and schedule == "zb-auto"
+            recutting = recut_workers.forced("flip") if forcing else contextlib.nullcontext()
             with recutting:
                 case, pipe = pipe_of(name, mesh, stages, schedule, data_parallel=data_parallel, **extra)
             compiled_stages = stages

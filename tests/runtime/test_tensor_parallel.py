@@ -74,7 +74,8 @@ def four():
 def test_pp2_tp2_steps_equal_eager_over_the_whole_batch(four):
     """GPT and Llama under every schedule (the Llama's a pipeline of its own per schedule, one
     after another, with the default options: zb-auto measures and decides on one rank for all,
-    its re-cut forced, so that DTensor shards move between ranks),
+    its re-cut forced, so that DTensor shards move between ranks as the re-cut races the
+    compiler's cut),
     the GPT with sequence parallelism and the GPT built on the meta device and parallelized by
     the user: the parameters after 3 AdamW steps equal eager's; a stage's tensor-parallel ranks
     hold the same bits."""
