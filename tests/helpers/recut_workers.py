@@ -1,15 +1,16 @@
 """What each rank runs for tests/runtime/test_recut.py: a distributed zb-auto pipeline whose first
 compile chooses its cut again by measurement (a rank slowed by the testing aid, so that it does),
 or is made to re-cut (`force`: "flip", the decision replaced by a V where the compile is one
-stage per rank, else one stage per rank, trusted unraced; "unbalanced", rank 0 slowed
-`SLOWDOWN_UNBALANCED` times and the decision replaced by a cut that gives stage 0 three
-quarters of the model, which the race on real steps must undo), against a pipeline compiled at
-the final cut from the start."""
+stage per rank, else one stage per rank, trusted unraced; "slower", replaced by a cut that
+leaves stage 0 a quarter of the model, each race step at that cut made `SLOWER_S` longer: the
+prediction said faster, the real steps say slower, and the race must undo it), against a
+pipeline compiled at the final cut from the start."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import time
 from typing import Iterator
 
 import torch
@@ -19,15 +20,15 @@ from torch.distributed.tensor import DTensor
 import zbcompile
 from helpers.models import build
 from zbcompile.passes.partition import partition_stages
-from zbcompile.runtime import recut
+from zbcompile.runtime import recut, schedule_race
 from zbcompile.schedules import Costs
 from zbcompile.schedules.cut_search import Cut
 
 STEPS = 2
 SLOWDOWN = 3.0  # rank 1's actions take this times as long: a re-cut gains far more than the threshold
-# rank 0's under "unbalanced": its actions' sleep then outweighs the host time of a step of this
-# tiny model (about 10 ms), so that 1.5x rank 0's work is measured slower beyond the noise
-SLOWDOWN_UNBALANCED = 10.0
+# "slower": a sleep before each race step at the forced cut, inside its timed step; several
+# times the step of this tiny model (about 10 ms, up to some 40 ms under the suite's load)
+SLOWER_S = 0.15
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -37,27 +38,36 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 @contextlib.contextmanager
 def forced(force: str) -> Iterator[None]:
     """The cut decision replaced (`force`: see the module docstring)."""
-    original = recut.decide
+    original, run_as = recut.decide, schedule_race.run_as
+    forced_cuts = []
 
     def decide(compiled, schedule, gathered, options, reduction):
         measured = original(compiled, schedule, gathered, options, reduction)
         current = recut.current_cut(compiled, schedule)
         ranks = schedule.ranks
-        placement = "in-line" if current.placement == "v" or force == "unbalanced" else "v"
+        placement = "in-line" if current.placement == "v" or force == "slower" else "v"
         stages = ranks if placement == "in-line" else 2 * ranks
         positions = tuple(partition_stages(compiled.traced, stages).cuts)
-        if force == "unbalanced":  # stage 0 ends where the third of four balanced chunks does
-            positions = tuple(partition_stages(compiled.traced, 2 * ranks).cuts)[2:3]
+        if force == "slower":  # stage 0 ends where the first of four balanced chunks does
+            positions = tuple(partition_stages(compiled.traced, 2 * ranks).cuts)[:1]
         cut = Cut(placement, positions)
+        forced_cuts.append(list(positions))
         costs = Costs(f=[1.0] * stages, i=[1.0] * stages, w=[1.0] * stages)
         record = {**measured.record, "changed": cut != current}
         return recut.CutChoice(cut, costs, cut != current, record, measured.current_costs)
 
+    def slower_at_the_forced_cut(runner, entrant):
+        run_as(runner, entrant)
+        if list(runner.compiled.partition.cuts) in forced_cuts:
+            time.sleep(SLOWER_S)
+
     recut.decide = decide
+    if force == "slower":
+        schedule_race.run_as = slower_at_the_forced_cut
     try:
         yield
     finally:
-        recut.decide = original
+        recut.decide, schedule_race.run_as = original, run_as
 
 
 def _train(pipe, case) -> dict:
@@ -103,9 +113,8 @@ def recut_run(stages: int, data_parallel: str, meta: bool, force: str | None) ->
         return pipe
 
     unraced = {"race_rounds": 0} if force == "flip" else {}
-    slowdown = {None: {1: SLOWDOWN}, "unbalanced": {0: SLOWDOWN_UNBALANCED}}.get(force)
     with forced(force) if force else contextlib.nullcontext():
-        pipe = compiled(zbcompile.pipeline(model(), _slowdown=slowdown, **options, **unraced))
+        pipe = compiled(zbcompile.pipeline(model(), _slowdown=None if force else {1: SLOWDOWN}, **options, **unraced))
     choice = pipe._builder.cut_choice
     reference = zbcompile.pipeline(model(), recut=False, **options)
     reference._builder.cut_choice = choice  # compiled at the final cut from the start

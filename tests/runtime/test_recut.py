@@ -6,9 +6,9 @@ eager's. Two ranks (one replica) and four (two replicas of two stages under "sha
 "replicate", and one pipeline of four stages), models on the meta device and not, re-cut by a
 rank slowed with the testing aid (the re-cut then races the compiler's cut on real steps, the
 state moving between the cuts, and wins) or made to re-cut: to a V (or back to one stage per
-rank), trusted unraced, or to a cut that gives a slowed rank 0 three quarters of the model,
-which the race measures slower and undoes. The decision itself, on fixed costs, is
-tests/schedules/test_cut_choice.py's."""
+rank), trusted unraced, or to a cut whose race steps are made slower (a sleep in each): the
+prediction said faster, the real steps say slower, and the race undoes the re-cut. The decision
+itself, on fixed costs, is tests/schedules/test_cut_choice.py's."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def _runs(launch: str) -> list[tuple[tuple, list[dict]]]:
 
 def _check_run(run: tuple, per_rank: list[dict]) -> None:
     stages, data_parallel, meta, force = run
-    undone = force == "unbalanced"
+    undone = force == "slower"
     for rank, result in enumerate(per_rank):
         label = f"{run} rank {rank}"
         assert result["changed"] != undone, (label, result["record"])

@@ -39,9 +39,10 @@ def calibrated(builder: Builder, built: Build, micro_inputs: list, micro_targets
     compiler's cut or the one chosen by measurement, whose schedule measured fastest on real
     steps, with the state where its ranks read it (see the module docstring)."""
     runner, layout = built.runner, builder.layout()
+    batch = (micro_inputs, micro_targets, absent)
 
     def train() -> None:
-        runner.train(micro_inputs, micro_targets, absent, builder.ownership)
+        runner.train(*batch, builder.ownership)
 
     doubt = recut.speeds_in_doubt(built.compiled, runner.schedule)
     with recut.untouched(builder.module, runner.device):
@@ -61,11 +62,10 @@ def calibrated(builder: Builder, built: Build, micro_inputs: list, micro_targets
         except ValueError as error:  # the model does not compile at that cut (on every rank alike)
             choice = recut.kept(choice, built.compiled, static, str(error).splitlines()[0])
         else:
-            return _recut_raced(builder, built, rebuilt, choice, compiler_costs, (micro_inputs, micro_targets, absent))
+            return _recut_raced(builder, built, rebuilt, choice, compiler_costs, batch)
     field = _entrants(builder, built, compiler_costs, static)
-    homes = dict.fromkeys([e.label for e in field], built)
-    winner, race = _race(builder, field, homes, built, micro_inputs, micro_targets, absent)
-    return _kept(builder, built, choice, compiler_costs, winner, race)
+    winner, race = _race(builder, field, dict.fromkeys([e.label for e in field], built), built, batch)
+    return _finished(builder, built, choice, compiler_costs, winner, race)
 
 
 def _recut_raced(
@@ -81,25 +81,22 @@ def _recut_raced(
             entrant.label += COMPILER_CUT
             field.append(entrant)
             homes[entrant.label] = built
-    winner, race = _race(builder, field, homes, rebuilt, *batch)
+    winner, race = _race(builder, field, homes, rebuilt, batch)
     if homes[winner.label] is rebuilt:
         rebuilt.tuner.history.append({"step": 0, "event": f"re-cut at compile: {choice.cut} (raced on real steps)"})
-        rebuilt.runner.compiled = replace(rebuilt.runner.compiled, cut_record={**choice.record, "race": race})
-        builder.cut_choice, builder.measured_costs = choice, new_costs
-        rebuilt.tuner.calibrated(new_costs, winner.schedule, f"raced at compile: {race['chosen']} kept")
-        return rebuilt
+        return _finished(builder, rebuilt, choice, new_costs, winner, race)
     builder.move_state(rebuilt, built)
     slower = f"the re-cut to {choice.cut} measured slower on real steps than the compiler's cut"
-    return _kept(builder, built, recut.kept(choice, built.compiled, built.runner.schedule, slower), compiler_costs,
-                 winner, race)
+    choice = recut.kept(choice, built.compiled, built.runner.schedule, slower)
+    return _finished(builder, built, choice, compiler_costs, winner, race)
 
 
-def _kept(
+def _finished(
     builder: Builder, built: Build, choice: recut.CutChoice, costs: Costs, winner: schedule_race.Entrant, race: dict
 ) -> Build:
-    """`built` at the compiler's cut, running the race's `winner`, its record and tuner set."""
-    builder.cut_choice = choice
-    builder.measured_costs = costs
+    """`built` running the race's `winner` at `choice`'s cut, solved on `costs`: the builder
+    keeps the cut and costs, the compile its record, the tuner starts from them."""
+    builder.cut_choice, builder.measured_costs = choice, costs
     built.runner.compiled = replace(built.runner.compiled, cut_record={**choice.record, "race": race})
     built.tuner.calibrated(costs, winner.schedule, f"raced at compile: {race['chosen']} kept")
     return built
@@ -114,11 +111,11 @@ def _entrants(builder: Builder, built: Build, costs: Costs, static: Any = None) 
 
 
 def _race(
-    builder: Builder, field: list, homes: dict[str, Build], holding: Build, micro_inputs: list, micro_targets: list,
-    absent: tuple,
+    builder: Builder, field: list, homes: dict[str, Build], holding: Build, batch: tuple
 ) -> tuple[schedule_race.Entrant, dict]:
-    """Race `field` (each entrant on its compile in `homes`; `holding` holds the state now),
-    inside `untouched`, the state back in `holding` at the end; the winner runs on its compile."""
+    """Race `field` on steps of `batch` (microbatch inputs, targets, the parts absent here), each
+    entrant on its compile in `homes` (`holding` holds the state now), inside `untouched`, the
+    state back in `holding` at the end; the winner then runs on its compile."""
     where = [holding]
 
     def run_step(entrant: schedule_race.Entrant) -> None:
@@ -127,13 +124,11 @@ def _race(
             builder.move_state(where[0], home)
             where[0] = home
         schedule_race.run_as(home.runner, entrant)
-        home.runner.train(micro_inputs, micro_targets, absent, builder.ownership)
+        home.runner.train(*batch, builder.ownership)
 
     with recut.untouched(builder.module, holding.runner.device):
-        try:
-            winner, race = schedule_race.race(field, run_step, builder.layout(), builder.options.race_rounds)
-        finally:
-            if where[0] is not holding:  # what `untouched` puts back is what `holding` holds
-                builder.move_state(where[0], holding)
+        winner, race = schedule_race.race(field, run_step, builder.layout(), builder.options.race_rounds)
+        if where[0] is not holding:  # what `untouched` puts back is what `holding` holds
+            builder.move_state(where[0], holding)
     schedule_race.run_as(homes[winner.label].runner, winner)
     return winner, race
