@@ -124,8 +124,8 @@ def calibrate(runner, train: Any, steps: int, layout: Any, doubt: Callable[[list
         runner.use_programs(compiled)
     units = times.medians(runner.transport.timeout.total_seconds())
     comm = profile.round_trip_seconds(runner)
-    timelines, host = [], []
-    for more in range(MORE_TIMED_ROUNDS + 1):
+    timelines, host, more = [], [], 0
+    while True:
         for _ in range(steps):
             train()
             timelines.append(list(runner.timeline))
@@ -135,7 +135,7 @@ def calibrate(runner, train: Any, steps: int, layout: Any, doubt: Callable[[list
         gathered = gather_objects(local, layout.pp_group)
         if not from_first_rank(more < MORE_TIMED_ROUNDS and layout.decides and doubt(gathered), layout):
             return gathered
-    raise AssertionError("unreachable: the last round returns")
+        more += 1
 
 
 def current_cut(compiled: CompiledPipeline, schedule: Schedule) -> Cut:
@@ -160,10 +160,18 @@ def _merged(gathered: list[Measured]) -> tuple[dict, dict, list[dict]]:
     return actions, units, steps
 
 
+def _where(compiled: CompiledPipeline, schedule: Schedule) -> tuple:
+    """Where the measured actions ran: `measured_cut.measured_units`' first arguments."""
+    return cut_layout(compiled.traced, compiled.partition), compiled.programs, schedule.stage_to_rank, schedule.ranks
+
+
 def repeated_speeds(compiled: CompiledPipeline, schedule: Schedule, gathered: list[Measured]) -> list[list[float]]:
     """Each timed step's rank speeds (`measured_cut.rank_speeds`), for `agreed_speeds`."""
+    return _repeated_speeds(_where(compiled, schedule), gathered)
+
+
+def _repeated_speeds(where: tuple, gathered: list[Measured]) -> list[list[float]]:
     actions, units, steps = _merged(gathered)
-    where = (cut_layout(compiled.traced, compiled.partition), compiled.programs, schedule.stage_to_rank, schedule.ranks)
     return [measured_units(*where, step, units)[1] for step in steps or [actions]]
 
 
@@ -179,9 +187,9 @@ def decide(
     `reduction`: per stage, its gradient reduction in boundary messages (0 without replicas)."""
     actions, units, _ = _merged(gathered)
     comm = max(part.comm for part in gathered)
-    layout = cut_layout(compiled.traced, compiled.partition)
-    where = (layout, compiled.programs, schedule.stage_to_rank, schedule.ranks)
-    speeds = measured_cut.agreed_speeds(repeated_speeds(compiled, schedule, gathered))
+    where = _where(compiled, schedule)
+    layout = where[0]
+    speeds = measured_cut.agreed_speeds(_repeated_speeds(where, gathered))
     cut_units, _ = measured_units(*where, actions, units, speeds)
     largest = max(compiled.partition.boundary_bytes, default=0) or 1
     held = [sum(nbytes for fqn, nbytes, _ in layout.params if fqn in s.param_fqns) for s in compiled.partition.stages]
