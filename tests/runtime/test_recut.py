@@ -5,10 +5,11 @@ ranks move there, and training at the new cut is bitwise training at that cut fr
 eager's. Two ranks (one replica) and four (two replicas of two stages under "shard" and
 "replicate", and one pipeline of four stages), models on the meta device and not, re-cut by a
 rank slowed with the testing aid (the re-cut then races the compiler's cut on real steps, the
-state moving between the cuts, and wins) or made to re-cut: to a V (or back to one stage per
-rank), trusted unraced, or to a cut whose race steps are made slower (a sleep in each): the
-prediction said faster, the real steps say slower, and the race undoes the re-cut. The decision
-itself, on fixed costs, is tests/schedules/test_cut_choice.py's."""
+state moving between the cuts; whichever wins, training is bitwise that cut's) or made to
+re-cut: to a V (or back to one stage per rank), trusted unraced, or to a cut whose race steps
+are made slower (a sleep in each): the prediction said faster, the real steps say slower, and
+the race undoes the re-cut. The decision itself, on fixed costs, is
+tests/schedules/test_cut_choice.py's."""
 
 from __future__ import annotations
 
@@ -30,7 +31,10 @@ def _runs(launch: str) -> list[tuple[tuple, list[dict]]]:
 
 def _check_run(run: tuple, per_rank: list[dict]) -> None:
     stages, data_parallel, meta, force = run
-    undone = force == "slower"
+    undone = not per_rank[0]["changed"]  # the race kept the compiler's cut
+    # which cut wins a race is the real steps' say (a slowed rank's re-cut of this tiny model may lose
+    # under load: its V's extra messages cost more host time than the sleep it saves); a forced one is known
+    assert undone == (force == "slower") or force is None, (run, per_rank[0]["record"])
     for rank, result in enumerate(per_rank):
         label = f"{run} rank {rank}"
         assert result["changed"] != undone, (label, result["record"])
