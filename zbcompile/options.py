@@ -44,8 +44,8 @@ class PipelineOptions:
     solver_time_budget: float | None = None  # seconds zb-auto improves its heuristic
     profile: bool | None = None  # measure costs and re-solve (runtime/profile.py); None: where the schedule table says
     profile_steps: int = 2  # steps timed after the warm-up step before the first re-solve
-    # rounds on real steps: zb-auto's first compile races its schedule and a re-cut against the compiler's cut
-    # (runtime/calibration.py), the tuner tries a re-solved schedule against the running one
+    # rounds on real steps: zb-auto's first compile races its schedule, a re-cut against the compiler's cut and
+    # the other placement (runtime/calibration.py), the tuner tries a re-solved schedule against the running one
     # (runtime/schedule_trial.py); 0: neither, predictions decide
     race_rounds: int = 3
     objective: str = "span"  # "span" (steps back to back) or "makespan" (a synchronisation ends every step)

@@ -3,8 +3,9 @@ compile chooses its cut again by measurement (a rank slowed by the testing aid, 
 or is made to re-cut (`force`: "flip", the decision replaced by a V where the compile is one
 stage per rank, else one stage per rank, trusted unraced; "slower", replaced by a cut that
 leaves stage 0 a quarter of the model, each race step at that cut made `SLOWER_S` longer: the
-prediction said faster, the real steps say slower, and the race must undo it), against a
-pipeline compiled at the final cut from the start."""
+prediction said faster, the real steps say slower, and the race must undo it; "rival", the same
+with the compiler's cut slowed too and the flip's V as the decision's rival, which the race must
+take), against a pipeline compiled at the final cut from the start."""
 
 from __future__ import annotations
 
@@ -39,31 +40,34 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 def forced(force: str) -> Iterator[None]:
     """The cut decision replaced (`force`: see the module docstring)."""
     original, run_as = recut.decide, schedule_race.run_as
-    forced_cuts = []
+    slowed = []  # the positions of the cuts whose race steps sleep
 
     def decide(compiled, schedule, gathered, options, reduction):
         measured = original(compiled, schedule, gathered, options, reduction)
         current = recut.current_cut(compiled, schedule)
         ranks = schedule.ranks
-        placement = "in-line" if current.placement == "v" or force == "slower" else "v"
-        stages = ranks if placement == "in-line" else 2 * ranks
-        positions = tuple(partition_stages(compiled.traced, stages).cuts)
-        if force == "slower":  # stage 0 ends where the first of four balanced chunks does
-            positions = tuple(partition_stages(compiled.traced, 2 * ranks).cuts)[:1]
-        cut = Cut(placement, positions)
-        forced_cuts.append(list(positions))
-        costs = Costs(f=[1.0] * stages, i=[1.0] * stages, w=[1.0] * stages)
+        flip = "in-line" if current.placement == "v" else "v"
+        flip_stages = ranks if flip == "in-line" else 2 * ranks
+        flipped = Cut(flip, tuple(partition_stages(compiled.traced, flip_stages).cuts))
+        flip_costs = Costs(f=[1.0] * flip_stages, i=[1.0] * flip_stages, w=[1.0] * flip_stages)
+        if force == "flip":
+            cut, costs, rival = flipped, flip_costs, None
+        else:  # stage 0 ends where the first of four balanced chunks does; under "rival" the flip races
+            cut = Cut("in-line", tuple(partition_stages(compiled.traced, 2 * ranks).cuts)[:1])
+            costs = Costs(f=[1.0] * ranks, i=[1.0] * ranks, w=[1.0] * ranks)
+            rival = (flipped, flip_costs) if force == "rival" else None
+            slowed.extend([list(cut.positions)] + ([list(current.positions)] if force == "rival" else []))
         record = {**measured.record, "changed": cut != current}
-        return recut.CutChoice(cut, costs, cut != current, record, measured.current_costs)
+        return recut.CutChoice(cut, costs, cut != current, record, measured.current_costs, rival)
 
-    def slower_at_the_forced_cut(runner, entrant):
+    def slower_at_the_slowed_cuts(runner, entrant):
         run_as(runner, entrant)
-        if list(runner.compiled.partition.cuts) in forced_cuts:
+        if list(runner.compiled.partition.cuts) in slowed:
             time.sleep(SLOWER_S)
 
     recut.decide = decide
-    if force == "slower":
-        schedule_race.run_as = slower_at_the_forced_cut
+    if force in ("slower", "rival"):
+        schedule_race.run_as = slower_at_the_slowed_cuts
     try:
         yield
     finally:

@@ -3,7 +3,8 @@ each action and compute the same bits as the unmarked ones (`runtime/block_timin
 host clock or with timing events read after the step (CUDA's way, never a device-wide
 synchronize; events stood in for on CPU); measured
 times become per-position costs on every rank, each rank's speed from the blocks it ran
-(`runtime/measured_cut.py`), on fixed medians."""
+(`runtime/measured_cut.py`), on fixed medians; and which cut of the other placement races
+beside the decision (`recut._rival`)."""
 
 import pathlib
 import re
@@ -20,7 +21,9 @@ from zbcompile.runtime import recut
 from zbcompile.runtime.block_timing import UnitTimes, marked, unit_times
 from zbcompile.runtime.local import LocalRunner
 from zbcompile.runtime.measured_cut import agreed_speeds, measured_units, speeds_in_doubt
-from zbcompile.schedules import make_schedule
+from zbcompile.schedules import Costs, make_schedule
+from zbcompile.schedules.cut_choice import CutDecision, CutPrediction
+from zbcompile.schedules.cut_search import Cut
 from zbcompile.value_names import buffer_name, param_name
 
 
@@ -189,3 +192,21 @@ def test_two_equal_ranks_are_not_recut_for_one_repetitions_burst(gpt):
     assert (burst.cut, burst.changes) == (equal.cut, equal.changes)
     slowed = recut.decide(compiled, schedule, _recorded(compiled, {(0, 0): 1.5, (0, 1): 1.5}), options, [0.0, 0.0])
     assert slowed.record["rank_speeds"] == pytest.approx([1.5, 1.0])
+
+
+def test_the_rival_is_the_best_predicted_cut_of_the_other_placement_within_range():
+    """`recut._rival`: the best candidate of the placement neither the cut in use nor the chosen
+    one has, where it predicts within RIVAL_WITHIN of the chosen cut; none where both placements
+    are taken or the other one predicts far slower."""
+    def prediction(placement, positions, value):
+        stages = len(positions) + 1
+        return CutPrediction(Cut(placement, positions), value, Costs(f=[1.0] * stages), (0.0,) * 2)
+
+    in_use, near = prediction("v", (10, 20, 30), 1.00), prediction("in-line", (22,), 1.02)
+    farther = prediction("in-line", (18,), 1.10)
+    kept = CutDecision(in_use, in_use, (prediction("v", (11, 20, 30), 0.99), near, farther))
+    assert recut._rival(kept) is near  # the V kept: the best one-stage-per-rank cut races beside it
+    slow = prediction("in-line", (22,), 1.00 * recut.RIVAL_WITHIN + 0.01)
+    assert recut._rival(CutDecision(in_use, in_use, (slow,))) is None  # predicted far slower: not raced
+    recut_to_line = CutDecision(in_use, near, (near, farther))
+    assert recut._rival(recut_to_line) is None  # both placements race already

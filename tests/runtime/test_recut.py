@@ -8,7 +8,8 @@ rank slowed with the testing aid (the re-cut then races the compiler's cut on re
 state moving between the cuts; whichever wins, training is bitwise that cut's) or made to
 re-cut: to a V (or back to one stage per rank), trusted unraced, or to a cut whose race steps
 are made slower (a sleep in each): the prediction said faster, the real steps say slower, and
-the race undoes the re-cut. The decision itself, on fixed costs, is
+the race undoes the re-cut; or, with the compiler's cut slowed too, the decision's rival (the
+other placement) measured fastest and kept. The decision itself, on fixed costs, is
 tests/schedules/test_cut_choice.py's."""
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def _check_run(run: tuple, per_rank: list[dict]) -> None:
     # which cut wins a race is the real steps' say (a slowed rank's re-cut of this tiny model may lose
     # under load: its V's extra messages cost more host time than the sleep it saves); a forced one is known
     assert undone == (force == "slower") or force is None, (run, per_rank[0]["record"])
+    rival = per_rank[0]["record"].get("rival") if force == "rival" else None
+    assert (rival is not None) == (force == "rival"), per_rank[0]["record"]
     for rank, result in enumerate(per_rank):
         label = f"{run} rank {rank}"
         assert result["changed"] != undone, (label, result["record"])
@@ -61,6 +64,9 @@ def _check_run(run: tuple, per_rank: list[dict]) -> None:
         assert any(r["held"] != r["held_before"] for r in per_rank), (run, per_rank[0]["cut"], explained)
         assert "cut by measurement: measured" in explained and "re-cut to" in explained, explained
         assert history and history[0]["event"].startswith("re-cut at compile"), history
+    if rival is not None:  # the decision's rival measured fastest: its cut is the one kept
+        assert str(per_rank[0]["cut"]) == rival["cut"] and "measured fastest on real steps" in explained, explained
+        assert per_rank[0]["record"]["race"]["chosen"].endswith(f"({rival['cut']})"), explained
     _check_race(per_rank, explained, raced=force != "flip", undone=undone)
     if data_parallel == "replicate":  # replicas of one batch: every replica's gradients are eager's
         _check_eager_first_step(per_rank)
@@ -76,8 +82,8 @@ def _check_race(per_rank: list[dict], explained: str, raced: bool, undone: bool)
     assert labels[0] == "zb-auto" and ("1f1b" in labels or "zbv" in labels), labels
     assert "zb-auto (plan order)" in labels, labels  # the pipeline follows readiness: its solve also in plan order
     if raced:
-        incumbent = [label for label in labels[-2:] if label in ("1f1b (compiler's cut)", "zbv (compiler's cut)")]
-        assert labels[-2] == "zb-auto (compiler's cut)" and incumbent, labels
+        incumbent = {"1f1b (compiler's cut)", "zbv (compiler's cut)"} & set(labels)
+        assert "zb-auto (compiler's cut)" in labels and incumbent, labels
         assert all(e["steps"] >= 2 and e["measured_step_s"] > 0 for e in race["entrants"]), race
         assert race["chosen"].endswith("(compiler's cut)") == undone, race
     else:  # race_rounds=0: the prediction trusted

@@ -25,6 +25,11 @@ def cut_lines(cut: dict[str, Any] | None) -> list[str]:
         ),
         f"  why: {cut['reason']}; each rank's time for the same work, relative to the fastest: {speeds}"
         + (f" (agreed over {cut['timed_steps']} timed steps)" if "timed_steps" in cut else ""),
+        *(
+            [f"  rival: {cut['rival']['cut']} ({cut['rival']['schedule']}), predicted step "
+             f"{seconds_text(cut['rival']['predicted_step_s'])}, raced beside"]
+            if "rival" in cut and "race" in cut else []
+        ),
         *race_lines(cut.get("race")),
     ]
 

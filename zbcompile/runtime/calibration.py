@@ -1,26 +1,27 @@
 """The first compile's choices, made on calibration steps of its batch and checked on real steps:
 the cut (`runtime/recut.py` measures and predicts) and the schedule (`runtime/schedule_race.py`).
 
-A re-cut is a prediction from one short calibration, and on a shared machine such a prediction
-can be off by more than the gain it promises. So where the decision moves the cut, the new cut's
-schedules race the compiler's cut on real steps: zb-auto solved on the compiler's cut's
-measured costs, and the safe incumbent there (1F1B; ZBV where the compiler's cut is a V). When
-the race switches between the two cuts, the parameters, gradients and buffers move between the
-ranks (`state_transfer.py`, the same moves a re-cut makes); they are the same tensors either way
-(no optimizer exists yet, and `untouched` puts gradients and buffers back), so which cut runs a
-step changes when work runs, not what it computes. The cut of the fastest entrant stays: a
-re-cut measured slower than the compiler's cut is undone, and `explain()` says so. Where the cut
-stays, its schedules race as before (zb-auto on measured and on static costs, the handcrafted
-ones).
+A cut decision is a prediction from one short calibration, and on a shared machine such a
+prediction can be off by more than the gain it promises, or than the few percent between one
+stage per rank and a V. So up to three cuts race on real steps: the chosen one with its
+schedules (zb-auto's solves and the handcrafted ones of its placement); where it moved, the
+compiler's cut (zb-auto solved on its measured costs and its safe incumbent, 1F1B, or ZBV where
+it is a V); and the decision's rival (`CutChoice.rival`: the best-predicted cut of the placement
+neither of those has, with zb-auto and its incumbent). When the race switches between cuts, the
+parameters, gradients and buffers move between the ranks (`state_transfer.py`, the moves a
+re-cut makes); they are the same tensors either way (no optimizer exists yet, and `untouched`
+puts gradients and buffers back), so which cut runs a step changes when work runs, not what it
+computes. The cut of the fastest entrant stays: a re-cut measured slower than the compiler's cut
+is undone, a rival measured fastest is taken, and `explain()` says so.
 
-The cost: the race's steps (2 per entrant still in the race per round, `race_rounds` rounds)
-and, where the cut changes, up to two moves of the state per round and one back at the end;
-none with `race_rounds=0`, which trusts the prediction.
+The cost: the race's steps (2 per entrant still in the race per round, `race_rounds` rounds), a
+compile per cut raced, and up to two moves of the state per cut and round; `race_rounds=0`
+trusts the prediction (no race, no rival).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from zbcompile.runtime import recut, schedule_race
@@ -30,14 +31,25 @@ from zbcompile.schedules import Costs
 Builder = Any  # runtime/build.py's Builder (it calls this module): its layout, options, choice, state
 Build = Any  # runtime/build.py's Build: one compile's runner and tuner
 
-COMPILER_CUT = " (compiler's cut)"  # the label's tail of the compiler's cut's entrants in a re-cut race
-INCUMBENTS = ("zb-auto", "1f1b", "zbv")  # the compiler's cut's entrants there (1F1B in-line, ZBV in a V)
+COMPILER_CUT = "compiler's cut"  # how the compiler's cut's entrants are labelled beside a re-cut
+INCUMBENTS = ("zb-auto", "1f1b", "zbv")  # the entrants of a cut raced beside the chosen one
+
+
+@dataclass
+class _Contender:
+    """A cut in the race: its compile, the choice the pipeline keeps where it wins, the costs its
+    schedules are solved on, and how its entrants' labels end (None: the chosen cut's, unmarked)."""
+
+    build: Build
+    choice: recut.CutChoice
+    costs: Costs
+    tag: str | None = None
 
 
 def calibrated(builder: Builder, built: Build, micro_inputs: list, micro_targets: list, absent: tuple) -> Build:
     """`built` (the compiler's cut) after calibration steps on this batch: the compile, at the
-    compiler's cut or the one chosen by measurement, whose schedule measured fastest on real
-    steps, with the state where its ranks read it (see the module docstring)."""
+    compiler's cut or another one measured, whose schedule measured fastest on real steps, with
+    the state where its ranks read it (see the module docstring)."""
     runner, layout = built.runner, builder.layout()
     batch = (micro_inputs, micro_targets, absent)
 
@@ -54,81 +66,99 @@ def calibrated(builder: Builder, built: Build, micro_inputs: list, micro_targets
     choice = from_first_rank(choice, layout)
     static = runner.schedule  # solved on the compiler's estimates
     measured = choice.current_costs if choice.changes else choice.costs  # the compiler's cut's
-    compiler_costs = recut.solve_costs(measured, built.compiled)
-    runner.reschedule(builder.choice.schedule(built.compiled, costs=compiler_costs))
+    compiler = _Contender(built, choice, recut.solve_costs(measured, built.compiled))
+    runner.reschedule(builder.choice.schedule(built.compiled, costs=compiler.costs))
+    example = (micro_inputs[0], micro_targets[0])
+    chosen = holding = compiler  # the chosen cut's contender; the one holding the state
+    others = []
     if choice.changes:
+        slower = f"the re-cut to {choice.cut} measured slower on real steps than the compiler's cut"
+        compiler.choice, compiler.tag = recut.kept(choice, built.compiled, static, slower), COMPILER_CUT
         try:
-            rebuilt = builder.compile_at(built, choice, (micro_inputs[0], micro_targets[0]))
+            chosen = holding = _compiled_at(builder, built, choice, example)
         except ValueError as error:  # the model does not compile at that cut (on every rank alike)
-            choice = recut.kept(choice, built.compiled, static, str(error).splitlines()[0])
+            choice = compiler.choice = recut.kept(choice, built.compiled, static, str(error).splitlines()[0])
+            compiler.tag = None
         else:
-            return _recut_raced(builder, built, rebuilt, choice, compiler_costs, batch)
-    field = _entrants(builder, built, compiler_costs, static)
-    winner, race = _race(builder, field, dict.fromkeys([e.label for e in field], built), built, batch)
-    return _finished(builder, built, choice, compiler_costs, winner, race)
+            others.append(compiler)
+    if choice.rival is not None and builder.options.race_rounds > 0:
+        rival = choice.to_rival(f"raced: {choice.rival[0]} measured fastest on real steps")
+        try:
+            holding = _compiled_at(builder, holding.build, rival, example, str(rival.cut))
+        except ValueError:  # the rival does not compile there: it does not race
+            pass
+        else:
+            others.append(holding)
+    return _raced(builder, chosen, others, holding, static if chosen is compiler else None, batch)
 
 
-def _recut_raced(
-    builder: Builder, built: Build, rebuilt: Build, choice: recut.CutChoice, compiler_costs: Costs, batch: tuple
+def _compiled_at(
+    builder: Builder, holding: Build, choice: recut.CutChoice, example: tuple, tag: str | None = None
+) -> _Contender:
+    """The model compiled at `choice`'s cut, the state moved there from `holding`."""
+    build = builder.compile_at(holding, choice, example)
+    return _Contender(build, choice, recut.solve_costs(choice.costs, build.compiled), tag)
+
+
+def _raced(
+    builder: Builder, chosen: _Contender, others: list[_Contender], holding: _Contender, static: Any, batch: tuple
 ) -> Build:
-    """The re-cut `rebuilt` (holding the state now) raced against the compiler's cut `built`:
-    the winner's compile, the state moved back to `built` where it won."""
-    new_costs = recut.solve_costs(choice.costs, rebuilt.compiled)
-    field = _entrants(builder, rebuilt, new_costs)
-    homes = {e.label: rebuilt for e in field}
-    for entrant in _entrants(builder, built, compiler_costs):
-        if entrant.label in INCUMBENTS:
-            entrant.label += COMPILER_CUT
+    """The compile whose schedule measured fastest: `chosen`'s entrants (with its solve on
+    `static` costs where given) against the incumbents of each of `others` (`holding` holds the
+    state now), the state moved to the winner's cut."""
+    field = _entrants(builder, chosen, static)
+    homes = dict.fromkeys([e.label for e in field], chosen)
+    for other in others:
+        for entrant in _entrants(builder, other, only=INCUMBENTS):
             field.append(entrant)
-            homes[entrant.label] = built
-    winner, race = _race(builder, field, homes, rebuilt, batch)
-    if homes[winner.label] is rebuilt:
-        rebuilt.tuner.history.append({"step": 0, "event": f"re-cut at compile: {choice.cut} (raced on real steps)"})
-        return _finished(builder, rebuilt, choice, new_costs, winner, race)
-    builder.move_state(rebuilt, built)
-    slower = f"the re-cut to {choice.cut} measured slower on real steps than the compiler's cut"
-    choice = recut.kept(choice, built.compiled, built.runner.schedule, slower)
-    return _finished(builder, built, choice, compiler_costs, winner, race)
+            homes[entrant.label] = other
+    winner, race = _race(builder, field, homes, holding, batch)
+    won = homes[winner.label]
+    if won is not holding:
+        builder.move_state(holding.build, won.build)
+    build, choice = won.build, won.choice
+    if choice.changes:
+        build.tuner.history.append({"step": 0, "event": f"re-cut at compile: {choice.cut} (raced on real steps)"})
+    builder.cut_choice, builder.measured_costs = choice, won.costs
+    build.runner.compiled = replace(build.runner.compiled, cut_record={**choice.record, "race": race})
+    build.tuner.calibrated(won.costs, winner.schedule, f"raced at compile: {race['chosen']} kept")
+    return build
 
 
-def _finished(
-    builder: Builder, built: Build, choice: recut.CutChoice, costs: Costs, winner: schedule_race.Entrant, race: dict
-) -> Build:
-    """`built` running the race's `winner` at `choice`'s cut, solved on `costs`: the builder
-    keeps the cut and costs, the compile its record, the tuner starts from them."""
-    builder.cut_choice, builder.measured_costs = choice, costs
-    built.runner.compiled = replace(built.runner.compiled, cut_record={**choice.record, "race": race})
-    built.tuner.calibrated(costs, winner.schedule, f"raced at compile: {race['chosen']} kept")
-    return built
-
-
-def _entrants(builder: Builder, built: Build, costs: Costs, static: Any = None) -> list[schedule_race.Entrant]:
-    """`built`'s entrants (`schedule_race.entrants`) around the schedule it runs, solved on `costs`."""
-    solved = built.runner.schedule
-    return schedule_race.entrants(
-        solved, costs, solved.info.get("memory_limit"), static, builder.options.follow_readiness
+def _entrants(
+    builder: Builder, contender: _Contender, static: Any = None, only: tuple[str, ...] | None = None
+) -> list[schedule_race.Entrant]:
+    """`contender`'s entrants (`schedule_race.entrants`, those labelled as in `only` where given)
+    around the schedule its compile runs, solved on its costs, labelled with its tag."""
+    solved = contender.build.runner.schedule
+    found = schedule_race.entrants(
+        solved, contender.costs, solved.info.get("memory_limit"), static, builder.options.follow_readiness
     )
+    found = [e for e in found if only is None or e.label in only]
+    for entrant in found if contender.tag else ():
+        entrant.label += f" ({contender.tag})"
+    return found
 
 
 def _race(
-    builder: Builder, field: list, homes: dict[str, Build], holding: Build, batch: tuple
+    builder: Builder, field: list, homes: dict[str, _Contender], holding: _Contender, batch: tuple
 ) -> tuple[schedule_race.Entrant, dict]:
     """Race `field` on steps of `batch` (microbatch inputs, targets, the parts absent here), each
-    entrant on its compile in `homes` (`holding` holds the state now), inside `untouched`, the
-    state back in `holding` at the end; the winner then runs on its compile."""
-    where = [holding]
+    entrant on its cut's compile (`homes`; `holding` holds the state now), inside `untouched`,
+    the state back in `holding` at the end; the winner then runs on its compile."""
+    where = [holding.build]
 
     def run_step(entrant: schedule_race.Entrant) -> None:
-        home = homes[entrant.label]
+        home = homes[entrant.label].build
         if home is not where[0]:
             builder.move_state(where[0], home)
             where[0] = home
         schedule_race.run_as(home.runner, entrant)
         home.runner.train(*batch, builder.ownership)
 
-    with recut.untouched(builder.module, holding.runner.device):
+    with recut.untouched(builder.module, holding.build.runner.device):
         winner, race = schedule_race.race(field, run_step, builder.layout(), builder.options.race_rounds)
-        if where[0] is not holding:  # what `untouched` puts back is what `holding` holds
-            builder.move_state(where[0], holding)
-    schedule_race.run_as(homes[winner.label].runner, winner)
+        if where[0] is not holding.build:  # what `untouched` puts back is what `holding` holds
+            builder.move_state(where[0], holding.build)
+    schedule_race.run_as(homes[winner.label].build.runner, winner)
     return winner, race

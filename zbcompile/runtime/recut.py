@@ -73,13 +73,28 @@ class Measured:
 class CutChoice:
     """The decision every rank runs: the cut (`placement`, `positions`), the costs zb-auto is to
     solve it with (seconds per stage or chunk), whether it changes the cut in use, what the dump
-    and `pipe.explain()` say of it (`record`), and the measured costs of the cut in use."""
+    and `pipe.explain()` say of it (`record`), the measured costs of the cut in use, and the
+    `rival`: the best-predicted cut of the placement (in-line or V) that neither the cut in use
+    nor the chosen one has, with its predicted costs, raced beside them (`calibration.py`)."""
 
     cut: Cut
     costs: Costs
     changes: bool
     record: dict[str, Any] = field(default_factory=dict)
     current_costs: Costs | None = None
+    rival: tuple[Cut, Costs] | None = None
+
+    def to_rival(self, reason: str) -> "CutChoice":
+        """The rival's cut chosen after all (it measured fastest on real steps: `reason`)."""
+        cut, costs = self.rival
+        rival = self.record.get("rival", {"cut": str(cut)})
+        record = {**self.record, "chosen": rival, "changed": True, "reason": f"{self.record.get('reason')}; {reason}"}
+        return CutChoice(cut, costs, True, record, self.current_costs)
+
+
+RIVAL_WITHIN = 1.25
+"""A rival is raced where its predicted step is at most this times the chosen cut's: the
+calibration's predictions can be off by more than the few percent between in-line and V."""
 
 
 @contextlib.contextmanager
@@ -206,7 +221,23 @@ def decide(
     )
     decision = choose_cut(cut_units, current_cut(compiled, schedule), settings, RECUT_THRESHOLD)
     record = {**decision_record(decision, compiled, speeds), "timed_steps": len(gathered[0].per_step)}
-    return CutChoice(decision.chosen.cut, decision.chosen.costs, decision.changes, record, decision.current.costs)
+    rival = _rival(decision)
+    if rival is not None:
+        record["rival"] = {"cut": str(rival.cut), "predicted_step_s": rival.value, "schedule": rival.schedule}
+    return CutChoice(
+        decision.chosen.cut, decision.chosen.costs, decision.changes, record, decision.current.costs,
+        (rival.cut, rival.costs) if rival is not None else None,
+    )
+
+
+def _rival(decision: CutDecision) -> Any:
+    """The best-predicted candidate of the placement neither the cut in use nor the chosen one
+    has, where it predicts within `RIVAL_WITHIN` of the chosen cut (None: none)."""
+    placements = {decision.current.cut.placement, decision.chosen.cut.placement}
+    for prediction in decision.candidates:  # best first
+        if prediction.cut.placement not in placements:
+            return prediction if prediction.value <= RIVAL_WITHIN * decision.chosen.value else None
+    return None
 
 
 def _limits(memory_limit: Any, unit_bytes: float, ranks: int) -> tuple[float, ...] | None:
