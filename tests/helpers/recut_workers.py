@@ -57,7 +57,9 @@ def forced(force: str) -> Iterator[None]:
             costs = Costs(f=[1.0] * ranks, i=[1.0] * ranks, w=[1.0] * ranks)
             rival = (flipped, flip_costs) if force == "rival" else None
             slowed.extend([list(cut.positions)] + ([list(current.positions)] if force == "rival" else []))
-        record = {**measured.record, "changed": cut != current}
+        record = {k: v for k, v in measured.record.items() if k != "rival"} | {"changed": cut != current}
+        if rival is not None:
+            record["rival"] = {"cut": str(flipped), "predicted_step_s": 1.0, "schedule": "zbv"}
         return recut.CutChoice(cut, costs, cut != current, record, measured.current_costs, rival)
 
     def slower_at_the_slowed_cuts(runner, entrant):
