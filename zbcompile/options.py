@@ -45,8 +45,8 @@ class PipelineOptions:
     profile: bool | None = None  # measure costs and re-solve (runtime/profile.py); None: where the schedule table says
     profile_steps: int = 2  # steps timed after the warm-up step before the first re-solve
     # rounds on real steps: zb-auto's first compile races its schedule, a re-cut against the compiler's cut and
-    # the other placement (runtime/calibration.py), the tuner tries a re-solved schedule against the running one
-    # (runtime/schedule_trial.py); 0: neither, predictions decide
+    # the other placement (runtime/calibration.py), the tuner tries the race's finalists and a re-solved schedule
+    # against the running one on training steps (runtime/schedule_trial.py); 0: none of these, predictions decide
     race_rounds: int = 3
     objective: str = "span"  # "span" (steps back to back) or "makespan" (a synchronisation ends every step)
     compiler: str | None = None  # "inductor" compiles each stage's graphs, "eager" runs them op by op; None: by device

@@ -21,7 +21,7 @@ from zbcompile.auto_recompute import MeasuredRecomputation, calibrated_costs, ev
 from zbcompile.inspect.decisions_text import tuner_lines
 from zbcompile.runtime import profile, schedule_trial
 from zbcompile.runtime.layout import Layout
-from zbcompile.runtime.schedule_race import MIN_ROUNDS
+from zbcompile.runtime.schedule_race import MIN_ROUNDS, Entrant
 from zbcompile.schedules import Costs, make_schedule, simulate
 
 ONE_RANK = Layout(
@@ -33,8 +33,12 @@ ONE_RANK = Layout(
 def _runner(schedule):
     layout = ONE_RANK
     compiled = SimpleNamespace(partition=SimpleNamespace(values={"x": torch.zeros(4)}))
-    return SimpleNamespace(schedule=schedule, layout=layout, compiled=compiled, device=torch.device("cpu"),
-                           transport=SimpleNamespace(timeout=timedelta(seconds=60)), timeline=[], comm_timeline=[])
+    runner = SimpleNamespace(
+        schedule=schedule, layout=layout, compiled=compiled, device=torch.device("cpu"), follow_readiness=True,
+        transport=SimpleNamespace(timeout=timedelta(seconds=60)), timeline=[], comm_timeline=[],
+    )
+    runner.follow = lambda readiness: setattr(runner, "follow_readiness", readiness)
+    return runner
 
 
 def _timeline(schedule, scale: float):
@@ -318,3 +322,38 @@ def test_without_trial_rounds_the_solve_is_switched_in_untried(clock):
         _train(tuner, runner, clock, lambda _: 1.0, 1)
         time.sleep(0.01)
     assert tuner.history[-1]["event"] == "switched" and "trial" not in tuner.history[-1]
+
+
+@pytest.mark.parametrize("fastest", ["zb-auto (plan order)", "zb-auto"])
+def test_a_races_finalists_are_tried_on_training_steps_and_the_fastest_kept(clock, fastest):
+    """`calibrated` with the race's finalists (its winner running): they alternate over the
+    training's steps, each with its readiness, from the step after the warm-up; the fastest
+    stays, the winner on a tie, and drift checks follow on its prediction."""
+    tuner, runner = _tuner(trial_rounds=3)
+    solved = runner.schedule
+    h2 = make_schedule("zb-h2", 2, 4, tuner.static)
+    finalists = [
+        Entrant("zb-auto", solved, 1.0), Entrant("zb-auto (plan order)", solved, 1.0, follow_readiness=False),
+        Entrant("zb-h2", h2, 1.0),
+    ]
+    tuner.calibrated(tuner.static, solved, "raced at compile: zb-auto kept", finalists)
+    assert tuner.solving and not tuner.settled
+    follows = []
+
+    def step_s(schedule):
+        follows.append((schedule.name, runner.follow_readiness))
+        label = {"zb-h2": "zb-h2"}.get(schedule.name, "zb-auto" if runner.follow_readiness else "zb-auto (plan order)")
+        return 9.0 if label == fastest else 10.0
+
+    _train(tuner, runner, clock, step_s, 1 + 2 * 3 * MIN_ROUNDS)  # the warm-up, then MIN_ROUNDS rounds
+    assert tuner.settled, tuner.history
+    last = tuner.history[-1]
+    assert last["trial"]["chosen"] == fastest and [e["label"] for e in last["trial"]["entrants"]] == [
+        e.label for e in finalists
+    ]
+    event = profile.FINALIST_KEPT if fastest == "zb-auto" else profile.FINALIST_SWITCHED
+    assert last["event"] == event.format(label=fastest)
+    assert ("zb-h2", True) in follows and (solved.name, False) in follows  # each ran as raced
+    assert runner.follow_readiness == (fastest == "zb-auto") and runner.schedule is solved
+    assert tuner.history[1]["event"].startswith("trying the race's finalists on training steps")
+    assert tuner.predicted_span == pytest.approx(simulate(solved, tuner.measured).span)

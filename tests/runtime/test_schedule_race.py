@@ -83,7 +83,7 @@ def test_a_clear_winner_stops_the_race_after_the_minimum_rounds(monkeypatch):
     every other step; each round runs every entrant twice, in an order rotated round by round."""
     field = _field()
     run_step, calls = _clocked(monkeypatch, lambda label, _: 10.0 if label == "1f1b" else 12.0)
-    winner, record = schedule_race.race(field, run_step, None, rounds=6)
+    winner, record, finalists = schedule_race.race(field, run_step, None, rounds=6)
     assert winner.label == "1f1b" and record["chosen"] == "1f1b"
     assert all(len(e.samples) == schedule_race.MIN_ROUNDS for e in field)
     assert "beyond the spread" in record["why"]
@@ -91,6 +91,7 @@ def test_a_clear_winner_stops_the_race_after_the_minimum_rounds(monkeypatch):
     assert turns[:4] == ["zb-auto", "1f1b", "zb-h1", "zb-h2"] and turns[4:8] == ["1f1b", "zb-h1", "zb-h2", "zb-auto"]
     assert calls[::2] == calls[1::2]  # a settling step, then the timed one
     assert [r["measured_step_s"] for r in record["entrants"]] == [12.0, 10.0, 12.0, 12.0]
+    assert finalists == [winner]  # every other is out
 
 
 def test_overlapping_times_run_every_round_and_keep_the_fastest_median(monkeypatch):
@@ -100,19 +101,20 @@ def test_overlapping_times_run_every_round_and_keep_the_fastest_median(monkeypat
     noise = itertools.cycle([3.0, -3.0])
     base = {"zb-auto": 11.0, "1f1b": 12.0, "zb-h1": 10.0, "zb-h2": 11.5}
     run_step, _ = _clocked(monkeypatch, lambda label, call: base[label] + (next(noise) if call % 2 == 0 else 0.0))
-    winner, record = schedule_race.race(field, run_step, None, rounds=5)
+    winner, record, finalists = schedule_race.race(field, run_step, None, rounds=5)
     assert all(len(e.samples) == 5 for e in field)
     assert winner.label == min(field, key=lambda e: e.median_s).label
     assert "beyond the spread" not in record["why"]
+    assert finalists[0] is winner and [e.median_s for e in finalists] == sorted(e.median_s for e in finalists)
 
 
 @pytest.mark.parametrize("rounds", [0, 3])
 def test_no_rounds_or_a_lone_entrant_keeps_the_solve_unraced(monkeypatch, rounds):
     field = _field()[:1] if rounds else _field()
     run_step, calls = _clocked(monkeypatch, lambda label, _: 1.0)
-    winner, record = schedule_race.race(field, run_step, None, rounds=rounds)
+    winner, record, finalists = schedule_race.race(field, run_step, None, rounds=rounds)
     assert winner.label == "zb-auto" and not calls
-    assert record["entrants"][0]["measured_step_s"] is None
+    assert record["entrants"][0]["measured_step_s"] is None and finalists == []
 
 
 def test_an_entrant_every_step_of_which_is_slower_than_the_leaders_runs_no_more(monkeypatch):
@@ -122,8 +124,9 @@ def test_an_entrant_every_step_of_which_is_slower_than_the_leaders_runs_no_more(
     noise = itertools.cycle([1.0, -1.0])
     base = {"zb-auto": 11.0, "1f1b": 20.0, "zb-h1": 11.2, "zb-h2": 11.4}
     run_step, calls = _clocked(monkeypatch, lambda label, call: base[label] + (next(noise) if call % 2 == 0 else 0.0))
-    winner, record = schedule_race.race(field, run_step, None, rounds=4)
+    winner, record, finalists = schedule_race.race(field, run_step, None, rounds=4)
     steps = {r["label"]: r["steps"] for r in record["entrants"]}
     assert steps == {"zb-auto": 4, "1f1b": schedule_race.MIN_ROUNDS, "zb-h1": 4, "zb-h2": 4}
     assert calls.count("1f1b") == 2 * schedule_race.MIN_ROUNDS
     assert winner.label != "1f1b" and "beyond the spread" not in record["why"]
+    assert finalists[0] is winner and "1f1b" not in [e.label for e in finalists]  # out: not tried again

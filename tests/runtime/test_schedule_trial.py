@@ -1,6 +1,7 @@
-"""A re-solved schedule tried against the running one before it is kept (`runtime/schedule_trial.py`;
-the tuner's side in test_cost_tuner.py), in one process on a logical clock: the blocks alternate,
-the trial stops as the race does, the faster is kept and the incumbent on a tie."""
+"""Schedules tried on training steps before one is kept (`runtime/schedule_trial.py`; the tuner's
+side in test_cost_tuner.py), in one process on a logical clock: a re-solved schedule against the
+running one, and three of a race's finalists: the blocks alternate, the trial stops as the race
+does, the fastest is kept and the incumbent on a tie."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def clock(monkeypatch):
 def _trial(rounds: int) -> ScheduleTrial:
     running = Entrant("running", make_schedule("1f1b", 2, 4, COSTS), 10.0)
     solved = Entrant("solved", make_schedule("zb-h1", 2, 4, COSTS), 9.0)
-    return ScheduleTrial(running, solved, rounds, {"solved": None, "running": None})
+    return ScheduleTrial([solved, running], running, rounds, {"solved": None, "running": None})
 
 
 def _steps(trial: ScheduleTrial, clock, seconds_of, steps: int) -> list[str]:
@@ -75,3 +76,17 @@ def test_the_trials_end_switches_back_where_the_incumbent_won(clock):
             break
     # the last block of the second round is the solved one's: its end switches back to the winner
     assert trial.finished and trial.winner.label == "running" and seen[-1] == "running"
+
+
+@pytest.mark.parametrize("fastest", ["zb-auto", "zb-h2", None])
+def test_three_finalists_rotate_and_the_fastest_is_kept_the_incumbent_on_a_tie(clock, fastest):
+    """The race's winner runs first (the incumbent); each round runs every finalist's block in an
+    order rotated round by round; `fastest` (None: all alike) wins."""
+    finalists = [Entrant(label, make_schedule(label, 2, 4, COSTS), 9.0) for label in ("1f1b", "zb-auto", "zb-h2")]
+    trial = ScheduleTrial(finalists, finalists[0], rounds=3)
+    ran = _steps(trial, clock, lambda label, _: 9.0 if label == fastest else 10.0, 100)
+    blocks = ran[::2]
+    assert blocks[:3] == ["1f1b", "zb-auto", "zb-h2"] and blocks[3:6] == ["zb-auto", "zb-h2", "1f1b"], ran
+    assert trial.winner.label == (fastest or "1f1b")
+    assert trial.rounds_run == (MIN_ROUNDS if fastest else 3)
+    assert len(trial.record()["entrants"]) == 3

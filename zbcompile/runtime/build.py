@@ -75,7 +75,7 @@ class Build:
             self.dump.record_step(self.runner, measured)
         if self.tuner is not None:
             schedule = self.tuner.after_step(self.runner)
-            if schedule is not None:
+            if schedule is not None and schedule is not self.runner.schedule:
                 self.runner.reschedule(schedule)
             return self.tuner.measured if self.tuner.measured is not None else measured
         return measured
@@ -196,6 +196,8 @@ class Builder:
         self._move_state(source.compiled, runner.schedule, target.compiled, target.runner.schedule, runner.transport)
 
     def _move_state(self, compiled, schedule: Schedule, to_compiled, to_schedule: Schedule, transport) -> None:
+        """Move the state from where `compiled` run by `schedule` reads it to where `to_compiled`
+        run by `to_schedule` does, over `transport`; record what this rank then holds."""
         layout = self.layout()
         old = state_transfer.holders(compiled, schedule)
         new = state_transfer.holders(to_compiled, to_schedule)

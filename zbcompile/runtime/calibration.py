@@ -14,9 +14,15 @@ puts gradients and buffers back), so which cut runs a step changes when work run
 computes. The cut of the fastest entrant stays: a re-cut measured slower than the compiler's cut
 is undone, a rival measured fastest is taken, and `explain()` says so.
 
+The race times few steps of one batch, without the optimizer's step between them; so up to
+`FINALISTS` of its finalists on the winning cut (the entrants still in at its end) are tried
+again on the training's own steps (`CostTuner.calibrated`, `schedule_trial.py`), where no state
+moves: the fastest there stays.
+
 The cost: the race's steps (2 per entrant still in the race per round, `race_rounds` rounds), a
-compile per cut raced, and up to two moves of the state per cut and round; `race_rounds=0`
-trusts the prediction (no race, no rival).
+compile per cut raced, and up to two moves of the state per cut and round; then the finalists'
+trial, up to 2 x `race_rounds` training steps each, some on a slower schedule. `race_rounds=0`
+trusts the prediction (no race, no rival, no trial).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ Build = Any  # runtime/build.py's Build: one compile's runner and tuner
 
 COMPILER_CUT = "compiler's cut"  # how the compiler's cut's entrants are labelled beside a re-cut
 INCUMBENTS = ("zb-auto", "1f1b", "zbv")  # the entrants of a cut raced beside the chosen one
+FINALISTS = 3  # at most this many of the race's finalists are tried again on the training's steps
 
 
 @dataclass
@@ -58,7 +65,8 @@ def calibrated(builder: Builder, built: Build, micro_inputs: list, micro_targets
 
     doubt = recut.speeds_in_doubt(built.compiled, runner.schedule)
     with recut.untouched(builder.module, runner.device):
-        gathered = recut.calibrate(runner, train, builder.options.profile_steps, layout, doubt)
+        raced = builder.options.race_rounds > 0  # where B's time may bring a fused entrant
+        gathered = recut.calibrate(runner, train, builder.options.profile_steps, layout, doubt, fused_b=raced)
     choice = None
     if layout.decides:
         reduction = list(builder.choice.reduction_per_message(built.compiled))
@@ -67,7 +75,12 @@ def calibrated(builder: Builder, built: Build, micro_inputs: list, micro_targets
     static = runner.schedule  # solved on the compiler's estimates
     measured = choice.current_costs if choice.changes else choice.costs  # the compiler's cut's
     compiler = _Contender(built, choice, recut.solve_costs(measured, built.compiled))
-    runner.reschedule(builder.choice.schedule(built.compiled, costs=compiler.costs))
+
+    def solve_at_the_compilers_cut() -> None:
+        runner.reschedule(builder.choice.schedule(built.compiled, costs=compiler.costs))
+
+    if not choice.changes or builder.options.race_rounds > 0:  # else it never runs
+        solve_at_the_compilers_cut()
     example = (micro_inputs[0], micro_targets[0])
     chosen = holding = compiler  # the chosen cut's contender; the one holding the state
     others = []
@@ -79,6 +92,8 @@ def calibrated(builder: Builder, built: Build, micro_inputs: list, micro_targets
         except ValueError as error:  # the model does not compile at that cut (on every rank alike)
             choice = compiler.choice = recut.kept(choice, built.compiled, static, str(error).splitlines()[0])
             compiler.tag = None
+            if builder.options.race_rounds == 0:
+                solve_at_the_compilers_cut()
         else:
             others.append(compiler)
     if choice.rival is not None and builder.options.race_rounds > 0:
@@ -112,7 +127,7 @@ def _raced(
         for entrant in _entrants(builder, other, only=INCUMBENTS):
             field.append(entrant)
             homes[entrant.label] = other
-    winner, race = _race(builder, field, homes, holding, batch)
+    winner, race, finalists = _race(builder, field, homes, holding, batch)
     won = homes[winner.label]
     if won is not holding:
         builder.move_state(holding.build, won.build)
@@ -121,8 +136,21 @@ def _raced(
         build.tuner.history.append({"step": 0, "event": f"re-cut at compile: {choice.cut} (raced on real steps)"})
     builder.cut_choice, builder.measured_costs = choice, won.costs
     build.runner.compiled = replace(build.runner.compiled, cut_record={**choice.record, "race": race})
-    build.tuner.calibrated(won.costs, winner.schedule, f"raced at compile: {race['chosen']} kept")
+    finalists = _distinct([e for e in finalists if homes[e.label] is won])[:FINALISTS]
+    build.tuner.calibrated(won.costs, winner.schedule, f"raced at compile: {race['chosen']} kept", finalists)
     return build
+
+
+def _distinct(entrants: list[schedule_race.Entrant]) -> list[schedule_race.Entrant]:
+    """`entrants` less those that run as an earlier one does (the same actions, readiness alike)."""
+    seen: list[tuple] = []
+    kept = []
+    for entrant in entrants:
+        runs_as = (entrant.schedule.actions, entrant.follow_readiness)
+        if runs_as not in seen:
+            seen.append(runs_as)
+            kept.append(entrant)
+    return kept
 
 
 def _entrants(
@@ -142,10 +170,11 @@ def _entrants(
 
 def _race(
     builder: Builder, field: list, homes: dict[str, _Contender], holding: _Contender, batch: tuple
-) -> tuple[schedule_race.Entrant, dict]:
+) -> tuple[schedule_race.Entrant, dict, list[schedule_race.Entrant]]:
     """Race `field` on steps of `batch` (microbatch inputs, targets, the parts absent here), each
     entrant on its cut's compile (`homes`; `holding` holds the state now), inside `untouched`,
-    the state back in `holding` at the end; the winner then runs on its compile."""
+    the state back in `holding` at the end; the winner then runs on its compile. Returns
+    `schedule_race.race`'s winner, record and finalists."""
     where = [holding.build]
 
     def run_step(entrant: schedule_race.Entrant) -> None:
@@ -157,8 +186,8 @@ def _race(
         home.runner.train(*batch, builder.ownership)
 
     with recut.untouched(builder.module, holding.build.runner.device):
-        winner, race = schedule_race.race(field, run_step, builder.layout(), builder.options.race_rounds)
+        winner, race, finalists = schedule_race.race(field, run_step, builder.layout(), builder.options.race_rounds)
         if where[0] is not holding.build:  # what `untouched` puts back is what `holding` holds
             builder.move_state(where[0], holding.build)
     schedule_race.run_as(homes[winner.label].build.runner, winner)
-    return winner, race
+    return winner, race, finalists

@@ -13,7 +13,8 @@ rank 0 first chooses the recompute levels again with the measured costs (under t
 the switch broadcasts them with the schedule: every rank then runs those levels' stage programs.
 Before a switch is kept it is tried (`schedule_trial.py`): the new schedule and the running one
 alternate over the next steps, and the one measured faster stays (the running one on a tie); a
-schedule rejected so is not solved for again until the step drifts once more.
+schedule rejected so is not solved for again until the step drifts once more. A compile whose
+schedule was raced (`calibrated`) first tries the race's finalists the same way, on training steps.
 From then on it compares the measured step (the longest rank's span of actions and gradient
 reductions, median over a window of steps, gathered) with the simulator's span of the running
 schedule under the costs it was solved with: when their ratio moves more than `DRIFT_THRESHOLD` away
@@ -27,6 +28,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import defaultdict
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -51,6 +53,21 @@ right after the schedule was switched in."""
 DRIFT_WINDOW = 20
 """Steps per drift check (one small gather each); doubled after each re-solve drift caused."""
 MAX_DRIFT_WINDOW = 320
+
+
+FINALIST_SWITCHED = "switched to {label}: measured fastest on training steps"
+FINALIST_KEPT = "kept {label}: no other finalist measured faster on training steps"
+
+
+@dataclass
+class _TrialUnderWay:
+    """A trial (`schedule_trial.py`) and what its end records: per entrant (by label), the costs its
+    drift is checked against once kept; the events of a switch and of the incumbent kept."""
+
+    trial: ScheduleTrial
+    costs: dict[str, Costs]
+    switched: str = "switched"
+    kept: str = "kept the running schedule: the solved one was not measured faster"
 
 
 def action_medians(timelines: Sequence[Timeline]) -> Medians:
@@ -112,7 +129,8 @@ def round_trip_seconds(runner: DistributedRunner, repeats: int = 5) -> float:
 
 def costs_of(parts: Sequence[Medians], comm: float, stages: int, static: Costs) -> Costs:
     """Costs from every rank's action medians (a fused backward split into I and W by the static
-    estimates' shares); memory as in `static`."""
+    estimates' shares where only it ran; its own time `Costs.b` where it ran, I + W on the
+    stages where it did not); memory as in `static`."""
     medians: Medians = {}
     for part in parts:
         medians.update(part)
@@ -129,13 +147,12 @@ def costs_of(parts: Sequence[Medians], comm: float, stages: int, static: Costs) 
             return medians[(stage, "B")] * (share if kind == "W" else 1 - share)
         return 0.0
 
+    i = [time_of(s, "I") for s in range(stages)]
+    w = [time_of(s, "W") for s in range(stages)]
+    fused = any(kind == "B" for _, kind in medians)
     return Costs(
-        f=[time_of(s, "F") for s in range(stages)],
-        i=[time_of(s, "I") for s in range(stages)],
-        w=[time_of(s, "W") for s in range(stages)],
-        comm=comm,
-        mem_b=static.mem_b,
-        mem_w=static.mem_w,
+        f=[time_of(s, "F") for s in range(stages)], i=i, w=w, comm=comm, mem_b=static.mem_b, mem_w=static.mem_w,
+        b=[medians.get((s, "B"), i[s] + w[s]) for s in range(stages)] if fused else None,
     )
 
 
@@ -183,8 +200,7 @@ class CostTuner:
         # the solve under way: rank 0's child process (None elsewhere), the costs and levels it solves
         # for, and the costs measured running the schedule in use
         self._solving: tuple[BackgroundSolve | None, Costs, tuple[int, ...] | None, Costs] | None = None
-        # the trial under way, with the costs measured running the incumbent and the candidate's
-        self._trial: tuple[ScheduleTrial, Costs, Costs] | None = None
+        self._trial: _TrialUnderWay | None = None
 
     @property
     def solving(self) -> bool:
@@ -221,14 +237,23 @@ class CostTuner:
         self.history = list(state["history"])
         self.reference, self._steps, self._window, self._solving, self._trial = None, 0, [], None, None
 
-    def calibrated(self, costs: Costs, schedule: Schedule, event: str) -> None:
+    def calibrated(self, costs: Costs, schedule: Schedule, event: str, finalists: Sequence[Entrant] = ()) -> None:
         """The running `schedule` was solved at compile with `costs` measured by calibration steps
         (`runtime/recut.py`): from here on, drift checks against them, as after a first
-        measurement's switch."""
+        measurement's switch. `finalists`: the compile's race entrants still in at its end, the
+        running one first; where there are several and `trial_rounds` allows, they are tried on
+        the training's steps first (`schedule_trial.py`) and the fastest kept."""
         self.measured = with_reduction(costs, self.reduction)
         self.predicted_span = simulate(schedule, self.measured).span
         self.reference = None
         self.history.append({"step": 0, "event": event, "predicted_span_s": self.predicted_span})
+        if self.trial_rounds > 0 and len(finalists) > 1:
+            entrants = [replace(e, samples=[]) for e in finalists]
+            labels = [e.label for e in entrants]
+            trial = ScheduleTrial(entrants, entrants[0], self.trial_rounds)
+            self._trial = _TrialUnderWay(trial, dict.fromkeys(labels, self.measured), FINALIST_SWITCHED, FINALIST_KEPT)
+            event = f"trying the race's finalists on training steps: {', '.join(labels)}"
+            self.history.append({"step": 0, "event": event})
 
     def after_step(self, runner: DistributedRunner) -> Schedule | None:
         """Record the step `runner` just ran; returns the schedule to run from the next step on,
@@ -330,29 +355,33 @@ class CostTuner:
             self._use(runner, schedule, costs, step, "switched")  # untried, or nothing to try: the same actions
             return schedule
         programs = {"solved": runner.compiled, "running": incumbent}
-        candidate = Entrant("solved", schedule, simulate(schedule, costs).span)
-        held = Entrant("running", runner.schedule, simulate(runner.schedule, running).span)
-        self._trial = (ScheduleTrial(held, candidate, self.trial_rounds, programs), running, costs)
+        follows = runner.follow_readiness
+        candidate = Entrant("solved", schedule, simulate(schedule, costs).span, follows)
+        held = Entrant("running", runner.schedule, simulate(runner.schedule, running).span, follows)
+        trial = ScheduleTrial([candidate, held], held, self.trial_rounds, programs)
+        self._trial = _TrialUnderWay(trial, {"solved": costs, "running": running})
         self.history.append({"step": step, "event": "trying the solved schedule against the running one"})
         return schedule
 
     def _tried(self, runner: DistributedRunner, step: int) -> Schedule | None:
         """A step of the trial under way: the schedule to run next where it changes; at its end
         the winner stays, with the costs it was measured or solved with."""
-        trial, running, solved = self._trial
+        under_way = self._trial
+        trial = under_way.trial
         entrant = trial.after_step(runner.layout)
-        if entrant is not None and trial.programs[entrant.label] is not runner.compiled:
-            runner.use_programs(trial.programs[entrant.label])
+        if entrant is not None:
+            programs = trial.programs.get(entrant.label)
+            if programs is not None and programs is not runner.compiled:
+                runner.use_programs(programs)
+            runner.follow(entrant.follow_readiness)
         if not trial.finished:
             return entrant.schedule if entrant is not None else None
         self._trial, self._window = None, []
         winner = trial.winner
         if self.recompute is not None:
             self.recompute.running = runner.compiled
-        record = trial.record()
-        kept = winner.label == "solved"
-        event = "switched" if kept else "kept the running schedule: the solved one was not measured faster"
-        self._use(runner, winner.schedule, solved if kept else running, step, event, record)
+        event = (under_way.kept if winner is trial.incumbent else under_way.switched).format(label=winner.label)
+        self._use(runner, winner.schedule, under_way.costs[winner.label], step, event, trial.record())
         return entrant.schedule if entrant is not None else None
 
     def _use(

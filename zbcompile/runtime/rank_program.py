@@ -6,7 +6,8 @@ layouts, the receives in posting order, and where weight-gradient (W) work runs.
 No other rank waits for a W, so where a W runs changes no message, and as long as each stage's
 W keep the plan's order, no sum either (gradients stay bitwise equal). `defer_weights` moves W
 that the plan runs before a send to just after that send, so the message leaves sooner, unless
-that would lift the rank's activation memory above the plan's own peak. The runner may in turn
+that would lift the rank's activation memory above the plan's own peak or take a W past a fused
+backward B of its stage's later microbatch (a stage adds its gradients in microbatch order). The runner may in turn
 run the next W early, while it waits for a message that has not arrived; a W the plan ran
 before the waiting computation (`RankProgram.overtaken`) it runs there as the plan would have.
 """
@@ -18,6 +19,7 @@ from typing import Callable, Protocol, Sequence
 
 from zbcompile.runtime.flat_message import TensorLayout
 from zbcompile.schedules import Action, Schedule, lower
+from zbcompile.schedules.fusion import gradients_in_order
 from zbcompile.schedules.timing import asap_timing
 
 
@@ -205,8 +207,8 @@ def _overtaken(planned: Sequence[Action], actions: Sequence[Action]) -> dict[tup
 def defer_weights(actions: Sequence[Action], memory: MemoryModel) -> tuple[tuple[Action, ...], tuple[str, ...]]:
     """`actions` (one rank's lowered list) with the W that the plan runs between two sends moved,
     in order, to just after the second send; returns the list and the W that moved. Where the
-    rank's activation memory (the simulator's model) would then exceed the list's own peak, only
-    the latest of them move, as many as fit."""
+    rank's activation memory (the simulator's model) would then exceed the list's own peak, or a
+    stage's gradients be added out of microbatch order, only the latest of them move, as many as fit."""
     peak = _peak(actions, memory, 0.0)[0]
     out: list[Action] = []
     moved: list[str] = []
@@ -220,7 +222,7 @@ def defer_weights(actions: Sequence[Action], memory: MemoryModel) -> tuple[tuple
         for count in range(len(weights), 0, -1):  # the latest `count` W go after the send
             late = weights[len(weights) - count :]
             arranged = [b for b in segment if b not in late] + late
-            if _peak(arranged, memory, level)[0] <= peak * (1 + 1e-9):
+            if gradients_in_order(arranged) and _peak(arranged, memory, level)[0] <= peak * (1 + 1e-9):
                 segment, moved = arranged, moved + [str(w) for w in late]
                 break
         out += segment

@@ -4,9 +4,12 @@ what its first steps measure, before the user's optimizer exists.
 The compiler cuts the model where its FLOP estimates balance; real ranks disagree with FLOPs (an
 embedding's backward, ops the estimate undercounts, a slower or shared GPU). So the first compile
 (`pipe.compile(batch)` or the first `step()`) runs calibration steps on its batch before it
-returns: a warm-up step, one step with marked programs that time each block inside every action
-(`runtime/block_timing.py`), and `profile_steps` steps whose per-action times are kept. Nothing
-of them stays: the parameters' `.grad`, the buffers and the RNG states are as they were before.
+returns: a warm-up step (every other microbatch's backward fused: every program the race may
+run is ready), one step with every backward fused (B's time beside I's and W's:
+`schedules/fusion.py` fuses them again where that pays), one step with marked programs that time
+each block inside every action (`runtime/block_timing.py`), and `profile_steps` steps whose
+per-action times are kept. Nothing of them stays: the parameters' `.grad`, the buffers and the
+RNG states are as they were before.
 
 The ranks' medians are gathered (an action costs the least of its per-step medians, and a
 rank's speed must agree over the timed steps, each measured apart:
@@ -50,6 +53,7 @@ from zbcompile.runtime.p2p import gather_objects
 from zbcompile.schedules import Costs, Schedule
 from zbcompile.schedules.cut_choice import RECUT_THRESHOLD, CutDecision, CutSettings, choose_cut
 from zbcompile.schedules.cut_search import Cut
+from zbcompile.schedules.fusion import fused_for
 from zbcompile.schedules.memory_limit import in_schedule_units
 
 DECISION_BUDGET_S = 0.5  # zb-auto's budget per shortlisted cut (deterministic work)
@@ -60,13 +64,15 @@ class Measured:
     """One rank's calibration: median seconds per (stage, kind) action over the timed steps and
     in each of them (`per_step`: the repetitions a rank's speed must agree over), per
     (stage, kind, unit) inside an action, half a boundary message's round trip, and the
-    runtime's own time per action (`profile.host_seconds_per_action`, the median step's)."""
+    runtime's own time per action (`profile.host_seconds_per_action`, the median step's), and
+    per stage the median fused backward B (a step with every backward fused)."""
 
     actions: dict[tuple[int, str], float]
     units: dict[tuple[int, str, str], float]
     comm: float
     per_step: tuple[dict[tuple[int, str], float], ...] = ()
     host: float = 0.0
+    fused: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -123,13 +129,25 @@ MORE_TIMED_ROUNDS = 3
 doubt (`measured_cut.speeds_in_doubt`)."""
 
 
-def calibrate(runner, train: Any, steps: int, layout: Any, doubt: Callable[[list[Measured]], bool]) -> list[Measured]:
+def calibrate(
+    runner, train: Any, steps: int, layout: Any, doubt: Callable[[list[Measured]], bool], fused_b: bool = True
+) -> list[Measured]:
     """Every pipeline rank's calibration (see the module docstring), in pipeline order, on every
     rank of `layout` (a collective of them all); `train()` runs one step. A warm-up step, one
-    step of marked programs (the units inside actions), `steps` timed steps, then `steps` more
-    (at most `MORE_TIMED_ROUNDS` times) while the deciding rank finds `doubt` in what the
-    pipeline measured so far: every rank runs as many steps."""
-    train()  # warm-up: allocator, caches
+    step with every backward fused (where `fused_b` asks for B's time), one step of marked
+    programs (the units inside actions), `steps` timed steps, then `steps` more (at most
+    `MORE_TIMED_ROUNDS` times) while the deciding rank finds `doubt` in what the pipeline
+    measured so far: every rank runs as many steps."""
+    schedule = runner.schedule
+    microbatches = range(schedule.microbatches)
+    splits = fused_b and any(a.kind == "I" for row in schedule.actions for a in row)
+    with _running(runner, fused_for(schedule, microbatches[1::2]) if splits else schedule):
+        train()  # warm-up: allocator, caches, every program traced or compiled
+    fused = {}
+    if splits:
+        with _running(runner, fused_for(schedule, microbatches)):
+            train()
+            fused = {s: t for (s, kind), t in profile.action_medians([runner.timeline]).items() if kind == "B"}
     times = unit_times(runner.device)
     compiled = runner.compiled
     runner.use_programs(marked(compiled, times))
@@ -146,11 +164,22 @@ def calibrate(runner, train: Any, steps: int, layout: Any, doubt: Callable[[list
             timelines.append(list(runner.timeline))
             host.append(profile.host_seconds_per_action(runner.timeline, runner.comm_timeline))
         per_step = tuple(profile.action_medians([t]) for t in timelines)
-        local = Measured(profile.action_medians(timelines), units, comm, per_step, statistics.median(host))
+        local = Measured(profile.action_medians(timelines), units, comm, per_step, statistics.median(host), fused)
         gathered = gather_objects(local, layout.pp_group)
         if not from_first_rank(more < MORE_TIMED_ROUNDS and layout.decides and doubt(gathered), layout):
             return gathered
         more += 1
+
+
+@contextlib.contextmanager
+def _running(runner, schedule: Schedule) -> Iterator[None]:
+    """`runner` runs `schedule` inside, its own schedule again after."""
+    own = runner.schedule
+    runner.reschedule(schedule)
+    try:
+        yield
+    finally:
+        runner.reschedule(own)
 
 
 def current_cut(compiled: CompiledPipeline, schedule: Schedule) -> Cut:
@@ -224,10 +253,36 @@ def decide(
     rival = _rival(decision)
     if rival is not None:
         record["rival"] = {"cut": str(rival.cut), "predicted_step_s": rival.value, "schedule": rival.schedule}
+    fused = {s: t for part in gathered for s, t in part.fused.items()}
+    share = _fused_share(fused, decision.current.costs)
+
+    def with_fused(costs: Costs, here: bool = False) -> Costs:
+        return with_fused_backward(costs, fused if here else {}, share)
+
     return CutChoice(
-        decision.chosen.cut, decision.chosen.costs, decision.changes, record, decision.current.costs,
-        (rival.cut, rival.costs) if rival is not None else None,
+        decision.chosen.cut, with_fused(decision.chosen.costs, not decision.changes), decision.changes, record,
+        with_fused(decision.current.costs, True), (rival.cut, with_fused(rival.costs)) if rival is not None else None,
     )
+
+
+def _fused_share(fused: dict[int, float], costs: Costs) -> float | None:
+    """Measured B over measured I + W, over the stages of `costs` (the cut measured) that ran
+    both (None: none did)."""
+    resolved = costs.resolve(len(costs.f) if isinstance(costs.f, (list, tuple)) else len(fused))
+    split = sum(resolved.i[s] + resolved.w[s] for s in fused if s < resolved.stages)
+    return sum(fused.values()) / split if fused and split > 0 else None
+
+
+def with_fused_backward(costs: Costs, fused: dict[int, float], share: float | None) -> Costs:
+    """`costs` (per stage) with each stage's fused backward time (`Costs.b`): measured (`fused`,
+    by stage, where these are the costs of the cut measured), else its I + W times `share` (the
+    calibration's measured B / (I + W)); unchanged where nothing was measured."""
+    if share is None:
+        return costs
+    stages = len(costs.f) if isinstance(costs.f, (list, tuple)) else len(fused)
+    resolved = costs.resolve(stages)
+    b = [fused.get(s, share * (resolved.i[s] + resolved.w[s])) for s in range(stages)]
+    return dataclasses.replace(costs, b=b)
 
 
 def _rival(decision: CutDecision) -> Any:

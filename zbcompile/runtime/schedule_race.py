@@ -2,8 +2,9 @@
 Inductor's autotuning choose kernels this way): a prediction from one short calibration is off
 by more than the few percent the schedules differ by, so the candidates are run.
 
-Entrants (`entrants`): the schedule zb-auto solved on the calibration's costs, zb-auto solved on
-the compiler's static estimates (where it differs), and the handcrafted schedules of the same
+Entrants (`entrants`): the schedule zb-auto solved on the calibration's costs, the same with its
+backwards fused again where the calibration's B makes that pay (`schedules/fusion.py`), zb-auto
+solved on the compiler's static estimates (where it differs), and the handcrafted schedules of the same
 placement that fit the same memory limit: 1F1B always (the safe incumbent), ZB-H1 and ZB-H2
 where the compile has one stage per rank, ZBV where it is a V; where the pipeline follows
 readiness (W run in waits for messages, `runtime/dispatch.py`), zb-auto's solve also in the
@@ -34,6 +35,7 @@ from typing import Any, Callable, Sequence
 from zbcompile.runtime.layout import Layout, from_first_rank
 from zbcompile.runtime.p2p import gather_objects
 from zbcompile.schedules import Costs, Schedule, make_schedule, simulate
+from zbcompile.schedules.fusion import fused_where_it_pays
 
 MIN_ROUNDS = 2
 IN_LINE_RIVALS = ("1f1b", "zb-h1", "zb-h2")  # where the compile runs one stage per rank
@@ -66,7 +68,8 @@ class Entrant:
 def entrants(
     solved: Schedule, costs: Costs, memory_limit: Any, static: Schedule | None = None, readiness: bool = False
 ) -> list[Entrant]:
-    """zb-auto's `solved` schedule, zb-auto solved on the compiler's `static` estimates where
+    """zb-auto's `solved` schedule, it with backwards fused where `costs` (their B times) say that
+    pays, zb-auto solved on the compiler's `static` estimates where
     given and different, and the handcrafted schedules of the placement that fit `memory_limit`
     (the limit it was solved under; None: none), each with its predicted step (the simulator's
     span under `costs`, the calibration's) and following `readiness`; with `readiness`, also
@@ -75,6 +78,9 @@ def entrants(
     found = [Entrant("zb-auto", solved, simulate(solved, costs).span)]
     if readiness and any(a.kind == "W" for row in solved.actions for a in row):
         found.append(Entrant("zb-auto (plan order)", solved, found[0].predicted_s, follow_readiness=False))
+    fused = fused_where_it_pays(solved, costs, memory_limit)
+    if fused is not solved:
+        found.append(Entrant("zb-auto (fused B)", fused, simulate(fused, costs).span))
     if static is not None and static.placement == solved.placement and static.actions != solved.actions:
         predicted = simulate(static, costs).span
         found.append(Entrant("zb-auto (static costs)", static.with_info(cost_source="measured"), predicted))
@@ -117,9 +123,11 @@ def decided(entries: Sequence[Entrant], rounds_run: int) -> bool:
 
 def race(
     entries: list[Entrant], run_step: Callable[[Entrant], None], layout: Layout | None, rounds: int
-) -> tuple[Entrant, dict[str, Any]]:
+) -> tuple[Entrant, dict[str, Any], list[Entrant]]:
     """Race `entries` (see the module docstring): `run_step(entrant)` runs one calibration step
-    as `entrant` says. Returns the winner (the same on every rank) and the record `explain()` shows."""
+    as `entrant` says. Returns the winner, the record `explain()` shows and the finalists (the
+    entrants still in the race at its end, fastest median first; none unraced), the same on
+    every rank."""
     rounds_run, running = 0, list(entries)
     while rounds_run < rounds and not decided(running, rounds_run):
         running, mine = still_in(running, rounds_run), {}
@@ -139,4 +147,5 @@ def race(
         f"fastest measured over {rounds_run} round(s)"
         + (", ahead of every other beyond the spread" if decided(running, rounds_run) and len(entries) > 1 else "")
     )
-    return winner, {"entrants": [e.record() for e in entries], "chosen": winner.label, "why": why}
+    finalists = sorted(still_in(running, rounds_run), key=lambda e: e.median_s) if rounds_run else []
+    return winner, {"entrants": [e.record() for e in entries], "chosen": winner.label, "why": why}, finalists

@@ -1,21 +1,23 @@
-"""A schedule the cost tuner solves while training goes on is kept only where real steps say it
-is faster than the one it would replace (`profile.CostTuner`): the solve's prediction comes from
-the same measured costs that may be off by more than the gain it promises.
+"""Schedules tried on the training's own steps before one is kept (`profile.CostTuner`): a
+schedule the tuner solves while training goes on against the running one (the solve's
+prediction comes from the same measured costs that may be off by more than the gain it
+promises), and the finalists of the compile's race, which timed calibration steps of one batch,
+few and without the optimizer's step between them.
 
-The incumbent and the candidate alternate over the training's own steps, in blocks of two (the
-first settles the switch, the second is timed: the time since the previous step ended, on every
-rank; a step's time is the longest rank's). A round is one block of each, the order rotated
-round by round; after each round one gather over the pipeline. The trial ends as the compile's
-race does (`schedule_race.decided`: every timed step of the faster beat every one of the other,
-after `schedule_race.MIN_ROUNDS`) or after its rounds; the faster median is kept, the incumbent
-on a tie. Where the candidate brings other stage programs (recompute levels chosen again), each
-switch runs that entrant's programs; none changes what a step computes.
+The entrants alternate over the training's steps, in blocks of two (the first settles the
+switch, the second is timed: the time since the previous step ended, on every rank; a step's
+time is the longest rank's). A round is one block of each, the order rotated round by round;
+after each round one gather over the pipeline. The trial ends as the compile's race does
+(`schedule_race.decided`: every timed step of the fastest beat every one of each other's,
+after `schedule_race.MIN_ROUNDS`) or after its rounds; the fastest median is kept, the
+incumbent on a tie. Where an entrant brings other stage programs (recompute levels chosen
+again), each switch runs that entrant's programs; none changes what a step computes.
 """
 
 from __future__ import annotations
 
 from time import perf_counter
-from typing import Any
+from typing import Any, Sequence
 
 from zbcompile.runtime.layout import from_first_rank
 from zbcompile.runtime.p2p import gather_objects
@@ -25,14 +27,18 @@ BLOCK_STEPS = 2  # per entrant and round: one settling step, one timed
 
 
 class ScheduleTrial:
-    """`incumbent` (running until now) against `candidate` (run from the next step on), each with
-    the stage programs it runs (`programs`: label -> compiled pipeline; None: the runner's own,
+    """`entrants` in the order their blocks run, the first from the next step on (its caller
+    switches it in); `incumbent`, one of them, the one kept on a tie. Each runs with the stage
+    programs `programs` gives (label -> compiled pipeline; absent or None: the runner's own,
     unchanged). Every rank of the pipeline calls `after_step` after each step of the trial."""
 
-    def __init__(self, incumbent: Entrant, candidate: Entrant, rounds: int, programs: dict[str, Any]) -> None:
-        self.entrants = [candidate, incumbent]  # the candidate's block first: it is switched in now
+    def __init__(
+        self, entrants: Sequence[Entrant], incumbent: Entrant, rounds: int, programs: dict[str, Any] | None = None
+    ) -> None:
+        self.entrants = list(entrants)
+        self.incumbent = incumbent
         self.rounds = max(rounds, 1)
-        self.programs = programs
+        self.programs = programs or {}
         self.rounds_run = 0
         self._turn = 0  # the block's place in this round's order
         self._step = 0  # the step's place in its block
@@ -65,12 +71,12 @@ class ScheduleTrial:
 
     @property
     def winner(self) -> Entrant:
-        """The faster by median; the incumbent unless the candidate is strictly faster."""
-        candidate, incumbent = self.entrants
-        return candidate if candidate.median_s < incumbent.median_s else incumbent
+        """The fastest by median; the incumbent unless another is strictly faster."""
+        fastest = min(self.entrants, key=lambda e: e.median_s)
+        return fastest if fastest.median_s < self.incumbent.median_s else self.incumbent
 
     def record(self) -> dict[str, Any]:
-        """What `explain()` shows: both entrants' predicted and measured steps, the choice and why."""
+        """What `explain()` shows: every entrant's predicted and measured steps, the choice and why."""
         beyond = decided(self.entrants, self.rounds_run)
         return {
             "entrants": [e.record() for e in self.entrants], "chosen": self.winner.label,

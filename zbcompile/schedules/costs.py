@@ -2,7 +2,8 @@
 
 Times (``f``, ``i``, ``w``, ``comm``) are in any one unit (ms in the paper), named by the schedule's
 action letters: ``f`` the forward F, ``i`` the input-gradient backward I (the paper's T_B), ``w``
-the weight-gradient backward W; a fused backward B costs ``i + w``. Memory follows the paper: F adds
+the weight-gradient backward W; a fused backward B costs ``i + w``, or ``b`` where given (measured:
+one action instead of two can take less). Memory follows the paper: F adds
 ``mem_b`` (M_B), I frees ``mem_b - mem_w``, W frees ``mem_w`` (M_W), a fused B frees ``mem_b``.
 Every field is a scalar or one value per stage; for multi-chunk schedules a "stage" is a chunk.
 
@@ -70,10 +71,15 @@ class ResolvedCosts:
     mem_b: tuple[float, ...]
     mem_w: tuple[float, ...]
     reduce: tuple[float, ...] = ()  # () or zeros: no reduction
+    b: tuple[float, ...] = ()  # () : a fused B takes i + w
 
     @property
     def stages(self) -> int:
         return len(self.f)
+
+    def fused(self, stage: int) -> float:
+        """Time of `stage`'s fused backward B: ``b`` where given, else I + W."""
+        return self.b[stage] if self.b else self.i[stage] + self.w[stage]
 
     @property
     def reduces(self) -> bool:
@@ -93,7 +99,7 @@ class ResolvedCosts:
         if kind == "W":
             return self.w[stage]
         if kind == "B":
-            return self.i[stage] + self.w[stage]
+            return self.fused(stage)
         return 0.0
 
     def memory_delta(self, stage: int, kind: str) -> float:
@@ -138,6 +144,7 @@ class ResolvedCosts:
             split(self.mem_b),
             split(self.mem_w),
             split(self.reduce),
+            split(self.b),
         )
 
     def merged(self, chunks: int) -> "ResolvedCosts":
@@ -157,6 +164,7 @@ class ResolvedCosts:
             merge(self.mem_b),
             merge(self.mem_w),
             merge(self.reduce),
+            merge(self.b),
         )
 
 
@@ -164,8 +172,8 @@ class ResolvedCosts:
 class Costs:
     """Costs of F/I/W per stage, communication delay and the memory of one microbatch.
 
-    Defaults are uniform unit costs with no communication, ``mem_b=1`` and ``mem_w=0.5``, and no
-    gradient reduction (``reduce=0``: one replica).
+    Defaults are uniform unit costs with no communication, ``mem_b=1`` and ``mem_w=0.5``, no
+    gradient reduction (``reduce=0``: one replica), and a fused B taking I + W (``b=None``).
     ``mem_w`` may exceed ``mem_b``: an I then adds ``mem_w - mem_b`` (see the module docstring).
     """
 
@@ -176,6 +184,7 @@ class Costs:
     mem_b: PerStage = 1.0
     mem_w: PerStage = 0.5
     reduce: PerStage = 0.0
+    b: PerStage | None = None  # a fused backward B's time; None: i + w
 
     def resolve(self, stages: int) -> ResolvedCosts:
         """One value per stage; raises ValueError on a length mismatch or a negative value."""
@@ -191,6 +200,7 @@ class Costs:
             mem_b=mem_b,
             mem_w=mem_w,
             reduce=_per_stage("reduce", self.reduce, stages),
+            b=() if self.b is None else _per_stage("b", self.b, stages),
         )
 
 
