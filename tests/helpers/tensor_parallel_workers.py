@@ -305,12 +305,16 @@ def errors() -> dict:
     return messages
 
 
+# the Llama's successive pipelines at four ranks: a V, then zb-auto (every schedule's Llama at eight ranks)
+SUCCESSIVE = (("zbv", 4), ("zb-auto", 2))
+
+
 def four_ranks(directory: str) -> dict:
     """Everything the four-rank launch checks of tensor parallelism, in order (the Llama in
     successive pipelines with the default options, zb-auto's re-cut forced)."""
     return {
         "gpt": train("gpt", {"pp": 2, "tp": 2}, dump=os.path.join(directory, "dump"), clipped=True),
-        "llama": train("llama", {"pp": 2, "tp": 2}, successive=True, forced_recut=True),
+        "llama": train("llama", {"pp": 2, "tp": 2}, schedules=SUCCESSIVE, successive=True, forced_recut=True),
         "sp-gpt": train("sp-gpt", {"pp": 2, "tp": 2}, schedules=(("zb-h1", 2),)),
         "meta-gpt": train("meta-gpt", {"pp": 2, "tp": 2}, schedules=(("zb-h1", 2),)),
         "bytes": parameter_bytes(),
