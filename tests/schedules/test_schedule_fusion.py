@@ -71,6 +71,9 @@ def test_a_memory_limit_keeps_the_fusions_that_would_pass_it_out():
     limit = max(simulate(schedule, costs).peak_memory)
     fused = fused_where_it_pays(schedule, costs, limit)
     assert max(simulate(fused, costs).peak_memory) <= limit + 1e-9
+    per_rank = list(simulate(schedule, costs).peak_memory)  # a limit per rank: each rank's own peak
+    fused = fused_where_it_pays(schedule, costs, per_rank)
+    assert all(p <= q + 1e-9 for p, q in zip(simulate(fused, costs).peak_memory, per_rank))
 
 
 def test_a_pipeline_fused_in_part_gives_the_split_schedules_gradients_bitwise():

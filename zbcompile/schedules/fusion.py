@@ -22,6 +22,7 @@ from typing import Collection, Sequence
 from .costs import Costs, ResolvedCosts, fits_memory, resolve_costs
 from .ir import Action, Schedule
 from .simulate import peak_memory, simulate
+from .validate import MemoryLimit, rank_limits
 
 
 def _fused(schedule: Schedule, pairs: set[tuple[int, int]]) -> Schedule:
@@ -63,14 +64,12 @@ def fused_for(schedule: Schedule, microbatches: Collection[int]) -> Schedule:
     return _fused(schedule, pairs)
 
 
-def fused_where_it_pays(
-    schedule: Schedule, costs: Costs | ResolvedCosts, memory_limit: float | None = None
-) -> Schedule:
+def fused_where_it_pays(schedule: Schedule, costs: Costs | ResolvedCosts, memory_limit: MemoryLimit = None) -> Schedule:
     """`schedule` with each I and its W fused into one B (at the I's place) where the simulated
-    span under `costs` does not grow, every rank's peak memory stays within `memory_limit`
-    (None: within the schedule's own peak) and the stage's gradients are still added in
-    microbatch order, tried microbatch by microbatch on each stage whose fused B takes less
-    than I + W. Unchanged where `costs` give no B time (`Costs.b`)."""
+    span under `costs` does not grow, every rank's peak memory stays within `memory_limit` (one
+    for every rank or one per rank; None: within the schedule's own peak) and the stage's
+    gradients are still added in microbatch order, tried microbatch by microbatch on each stage
+    whose fused B takes less than I + W. Unchanged where `costs` give no B time (`Costs.b`)."""
     resolved = resolve_costs(costs, schedule.stages)
     if not resolved.b:
         return schedule
@@ -78,14 +77,14 @@ def fused_where_it_pays(
     split = {(a.stage, a.microbatch) for r in schedule.actions for a in r if a.kind == "I" and a.stage in paying}
     if not split:
         return schedule
-    limit = max(peak_memory(schedule, resolved)) if memory_limit is None else memory_limit
+    limits = rank_limits(memory_limit, schedule.ranks) or (max(peak_memory(schedule, resolved)),) * schedule.ranks
     best, span, pairs = schedule, simulate(schedule, resolved).span, set()
     for pair in sorted(split, key=lambda p: (p[1], p[0])):
         trial = _fused(schedule, pairs | {pair})
         if not all(gradients_in_order(row) for row in trial.actions):
             continue
         trial_span = simulate(trial, resolved).span
-        if trial_span <= span and all(fits_memory(p, limit) for p in peak_memory(trial, resolved)):
+        if trial_span <= span and all(map(fits_memory, peak_memory(trial, resolved), limits)):
             best, span, pairs = trial, trial_span, pairs | {pair}
     if not pairs:
         return schedule
