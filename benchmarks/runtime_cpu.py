@@ -6,7 +6,9 @@ zbcompile's zb-auto runs with the pipeline's default options (its first compile 
 in-line or a V, and races its schedule on real steps; it follows readiness); zbcompile's fixed
 schedules (1f1b, zb-h1, zb-h2, zbv) run on the hand cut torch's 1F1B and GPipe get (two stages at
 the middle block; zbv's four chunks even). Beside it, for the record of what each default brings:
-zb-auto(static costs) (`profile=False`) and zb-auto(plan order) (`follow_readiness=False`).
+zb-auto(static costs) (`profile=False`) and zb-auto(plan order) (`follow_readiness=False`); and
+zb-h2(twin), a second zb-h2 pipeline identical to the first: the ratio of the two, paired like
+every other, is the noise floor of the comparison itself (printed, not a target).
 torch: ScheduleGPipe, Schedule1F1B, ScheduleZBVZeroBubble and ScheduleDualPipeV (`--all` adds
 ScheduleInterleavedZeroBubble).
 
@@ -66,13 +68,15 @@ from zbcompile.inspect.decisions_text import race_lines  # noqa: E402
 from zbcompile.rehearsal_torch import MULTI_CHUNK, chunk_ranks, torch_step  # noqa: E402
 
 FIXED = ("1f1b", "zb-h1", "zb-h2", "zbv")  # our schedules zb-auto must never be behind
-ZB_SCHEDULES = (*FIXED, "zb-auto", "zb-auto(static costs)", "zb-auto(plan order)")
+TWIN = "zb-h2(twin)"  # a second zb-h2 pipeline, identical: what the pairing itself reads between equals
+ZB_SCHEDULES = (*FIXED, "zb-auto", "zb-auto(static costs)", "zb-auto(plan order)", TWIN)
 TORCH_SCHEDULES = ("ScheduleGPipe", "Schedule1F1B", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 MORE_ZB, MORE_TORCH = (), ("ScheduleInterleavedZeroBubble",)
 # zbcompile variants: (schedule, pipeline options besides the defaults)
 VARIANTS = {
     "zb-auto(static costs)": ("zb-auto", {"profile": False}),
     "zb-auto(plan order)": ("zb-auto", {"follow_readiness": False}),
+    TWIN: ("zb-h2", {}),
 }
 MAX_SWITCH_STEPS = 400  # warm-up steps zb-auto may take to switch to its measured schedule
 
@@ -675,6 +679,11 @@ def analyse(per_rank: list[dict], settings: Settings, machine_before: dict, mach
                 row["w_past_send"] = [r["zb"][key]["moved"][-1]["past_send"] for r in per_rank]
                 row["schedule_actions"] = [" ".join(str(a) for a in r) for r in zb["schedule"].compute_only().actions]
             rows.append(row)
+    noise_floor = {  # m -> the twin's steps/s over zb-h2's, paired as every ratio here is
+        m: measure.paired_ratio(all_times[("zbcompile", "zb-h2", m)], all_times[("zbcompile", TWIN, m)])
+        for m in settings.microbatches
+        if ("zbcompile", TWIN, m) in all_times and ("zbcompile", "zb-h2", m) in all_times
+    }
     targets = []
     wanted = NEVER_BEHIND
     for m in settings.microbatches:
@@ -708,6 +717,7 @@ def analyse(per_rank: list[dict], settings: Settings, machine_before: dict, mach
         "build_s": per_rank[0]["build_s"],
         "rows": rows,
         "targets": targets,
+        "noise_floor": noise_floor,
     }
 
 
@@ -822,6 +832,13 @@ def report(data: dict) -> str:
         ["m", "target", "measured", "holds"],
         [[t["m"], t["target"], f"{t['value']:.3f}", "yes" if t["holds"] else "NO"] for t in data["targets"]],
     ))
+    if data.get("noise_floor"):
+        lines += [
+            "",
+            "Noise floor (not a target): a second zb-h2 pipeline, identical to the first, measured "
+            + ", ".join(f"{v:.3f}x at m={m}" for m, v in sorted(data["noise_floor"].items()))
+            + " zb-h2's steps/s, paired the same way: a ratio between equals, the spread the targets above must clear.",
+        ]
     switches = [
         (r["m"], r["schedule"], r["switch_steps"], r["tuner_history"])
         for r in rows
