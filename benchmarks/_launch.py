@@ -35,6 +35,11 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout_s: float = 120.0) ->
     return local_ranks.run_ranks(world, fn, *args, timeout_s=max(timeout_s, 3600.0), group_timeout_s=timeout_s)
 
 
+def placement(schedule: Any) -> str:
+    """"v" where `schedule` runs two chunks per rank, else "in-line" (whichever schedule a race kept)."""
+    return "v" if schedule.stages == 2 * schedule.ranks else "in-line"
+
+
 def machine() -> dict[str, Any]:
     """CPU count, load averages and versions, for the results' header."""
     import torch

@@ -669,7 +669,7 @@ def analyse(per_rank: list[dict], settings: Settings, machine_before: dict, mach
                 row["captured_share"] = (row["vs_zbcompile_1f1b"] - 1) / (predicted - 1) if predicted > 1.005 else None
                 row["barrier_over_makespan"] = row["barrier_step_ms"] / prediction["makespan_ms"]
                 row["cost_source"] = zb["cost_source"]
-                row["placement"] = zb["schedule"].info.get("placement", "in-line")
+                row["placement"] = _launch.placement(zb["schedule"])
                 row["switch_steps"] = zb["switch_steps"]
                 row["tuner_history"] = [r["zb"][key]["tuner_history"] for r in per_rank][0]
                 row["cut_record"] = zb.get("cut_record")

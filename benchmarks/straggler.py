@@ -107,7 +107,7 @@ def rank_main(settings: Settings) -> dict:
         "predicted_span": {name: pipes[name].tuner.predicted_span for name in PIPELINES},
         "history": {name: list(pipes[name].tuner.history) for name in PIPELINES},
         "cuts": {name: list(pipes[name].compiled.partition.cuts) for name in PIPELINES},
-        "placement": {name: pipes[name].schedule.info.get("placement", "in-line") for name in PIPELINES},
+        "placement": {name: _launch.placement(pipes[name].schedule) for name in PIPELINES},
         "cut_record": pipes["re-cut"].compiled.cut_record,
         "stages": {name: pipes[name].runner.local_stages for name in PIPELINES},
     }
