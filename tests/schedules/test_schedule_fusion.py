@@ -12,6 +12,7 @@ import torch
 
 import zbcompile
 from helpers.models import build
+from zbcompile.runtime import recut
 from zbcompile.runtime.rank_program import defer_weights
 from zbcompile.schedules import Action, Costs, make_schedule, simulate
 from zbcompile.schedules.costs import resolve_costs
@@ -110,3 +111,16 @@ def test_a_stages_gradients_stay_in_microbatch_order_where_a_w_is_deferred_past_
 
     assert deferred("I") == ("1W0",)  # past the send of microbatch 1's gradients
     assert deferred("B") == ()  # it would follow 1B1
+
+
+def test_the_cut_decisions_costs_carry_b_measured_at_the_cut_measured_and_scaled_elsewhere():
+    """At the cut the calibration ran, each stage's B is its measured time; at any other cut,
+    its I + W times the measured B / (I + W); nothing measured, the costs are unchanged."""
+    measured_cut = Costs(f=[1.0, 1.0], i=[2.0, 2.0], w=[1.0, 1.0])
+    fused = {0: 2.4, 1: 2.7}
+    share = recut._fused_share(fused, measured_cut)
+    assert share == pytest.approx(5.1 / 6.0)
+    assert recut.with_fused_backward(measured_cut, fused, share).b == [2.4, 2.7]
+    elsewhere = recut.with_fused_backward(Costs(f=[1.0] * 4, i=[1.0] * 4, w=[0.5] * 4), {}, share)
+    assert elsewhere.b == pytest.approx([1.5 * share] * 4)
+    assert recut.with_fused_backward(measured_cut, {}, None) is measured_cut

@@ -253,7 +253,8 @@ def decide(
     rival = _rival(decision)
     if rival is not None:
         record["rival"] = {"cut": str(rival.cut), "predicted_step_s": rival.value, "schedule": rival.schedule}
-    fused = {s: t for part in gathered for s, t in part.fused.items()}
+    # a B is one action: its measured time and one action's host time, as each F, I and W has
+    fused = {s: t + settings.action_host for part in gathered for s, t in part.fused.items()}
     share = _fused_share(fused, decision.current.costs)
 
     def with_fused(costs: Costs, here: bool = False) -> Costs:
@@ -266,9 +267,9 @@ def decide(
 
 
 def _fused_share(fused: dict[int, float], costs: Costs) -> float | None:
-    """Measured B over measured I + W, over the stages of `costs` (the cut measured) that ran
-    both (None: none did)."""
-    resolved = costs.resolve(len(costs.f) if isinstance(costs.f, (list, tuple)) else len(fused))
+    """Measured B over measured I + W, over the stages of `costs` (per stage: the cut measured)
+    that ran both (None: none did)."""
+    resolved = costs.resolve(len(costs.f))
     split = sum(resolved.i[s] + resolved.w[s] for s in fused if s < resolved.stages)
     return sum(fused.values()) / split if fused and split > 0 else None
 
@@ -279,9 +280,8 @@ def with_fused_backward(costs: Costs, fused: dict[int, float], share: float | No
     calibration's measured B / (I + W)); unchanged where nothing was measured."""
     if share is None:
         return costs
-    stages = len(costs.f) if isinstance(costs.f, (list, tuple)) else len(fused)
-    resolved = costs.resolve(stages)
-    b = [fused.get(s, share * (resolved.i[s] + resolved.w[s])) for s in range(stages)]
+    resolved = costs.resolve(len(costs.f))
+    b = [fused.get(s, share * (resolved.i[s] + resolved.w[s])) for s in range(resolved.stages)]
     return dataclasses.replace(costs, b=b)
 
 
