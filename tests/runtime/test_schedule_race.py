@@ -1,6 +1,7 @@
 """The schedule race of a compile (`runtime/schedule_race.py`), in one process on a logical clock:
 its entrants (zb-auto's solve, 1F1B always, the handcrafted schedules of its placement that fit
-the limit), when it stops, and which it keeps."""
+the limit), when it stops, and which it keeps; and the rule by which the compile keeps another
+cut than the compiler's (`calibration._moved_only_beyond_the_spread`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from zbcompile.runtime import schedule_race
+from zbcompile.runtime import calibration, schedule_race
 from zbcompile.schedules import Costs, make_schedule
 
 COSTS = Costs(f=[1.0, 1.0], i=[1.0, 1.0], w=[1.0, 1.0], mem_b=[1.0, 1.0], mem_w=[0.5, 0.5])
@@ -130,3 +131,25 @@ def test_an_entrant_every_step_of_which_is_slower_than_the_leaders_runs_no_more(
     assert calls.count("1f1b") == 2 * schedule_race.MIN_ROUNDS
     assert winner.label != "1f1b" and "beyond the spread" not in record["why"]
     assert finalists[0] is winner and "1f1b" not in [e.label for e in finalists]  # out: not tried again
+
+
+def test_another_cut_wins_only_by_a_lead_beyond_the_spread():
+    """The race's winner at another cut than the compiler's is kept only where every one of its
+    timed steps beat every one of the compiler's cut's fastest entrant; else that entrant wins,
+    and the record says why. Unraced (no steps), the prediction stands."""
+    compiler, other = object(), object()
+    solved = make_schedule("zb-auto", 2, 4, COSTS, time_budget=0)
+
+    def entrant(label, samples):
+        return schedule_race.Entrant(label, solved, 1.0, samples=list(samples))
+
+    home, away = entrant("zb-auto (compiler's cut)", [10.0, 10.4, 11.0]), entrant("zb-auto", [9.6, 10.2, 10.5])
+    homes = {home.label: compiler, away.label: other}
+    race = {"chosen": away.label, "why": "fastest measured over 3 round(s)"}
+    assert calibration._moved_only_beyond_the_spread(away, [away, home], homes, compiler, race) is home
+    assert race["chosen"] == home.label and "by less than their spread: the compiler's cut kept" in race["why"]
+    clear = entrant("zb-auto", [8.0, 8.5, 9.0])
+    assert calibration._moved_only_beyond_the_spread(clear, [clear, home], homes, compiler, dict(race)) is clear
+    assert calibration._moved_only_beyond_the_spread(home, [away, home], homes, compiler, dict(race)) is home
+    unraced = [entrant("zb-auto", []), entrant("zb-auto (compiler's cut)", [])]
+    assert calibration._moved_only_beyond_the_spread(unraced[0], unraced, homes, compiler, dict(race)) is unraced[0]

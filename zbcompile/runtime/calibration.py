@@ -11,8 +11,11 @@ neither of those has, with zb-auto and its incumbent). When the race switches be
 parameters, gradients and buffers move between the ranks (`state_transfer.py`, the moves a
 re-cut makes); they are the same tensors either way (no optimizer exists yet, and `untouched`
 puts gradients and buffers back), so which cut runs a step changes when work runs, not what it
-computes. The cut of the fastest entrant stays: a re-cut measured slower than the compiler's cut
-is undone, a rival measured fastest is taken, and `explain()` says so.
+computes. The cut of the fastest entrant stays where it is the compiler's cut or leads that
+cut's fastest entrant beyond the spread (every timed step faster: a step's time varies by more
+than the few percent between cuts, and moving the state is not worth a lead the noise can
+explain): a re-cut not measured faster so is undone, a rival measured faster so is taken, and
+`explain()` says so.
 
 The race times few steps of one batch, without the optimizer's step between them; so up to
 `FINALISTS` of its finalists on the winning cut (the entrants still in at its end) are tried
@@ -85,7 +88,7 @@ def calibrated(builder: Builder, built: Build, micro_inputs: list, micro_targets
     chosen = holding = compiler  # the chosen cut's contender; the one holding the state
     others = []
     if choice.changes:
-        slower = f"the re-cut to {choice.cut} measured slower on real steps than the compiler's cut"
+        slower = f"the re-cut to {choice.cut} was not measured faster on real steps than the compiler's cut"
         compiler.choice, compiler.tag = recut.kept(choice, built.compiled, static, slower), COMPILER_CUT
         try:
             chosen = holding = _compiled_at(builder, built, choice, example)
@@ -104,7 +107,7 @@ def calibrated(builder: Builder, built: Build, micro_inputs: list, micro_targets
             pass
         else:
             others.append(holding)
-    return _raced(builder, chosen, others, holding, static if chosen is compiler else None, batch)
+    return _raced(builder, chosen, others, holding, compiler, static if chosen is compiler else None, batch)
 
 
 def _compiled_at(
@@ -116,11 +119,13 @@ def _compiled_at(
 
 
 def _raced(
-    builder: Builder, chosen: _Contender, others: list[_Contender], holding: _Contender, static: Any, batch: tuple
+    builder: Builder, chosen: _Contender, others: list[_Contender], holding: _Contender, compiler: _Contender,
+    static: Any, batch: tuple,
 ) -> Build:
     """The compile whose schedule measured fastest: `chosen`'s entrants (with its solve on
     `static` costs where given) against the incumbents of each of `others` (`holding` holds the
-    state now), the state moved to the winner's cut."""
+    state now), the state moved to the winner's cut; another cut than the `compiler`'s only
+    where it leads beyond the spread (`_moved_only_beyond_the_spread`)."""
     field = _entrants(builder, chosen, static)
     homes = dict.fromkeys([e.label for e in field], chosen)
     for other in others:
@@ -128,7 +133,9 @@ def _raced(
             field.append(entrant)
             homes[entrant.label] = other
     winner, race, finalists = _race(builder, field, homes, holding, batch)
+    winner = _moved_only_beyond_the_spread(winner, field, homes, compiler, race)
     won = homes[winner.label]
+    schedule_race.run_as(won.build.runner, winner)
     if won is not holding:
         builder.move_state(holding.build, won.build)
     build, choice = won.build, won.choice
@@ -139,6 +146,23 @@ def _raced(
     finalists = _distinct([e for e in finalists if homes[e.label] is won])[:FINALISTS]
     build.tuner.calibrated(won.costs, winner.schedule, f"raced at compile: {race['chosen']} kept", finalists)
     return build
+
+
+def _moved_only_beyond_the_spread(
+    winner: schedule_race.Entrant, field: list, homes: dict[str, _Contender], compiler: _Contender, race: dict
+) -> schedule_race.Entrant:
+    """`winner`, where it runs at the compiler's cut or every one of its timed steps beat every one
+    of the compiler's cut's fastest entrant (a cut moves, its state with it, only on a lead the
+    step-to-step noise cannot explain); else that entrant, `race`'s record saying so."""
+    if homes[winner.label] is compiler:
+        return winner
+    at_home = [e for e in field if homes[e.label] is compiler and e.samples]
+    best = min(at_home, key=lambda e: e.median_s, default=None)
+    if best is None or max(winner.samples) < min(best.samples):
+        return winner
+    race["why"] += f"; {winner.label} led {best.label} by less than their spread: the compiler's cut kept"
+    race["chosen"] = best.label
+    return best
 
 
 def _distinct(entrants: list[schedule_race.Entrant]) -> list[schedule_race.Entrant]:
@@ -173,8 +197,8 @@ def _race(
 ) -> tuple[schedule_race.Entrant, dict, list[schedule_race.Entrant]]:
     """Race `field` on steps of `batch` (microbatch inputs, targets, the parts absent here), each
     entrant on its cut's compile (`homes`; `holding` holds the state now), inside `untouched`,
-    the state back in `holding` at the end; the winner then runs on its compile. Returns
-    `schedule_race.race`'s winner, record and finalists."""
+    the state back in `holding` at the end. Returns `schedule_race.race`'s winner, record and
+    finalists."""
     where = [holding.build]
 
     def run_step(entrant: schedule_race.Entrant) -> None:
@@ -189,5 +213,4 @@ def _race(
         winner, race, finalists = schedule_race.race(field, run_step, builder.layout(), builder.options.race_rounds)
         if where[0] is not holding.build:  # what `untouched` puts back is what `holding` holds
             builder.move_state(where[0], holding.build)
-    schedule_race.run_as(homes[winner.label].build.runner, winner)
     return winner, race, finalists
