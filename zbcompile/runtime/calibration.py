@@ -143,7 +143,8 @@ def _raced(
         build.tuner.history.append({"step": 0, "event": f"re-cut at compile: {choice.cut} (raced on real steps)"})
     builder.cut_choice, builder.measured_costs = choice, won.costs
     build.runner.compiled = replace(build.runner.compiled, cut_record={**choice.record, "race": race})
-    finalists = _distinct([e for e in finalists if homes[e.label] is won])[:FINALISTS]
+    # the one running first (the trial's incumbent), also where the compiler's cut was kept on a narrow lead
+    finalists = _distinct([winner, *(e for e in finalists if homes[e.label] is won and e is not winner)])[:FINALISTS]
     build.tuner.calibrated(won.costs, winner.schedule, f"raced at compile: {race['chosen']} kept", finalists)
     return build
 
