@@ -305,8 +305,9 @@ def errors() -> dict:
     return messages
 
 
-# the Llama's successive pipelines at four ranks: a V, then zb-auto (every schedule's Llama at eight ranks)
-SUCCESSIVE = (("zbv", 4), ("zb-auto", 2))
+# the Llama's successive pipelines at four ranks: 1f1b, then zb-auto (every schedule's Llama, the V
+# included, at eight ranks)
+SUCCESSIVE = (("1f1b", 2), ("zb-auto", 2))
 
 
 def four_ranks(directory: str) -> dict:

@@ -88,10 +88,11 @@ class StitchedJointTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.cases = cases()
+        cls.joints = {name: stage_joints(case, stages) for name, (case, stages) in cls.cases.items()}
 
     def test_stitched_joint_is_the_stage_export_node_for_node(self):
-        for name, (case, stages) in self.cases.items():
-            for stage, whole, stitched, exports, segments in stage_joints(case, stages):
+        for name in self.cases:
+            for stage, whole, stitched, exports, segments in self.joints[name]:
                 where = f"{name}, stage {stage.index}"
                 self.assertIsNotNone(stitched, f"{where}: not stitched")
                 self.assertLess(exports, segments, f"{where}: no block reused")
@@ -101,7 +102,7 @@ class StitchedJointTest(unittest.TestCase):
     def test_a_block_alike_in_two_stages_is_exported_once(self):
         case, stages = self.cases["llama 6x2"]
         alone = stage_joints(case, stages, shared=False)
-        shared = stage_joints(case, stages)
+        shared = self.joints["llama 6x2"]
         for (stage, whole, stitched, _, _), (_, _, stitched_alone, _, _) in zip(shared, alone, strict=True):
             self.assertEqual(stitched, whole, f"stage {stage.index}")
             self.assertEqual(stitched_alone, whole, f"stage {stage.index}")

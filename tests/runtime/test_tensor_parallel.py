@@ -73,7 +73,7 @@ def four():
 @launches.READS_FOUR_RANKS
 def test_pp2_tp2_steps_equal_eager_over_the_whole_batch(four):
     """The GPT under every schedule and the Llama as two pipelines of its own, one after another
-    (a V, then zb-auto), with the default options (zb-auto measures and decides on one rank for
+    (1f1b, then zb-auto), with the default options (zb-auto measures and decides on one rank for
     all, its re-cut forced, so that DTensor shards move between ranks as the re-cut races the
     compiler's cut; every schedule's Llama runs at eight ranks below),
     the GPT with sequence parallelism and the GPT built on the meta device and parallelized by
