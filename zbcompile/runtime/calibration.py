@@ -20,7 +20,7 @@ explain): a re-cut not measured faster so is undone, a rival measured faster so 
 The race times few steps of one batch, without the optimizer's step between them; so up to
 `FINALISTS` of its finalists on the winning cut (the entrants still in at its end) are tried
 again on the training's own steps (`CostTuner.calibrated`, `schedule_trial.py`), where no state
-moves: the fastest there stays.
+moves: another replaces the race's winner only where it was faster in every round there.
 
 The cost: the race's steps (2 per entrant still in the race per round, `race_rounds` rounds), a
 compile per cut raced, and up to two moves of the state per cut and round; then the finalists'

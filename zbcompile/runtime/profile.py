@@ -12,7 +12,7 @@ has is the switch, on every rank, with one broadcast of the new schedule. Under 
 rank 0 first chooses the recompute levels again with the measured costs (under the same limit), and
 the switch broadcasts them with the schedule: every rank then runs those levels' stage programs.
 Before a switch is kept it is tried (`schedule_trial.py`): the new schedule and the running one
-alternate over the next steps, and the one measured faster stays (the running one on a tie); a
+alternate over the next steps, and the new one stays only where it was faster in every round; a
 schedule rejected so is not solved for again until the step drifts once more. A compile whose
 schedule was raced (`calibrated`) first tries the race's finalists the same way, on training steps.
 From then on it compares the measured step (the longest rank's span of actions and gradient
@@ -242,7 +242,8 @@ class CostTuner:
         (`runtime/recut.py`): from here on, drift checks against them, as after a first
         measurement's switch. `finalists`: the compile's race entrants still in at its end, the
         running one first; where there are several and `trial_rounds` allows, they are tried on
-        the training's steps first (`schedule_trial.py`) and the fastest kept."""
+        the training's steps first (`schedule_trial.py`): another replaces the running one only
+        where it was faster than it in every round."""
         self.measured = with_reduction(costs, self.reduction)
         self.predicted_span = simulate(schedule, self.measured).span
         self.reference = None

@@ -9,35 +9,41 @@ switch, the second is timed: the time since the previous step ended, on every ra
 time is the longest rank's). A round is one block of each, the order rotated round by round;
 after each round one gather over the pipeline. The trial ends as the compile's race does
 (`schedule_race.decided`: every timed step of the fastest beat every one of each other's,
-after `schedule_race.MIN_ROUNDS`) or after its rounds; the fastest median is kept, the
-incumbent on a tie. Where an entrant brings other stage programs (recompute levels chosen
-again), each switch runs that entrant's programs; none changes what a step computes.
+after `schedule_race.MIN_ROUNDS`) or after its rounds (at least `MIN_ROUNDS`). Another entrant
+replaces the incumbent only on a lead beyond the noise: faster than the incumbent in every round,
+each round's two steps compared with each other (the machine's speed drifts between rounds, and
+one step's time varies by more than the entrants differ); of several such, the one with the
+least median ratio to the incumbent. Else the incumbent stays. Where an entrant brings other
+stage programs (recompute levels chosen again), each switch runs that entrant's programs; none
+changes what a step computes.
 """
 
 from __future__ import annotations
 
+import statistics
 from time import perf_counter
 from typing import Any, Sequence
 
 from zbcompile.runtime.layout import from_first_rank
 from zbcompile.runtime.p2p import gather_objects
-from zbcompile.runtime.schedule_race import Entrant, decided
+from zbcompile.runtime.schedule_race import MIN_ROUNDS, Entrant, decided
 
 BLOCK_STEPS = 2  # per entrant and round: one settling step, one timed
 
 
 class ScheduleTrial:
     """`entrants` in the order their blocks run, the first from the next step on (its caller
-    switches it in); `incumbent`, one of them, the one kept on a tie. Each runs with the stage
-    programs `programs` gives (label -> compiled pipeline; absent or None: the runner's own,
-    unchanged). Every rank of the pipeline calls `after_step` after each step of the trial."""
+    switches it in); `incumbent`, one of them, the one kept without a lead beyond the noise
+    (`winner`). Each runs with the stage programs `programs` gives (label -> compiled pipeline;
+    absent or None: the runner's own, unchanged). Every rank of the pipeline calls `after_step`
+    after each step of the trial."""
 
     def __init__(
         self, entrants: Sequence[Entrant], incumbent: Entrant, rounds: int, programs: dict[str, Any] | None = None
     ) -> None:
         self.entrants = list(entrants)
         self.incumbent = incumbent
-        self.rounds = max(rounds, 1)
+        self.rounds = max(rounds, MIN_ROUNDS)
         self.programs = programs or {}
         self.rounds_run = 0
         self._turn = 0  # the block's place in this round's order
@@ -71,17 +77,31 @@ class ScheduleTrial:
 
     @property
     def winner(self) -> Entrant:
-        """The fastest by median; the incumbent unless another is strictly faster."""
-        fastest = min(self.entrants, key=lambda e: e.median_s)
-        return fastest if fastest.median_s < self.incumbent.median_s else self.incumbent
+        """The incumbent, unless another entrant was faster than it in every round run (at least
+        `MIN_ROUNDS`): then, of those, the least median ratio of its step to the incumbent's."""
+        leads = self._leads()
+        return min(leads, key=lambda pair: pair[1])[0] if leads else self.incumbent
+
+    def _leads(self) -> list[tuple[Entrant, float]]:
+        """Each entrant faster than the incumbent in every round, with its median ratio to it."""
+        base = self.incumbent.samples
+        if len(base) < MIN_ROUNDS:
+            return []
+        leads = []
+        for entrant in self.entrants:
+            ratios = [mine / theirs for mine, theirs in zip(entrant.samples, base)]
+            if entrant is not self.incumbent and len(ratios) == len(base) and max(ratios) < 1:
+                leads.append((entrant, statistics.median(ratios)))
+        return leads
 
     def record(self) -> dict[str, Any]:
         """What `explain()` shows: every entrant's predicted and measured steps, the choice and why."""
-        beyond = decided(self.entrants, self.rounds_run)
-        return {
-            "entrants": [e.record() for e in self.entrants], "chosen": self.winner.label,
-            "why": f"faster measured over {self.rounds_run} round(s)" + (", beyond the spread" if beyond else ""),
-        }
+        winner = self.winner
+        if winner is not self.incumbent:
+            why = f"faster than {self.incumbent.label} in each of {self.rounds_run} round(s)"
+        else:
+            why = f"no other was faster than it in each of {self.rounds_run} round(s)"
+        return {"entrants": [e.record() for e in self.entrants], "chosen": winner.label, "why": why}
 
     def _end_round(self, layout: Any) -> None:
         gathered = gather_objects(self._mine, layout.pp_group)
