@@ -55,8 +55,8 @@ DRIFT_WINDOW = 20
 MAX_DRIFT_WINDOW = 320
 
 
-FINALIST_SWITCHED = "switched to {label}: measured fastest on training steps"
-FINALIST_KEPT = "kept {label}: no other finalist measured faster on training steps"
+FINALIST_SWITCHED = "switched to {label}: faster than the race's winner in every round on training steps"
+FINALIST_KEPT = "kept {label}: no other finalist was faster in every round on training steps"
 
 
 @dataclass
@@ -67,7 +67,7 @@ class _TrialUnderWay:
     trial: ScheduleTrial
     costs: dict[str, Costs]
     switched: str = "switched"
-    kept: str = "kept the running schedule: the solved one was not measured faster"
+    kept: str = "kept the running schedule: the solved one was not faster in every round"
 
 
 def action_medians(timelines: Sequence[Timeline]) -> Medians:
