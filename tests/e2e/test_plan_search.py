@@ -221,16 +221,14 @@ class MenuTest(unittest.TestCase):
         self.assertAlmostEqual(simulate(made.schedule, made.costs).span, choice["step"], delta=1e-12)
 
     def test_a_layout_that_fits_nothing_names_the_nearest_that_do(self):
-        """Two stages hold more state per rank than one microbatch on four stages needs: under a
-        limit between the two, the two-stage layout fits nothing and the plan names four stages."""
+        """Under a limit just below the least state a rank holds in two stages, the two-stage
+        layout fits nothing (no schedule's peak is below its state) and the plan names the nearest
+        layouts of as many GPUs that do (with short sequences state outweighs activations, so more
+        stages or tensor-parallel ranks, each holding less of it, fit)."""
         model = meta_llama()
         tokens = torch.zeros(4, 8, dtype=torch.long, device="meta")  # short sequences: state outweighs activations
         two = zbcompile.plan(model, tokens, labels=tokens, stages=2, microbatches=4, dp=2)
-        four = zbcompile.plan(model, tokens, labels=tokens, stages=4, microbatches=4)
-        state = min(row["state"]["total"] for row in two.record["stage_rows"])
-        fits = min(e["peak_bytes"] for e in four.record["menu"])
-        self.assertLess(fits, state, "the test needs four stages to fit where two hold too much state")
-        limit = (fits + state) / 2
+        limit = 0.99 * min(row["state"]["total"] for row in two.record["stage_rows"])
         planned = zbcompile.plan(model, tokens, labels=tokens, stages=2, microbatches=4, dp=2, memory_limit=limit)
         self.assertIsNone(planned.record["menu_choice"])
         nearest = planned.record["nearest"]
