@@ -123,8 +123,8 @@ def predicted_ratio(runner, timelines: list, reductions: list) -> float:
     (gathered over the pipeline's ranks; the same on each)."""
     import statistics
 
-    from zbcompile.runtime.p2p import gather_objects
-    from zbcompile.runtime.profile import action_medians
+    from zbcompile.runtime.parallel.layout import gather_objects
+    from zbcompile.runtime.tuning.profile import action_medians
     from zbcompile.schedules import Costs, simulate
 
     schedule = runner.schedule

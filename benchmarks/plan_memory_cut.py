@@ -35,7 +35,7 @@ def plan_case(config: str, stages: int, dp: int, hardware) -> dict:
     from zbcompile import planning_cli
     from zbcompile.compiler import compile_costs
     from zbcompile.planning import PlanOptions, plan, plan_compiled
-    from zbcompile.runtime.batch import split
+    from zbcompile.runtime.parallel.batch import split
 
     args = argparse.Namespace(model=str(CONFIGS / config), batch=None, microbatches=32, seq_len=4096, dtype="bfloat16")
     model, inputs, kwargs, target, loss_fn = planning_cli.build(args)

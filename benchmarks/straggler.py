@@ -5,7 +5,7 @@ Two gloo ranks train the Llama-style decoder (benchmarks/llama_style.py); rank 1
 `pipeline(_slowdown=...)`, a testing aid standing for a slower or shared device). Two pipelines,
 default options but the cut: `recut=False` (the cut the compiler balances by FLOPs; zb-auto still
 re-solves its order with measured costs) and the default (the first compile measures each block
-on each rank and cuts again, `runtime/recut.py`). Both are warmed up until their tuners run
+on each rank and cuts again, `runtime/tuning/recut.py`). Both are warmed up until their tuners run
 schedules solved with measured costs; then rounds alternate between them, steps back to back.
 
 Printed: each pipeline's steady step (median over rounds), the simulator's span of the running

@@ -103,7 +103,7 @@ def layer_of(module: str, layers: list[tuple[str, list[str]]]) -> int:
     """The module's layer, counted from the bottom (0)."""
     for height, (_, members) in enumerate(reversed(layers)):
         for member in members:
-            dotted = PACKAGE if member == PACKAGE else f"{PACKAGE}.{member.rstrip('/')}"
+            dotted = PACKAGE if member == PACKAGE else f"{PACKAGE}.{member.rstrip('/').replace('/', '.')}"
             if module == dotted or (member.endswith("/") and module.startswith(dotted + ".")):
                 return height
     raise ValueError(f"{module} is in no layer of docs/architecture.md's 'Import layers' list")
@@ -235,6 +235,19 @@ def test_no_import_circle_and_no_upward_import():
     assert upward_imports(graph, LAYERS) == []
 
 
+RUNTIME_ROOMS = ["runtime/tuning/", "runtime/state/", "runtime/step/", "runtime/parallel/"]
+
+
+def test_the_runtime_is_in_rooms_layered_top_first():
+    """Each room of the runtime is a layer of its own, in this order (build.py above them), and every
+    runtime module but build.py sits in one: an import from a lower room into a higher one fails
+    the layers test above."""
+    rooms = [members for _, members in LAYERS if any(member.startswith("runtime/") for member in members)]
+    assert rooms == [["runtime", "runtime/build"], *([room] for room in RUNTIME_ROOMS)]
+    loose = [path for path in repository_sources(f"{PACKAGE}/runtime") if path.count("/") == 2]
+    assert sorted(loose) == ["zbcompile/runtime/__init__.py", "zbcompile/runtime/build.py"]
+
+
 def test_private_torch_modules_only_through_the_adapter():
     uses = private_torch_uses(repository_sources(PACKAGE, "benchmarks", "tests", "examples"))
     users = {use.split(":")[0] for use in uses}
@@ -283,6 +296,18 @@ def test_an_import_circle_and_an_upward_import_are_found():
     ]
     with pytest.raises(ValueError, match="zbcompile.other is in no layer"):
         layer_of("zbcompile.other", BROKEN_LAYERS)
+
+
+def test_an_import_from_a_lower_room_of_the_runtime_into_a_higher_one_is_found():
+    sources = {
+        "zbcompile/runtime/step/runner.py": "from zbcompile.runtime.parallel.batch import split\n",
+        "zbcompile/runtime/parallel/batch.py": "from zbcompile.runtime.step import runner\n",
+        "zbcompile/runtime/build.py": "from zbcompile.runtime.step.runner import Runner\n",
+    }
+    layers = [("runtime", ["runtime/build"]), ("step", ["runtime/step/"]), ("parallel", ["runtime/parallel/"])]
+    assert upward_imports(import_graph(sources), layers) == [
+        "zbcompile.runtime.parallel.batch imports zbcompile.runtime.step.runner (a layer above it)"
+    ]
 
 
 def test_the_layers_block_is_read_top_first():

@@ -19,8 +19,8 @@ _MODULE_OF = {
     "Plan": "zbcompile.planning",
     "Hardware": "zbcompile.hardware",
     "PipelinedModule": "zbcompile.api",
-    "PostValidatedOptimizer": "zbcompile.runtime.optimizer",
-    "SynchronousClipOptimizer": "zbcompile.runtime.optimizer",
+    "PostValidatedOptimizer": "zbcompile.runtime.state.optimizer",
+    "SynchronousClipOptimizer": "zbcompile.runtime.state.optimizer",
     # the torch.compile backend (zbcompile/backend.py)
     "WeightGradStore": "zbcompile.backend",
     "active_store": "zbcompile.backend",

@@ -15,11 +15,12 @@ from zbcompile.inspect.decisions_text import tuner_lines
 from zbcompile.inspect.text import summary_text
 from zbcompile.inspect.write import live_dump
 from zbcompile.options import PipelineOptions
-from zbcompile.runtime import batch, profile
 from zbcompile.runtime.build import Builder
-from zbcompile.runtime.forward_only import ForwardRunner
-from zbcompile.runtime.runner import Runner
-from zbcompile.runtime.stage import StageExecutor
+from zbcompile.runtime.parallel import batch
+from zbcompile.runtime.step.forward_only import ForwardRunner
+from zbcompile.runtime.step.runner import Runner
+from zbcompile.runtime.step.stage import StageExecutor
+from zbcompile.runtime.tuning import profile
 from zbcompile.schedules import Costs, Schedule, schedule_label
 
 
@@ -88,7 +89,7 @@ class PipelinedModule:
         `kwargs` and `target` into `microbatches` equal parts along dim 0, runs the schedule,
         accumulates the gradient of the batch's loss into each parameter's `.grad`, and returns
         that loss (None on ranks without the last stage): the mean of the microbatch losses, or
-        the whole batch's sum(loss_sum) / sum(count) (`runtime/batch_loss.py`). With data-parallel
+        the whole batch's sum(loss_sum) / sum(count) (`runtime/parallel/batch_loss.py`). With data-parallel
         replicas, the batch is this replica's own and the gradient every replica accumulates is the
         mean of the replicas' (for a mean loss, that of their batches concatenated); the loss
         returned is this replica's mean, or with (loss_sum, count) the whole batch's over every

@@ -72,7 +72,7 @@ class CompiledPipeline:
     recompute_levels: tuple[int, ...] = ()
     memory_unit_bytes: int | None = None
     phase_cpu_seconds: dict[str, float] = field(default_factory=dict)  # this process's CPU time, by phase
-    # the cut chosen by measurement (`runtime/recut.py`): the cut measured, the one chosen, why
+    # the cut chosen by measurement (`runtime/tuning/recut.py`): the cut measured, the one chosen, why
     cut_record: dict[str, Any] | None = None
 
     def schedule_costs(self) -> Costs:

@@ -39,7 +39,7 @@ from zbcompile import measure
 from zbcompile.local_ranks import free_port
 from zbcompile.models import GPT, GPTConfig
 from zbcompile.models.gpt import Block, lm_loss
-from zbcompile.runtime import profile
+from zbcompile.runtime.tuning import profile
 from zbcompile.schedules import DEFAULT_SCHEDULE, REFERENCE_SCHEDULE, Costs
 
 SCHEDULES = (REFERENCE_SCHEDULE, DEFAULT_SCHEDULE)  # the reference first
@@ -310,7 +310,7 @@ def predicted_gains(
     cheaper than I and W apart), and under the costs zb-auto was solved with (1F1B's backward as
     I + W), with where those came from ("measured" or "static")."""
     from zbcompile.inspect.write import schedule_costs_used
-    from zbcompile.runtime.profile import costs_of
+    from zbcompile.runtime.tuning.profile import costs_of
     from zbcompile.schedules import simulate
     from zbcompile.schedules.costs import resolve_costs
 

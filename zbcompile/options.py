@@ -42,11 +42,11 @@ class PipelineOptions:
     )
     timeout: timedelta = DEFAULT_TIMEOUT  # bounds every wait on a peer
     solver_time_budget: float | None = None  # seconds zb-auto improves its heuristic
-    profile: bool | None = None  # measure costs and re-solve (runtime/profile.py); None: where the schedule table says
+    profile: bool | None = None  # measure costs and re-solve (runtime/tuning/profile.py); None: the schedule table's
     profile_steps: int = 2  # steps timed after the warm-up step before the first re-solve
     # rounds on real steps: zb-auto's first compile races its schedule, a re-cut against the compiler's cut and
-    # the other placement (runtime/calibration.py), the tuner tries the race's finalists and a re-solved schedule
-    # against the running one on training steps (runtime/schedule_trial.py); 0: none of these, predictions decide
+    # the other placement (runtime/tuning/calibration.py), the tuner tries the race's finalists and a re-solved schedule
+    # against the running one on training steps (runtime/tuning/schedule_trial.py); 0: none of these, predictions decide
     race_rounds: int = 3
     objective: str = "span"  # "span" (steps back to back) or "makespan" (a synchronisation ends every step)
     compiler: str | None = None  # "inductor" compiles each stage's graphs, "eager" runs them op by op; None: by device
@@ -55,19 +55,19 @@ class PipelineOptions:
     )
     init_fn: Callable[[nn.Module], None] | None = None  # fills a module's own tensors materialised from `meta`
     costs: Costs | None = None  # solve with these instead of the static estimates (any one time unit)
-    follow_readiness: bool = True  # W run in waits and past sends, in order (runtime/dispatch.py)
+    follow_readiness: bool = True  # W run in waits and past sends, in order (runtime/step/dispatch.py)
     grad_dtype: torch.dtype | None = None  # dtype `.grad` accumulates in (torch's param.grad_dtype); None: as set
     recompute: str | None = None  # "auto": recompute forward values per stage to fit memory_limit (auto_recompute.py)
     data_parallel: str = (
-        "replicate"  # replicas keep parameters whole, or "shard": DTensors over "dp" (runtime/sharding.py)
+        "replicate"  # replicas keep parameters whole, or "shard": DTensors over "dp" (runtime/parallel/sharding.py)
     )
     # {module-FQN pattern: torch ParallelStyle}, applied on the process_group mesh's "tp" dimension
     tensor_parallel: Mapping[str, Any] | None = None
-    recut: bool = True  # zb-auto measuring its costs chooses its cut again from them (runtime/recut.py)
+    recut: bool = True  # zb-auto measuring its costs chooses its cut again from them (runtime/tuning/recut.py)
     # a testing aid: {global rank: factor} slows that rank's F, I, W and B by sleeping (factor - 1)
     # times each one's own time (CPU: host time), as a slower or shared device would
     _slowdown: Mapping[int, float] | None = None
-    # a rehearsal and testing aid (runtime/action_pace.py): every F, I, W, B of stage s lasts its
+    # a rehearsal and testing aid (runtime/step/action_pace.py): every F, I, W, B of stage s lasts its
     # emulated time, every message between ranks at least the link time (CPU ranks only)
     _emulate: EmulatedTimes | None = None
 

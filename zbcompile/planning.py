@@ -31,7 +31,7 @@ from zbcompile.passes.stage_cost import peak_memory_with_transients
 from zbcompile.passes.tensor_parallel_shares import annotate_shares, model_plan
 from zbcompile.plan_cut import binds, cut_decision, decision_record, one_f_one_b_peaks
 from zbcompile.plan_search import LayoutPlan, menu_record, plan_layouts
-from zbcompile.runtime.batch import split
+from zbcompile.runtime.parallel.batch import split
 from zbcompile.schedules import Costs, Schedule, ScheduleError, make_schedule, simulate
 from zbcompile.schedules.costs import resolve_costs
 from zbcompile.schedules.memory_limit import parse_bytes

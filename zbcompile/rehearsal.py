@@ -1,7 +1,7 @@
 """`zbcompile rehearse`: a pipeline run at a scale this machine cannot compute, rehearsed with its
 real runtime. p local gloo processes run a small stand-in model of as many stages (chunks) as
 each schedule needs, every F, I, W and B of stage s taking exactly the given time and every
-message between ranks at least the given link time (`runtime/action_pace.py`; the stand-in's own
+message between ranks at least the given link time (`runtime/step/action_pace.py`; the stand-in's own
 work is a few microseconds inside each action). So the ranks mostly wait, and 8-32 of them fit on
 a few cores; what remains is what the runtime itself does: the order it posts messages in,
 readiness, the host time of each action, the messages a V adds.

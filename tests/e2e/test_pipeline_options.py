@@ -11,7 +11,7 @@ import torch
 import zbcompile
 from helpers.models import build
 from zbcompile.options import PipelineOptions
-from zbcompile.runtime.schedule_choice import static_costs
+from zbcompile.runtime.tuning.schedule_choice import static_costs
 from zbcompile.schedules import Costs, make_schedule, simulate
 from zbcompile.schedules.memory_limit import parse_bytes
 

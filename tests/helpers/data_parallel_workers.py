@@ -15,7 +15,7 @@ from helpers import models, real_models
 from helpers.distributed_workers import make_optimizer
 from helpers.multiprocess import replica_of
 from zbcompile.inspect.write import live_dump
-from zbcompile.runtime.optimizer import PostValidatedOptimizer, SynchronousClipOptimizer
+from zbcompile.runtime.state.optimizer import PostValidatedOptimizer, SynchronousClipOptimizer
 
 STEPS = 3
 PP = 2

@@ -1,7 +1,7 @@
 """A model of NCCL's point-to-point semantics, to replay what the real runtime posts without a GPU.
 
 The runtime's own code runs: `runtime/dispatch.Interpreter` (with `readiness.ReceivesAhead`,
-`program.rank_program`), `p2p.Transport` and `action_clock.EventClock`, over stand-ins for what
+`program.rank_program`), `transport.Transport` and `action_clock.EventClock`, over stand-ins for what
 sits below them: `torch.distributed` (an NCCL backend whose works record what the host asked
 for), CUDA events, `torch.cuda.synchronize`, and stage executors that only record their action.
 One step of each rank runs on the host first (the host only queues work on a GPU; whether a
@@ -35,11 +35,12 @@ from typing import Any
 
 import torch
 
-from zbcompile.runtime import p2p
-from zbcompile.runtime import rank_program as program_module
-from zbcompile.runtime.action_clock import EventClock
-from zbcompile.runtime.dispatch import Interpreter
-from zbcompile.runtime.rank_program import rank_program
+from zbcompile.runtime.step import rank_program as program_module
+from zbcompile.runtime.step import transport as transport_module
+from zbcompile.runtime.step.action_clock import EventClock
+from zbcompile.runtime.step.dispatch import Interpreter
+from zbcompile.runtime.step.rank_program import rank_program
+from zbcompile.runtime.step.transport import Transport
 from zbcompile.schedules import Costs, Schedule, lower
 from zbcompile.schedules.costs import resolve_costs
 
@@ -135,7 +136,7 @@ class Model:
         return Work(self, op)
 
     def dist(self) -> SimpleNamespace:
-        """Stands in for `torch.distributed` inside `runtime/p2p.py`: an NCCL process group."""
+        """Stands in for `torch.distributed` inside `runtime/step/transport.py`: an NCCL process group."""
         return SimpleNamespace(
             get_backend=lambda group=None: "nccl",
             isend=lambda tensor, dst, group=None, tag=0: self.post("send", tensor, dst, tag),
@@ -180,7 +181,7 @@ def run_step(schedule: Schedule, follow_readiness: bool, fill_waits: bool, monke
     model = Model(schedule.ranks)
     lowered = lower(schedule)  # what `rank_program` lowers, once for every rank
     monkeypatch.setattr(program_module, "lower", lambda given: lowered if given is schedule else lower(given))
-    monkeypatch.setattr(p2p, "dist", model.dist())
+    monkeypatch.setattr(transport_module, "dist", model.dist())
     monkeypatch.setattr(torch.cuda, "synchronize", model.synchronize)
     stages, microbatches = schedule.stages, schedule.microbatches
     memory = resolve_costs(Costs(mem_b=[1.0] * stages, mem_w=[0.5] * stages), stages) if follow_readiness else None
@@ -190,7 +191,7 @@ def run_step(schedule: Schedule, follow_readiness: bool, fill_waits: bool, monke
             schedule, rank, schedule.rank_of, lambda carries, stage: NAMES, LAYOUTS.__getitem__, memory
         )
         program = edit(program) if edit is not None else program
-        transport = p2p.Transport(rank, timedelta(seconds=60))
+        transport = Transport(rank, timedelta(seconds=60))
         transport.device = torch.device("cpu")
         executors = {s: Stage(model, s, stages - 1) for s in schedule.stages_on(rank)}
         interpreter = Interpreter(

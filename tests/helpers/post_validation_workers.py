@@ -16,7 +16,7 @@ import torch.distributed as dist
 import zbcompile
 from helpers.models import BATCH, GPT_CONFIG, build, share
 from helpers.multiprocess import replica_of
-from zbcompile.runtime.optimizer import (
+from zbcompile.runtime.state.optimizer import (
     PostValidatedOptimizer,
     StepRecord,
     SynchronousClipOptimizer,

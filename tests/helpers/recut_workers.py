@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 import zbcompile
 from helpers.models import build
 from zbcompile.passes.partition import partition_stages
-from zbcompile.runtime import recut, schedule_race
+from zbcompile.runtime.tuning import recut, schedule_race
 from zbcompile.schedules import Costs
 from zbcompile.schedules.cut_search import Cut
 

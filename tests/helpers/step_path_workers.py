@@ -12,7 +12,7 @@ import zbcompile
 from helpers.models import build
 
 LIBRARY = os.path.dirname(os.path.abspath(zbcompile.__file__))
-SEND_FILE = os.path.join(LIBRARY, "runtime", "p2p.py")
+SEND_FILE = os.path.join(LIBRARY, "runtime", "step", "transport.py")
 
 
 def files_before_first_send(stages: int = 2, microbatches: int = 4) -> tuple[list[str], bool] | None:
@@ -34,7 +34,7 @@ def files_before_first_send(stages: int = 2, microbatches: int = 4) -> tuple[lis
         if not path.startswith(LIBRARY + os.sep):
             return
         if path == SEND_FILE and frame.f_code.co_name == "send":
-            entered.append("runtime/p2p.py")
+            entered.append("runtime/step/transport.py")
             sent.append(True)
             sys.setprofile(None)
             return

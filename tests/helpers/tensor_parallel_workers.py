@@ -31,8 +31,8 @@ from helpers.data_parallel_workers import local_bytes, whole
 from helpers.distributed_workers import eager_adamw, make_optimizer
 from zbcompile.inspect.write import live_dump
 from zbcompile.models.gpt import GPT
-from zbcompile.runtime.layout import from_first_rank, make_layout
-from zbcompile.runtime.optimizer import SynchronousClipOptimizer
+from zbcompile.runtime.parallel.layout import from_first_rank, make_layout
+from zbcompile.runtime.state.optimizer import SynchronousClipOptimizer
 
 STEPS = 3
 MICROBATCHES = 4

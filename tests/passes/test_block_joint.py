@@ -22,8 +22,8 @@ from zbcompile.passes.graph_fingerprint import graph_fingerprint
 from zbcompile.passes.joint import _example_inputs, _prepare_outputs, _separate_forward
 from zbcompile.passes.partition import partition_stages
 from zbcompile.passes.trace import trace_model
-from zbcompile.runtime import batch
-from zbcompile.runtime.local import LocalRunner
+from zbcompile.runtime.parallel import batch
+from zbcompile.runtime.step.local import LocalRunner
 from zbcompile.schedules import make_schedule
 from zbcompile.value_names import buffer_name, param_name
 

@@ -15,8 +15,8 @@ from zbcompile.compiler import compile_costs, compile_pipeline
 from zbcompile.models import GPT, GPTConfig
 from zbcompile.models.gpt import lm_loss
 from zbcompile.passes.stage_reuse import graph_fingerprint
-from zbcompile.runtime import batch
-from zbcompile.runtime.local import LocalRunner
+from zbcompile.runtime.parallel import batch
+from zbcompile.runtime.step.local import LocalRunner
 from zbcompile.schedules import make_schedule
 from zbcompile.value_names import param_name
 

@@ -1,4 +1,4 @@
-"""Emulated action and link times (`runtime/action_pace.py`), the rehearsal's schedules
+"""Emulated action and link times (`runtime/step/action_pace.py`), the rehearsal's schedules
 (`rehearsal.prepare`, the paper's settings) and torch's emulated chunk (`rehearsal_torch.py`):
 each sleep on the path it stands for, and only there."""
 
@@ -11,8 +11,8 @@ import torch
 
 from zbcompile.rehearsal import Rehearsal, paper_times, prepare
 from zbcompile.rehearsal_torch import EmulatedChunk
-from zbcompile.runtime.action_pace import Emulated, Slowed
-from zbcompile.runtime.p2p import Pending, _Poster
+from zbcompile.runtime.step.action_pace import Emulated, Slowed
+from zbcompile.runtime.step.transport import Pending, _Poster
 from zbcompile.schedules import Action, Costs, simulate
 from zbcompile.schedules.costs import EmulatedTimes
 

@@ -1,9 +1,9 @@
 """What the cut decision measures, in one process: marked stage programs time every block inside
-each action and compute the same bits as the unmarked ones (`runtime/block_timing.py`), on the
+each action and compute the same bits as the unmarked ones (`runtime/tuning/block_timing.py`), on the
 host clock or with timing events read after the step (CUDA's way, never a device-wide
 synchronize; events stood in for on CPU); measured
 times become per-position costs on every rank, each rank's speed from the blocks it ran
-(`runtime/measured_cut.py`), on fixed medians; and which cut of the other placement races
+(`runtime/tuning/measured_cut.py`), on fixed medians; and which cut of the other placement races
 beside the decision (`recut._rival`)."""
 
 import pathlib
@@ -17,10 +17,10 @@ import torch
 from helpers.models import build
 from zbcompile.compiler import compile_pipeline
 from zbcompile.passes.cut_profile import KINDS, cut_layout, program_work
-from zbcompile.runtime import recut
-from zbcompile.runtime.block_timing import UnitTimes, marked, unit_times
-from zbcompile.runtime.local import LocalRunner
-from zbcompile.runtime.measured_cut import agreed_speeds, measured_units, speeds_in_doubt
+from zbcompile.runtime.step.local import LocalRunner
+from zbcompile.runtime.tuning import recut
+from zbcompile.runtime.tuning.block_timing import UnitTimes, marked, unit_times
+from zbcompile.runtime.tuning.measured_cut import agreed_speeds, measured_units, speeds_in_doubt
 from zbcompile.schedules import Costs, make_schedule
 from zbcompile.schedules.cut_choice import CutDecision, CutPrediction
 from zbcompile.schedules.cut_search import Cut

@@ -19,9 +19,9 @@ import zbcompile
 from helpers.models import build
 from zbcompile.auto_recompute import MeasuredRecomputation, calibrated_costs, evaluate_memory, with_levels
 from zbcompile.inspect.decisions_text import tuner_lines
-from zbcompile.runtime import profile, schedule_trial
-from zbcompile.runtime.layout import Layout
-from zbcompile.runtime.schedule_race import MIN_ROUNDS, Entrant
+from zbcompile.runtime.parallel.layout import Layout
+from zbcompile.runtime.tuning import profile, schedule_trial
+from zbcompile.runtime.tuning.schedule_race import MIN_ROUNDS, Entrant
 from zbcompile.schedules import Costs, make_schedule, simulate
 
 ONE_RANK = Layout(
@@ -247,7 +247,7 @@ def test_the_tuner_chooses_recomputation_again_with_measured_costs_and_the_runne
         assert torch.equal(grads[fqn], p.grad), fqn
 
 
-# --- each solve tried against the running schedule before it is kept (runtime/schedule_trial.py) ---
+# --- each solve tried against the running schedule before it is kept (runtime/tuning/schedule_trial.py) ---
 
 
 @pytest.fixture

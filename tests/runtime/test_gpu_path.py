@@ -12,9 +12,12 @@ import pytest
 import torch
 
 from helpers import nccl_model
-from zbcompile.runtime import cuda_device, flat_message, p2p
-from zbcompile.runtime.action_clock import EventClock, HostClock
-from zbcompile.runtime.live_memory import AllocatorPeak, peak_inside
+from zbcompile.runtime.parallel import cuda_device
+from zbcompile.runtime.step import flat_message
+from zbcompile.runtime.step import transport as transport_module
+from zbcompile.runtime.step.action_clock import EventClock, HostClock
+from zbcompile.runtime.step.live_memory import AllocatorPeak, peak_inside
+from zbcompile.runtime.step.transport import Transport
 from zbcompile.schedules import make_schedule
 
 # --- one CUDA device per rank ---------------------------------------------------------------
@@ -129,9 +132,11 @@ def _nccl_transport(monkeypatch, group="the pipeline's group"):
         return call
 
     monkeypatch.setattr(
-        p2p, "dist", SimpleNamespace(get_backend=lambda group=None: "nccl", isend=post("isend"), irecv=post("irecv"))
+        transport_module,
+        "dist",
+        SimpleNamespace(get_backend=lambda group=None: "nccl", isend=post("isend"), irecv=post("irecv")),
     )
-    transport = p2p.Transport(0, timedelta(seconds=5), group)
+    transport = Transport(0, timedelta(seconds=5), group)
     transport.device = torch.device("cpu")
     return transport, log, works
 

@@ -3,8 +3,8 @@ makes final and in what order the stages post them; how leading dimensions are c
 
 from __future__ import annotations
 
-from zbcompile.runtime.grad_reduction import ReductionPlan, _buckets
-from zbcompile.runtime.sharding import Rows
+from zbcompile.runtime.parallel.grad_reduction import ReductionPlan, _buckets
+from zbcompile.runtime.parallel.sharding import Rows
 from zbcompile.schedules import make_schedule
 from zbcompile.schedules.lower import lower
 

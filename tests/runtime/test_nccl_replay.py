@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from helpers import nccl_model
-from zbcompile.runtime.dispatch import Interpreter
+from zbcompile.runtime.step.dispatch import Interpreter
 from zbcompile.schedules import SCHEDULE_NAMES, make_schedule, schedule_spec
 
 

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from zbcompile.runtime.rank_program import ACTIVATIONS, defer_weights, rank_program
+from zbcompile.runtime.step.rank_program import ACTIVATIONS, defer_weights, rank_program
 from zbcompile.schedules import Costs, lower, make_schedule
 from zbcompile.schedules.costs import resolve_costs
 from zbcompile.schedules.lower import check_rendezvous
@@ -118,7 +118,7 @@ def test_overtaken_w_are_those_the_plan_ran_before_the_waiting_computation():
 
 
 def test_wait_forecast_runs_a_w_only_where_recent_waits_had_room_for_it():
-    from zbcompile.runtime.readiness import WaitForecast
+    from zbcompile.runtime.step.readiness import WaitForecast
 
     forecast = WaitForecast()
     key = (ACTIVATIONS, 1, 3)

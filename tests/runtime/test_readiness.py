@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from helpers.recording_rank import LAYOUT, NAMES, LateTransport, LogicalClock, TimedStage
-from zbcompile.runtime.dispatch import Interpreter
-from zbcompile.runtime.rank_program import rank_program
+from zbcompile.runtime.step.dispatch import Interpreter
+from zbcompile.runtime.step.rank_program import rank_program
 from zbcompile.schedules import Action, Costs, make_schedule
 from zbcompile.schedules.costs import resolve_costs
 

@@ -1,5 +1,5 @@
 """The cut chosen again by measurement in a distributed pipeline's first compile
-(`runtime/recut.py`, `runtime/calibration.py`): the parameters, gradients and buffers that change
+(`runtime/tuning/recut.py`, `runtime/tuning/calibration.py`): the parameters, gradients and buffers that change
 ranks move there, and training at the new cut is bitwise training at that cut from the start
 (gradients, parameters and AdamW's state after two steps), with the first step's gradients
 eager's. Two ranks (one replica) and four (two replicas of two stages under "shard" and

@@ -9,13 +9,13 @@ import torch
 
 import zbcompile
 from helpers.models import build
-from zbcompile.runtime.optimizer import (
+from zbcompile.runtime.state.optimizer import (
     NormState,
     chain_sum,
     clip_coefficient,
     squared_norm,
 )
-from zbcompile.runtime.rollback import ExactRollback, ReverseRollback, make_rollback
+from zbcompile.runtime.state.rollback import ExactRollback, ReverseRollback, make_rollback
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from helpers.recording_rank import LAYOUT, NAMES, RecordingStage, RecordingTransport
-from zbcompile.runtime import readiness
-from zbcompile.runtime.dispatch import Interpreter
-from zbcompile.runtime.rank_program import rank_program
+from zbcompile.runtime.step import readiness
+from zbcompile.runtime.step.dispatch import Interpreter
+from zbcompile.runtime.step.rank_program import rank_program
 from zbcompile.schedules import Costs, lower, make_schedule, schedule_spec
 from zbcompile.schedules.costs import resolve_costs
 

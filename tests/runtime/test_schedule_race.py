@@ -1,4 +1,4 @@
-"""The schedule race of a compile (`runtime/schedule_race.py`), in one process on a logical clock:
+"""The schedule race of a compile (`runtime/tuning/schedule_race.py`), in one process on a logical clock:
 its entrants (zb-auto's solve, 1F1B always, the handcrafted schedules of its placement that fit
 the limit), when it stops, and which it keeps; and the rule by which the compile keeps another
 cut than the compiler's (`calibration._moved_only_beyond_the_spread`)."""
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from zbcompile.runtime import calibration, schedule_race
+from zbcompile.runtime.tuning import calibration, schedule_race
 from zbcompile.schedules import Costs, make_schedule
 
 COSTS = Costs(f=[1.0, 1.0], i=[1.0, 1.0], w=[1.0, 1.0], mem_b=[1.0, 1.0], mem_w=[0.5, 0.5])

@@ -1,4 +1,4 @@
-"""Schedules tried on training steps before one is kept (`runtime/schedule_trial.py`; the tuner's
+"""Schedules tried on training steps before one is kept (`runtime/tuning/schedule_trial.py`; the tuner's
 side in test_cost_tuner.py), in one process on a logical clock: a re-solved schedule against the
 running one, and three of a race's finalists: the blocks alternate, the trial stops as the race
 does, the fastest is kept and the incumbent on a tie."""
@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from zbcompile.runtime import schedule_trial
-from zbcompile.runtime.schedule_race import MIN_ROUNDS, Entrant
-from zbcompile.runtime.schedule_trial import ScheduleTrial
+from zbcompile.runtime.tuning import schedule_trial
+from zbcompile.runtime.tuning.schedule_race import MIN_ROUNDS, Entrant
+from zbcompile.runtime.tuning.schedule_trial import ScheduleTrial
 from zbcompile.schedules import Costs, make_schedule
 
 COSTS = Costs(f=[1.0, 1.0], i=[1.0, 1.0], w=[1.0, 1.0])

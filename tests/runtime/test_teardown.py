@@ -1,5 +1,5 @@
 """Processes that build and drop pipelines leave cleanly: exit code 0, even when a gloo helper
-thread still waits for a message as the interpreter exits (`p2p`'s exit hook stops them)."""
+thread still waits for a message as the interpreter exits (`transport.py`'s exit hook stops them)."""
 
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ import torch
 
 import zbcompile
 from helpers.models import build
-from zbcompile.runtime import recut
-from zbcompile.runtime.rank_program import defer_weights
+from zbcompile.runtime.step.rank_program import defer_weights
+from zbcompile.runtime.tuning import recut
 from zbcompile.schedules import Action, Costs, make_schedule, simulate
 from zbcompile.schedules.costs import resolve_costs
 from zbcompile.schedules.fusion import fused_for, fused_where_it_pays, gradients_in_order

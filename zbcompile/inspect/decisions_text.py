@@ -1,6 +1,6 @@
-"""What a pipeline decided by measurement, as text for people: the cut (`runtime/recut.py`), the
-schedule race of its first compile (`runtime/schedule_race.py`) and the measured-cost tuner's
-decisions with their trials (`runtime/profile.py`, `runtime/schedule_trial.py`)."""
+"""What a pipeline decided by measurement, as text for people: the cut (`runtime/tuning/recut.py`), the
+schedule race of its first compile (`runtime/tuning/schedule_race.py`) and the measured-cost tuner's
+decisions with their trials (`runtime/tuning/profile.py`, `runtime/tuning/schedule_trial.py`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from zbcompile.inspect.units import seconds_text
 
 
 def cut_lines(cut: dict[str, Any] | None) -> list[str]:
-    """What the cut chosen by measurement (`runtime/recut.py`) says: measured, chosen, why."""
+    """What the cut chosen by measurement (`runtime/tuning/recut.py`) says: measured, chosen, why."""
     if not cut:
         return []
     measured, chosen = cut["measured"], cut["chosen"]
@@ -35,8 +35,8 @@ def cut_lines(cut: dict[str, Any] | None) -> list[str]:
 
 
 def race_lines(race: dict[str, Any] | None, title: str = "schedule raced on real steps") -> list[str]:
-    """The schedule race of the compile (`runtime/schedule_race.py`) or a trial of the tuner's
-    (`runtime/schedule_trial.py`): each entrant's predicted and measured step (median, spread,
+    """The schedule race of the compile (`runtime/tuning/schedule_race.py`) or a trial of the tuner's
+    (`runtime/tuning/schedule_trial.py`): each entrant's predicted and measured step (median, spread,
     steps timed), which was kept and why."""
     if not race:
         return []

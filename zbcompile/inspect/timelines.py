@@ -6,7 +6,7 @@ Each rank appends its own file, `timeline-rank<r>.jsonl`: a header line (rank, p
 position, host, the clocks), then one line per step, `{"step", "schedule_version", "events":
 [[action, start, end], ...], "peak_live_bytes", "moved_w": {"past_send": [...], "into_wait":
 [...]}}`, times in `time.perf_counter()` seconds (`moved_w`: the W that ran elsewhere than the
-schedule put them, see `runtime/distributed.py`). No rank waits for another to write it;
+schedule put them, see `runtime/step/distributed.py`). No rank waits for another to write it;
 `write_trace` merges the files afterwards.
 
 The trace: one process per rank (`pid` = global rank, named by `process_name` metadata), thread

@@ -5,7 +5,7 @@ may begin.
 
 Work is known per stage and per *unit* of a stage (`unit_key`: the block an op belongs to,
 `model.layers.7`, or the module outside any block, `lm_head`): statically from the FLOPs and bytes
-of the nodes of each stage's F, I and W graphs, or measured (`runtime/block_timing.py`). A unit's
+of the nodes of each stage's F, I and W graphs, or measured (`runtime/tuning/block_timing.py`). A unit's
 work is spread over the stage's positions of that unit in proportion to their forward FLOP-
 equivalents (a unit a stage's graphs name that none of its positions does, over all of them).
 Memory: each stage's M_B spread by the bytes its F keeps per unit, M_W in proportion to M_B.

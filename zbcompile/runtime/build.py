@@ -28,26 +28,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from zbcompile.compiler import CompiledPipeline, compile_forward_only, compile_pipeline
 from zbcompile.inspect.write import CompileDump, start_dump
 from zbcompile.options import PipelineOptions
-from zbcompile.runtime import (
-    action_pace,
-    batch,
-    batch_loss,
-    calibration,
-    placement,
-    profile,
-    recut,
-    sharding,
-    state_transfer,
-    tensor_parallel,
-)
-from zbcompile.runtime.distributed import DistributedRunner
-from zbcompile.runtime.forward_only import ForwardRunner
-from zbcompile.runtime.layout import Layout, make_layout
-from zbcompile.runtime.local import InProcessTransport, LocalRunner
-from zbcompile.runtime.p2p import device_for, stop_helper_threads
-from zbcompile.runtime.runner import Runner
-from zbcompile.runtime.schedule_choice import ScheduleChoice
-from zbcompile.runtime.state_ownership import StateOwnership
+from zbcompile.runtime.parallel import batch, batch_loss, sharding, tensor_parallel
+from zbcompile.runtime.parallel.layout import Layout, device_for, make_layout
+from zbcompile.runtime.state import placement, state_transfer
+from zbcompile.runtime.state.state_ownership import StateOwnership
+from zbcompile.runtime.step import action_pace
+from zbcompile.runtime.step.distributed import DistributedRunner
+from zbcompile.runtime.step.forward_only import ForwardRunner
+from zbcompile.runtime.step.local import InProcessTransport, LocalRunner
+from zbcompile.runtime.step.runner import Runner
+from zbcompile.runtime.step.transport import stop_helper_threads
+from zbcompile.runtime.tuning import calibration, profile, recut
+from zbcompile.runtime.tuning.schedule_choice import ScheduleChoice
 from zbcompile.schedules import Costs, Schedule, pipeline_ranks, schedule_label, schedule_spec
 from zbcompile.stage_compiler import compile_stage_programs
 
@@ -164,7 +156,7 @@ class Builder:
         return self.builds[key], micro_inputs, micro_targets, absent
 
     def _recut_wanted(self, built: Build) -> bool:
-        """Whether this compile chooses its cut by measurement (`runtime/recut.py`): the first
+        """Whether this compile chooses its cut by measurement (`runtime/tuning/recut.py`): the first
         compile of a distributed zb-auto pipeline that measures its costs, cut by the compiler
         (no split points, no given costs, recompute="auto" aside), unless `recut=False`."""
         o = self.options

@@ -251,7 +251,7 @@ def resolve_costs(costs: Costs | ResolvedCosts | None, stages: int) -> ResolvedC
 
 @dataclass(frozen=True)
 class EmulatedTimes:
-    """Every action's time where a pipeline emulates them (`runtime/action_pace.py`): `costs` (per
+    """Every action's time where a pipeline emulates them (`runtime/step/action_pace.py`): `costs` (per
     stage, or per chunk for a multi-chunk schedule; a fused B takes I + W) times `unit_s` seconds
     per unit (1e-3 for costs in ms, as the paper's); a message between ranks takes at least
     `costs.comm` units."""

@@ -1,0 +1,313 @@
+"""Runs one stage's F, I, W and fused B for any microbatch, keeping each microbatch's values in
+its own environment and freeing every value right after its last use. Transport-agnostic: the caller
+hands in what arrives from the neighbours and sends what comes back."""
+
+from __future__ import annotations
+
+from typing import Collection, Mapping, Sequence
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from zbcompile.compiler import StageProgram
+from zbcompile.passes.trace_errors import first_line, node_location, same_kind
+from zbcompile.program import Program
+from zbcompile.runtime.step.live_memory import held_bytes, peak_inside
+from zbcompile.value_names import (
+    OUTPUT,
+    buffer_name,
+    fqn_of,
+    grad_name,
+    input_name,
+    is_state,
+    output_name,
+    param_grad_name,
+    param_name,
+    tangent_name,
+    update_name,
+)
+
+
+class StageExecutor:
+    """Executes F/I/W/B of one stage.
+
+    `state` maps `param:<fqn>` / `buffer:<fqn>` to tensors. Parameter gradients are accumulated
+    per microbatch in the order W runs (schedules keep W in microbatch order, so every schedule
+    accumulates identically); `take_grads()` hands them over at the end of a step. The buffers
+    the stage updates (BatchNorm's running statistics in training) take their new values right
+    after each F, in place; schedules run F in microbatch order on every stage, so microbatch k
+    reads what microbatch k-1 left, as in an eager run microbatch by microbatch.
+
+    Activation memory, two counts (each storage once):
+    - `peak_live_bytes`, always: the most bytes the microbatches' saved values held between
+      actions (after F what the backward reads, after I what W reads), what the simulator's
+      M_B and M_W stand for;
+    - `peak_activation_bytes`, while `measure_transients` is True (off by default: then it costs
+      nothing and stays 0): the most bytes alive at any point inside an action as well, i.e. the
+      saved values of the other microbatches in flight, plus what the running action took in (its
+      microbatch's saved values, the values received from the neighbours or the batch, the output
+      gradients), plus every storage its graph created and still alive (`live_memory.peak_inside`: a
+      TransientTracker, or on CUDA the allocator's statistics): the forward values a checkpointed
+      region recomputes, intermediate gradients, the outputs it hands on, and the per-microbatch
+      parameter gradients before they are added. Not counted: parameters, buffers and the
+      accumulated parameter gradients (not activations: one copy per stage whatever the schedule),
+      values handed to the neighbours once the action has returned (the transport's), received
+      values before the action that takes them starts.
+    """
+
+    def __init__(self, program: StageProgram, state: Mapping[str, torch.Tensor]) -> None:
+        self.program = program
+        self.state = state
+        self.envs: dict[int, dict[str, torch.Tensor]] = {}
+        self.grads: dict[str, torch.Tensor] = {}
+        self.peak_live_bytes = 0
+        self.measure_transients = False
+        self.peak_activation_bytes = 0
+        self._env_bytes: dict[int, int] = {}
+        self._held_after: dict[str, int] = {}  # bytes a microbatch holds after F / after I
+        self._last_forward = -1  # the microbatch of the latest F
+        joint, split = program.joint, program.split
+        self._backward_reads = {n for n in joint.backward.signature.inputs if not is_state(n)}
+        # what F keeps of its inputs: what the backward reads, and those it relays as outputs
+        self._forward_keeps = self._backward_reads | {input_name(v) for v in program.stage.outputs}
+        self._weight_reads = set(split.weight_reads)
+        self._weight_param_grads = [f for f in joint.param_grads if f not in split.input_param_grads]
+        self._layouts = {**placeholder_layouts(joint.forward), **placeholder_layouts(joint.backward)}
+
+    def running(self, program: StageProgram) -> "StageExecutor":
+        """An executor of the same stage and state running `program` (the stage at another
+        recompute level), measuring as this one does. Between steps only."""
+        if self.envs:
+            raise RuntimeError(
+                f"stage {self.program.stage.index}: microbatches {sorted(self.envs)} are in flight; change programs "
+                "between steps"
+            )
+        executor = StageExecutor(program, self.state)
+        executor.measure_transients = self.measure_transients
+        return executor
+
+    # --- actions ---------------------------------------------------------------------------
+
+    def forward(self, microbatch: int, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """F. `inputs`: every stage input (and target) by value name. Returns the stage outputs
+        by value name (`{"loss": ...}` on the last stage)."""
+        stage = self.program.stage
+        self._check_forward_order(microbatch)
+        env = {input_name(name): self._as_traced(input_name(name), value) for name, value in inputs.items()}
+        self._run("F", self.program.joint.forward, env, microbatch, keep=self._forward_keeps)
+        self._update_buffers(env)
+        if stage.outputs:
+            outputs = {v: env[output_name(v)] if output_name(v) in env else env[input_name(v)] for v in stage.outputs}
+        else:
+            outputs = {
+                fqn_of(name): env[name]
+                for name in self.program.joint.forward.signature.outputs
+                if name.startswith(OUTPUT)
+            }
+        self.envs[microbatch] = {k: v for k, v in env.items() if k in self._backward_reads}
+        self._note_memory(microbatch, "F")
+        return outputs
+
+    def _check_forward_order(self, microbatch: int) -> None:
+        """A stage that updates buffers runs F for microbatches 0, 1, 2, ... of each step."""
+        updated = self.program.stage.buffer_updates
+        if updated and microbatch and self._last_forward != microbatch - 1:
+            raise RuntimeError(
+                f"stage {self.program.stage.index}: F of microbatch {microbatch} follows F of microbatch "
+                f"{self._last_forward}; the stage updates buffers ({updated[0]}, ...), so its forwards must run "
+                "in microbatch order"
+            )
+        self._last_forward = microbatch
+
+    def _update_buffers(self, env: dict[str, torch.Tensor]) -> None:
+        """Write the new values F computed for the stage's updated buffers into the buffers."""
+        with torch.no_grad():
+            for fqn in self.program.stage.buffer_updates:
+                self.state[buffer_name(fqn)].copy_(env[update_name(fqn)])
+
+    def input_backward(self, microbatch: int, output_grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """I. `output_grads`: gradients of the stage outputs (`{"loss": scale}` on the last
+        stage). Returns the gradients of the stage inputs that carry one."""
+        env = self.envs[microbatch]
+        self._receive_tangents(env, output_grads)
+        self._run("I", self.program.split.input_backward, env, microbatch, keep=self._weight_reads)
+        self._accumulate(self.program.split.input_param_grads, env)
+        self.envs[microbatch] = {k: v for k, v in env.items() if k in self._weight_reads}
+        self._note_memory(microbatch, "I")
+        return self._input_grads(env, output_grads)
+
+    def weight_backward(self, microbatch: int) -> None:
+        """W: parameter gradients of `microbatch`, accumulated; the microbatch's values freed."""
+        env = self.envs.pop(microbatch)
+        self._run("W", self.program.split.weight_backward, env, microbatch, keep=frozenset())
+        self._accumulate(self._weight_param_grads, env)
+        self._note_memory(microbatch)
+
+    def _accumulate(self, fqns: Sequence[str], env: Mapping[str, torch.Tensor]) -> None:
+        """Add one microbatch's parameter gradients (in microbatch order: the same sums, bit for
+        bit, under every schedule), in the parameter's `grad_dtype` (torch's attribute, by
+        default the parameter's dtype; float32 for fp32 gradient accumulation of a bf16 model):
+        each microbatch's gradient is converted, then added, as autograd does eagerly."""
+        for fqn in fqns:
+            grad = env[param_grad_name(fqn)]
+            if fqn in self.grads:
+                self.grads[fqn].add_(grad)
+            else:
+                dtype = accumulation_dtype(self.state[param_name(fqn)]) or grad.dtype
+                self.grads[fqn] = grad.detach().to(dtype, copy=True)
+
+    def backward(self, microbatch: int, output_grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Fused backward B (I then W at once) as the one unsplit backward graph, which computes
+        exactly what I and W compute, with no stash handed between them."""
+        env = self.envs.pop(microbatch)
+        self._receive_tangents(env, output_grads)
+        self._run("B", self.program.joint.backward, env, microbatch, keep=frozenset())
+        self._accumulate(self.program.joint.param_grads, env)
+        self._note_memory(microbatch)
+        return self._input_grads(env, output_grads)
+
+    def _run(
+        self, kind: str, program: Program, env: dict[str, torch.Tensor], microbatch: int, keep: Collection[str]
+    ) -> None:
+        """Run `program` (the action `kind`: F, I, W or B) on `microbatch`'s `env` (what the
+        action took in). The values the microbatch does not `keep` after this action leave `env`
+        and the graph frees each at its last use. While `measure_transients`, note the most bytes
+        alive meanwhile (see the class docstring). An op that fails raises `op_error`'s error."""
+        consumed = [name for name in env if name not in keep]
+        try:
+            if not self.measure_transients:
+                program.run(env, self.state, consumed)
+                return
+            others = sum(b for k, b in self._env_bytes.items() if k != microbatch)
+            device = next((v.device for v in env.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
+            inside = peak_inside(lambda: program.run(env, self.state, consumed), env.values(), device)
+            self.peak_activation_bytes = max(self.peak_activation_bytes, others + inside)
+        except Exception as error:  # noqa: BLE001 - re-raised, naming the module and line of the op
+            node = program.failing_node(error)
+            if node is None:
+                raise
+            raise op_error(f"{self.program.stage.index}{kind}{microbatch}", node, error) from error
+
+    def _receive_tangents(self, env: dict[str, torch.Tensor], output_grads: Mapping[str, torch.Tensor]) -> None:
+        for name in self.program.joint.tangents:
+            env[tangent_name(name)] = self._as_traced(tangent_name(name), output_grads[name])
+
+    def _input_grads(
+        self, env: Mapping[str, torch.Tensor], output_grads: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """Gradients of the stage inputs: the backward's own, plus the relayed ones from downstream
+        for inputs the stage passes through."""
+        grads = {}
+        for name in self.program.stage.inputs:
+            own = env.get(grad_name(name))
+            relayed = output_grads.get(name) if name in self.program.stage.relays else None
+            if own is not None and relayed is not None:
+                grads[name] = own + relayed
+            elif own is not None or relayed is not None:
+                grads[name] = own if own is not None else relayed
+        return grads
+
+    def _as_traced(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        return as_traced(value, self._layouts.get(name))
+
+    # --- bookkeeping -----------------------------------------------------------------------
+
+    def take_grads(self) -> dict[str, torch.Tensor]:
+        if self.envs:
+            raise RuntimeError(
+                f"stage {self.program.stage.index}: microbatches {sorted(self.envs)} still hold activations at the "
+                "end of the step; the schedule is missing their W actions"
+            )
+        grads, self.grads = self.grads, {}
+        return grads
+
+    def live_bytes(self) -> int:
+        """Bytes of activation memory the stashed values of all microbatches in flight hold."""
+        return sum(self._env_bytes.values())
+
+    def _note_memory(self, microbatch: int, phase: str | None = None) -> None:
+        """Record what `microbatch` holds after `phase` ("F" or "I"; None: it holds nothing).
+        Shapes are fixed at compile time, so every microbatch holds the same bytes after the same
+        phase: counted once."""
+        if phase is not None:
+            if phase not in self._held_after:
+                self._held_after[phase] = held_bytes(self.envs[microbatch].values())
+            self._env_bytes[microbatch] = self._held_after[phase]
+        else:
+            self._env_bytes.pop(microbatch, None)
+        self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes())
+        if self.measure_transients:
+            self.peak_activation_bytes = max(self.peak_activation_bytes, self.live_bytes())
+
+    def reset_peaks(self) -> None:
+        """Start both peak counts afresh (e.g. after a warm-up step)."""
+        self.peak_live_bytes = self.peak_activation_bytes = 0
+
+
+def accumulation_dtype(param: torch.Tensor) -> torch.dtype | None:
+    """The dtype gradients of `param` accumulate in: torch's `param.grad_dtype` (None: any)."""
+    return param.grad_dtype if param.is_leaf else param.dtype
+
+
+def loss_grad(loss: torch.Tensor, tangent: float) -> torch.Tensor:
+    """d(the step's loss)/d(one microbatch's loss) as the last stage's tangent: `tangent` in the
+    loss's dtype (1/m for the mean of the microbatch losses, `runtime/parallel/batch_loss.py`)."""
+    return torch.full((), tangent, dtype=loss.dtype, device=loss.device)
+
+
+def op_error(action: str, node, error: Exception) -> Exception:
+    """`error`, raised by the op of `node` while running `action` ("0F3": stage 0's F of
+    microbatch 3), as an error of its type naming the action, and the module and source line the
+    op was traced from. Tracing computes shapes and
+    dtypes with torch's fake kernels, which do not check everything the real kernels do (a
+    Linear fed integer tokens traces, then fails here)."""
+    return same_kind(
+        error,
+        f"zbcompile could not run action {action}: the op {node.target} traced at {node_location(node)} failed: "
+        f"{type(error).__name__}: {first_line(error)}. Check the dtypes, devices and shapes of what that line "
+        "receives (the model's inputs included)",
+    )
+
+
+def as_traced(value: torch.Tensor, stride: tuple[int, ...] | None) -> torch.Tensor:
+    """`value` with the strides a graph was traced with (None: any); a received tensor arrives
+    contiguous, and the graph may expect, say, a transposed attention output."""
+    if stride is None or value.stride() == stride or value.numel() <= 1:
+        return value
+    return torch.empty_strided(value.shape, stride, dtype=value.dtype, device=value.device).copy_(value)
+
+
+def placeholder_layouts(program) -> dict[str, tuple[int, ...]]:
+    """The strides of each of `program`'s inputs as traced, by environment name."""
+    placeholders = program.graph.graph.find_nodes(op="placeholder")
+    return {name: tuple(node.meta["val"].stride()) for node, name in zip(placeholders, program.signature.inputs)}
+
+
+def merge_stage_grads(executors: Sequence[StageExecutor]) -> dict[str, torch.Tensor]:
+    """The step's gradients of `executors` (in stage order), a parameter used by several of them
+    (a tied weight) summed in that order."""
+    grads: dict[str, torch.Tensor] = {}
+    for executor in executors:
+        for fqn, grad in executor.take_grads().items():
+            grads[fqn] = grads[fqn] + grad if fqn in grads else grad
+    return grads
+
+
+def accumulate_grads(module: torch.nn.Module, grads: Mapping[str, torch.Tensor]) -> None:
+    """Add a step's gradients (by parameter FQN, `Runner.reduce_grads()`) to `module`'s `.grad`
+    (a DTensor parameter's local gradient as a DTensor of the parameter's layout)."""
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            grad = grads.get(name)
+            if grad is None:
+                continue
+            if isinstance(param, DTensor) and getattr(grad, "device_mesh", None) != param.device_mesh:
+                local = grad.to_local() if isinstance(grad, DTensor) else grad  # a tensor-parallel shard's
+                mesh, placements = param.device_mesh, param.placements
+                grad = DTensor.from_local(
+                    local, mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
+                )
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad.add_(grad)
