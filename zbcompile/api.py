@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import torch
 from torch import nn
@@ -22,6 +22,8 @@ from zbcompile.runtime.step.runner import Runner
 from zbcompile.runtime.step.stage import StageExecutor
 from zbcompile.runtime.tuning import profile
 from zbcompile.schedules import Costs, Schedule, schedule_label
+
+_View = TypeVar("_View", bound="ModuleView")
 
 
 def pipeline(model: nn.Module | type | None = None, /, **options: Any):
@@ -49,20 +51,74 @@ def _wrap(model: nn.Module | type, options: PipelineOptions):
     return PipelinedModule(model, options)
 
 
-class PipelinedModule:
-    """A model trained with a pipeline schedule: `step()` runs one; calling it, the unpipelined
-    forward. In one process, parameters, buffers and `state_dict()` are the module's own. Under
-    torch.distributed (README.md, "Many processes") every rank of a pipeline calls `step()` with
-    that pipeline's batch (with data-parallel replicas, its replica's own, as with DDP; ranks
-    without the first or last stage may pass None) and keeps only its stages' parameters: build
-    the optimizer after `compile(batch)`; `state_dict()` is this rank's share."""
+class ModuleView:
+    """The wrapped module's nn.Module interface: its unpipelined forward, and this rank's share of its state."""
+
+    def __init__(self, module: nn.Module, builder: Builder) -> None:
+        self.module = module
+        self._builder = builder  # the compiles, one per batch shape, and placement
+        self._ownership = builder.ownership  # what this process holds
+        self.state_dict_hooks: list[Callable[[], None]] = []  # run before every state_dict()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return (p for _, p in self.named_parameters(recurse=recurse))
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """The module's parameters; in a distributed run, the ones this rank holds (a tied weight
+        on every rank that uses it, so each rank's optimizer keeps its copy in step)."""
+        return self._ownership.held_only(self.module.named_parameters(prefix, recurse, remove_duplicate), prefix)
+
+    def buffers(self, recurse: bool = True) -> Iterator[torch.Tensor]:
+        return (b for _, b in self.named_buffers(recurse=recurse))
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._ownership.held_only(self.module.named_buffers(prefix, recurse, remove_duplicate), prefix)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The module's state dict; in a distributed run, the entries this rank owns (every alias
+        of a tied weight included), which together over all ranks make the whole model's."""
+        for hook in self.state_dict_hooks:
+            hook()
+        return self._builder.owned_only(self.module.state_dict(*args, **kwargs))
+
+    def held_state_dict(self) -> dict[str, Any]:
+        """The module's state-dict entries this process holds (what `load_state_dict` fills here;
+        every alias of a tied weight on every rank that uses it): all of them in one process."""
+        return self._ownership.held_only_entries(self.module.state_dict())
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
+        """Copy this process's entries of any state dict holding them (`StateOwnership.load_state_dict`)."""
+        return self._ownership.load_state_dict(state_dict, strict)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.module.zero_grad(set_to_none)
+
+    def train(self: _View, mode: bool = True) -> _View:
+        self.module.train(mode)
+        self._builder.forget_compiles()  # dropout and friends trace differently
+        return self
+
+    def eval(self: _View) -> _View:
+        return self.train(False)
+
+
+class PipelinedModule(ModuleView):
+    """A model trained with a pipeline schedule: `step()` runs one. Under torch.distributed (README.md,
+    "Many processes") every rank of a pipeline calls `step()` with that pipeline's batch (with data-parallel
+    replicas, its replica's own, as with DDP; ranks without the first or last stage may pass None) and keeps
+    only its stages' parameters: build the optimizer after `compile(batch)`; `state_dict()` is this rank's share."""
 
     def __init__(self, module: nn.Module, options: PipelineOptions) -> None:
-        self.module = module
-        self._builder = Builder(module, options)  # the compiles, one per batch shape, and placement
-        # at the start of every step() (optimizer post-validation finishes its last step there); before state_dict()
+        super().__init__(module, Builder(module, options))
+        # at the start of every step() and evaluate() (optimizer post-validation finishes its last step there)
         self.pre_step_hooks: list[Callable[[], None]] = []
-        self.state_dict_hooks: list[Callable[[], None]] = []
         self.step_count = 0  # steps run (`step()` calls); zbcompile.checkpoint saves and restores it
 
     @property
@@ -81,8 +137,6 @@ class PipelinedModule:
     @measured_costs.setter
     def measured_costs(self, costs: Costs | None) -> None:
         self._builder.measured_costs = costs
-
-    # --- training --------------------------------------------------------------------------
 
     def step(self, *inputs: Any, target: Any = None, **kwargs: Any) -> torch.Tensor | None:
         """One pipelined forward + backward over the batch: splits every tensor in `inputs`,
@@ -109,21 +163,7 @@ class PipelinedModule:
         for hook in self.pre_step_hooks:  # a post-validated optimizer's last step is final
             hook()
         with _eval_mode(self.module):
-            runner, micro_inputs, micro_targets, absent = self._builder.prepare_forward(
-                inputs, kwargs, target, return_outputs
-            )
-            stages = len(runner.compiled.programs)
-            feeds, targets = batch.fed(runner, micro_inputs, micro_targets, absent, self._builder.ownership, stages)
-            if return_outputs:
-                results = runner.run(feeds, targets)
-                names = runner.compiled.result_names
-                structure = runner.compiled.traced.output_structure
-                return None if results is None else structure.rebuild([[r[n] for n in names] for r in results])
-            reduction = self._builder.loss_reduction(
-                runner.compiled.traced, micro_inputs, feeds, targets, runner.executors, stages
-            )
-            results = runner.run(feeds, targets)
-            return reduction.loss([r["loss"] for r in results] if results is not None else None)
+            return _forward_pass(self._builder, inputs, kwargs, target, return_outputs)
 
     def compile(self, *inputs: Any, target: Any = None, **kwargs: Any) -> "PipelinedModule":
         """Compile for batches shaped like this one without a step (distributed: before building the optimizer)."""
@@ -157,7 +197,7 @@ class PipelinedModule:
     def forward_runner(self) -> ForwardRunner | None:
         """What ran the latest `evaluate()` (its forward-only compile and schedule, and the memory
         it measures with `measure_transients()`); None before the first."""
-        return self._builder.latest_forward
+        return self._builder.evaluation.latest
 
     @property
     def schedule(self) -> Schedule:
@@ -177,60 +217,6 @@ class PipelinedModule:
     def executors(self) -> list[StageExecutor]:
         return list(self.runner.executors.values())
 
-    # --- the wrapped module's interface ----------------------------------------------------
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
-
-    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        return (p for _, p in self.named_parameters(recurse=recurse))
-
-    def named_parameters(
-        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-    ) -> Iterator[tuple[str, nn.Parameter]]:
-        """The module's parameters; in a distributed run, the ones this rank holds (a tied weight
-        on every rank that uses it, so each rank's optimizer keeps its copy in step)."""
-        yield from self._builder.ownership.held_only(
-            self.module.named_parameters(prefix, recurse, remove_duplicate), prefix
-        )
-
-    def buffers(self, recurse: bool = True) -> Iterator[torch.Tensor]:
-        return (b for _, b in self.named_buffers(recurse=recurse))
-
-    def named_buffers(
-        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from self._builder.ownership.held_only(
-            self.module.named_buffers(prefix, recurse, remove_duplicate), prefix
-        )
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """The module's state dict; in a distributed run, the entries this rank owns (every alias
-        of a tied weight included), which together over all ranks make the whole model's."""
-        for hook in self.state_dict_hooks:
-            hook()
-        return self._builder.owned_only(self.module.state_dict(*args, **kwargs))
-
-    def held_state_dict(self) -> dict[str, Any]:
-        """The module's state-dict entries this process holds (what `load_state_dict` fills here;
-        every alias of a tied weight on every rank that uses it): all of them in one process."""
-        return self._builder.ownership.held_only_entries(self.module.state_dict())
-
-    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
-        """Copy this process's entries of any state dict holding them (`StateOwnership.load_state_dict`)."""
-        return self._builder.ownership.load_state_dict(state_dict, strict)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.module.zero_grad(set_to_none)
-
-    def train(self, mode: bool = True) -> "PipelinedModule":
-        self.module.train(mode)
-        self._builder.forget_compiles()  # dropout and friends trace differently
-        return self
-
-    def eval(self) -> "PipelinedModule":
-        return self.train(False)
-
     def __repr__(self) -> str:
         o = self.options
         return (
@@ -249,3 +235,17 @@ def _eval_mode(module: nn.Module) -> Iterator[None]:
     finally:
         for m, training in modes:
             m.training = training
+
+
+def _forward_pass(builder: Builder, inputs: tuple, kwargs: dict, target: Any, outputs: bool) -> Any:
+    """`evaluate()`'s result (its output with `outputs`) in the module's current mode."""
+    runner, micro_inputs, micro_targets, absent = builder.evaluation.prepare(inputs, kwargs, target, outputs)
+    stages = len(runner.compiled.programs)
+    feeds, targets = batch.fed(runner, micro_inputs, micro_targets, absent, builder.ownership, stages)
+    if outputs:
+        results = runner.run(feeds, targets)
+        names, structure = runner.compiled.result_names, runner.compiled.traced.output_structure
+        return None if results is None else structure.rebuild([[r[n] for n in names] for r in results])
+    reduction = builder.evaluation.loss_reduction(runner, micro_inputs, feeds, targets)
+    results = runner.run(feeds, targets)
+    return reduction.loss([r["loss"] for r in results] if results is not None else None)

@@ -128,7 +128,7 @@ def test_forward_saves_only_block_inputs_and_the_backward_pays_the_recomputation
 def _rank_peak(pipe) -> int:
     """The highest rank's measured peak, what lives inside actions included (one stage per rank
     in these schedules)."""
-    return max(e.peak_activation_bytes for e in pipe.executors)
+    return max(e.memory.peak_activation_bytes for e in pipe.executors)
 
 
 def _predicted_peaks(pipe) -> tuple[float, ...]:
@@ -264,7 +264,7 @@ def test_auto_recompute_fits_a_limit_30_percent_below_zb_h1s_measured_peak():
     auto.compile(*_batch(config)[:1], target=_batch(config)[1])
     auto.runner.measure_transients()
     loss, grads = _step(auto_model, auto, "zb-h1", config)
-    assert _rank_peak(auto) <= 0.7 * peak, ([e.peak_activation_bytes for e in auto.executors], peak)
+    assert _rank_peak(auto) <= 0.7 * peak, ([e.memory.peak_activation_bytes for e in auto.executors], peak)
     assert any(auto.compiled.recompute_levels), auto.compiled.recompute_levels
     assert auto.compiled.memory_unit() == unit
     assert torch.equal(loss, plain_loss) and all(torch.equal(grads[n], g) for n, g in plain.items())

@@ -231,7 +231,7 @@ def profiled(max_steps: int, **options) -> dict:
         case.step(pipe)
         steps += 1
         if pipe.tuner is not None and pipe.tuner.solving:  # the switch follows the next step, whatever its speed
-            pipe.tuner.wait_for_solve(SOLVE_WAIT_S)
+            pipe.tuner.switch.wait(SOLVE_WAIT_S)
             dist.barrier()  # the other ranks wait here, not in a step's receive
     case.step(pipe)
     costs = pipe.measured_costs

@@ -351,7 +351,7 @@ def test_a_races_finalists_are_tried_on_training_steps_and_the_fastest_kept(cloc
     assert last["trial"]["chosen"] == fastest and [e["label"] for e in last["trial"]["entrants"]] == [
         e.label for e in finalists
     ]
-    event = profile.FINALIST_KEPT if fastest == "zb-auto" else profile.FINALIST_SWITCHED
+    event = schedule_trial.FINALIST_KEPT if fastest == "zb-auto" else schedule_trial.FINALIST_SWITCHED
     assert last["event"] == event.format(label=fastest)
     assert ("zb-h2", True) in follows and (solved.name, False) in follows  # each ran as raced
     assert runner.follow_readiness == (fastest == "zb-auto") and runner.schedule is solved

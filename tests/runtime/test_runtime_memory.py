@@ -31,7 +31,7 @@ def _peaks(model, tokens, targets, schedule):
     pipe.step(tokens, target=targets)
     predicted = simulate(pipe.schedule, pipe.compiled.schedule_costs()).peak_memory
     unit = pipe.compiled.memory_unit()
-    return [e.peak_live_bytes for e in pipe.executors], [p * unit for p in predicted], pipe
+    return [e.memory.peak_live_bytes for e in pipe.executors], [p * unit for p in predicted], pipe
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "zb-h2", "zb-auto"])
@@ -42,8 +42,8 @@ def test_measured_peak_matches_the_simulator(gpt_batch, schedule):
     unit = pipe.compiled.memory_unit()
     with_transients = [p * unit for p in pipe.compiled.peak_memory_with_transients(pipe.schedule)]
     for rank, (e, p) in enumerate(zip(pipe.executors, with_transients)):
-        m = e.peak_activation_bytes
-        assert e.peak_live_bytes < m and abs(m - p) <= 0.05 * p, (
+        m = e.memory.peak_activation_bytes
+        assert e.memory.peak_live_bytes < m and abs(m - p) <= 0.05 * p, (
             f"{schedule} rank {rank}: measured {m} B inside actions, predicted {p:.0f} B"
         )
 
@@ -64,7 +64,7 @@ def test_zb_h1_peak_is_no_higher_than_1f1b():
             blocks, stages=4, microbatches=8, loss_fn=torch.nn.functional.mse_loss, schedule=schedule
         )
         pipe.step(x, target=torch.randn(16, 32, 64))
-        peaks[schedule] = [e.peak_live_bytes for e in pipe.executors]
+        peaks[schedule] = [e.memory.peak_live_bytes for e in pipe.executors]
         blocks.zero_grad()
     assert max(peaks["zb-h1"]) <= 1.01 * max(peaks["1f1b"]), peaks
 
@@ -87,7 +87,7 @@ def test_values_only_b_needs_are_gone_after_b(gpt_batch):
     assert not (set(program.split.freed_after_input) & kept_after_b)
     assert kept_after_b <= set(program.split.weight_reads)
     executor.weight_backward(0)
-    assert 0 not in executor.envs and executor.live_bytes() == 0
+    assert 0 not in executor.envs and executor.memory.live_bytes() == 0
 
 
 def test_an_input_relayed_to_the_next_stage_outlives_the_forward_that_frees_its_inputs():
@@ -149,7 +149,7 @@ def test_measured_peak_agrees_with_the_allocator():
         pipe.set_schedule(schedule)
         pipe.runner.reset_peaks()
         allocated[schedule] = _allocator_peak(lambda: pipe.step(tokens, target=tokens))
-        counted = pipe.executors[0].peak_activation_bytes
+        counted = pipe.executors[0].memory.peak_activation_bytes
         assert counted > gradients, "activations dominate"
         assert 0.98 * counted <= allocated[schedule] <= 1.02 * (counted + gradients), (
             schedule,

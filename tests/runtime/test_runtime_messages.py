@@ -138,7 +138,7 @@ def test_a_receive_posted_only_when_its_data_is_needed_is_caught(monkeypatch):
     schedule = _schedule("1f1b", 4, 8)
     _check_every_receive_posted_in_time(schedule, 1, matches_by_tag=False, deferred=False)
     monkeypatch.setattr(readiness.ReceivesAhead, "post_ahead", lambda self, index: None)
-    monkeypatch.setattr(Interpreter, "_receive", lambda self, index, action: None)
+    monkeypatch.setattr(readiness.Mailbox, "receive", lambda self, index, action: None)
     take = readiness.ReceivesAhead.take
 
     def post_then_take(self, key):

@@ -30,7 +30,7 @@ class ForwardStage:
     """F of one stage (`program`, from `forward_program`) for any microbatch, on `state`'s
     parameters and buffers. Buffers the forward updates take their new values after each F.
     `peak_activation_bytes` counts, while `measure_transients`, the most bytes alive inside an
-    F (what it took in and every storage it created; `StageExecutor`'s count, with no other
+    F (what it took in and every storage it created; `ActivationCount`'s count, with no other
     microbatch holding anything)."""
 
     def __init__(self, program: Program, stage: Stage, state: Mapping[str, torch.Tensor]) -> None:

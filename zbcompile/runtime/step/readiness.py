@@ -1,19 +1,27 @@
-"""Following readiness: what the interpreter (`runtime/step/dispatch.py`) keeps to bend the plan
-where no other rank can lose by it. `ReceivesAhead` posts a step's receives ahead of the action
-list, `WeightQueue` says which W may run early, in a wait for a message, and `WaitForecast`
-expects, from recent steps, whether a W fits in that wait."""
+"""A rank's values between its actions (`Mailbox`), and following readiness: what the interpreter
+(`runtime/step/dispatch.py`) keeps to bend the plan where no other rank can lose by it. When a
+computation's message has not arrived yet, the next W (in the program's W order, once its I has
+run: `WeightQueue`) runs in the meantime where the plan ran that W before this computation anyway
+(`RankProgram.overtaken`), or where it is expected to fit in the wait: the same message was at
+least that late in recent steps (`WaitForecast`). So a late message costs no more than the plan.
+`ReceivesAhead` posts a step's receives ahead of the action list."""
 
 from __future__ import annotations
 
 import statistics
 from collections import defaultdict, deque
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from zbcompile.runtime.step.rank_program import RankProgram, Receive
+from zbcompile.runtime.step.action_clock import ActionClock
+from zbcompile.runtime.step.rank_program import ACTIVATIONS, GRADIENTS, RankProgram, Receive
 from zbcompile.runtime.step.transport import MessageTransport
 from zbcompile.schedules import Action
+
+Values = dict[str, torch.Tensor]
+Key = tuple[str, int, int]  # a message's (what it carries, receiving stage, microbatch)
+Batch = Sequence[Mapping[str, torch.Tensor]]  # by microbatch, values by name
 
 
 class WaitForecast:
@@ -77,10 +85,7 @@ class WeightQueue:
         self.order = order
         self.next = 0  # W run so far
         self.reached = 0  # W the program's list has reached
-        self.backward_done: set[tuple[int, int]] = set()
-
-    def backward_ran(self, action: Action) -> None:
-        self.backward_done.add((action.stage, action.microbatch))
+        self.backward_done: set[tuple[int, int]] = set()  # (stage, microbatch) of the I run so far
 
     def runnable(self) -> Action | None:
         """The next W, if it may run now."""
@@ -89,9 +94,6 @@ class WeightQueue:
             if (w.stage, w.microbatch) in self.backward_done:
                 return w
         return None
-
-    def advance(self) -> None:
-        self.next += 1
 
     def planned(self) -> bool:
         """The list reached its next W: True if it is still to run (it is then run), False if it
@@ -163,3 +165,119 @@ class ReceivesAhead:
         )
         self.posted[message.key] = (receive, pending)
         self.next += 1
+
+
+class Mailbox:
+    """Where the computations of a program's steps take their values and leave what they make.
+    F takes the microbatch's inputs (first stage) or the values that came from the previous
+    stage (and the targets on the `last` stage); I and B take the gradient of the step's loss
+    with respect to the microbatch's loss (last stage: `loss_tangent`, 1/m for the mean of the
+    microbatch losses, see `runtime/parallel/batch_loss.py`) or the gradients that came from the
+    next stage. What F, I and B hand a stage on this rank stays here until that stage takes it;
+    what they hand another rank waits for the program's SEND. Receives are posted ahead
+    (`ReceivesAhead`, buffers on `receive_device`) and waited for only when a computation needs
+    their data, `run_weight(action, text)` running W meanwhile where `follow_readiness`."""
+
+    def __init__(
+        self,
+        transport: MessageTransport,
+        receive_device: torch.device | None,
+        clock: ActionClock,
+        run_weight: Callable[[Action, str], None],
+    ) -> None:
+        self.transport, self.receive_device, self.clock, self.run_weight = transport, receive_device, clock, run_weight
+
+    def load(self, program: RankProgram, last: int, follow_readiness: bool) -> None:
+        """Serve `program` from the next step on."""
+        self.program, self.last, self.follow_readiness = program, last, follow_readiness
+        self.forecast = WaitForecast()
+        self.sent = frozenset(m.key for m in program.messages if m is not None)  # what leaves the rank
+
+    def start_step(self, inputs: Batch, targets: Batch, loss_tangent: float) -> None:
+        self.inputs, self.targets, self.loss_tangent = inputs, targets, loss_tangent
+        self.results: dict[int, Values] = {}  # what the last stage's F returned
+        self.held: dict[Key, Values] = {}  # for a stage on this rank, until it takes them
+        self.outgoing: dict[Key, Values] = {}  # for another rank, until their SEND
+        self.receives = ReceivesAhead(self.program, self.transport, self.receive_device, self._watch)
+        self.weights = WeightQueue(self.program.weight_order)
+        self.early: list[str] = []  # the W run in a wait
+
+    def end_step(self) -> list[Values]:
+        """The last stage's results of the step, in microbatch order; the step's values let go."""
+        results = [self.results[k] for k in sorted(self.results)]
+        self.inputs = self.targets = ()
+        self.results, self.held, self.outgoing = {}, {}, {}
+        return results
+
+    def activations(self, stage: int, microbatch: int, text: str) -> Values:
+        """What F (`text`) of `stage` takes for `microbatch`."""
+        feed = dict(self.inputs[microbatch]) if stage == 0 else self.take((ACTIVATIONS, stage, microbatch), text)
+        if stage == self.last:
+            feed.update(self.targets[microbatch])
+        return feed
+
+    def forward_made(self, stage: int, microbatch: int, outputs: Values) -> None:
+        if stage == self.last:
+            self.results[microbatch] = outputs
+        else:
+            key = (ACTIVATIONS, stage + 1, microbatch)
+            (self.outgoing if key in self.sent else self.held)[key] = outputs
+
+    def gradients(self, stage: int, microbatch: int, text: str) -> Values:
+        """What I or B (`text`) of `stage` takes for `microbatch`; the loss's in its dtype."""
+        if stage == self.last:
+            loss = self.results[microbatch]["loss"]
+            return {"loss": torch.full((), self.loss_tangent, dtype=loss.dtype, device=loss.device)}
+        return self.take((GRADIENTS, stage, microbatch), text)
+
+    def backward_made(self, stage: int, microbatch: int, grads: Values) -> None:
+        if stage > 0:
+            key = (GRADIENTS, stage - 1, microbatch)
+            (self.outgoing if key in self.sent else self.held)[key] = grads
+
+    def take(self, key: Key, waiting_action: str) -> Values:
+        """The values message `key` carries to the computation `waiting_action`: kept here, or
+        received (running W meanwhile where readiness is followed)."""
+        held = self.held
+        if key in held:
+            return held.pop(key)
+        receive, pending = self.receives.take(key)
+        transport, clock = self.transport, self.clock
+        reached = clock.mark()
+        if self.follow_readiness and transport.can_tell(pending):  # W while the message is on its way
+            weights, forecast, overtaken = self.weights, self.forecast, self.program.overtaken
+            queued = 0.0  # seconds of W queued here (where the host cannot see the device's time)
+
+            def waited() -> float:
+                return clock.seconds_since(reached) if clock.on_host else queued
+
+            while (
+                (w := weights.runnable()) is not None
+                and (w in overtaken.get(key, ()) or forecast.fits(key, waited(), w.stage))
+                and not transport.arrived(pending)
+            ):
+                weights.next += 1
+                self.run_weight(w, str(w))
+                self.early.append(str(w))
+                queued += forecast.weight_seconds.get(w.stage, 0.0)
+        waited = clock.mark()
+        values = dict(zip(receive.message.names, transport.wait(pending, waiting_action)))
+        clock.record("comm", receive.message.text, waited)
+        clock.record("wait", key, reached, transport.arrival_time(pending) if clock.on_host else None)
+        return values
+
+    def _watch(self, key: Key) -> bool:
+        """Whether the transport should tell when message `key` arrives: readiness asks only
+        where a W may run in its wait."""
+        overtaken, weights = self.program.overtaken, self.program.weight_order
+        return self.follow_readiness and (key in overtaken or (bool(weights) and self.forecast.worth_watching(key)))
+
+    def send(self, index: int, action: Action) -> None:
+        message = self.program.messages[index]
+        started = self.clock.mark()
+        values = self.outgoing.pop(message.key)
+        self.transport.send([values[n] for n in message.names], message.peer, message.tag, message.text)
+        self.clock.record("comm", message.text, started)
+
+    def receive(self, index: int, action: Action) -> None:
+        self.receives.post_through(index)

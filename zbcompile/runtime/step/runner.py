@@ -178,24 +178,24 @@ class Runner(ABC):
     @property
     def peak_live_bytes(self) -> int:
         """The highest bytes each held stage's microbatches kept alive, summed over those stages."""
-        return sum(e.peak_live_bytes for e in self._all_executors())
+        return sum(e.memory.peak_live_bytes for e in self._all_executors())
 
     @property
     def peak_activation_bytes(self) -> int:
-        """The same with what lives inside each action (`StageExecutor.peak_activation_bytes`),
+        """The same with what lives inside each action (`ActivationCount.peak_activation_bytes`),
         counted while `measure_transients(True)`; 0 otherwise."""
-        return sum(e.peak_activation_bytes for e in self._all_executors())
+        return sum(e.memory.peak_activation_bytes for e in self._all_executors())
 
     def measure_transients(self, on: bool = True) -> None:
         """Count, from the next action on, the memory alive inside each action of every held stage
-        (off by default: it traces every op; see `StageExecutor`)."""
+        (off by default: it traces every op; see `ActivationCount`)."""
         for executor in self._all_executors():
-            executor.measure_transients = on
+            executor.memory.measure_transients = on
 
     def reset_peaks(self) -> None:
         """Start the peak counts of every held stage afresh (e.g. after a warm-up step)."""
         for executor in self._all_executors():
-            executor.reset_peaks()
+            executor.memory.reset_peaks()
 
     def _all_executors(self) -> list:
         """Every executor this process runs: one per held stage, and a mirrored schedule's second copies."""

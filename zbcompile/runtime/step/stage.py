@@ -4,12 +4,13 @@ hands in what arrives from the neighbours and sends what comes back."""
 
 from __future__ import annotations
 
-from typing import Collection, Mapping, Sequence
+from typing import Callable, Collection, Iterable, Mapping, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from zbcompile.compiler import StageProgram
+from zbcompile.passes.partition import Stage
 from zbcompile.passes.trace_errors import first_line, node_location, same_kind
 from zbcompile.program import Program
 from zbcompile.runtime.step.live_memory import held_bytes, peak_inside
@@ -27,44 +28,22 @@ from zbcompile.value_names import (
     update_name,
 )
 
+Tensors = Mapping[str, torch.Tensor]
+
 
 class StageExecutor:
-    """Executes F/I/W/B of one stage.
-
+    """Executes F/I/W/B of one stage; `envs` holds, by microbatch, what its later actions read.
     `state` maps `param:<fqn>` / `buffer:<fqn>` to tensors. Parameter gradients are accumulated
-    per microbatch in the order W runs (schedules keep W in microbatch order, so every schedule
-    accumulates identically); `take_grads()` hands them over at the end of a step. The buffers
-    the stage updates (BatchNorm's running statistics in training) take their new values right
-    after each F, in place; schedules run F in microbatch order on every stage, so microbatch k
-    reads what microbatch k-1 left, as in an eager run microbatch by microbatch.
-
-    Activation memory, two counts (each storage once):
-    - `peak_live_bytes`, always: the most bytes the microbatches' saved values held between
-      actions (after F what the backward reads, after I what W reads), what the simulator's
-      M_B and M_W stand for;
-    - `peak_activation_bytes`, while `measure_transients` is True (off by default: then it costs
-      nothing and stays 0): the most bytes alive at any point inside an action as well, i.e. the
-      saved values of the other microbatches in flight, plus what the running action took in (its
-      microbatch's saved values, the values received from the neighbours or the batch, the output
-      gradients), plus every storage its graph created and still alive (`live_memory.peak_inside`: a
-      TransientTracker, or on CUDA the allocator's statistics): the forward values a checkpointed
-      region recomputes, intermediate gradients, the outputs it hands on, and the per-microbatch
-      parameter gradients before they are added. Not counted: parameters, buffers and the
-      accumulated parameter gradients (not activations: one copy per stage whatever the schedule),
-      values handed to the neighbours once the action has returned (the transport's), received
-      values before the action that takes them starts.
-    """
+    per microbatch in the order W runs (`add_grads`); `take_grads()` hands them over at the end
+    of a step. The buffers the stage updates take their new values right after each F, in place
+    (`check_forward_order`). `memory` counts the microbatches' activation memory."""
 
     def __init__(self, program: StageProgram, state: Mapping[str, torch.Tensor]) -> None:
         self.program = program
         self.state = state
         self.envs: dict[int, dict[str, torch.Tensor]] = {}
         self.grads: dict[str, torch.Tensor] = {}
-        self.peak_live_bytes = 0
-        self.measure_transients = False
-        self.peak_activation_bytes = 0
-        self._env_bytes: dict[int, int] = {}
-        self._held_after: dict[str, int] = {}  # bytes a microbatch holds after F / after I
+        self.memory = ActivationCount()
         self._last_forward = -1  # the microbatch of the latest F
         joint, split = program.joint, program.split
         self._backward_reads = {n for n in joint.backward.signature.inputs if not is_state(n)}
@@ -83,7 +62,7 @@ class StageExecutor:
                 "between steps"
             )
         executor = StageExecutor(program, self.state)
-        executor.measure_transients = self.measure_transients
+        executor.memory.measure_transients = self.memory.measure_transients
         return executor
 
     # --- actions ---------------------------------------------------------------------------
@@ -91,39 +70,21 @@ class StageExecutor:
     def forward(self, microbatch: int, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """F. `inputs`: every stage input (and target) by value name. Returns the stage outputs
         by value name (`{"loss": ...}` on the last stage)."""
-        stage = self.program.stage
-        self._check_forward_order(microbatch)
-        env = {input_name(name): self._as_traced(input_name(name), value) for name, value in inputs.items()}
+        stage, layouts = self.program.stage, self._layouts
+        check_forward_order(stage, microbatch, self._last_forward)
+        self._last_forward = microbatch
+        env = {input_name(name): as_traced(value, layouts.get(input_name(name))) for name, value in inputs.items()}
         self._run("F", self.program.joint.forward, env, microbatch, keep=self._forward_keeps)
-        self._update_buffers(env)
+        with torch.no_grad():  # the new values of the buffers the stage updates
+            for fqn in stage.buffer_updates:
+                self.state[buffer_name(fqn)].copy_(env[update_name(fqn)])
         if stage.outputs:
             outputs = {v: env[output_name(v)] if output_name(v) in env else env[input_name(v)] for v in stage.outputs}
         else:
-            outputs = {
-                fqn_of(name): env[name]
-                for name in self.program.joint.forward.signature.outputs
-                if name.startswith(OUTPUT)
-            }
-        self.envs[microbatch] = {k: v for k, v in env.items() if k in self._backward_reads}
-        self._note_memory(microbatch, "F")
+            outputs = {fqn_of(n): env[n] for n in self.program.joint.forward.signature.outputs if n.startswith(OUTPUT)}
+        kept = self.envs[microbatch] = {k: v for k, v in env.items() if k in self._backward_reads}
+        self.memory.note(microbatch, "F", kept.values())
         return outputs
-
-    def _check_forward_order(self, microbatch: int) -> None:
-        """A stage that updates buffers runs F for microbatches 0, 1, 2, ... of each step."""
-        updated = self.program.stage.buffer_updates
-        if updated and microbatch and self._last_forward != microbatch - 1:
-            raise RuntimeError(
-                f"stage {self.program.stage.index}: F of microbatch {microbatch} follows F of microbatch "
-                f"{self._last_forward}; the stage updates buffers ({updated[0]}, ...), so its forwards must run "
-                "in microbatch order"
-            )
-        self._last_forward = microbatch
-
-    def _update_buffers(self, env: dict[str, torch.Tensor]) -> None:
-        """Write the new values F computed for the stage's updated buffers into the buffers."""
-        with torch.no_grad():
-            for fqn in self.program.stage.buffer_updates:
-                self.state[buffer_name(fqn)].copy_(env[update_name(fqn)])
 
     def input_backward(self, microbatch: int, output_grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """I. `output_grads`: gradients of the stage outputs (`{"loss": scale}` on the last
@@ -131,30 +92,17 @@ class StageExecutor:
         env = self.envs[microbatch]
         self._receive_tangents(env, output_grads)
         self._run("I", self.program.split.input_backward, env, microbatch, keep=self._weight_reads)
-        self._accumulate(self.program.split.input_param_grads, env)
-        self.envs[microbatch] = {k: v for k, v in env.items() if k in self._weight_reads}
-        self._note_memory(microbatch, "I")
-        return self._input_grads(env, output_grads)
+        add_grads(self.grads, self.program.split.input_param_grads, env, self.state)
+        kept = self.envs[microbatch] = {k: v for k, v in env.items() if k in self._weight_reads}
+        self.memory.note(microbatch, "I", kept.values())
+        return input_grads(self.program.stage, env, output_grads)
 
     def weight_backward(self, microbatch: int) -> None:
         """W: parameter gradients of `microbatch`, accumulated; the microbatch's values freed."""
         env = self.envs.pop(microbatch)
         self._run("W", self.program.split.weight_backward, env, microbatch, keep=frozenset())
-        self._accumulate(self._weight_param_grads, env)
-        self._note_memory(microbatch)
-
-    def _accumulate(self, fqns: Sequence[str], env: Mapping[str, torch.Tensor]) -> None:
-        """Add one microbatch's parameter gradients (in microbatch order: the same sums, bit for
-        bit, under every schedule), in the parameter's `grad_dtype` (torch's attribute, by
-        default the parameter's dtype; float32 for fp32 gradient accumulation of a bf16 model):
-        each microbatch's gradient is converted, then added, as autograd does eagerly."""
-        for fqn in fqns:
-            grad = env[param_grad_name(fqn)]
-            if fqn in self.grads:
-                self.grads[fqn].add_(grad)
-            else:
-                dtype = accumulation_dtype(self.state[param_name(fqn)]) or grad.dtype
-                self.grads[fqn] = grad.detach().to(dtype, copy=True)
+        add_grads(self.grads, self._weight_param_grads, env, self.state)
+        self.memory.note(microbatch)
 
     def backward(self, microbatch: int, output_grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Fused backward B (I then W at once) as the one unsplit backward graph, which computes
@@ -162,26 +110,22 @@ class StageExecutor:
         env = self.envs.pop(microbatch)
         self._receive_tangents(env, output_grads)
         self._run("B", self.program.joint.backward, env, microbatch, keep=frozenset())
-        self._accumulate(self.program.joint.param_grads, env)
-        self._note_memory(microbatch)
-        return self._input_grads(env, output_grads)
+        add_grads(self.grads, self.program.joint.param_grads, env, self.state)
+        self.memory.note(microbatch)
+        return input_grads(self.program.stage, env, output_grads)
 
     def _run(
         self, kind: str, program: Program, env: dict[str, torch.Tensor], microbatch: int, keep: Collection[str]
     ) -> None:
         """Run `program` (the action `kind`: F, I, W or B) on `microbatch`'s `env` (what the
         action took in). The values the microbatch does not `keep` after this action leave `env`
-        and the graph frees each at its last use. While `measure_transients`, note the most bytes
-        alive meanwhile (see the class docstring). An op that fails raises `op_error`'s error."""
+        and the graph frees each at its last use. An op that fails raises `op_error`'s error."""
         consumed = [name for name in env if name not in keep]
         try:
-            if not self.measure_transients:
+            if self.memory.measure_transients:
+                self.memory.measure(lambda: program.run(env, self.state, consumed), microbatch, env)
+            else:
                 program.run(env, self.state, consumed)
-                return
-            others = sum(b for k, b in self._env_bytes.items() if k != microbatch)
-            device = next((v.device for v in env.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
-            inside = peak_inside(lambda: program.run(env, self.state, consumed), env.values(), device)
-            self.peak_activation_bytes = max(self.peak_activation_bytes, others + inside)
         except Exception as error:  # noqa: BLE001 - re-raised, naming the module and line of the op
             node = program.failing_node(error)
             if node is None:
@@ -190,27 +134,7 @@ class StageExecutor:
 
     def _receive_tangents(self, env: dict[str, torch.Tensor], output_grads: Mapping[str, torch.Tensor]) -> None:
         for name in self.program.joint.tangents:
-            env[tangent_name(name)] = self._as_traced(tangent_name(name), output_grads[name])
-
-    def _input_grads(
-        self, env: Mapping[str, torch.Tensor], output_grads: Mapping[str, torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
-        """Gradients of the stage inputs: the backward's own, plus the relayed ones from downstream
-        for inputs the stage passes through."""
-        grads = {}
-        for name in self.program.stage.inputs:
-            own = env.get(grad_name(name))
-            relayed = output_grads.get(name) if name in self.program.stage.relays else None
-            if own is not None and relayed is not None:
-                grads[name] = own + relayed
-            elif own is not None or relayed is not None:
-                grads[name] = own if own is not None else relayed
-        return grads
-
-    def _as_traced(self, name: str, value: torch.Tensor) -> torch.Tensor:
-        return as_traced(value, self._layouts.get(name))
-
-    # --- bookkeeping -----------------------------------------------------------------------
+            env[tangent_name(name)] = as_traced(output_grads[name], self._layouts.get(tangent_name(name)))
 
     def take_grads(self) -> dict[str, torch.Tensor]:
         if self.envs:
@@ -221,38 +145,99 @@ class StageExecutor:
         grads, self.grads = self.grads, {}
         return grads
 
+
+class ActivationCount:
+    """The activation memory of one stage's microbatches, two counts (each storage once):
+    - `peak_live_bytes`, always: the most bytes the microbatches' saved values held between
+      actions (after F what the backward reads, after I what W reads): the simulator's M_B, M_W;
+    - `peak_activation_bytes`, while `measure_transients` (off by default: then free, and 0): the
+      most bytes alive at any point inside an action as well: the other microbatches' saved
+      values, what the running action took in (its saved values, received values or the batch,
+      output gradients), and every storage its graph created and still alive
+      (`live_memory.peak_inside`): recomputed forward values, intermediate gradients, the outputs
+      it hands on, per-microbatch parameter gradients before they are added. Not counted:
+      parameters, buffers, accumulated parameter gradients (one copy per stage whatever the
+      schedule), values handed to the neighbours once the action returned (the transport's),
+      received values before the action that takes them starts."""
+
+    def __init__(self) -> None:
+        self.peak_live_bytes = 0
+        self.measure_transients = False
+        self.peak_activation_bytes = 0
+        self.held: dict[int, int] = {}  # by microbatch in flight, the bytes it holds between actions
+        self._held_after: dict[str, int] = {}  # bytes a microbatch holds after F / after I
+
     def live_bytes(self) -> int:
         """Bytes of activation memory the stashed values of all microbatches in flight hold."""
-        return sum(self._env_bytes.values())
+        return sum(self.held.values())
 
-    def _note_memory(self, microbatch: int, phase: str | None = None) -> None:
-        """Record what `microbatch` holds after `phase` ("F" or "I"; None: it holds nothing).
+    def note(self, microbatch: int, phase: str | None = None, kept: Iterable[torch.Tensor] = ()) -> None:
+        """Record that `microbatch` holds `kept` after `phase` ("F" or "I"; None: it holds nothing).
         Shapes are fixed at compile time, so every microbatch holds the same bytes after the same
         phase: counted once."""
         if phase is not None:
             if phase not in self._held_after:
-                self._held_after[phase] = held_bytes(self.envs[microbatch].values())
-            self._env_bytes[microbatch] = self._held_after[phase]
+                self._held_after[phase] = held_bytes(kept)
+            self.held[microbatch] = self._held_after[phase]
         else:
-            self._env_bytes.pop(microbatch, None)
+            self.held.pop(microbatch, None)
         self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes())
         if self.measure_transients:
             self.peak_activation_bytes = max(self.peak_activation_bytes, self.live_bytes())
+
+    def measure(self, run: Callable[[], None], microbatch: int, env: Mapping[str, torch.Tensor]) -> None:
+        """`run()` an action of `microbatch` that took in `env`, noting the most bytes alive meanwhile."""
+        others = sum(b for k, b in self.held.items() if k != microbatch)
+        device = next((v.device for v in env.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
+        inside = peak_inside(run, env.values(), device)
+        self.peak_activation_bytes = max(self.peak_activation_bytes, others + inside)
 
     def reset_peaks(self) -> None:
         """Start both peak counts afresh (e.g. after a warm-up step)."""
         self.peak_live_bytes = self.peak_activation_bytes = 0
 
 
-def accumulation_dtype(param: torch.Tensor) -> torch.dtype | None:
-    """The dtype gradients of `param` accumulate in: torch's `param.grad_dtype` (None: any)."""
-    return param.grad_dtype if param.is_leaf else param.dtype
+def add_grads(grads: dict[str, torch.Tensor], fqns: Sequence[str], env: Tensors, state: Tensors) -> None:
+    """Add one microbatch's parameter gradients (in microbatch order: the same sums, bit for
+    bit, under every schedule) into `grads`, in the parameter's `grad_dtype` (torch's attribute,
+    by default the parameter's dtype; float32 for fp32 gradient accumulation of a bf16 model; a
+    non-leaf's own dtype): each microbatch's gradient is converted, then added, as autograd does
+    eagerly."""
+    for fqn in fqns:
+        grad = env[param_grad_name(fqn)]
+        if fqn in grads:
+            grads[fqn].add_(grad)
+        else:
+            param = state[param_name(fqn)]
+            dtype = (param.grad_dtype if param.is_leaf else param.dtype) or grad.dtype
+            grads[fqn] = grad.detach().to(dtype, copy=True)
 
 
-def loss_grad(loss: torch.Tensor, tangent: float) -> torch.Tensor:
-    """d(the step's loss)/d(one microbatch's loss) as the last stage's tangent: `tangent` in the
-    loss's dtype (1/m for the mean of the microbatch losses, `runtime/parallel/batch_loss.py`)."""
-    return torch.full((), tangent, dtype=loss.dtype, device=loss.device)
+def check_forward_order(stage: Stage, microbatch: int, last_forward: int) -> None:
+    """A stage that updates buffers (BatchNorm's running statistics in training) runs F for microbatches
+    0, 1, 2, ... of each step, `microbatch` right after `last_forward`: schedules run F in microbatch
+    order, so microbatch k reads what k-1 left, as in an eager run microbatch by microbatch."""
+    updated = stage.buffer_updates
+    if updated and microbatch and last_forward != microbatch - 1:
+        raise RuntimeError(
+            f"stage {stage.index}: F of microbatch {microbatch} follows F of microbatch "
+            f"{last_forward}; the stage updates buffers ({updated[0]}, ...), so its forwards must run "
+            "in microbatch order"
+        )
+
+
+def input_grads(stage: Stage, env: Tensors, output_grads: Tensors) -> dict[str, torch.Tensor]:
+    """Gradients of `stage`'s inputs: the backward's own (in `env`), plus the relayed ones from
+    downstream (in `output_grads`) for inputs the stage passes through."""
+    grads = {}
+    for name in stage.inputs:
+        own = env.get(grad_name(name))
+        relayed = output_grads.get(name) if name in stage.relays else None
+        if own is not None and relayed is not None:
+            grads[name] = own + relayed
+        elif own is not None or relayed is not None:
+            grads[name] = own if own is not None else relayed
+    return grads
 
 
 def op_error(action: str, node, error: Exception) -> Exception:

@@ -83,6 +83,31 @@ class Pending:
     timed_out: bool = False
     nbytes: int = 0
 
+    def complete(self, action: str, rank: int, timeout: timedelta) -> None:
+        """Wait until the message completed (for its watching thread, else its posting thread, then
+        its works); raise a PeerError (`rank`'s, in `action`) where one failed or passed `timeout`."""
+        # a helper thread's own wait gives up after `timeout`; these only back it up
+        event = self.done or self.posted
+        if event is not None and not event.wait(timeout.total_seconds() + 30):
+            self.timed_out = True
+        error, timed_out = self.error, self.timed_out
+        for work in self.works if self.done is None and error is None and not timed_out else ():
+            try:
+                timed_out = work.wait(timeout) is False
+            except RuntimeError as failure:
+                error = failure
+            if error is not None or timed_out:
+                break
+        if error is None and not timed_out:
+            return
+        after = f"after {timeout.total_seconds():.0f} s"
+        if error is not None:
+            raise PeerError(
+                f"rank {rank}: {action} failed on its message with rank {self.peer} "
+                f"(peer rank {self.peer} may have died or timed out {after}): {str(error).splitlines()[0]}"
+            ) from error
+        raise PeerError(f"rank {rank}: timed out {after} in {action} waiting for peer rank {self.peer}")
+
 
 class _Poster:
     """A thread that posts sends in the order they are given. gloo's `isend` can block the
@@ -190,24 +215,31 @@ def _abort(group: dist.ProcessGroup | None) -> None:
         pass
 
 
-_RUNNING: set = set()  # the (poster, watch) pairs whose threads have not been joined
+_RUNNING: set[_Helpers] = set()  # the helpers whose threads have not been joined
 EXIT_GRACE_S = 5.0  # how long a receive still awaited at exit may take before the group is aborted
 
 
-def _stop_helpers(helpers: tuple[_Poster, _Watch], at_exit: bool) -> None:
-    """Stop a transport's helper threads: when it is collected, each once idle (listed until
-    they have ended, so that exit still joins them); at exit, now (see `_Watch.stop`), and join
-    them."""
-    poster, watch = helpers
-    poster.stop()
-    watch.stop(EXIT_GRACE_S, abort=at_exit)
-    if at_exit:
-        poster.thread.join(EXIT_GRACE_S)
-        _RUNNING.discard(helpers)
+class _Helpers:
+    """The helper threads of a gloo transport: `poster` posts its sends, `watch` waits for its
+    watched receives. They stop when the transport is collected, each once idle (listed until
+    they have ended, so that exit still joins them), or at exit, now (see `_Watch.stop`), joined."""
 
+    def __init__(self, transport: Transport) -> None:
+        _RUNNING.difference_update([h for h in _RUNNING if h.ended()])  # collected transports' threads
+        self.poster = _Poster("zbcompile-send")
+        self.watch = _Watch(transport.timeout, transport.group)
+        _RUNNING.add(self)
+        weakref.finalize(transport, self.stop, False)
 
-def _ended(helpers: tuple[_Poster, _Watch]) -> bool:
-    return not any(thread.is_alive() for thread in [helpers[0].thread, *helpers[1].threads()])
+    def stop(self, at_exit: bool) -> None:
+        self.poster.stop()
+        self.watch.stop(EXIT_GRACE_S, abort=at_exit)
+        if at_exit:
+            self.poster.thread.join(EXIT_GRACE_S)
+            _RUNNING.discard(self)
+
+    def ended(self) -> bool:
+        return not any(thread.is_alive() for thread in [self.poster.thread, *self.watch.threads()])
 
 
 @atexit.register
@@ -215,7 +247,7 @@ def stop_helper_threads() -> None:
     """Stop and join every transport's helper threads (at interpreter exit, before Python
     finalizes; no transport may send or receive afterwards)."""
     for helpers in list(_RUNNING):
-        _stop_helpers(helpers, at_exit=True)
+        helpers.stop(at_exit=True)
 
 
 class Transport:
@@ -224,8 +256,7 @@ class Transport:
     after `timeout` and raises a PeerError naming the peer rank and the action that was
     waiting. With gloo, a helper thread posts the sends (`_Poster`), and `arrived()` tells
     without blocking whether a receive posted with `watch=True` has completed (a thread waits
-    for it, `_Watch`). On NCCL, `wait` makes the compute stream wait for the receive, and
-    `complete_messages` confirms it on the host."""
+    for it, `_Watch`); NCCL's messages are confirmed on the host by `complete_messages`."""
 
     def __init__(self, rank: int, timeout: timedelta, group: dist.ProcessGroup | None = None) -> None:
         self.rank = rank
@@ -249,17 +280,10 @@ class Transport:
         return device_for(self.group)
 
     @functools.cached_property
-    def _helpers(self) -> tuple[_Poster, _Watch] | None:
-        """(send poster, watch) where the backend pairs messages by tag (posting on another
-        thread cannot reorder what a peer sees) and its works cannot be tested without
-        blocking: gloo. None elsewhere (NCCL: the runner's thread posts, in order)."""
-        if not self.matches_by_tag:
-            return None
-        _RUNNING.difference_update([h for h in _RUNNING if _ended(h)])  # collected transports' threads
-        helpers = (_Poster("zbcompile-send"), _Watch(self.timeout, self.group))
-        _RUNNING.add(helpers)
-        weakref.finalize(self, _stop_helpers, helpers, False)
-        return helpers
+    def _helpers(self) -> _Helpers | None:
+        """The helper threads where messages pair by tag (posting on another thread cannot reorder
+        what a peer sees) and works cannot be tested without blocking: gloo; None elsewhere."""
+        return _Helpers(self) if self.matches_by_tag else None
 
     def post_recv(
         self, buffers: Sequence[torch.Tensor], peer: int, tag: int, action: str, watch: bool = False
@@ -272,7 +296,7 @@ class Transport:
         works = self._post(dist.irecv, flat, peer, tag, action)
         pending = Pending(works, flat_message.unpack(flat, layouts), peer, action)
         if watch and self._helpers is not None:
-            self._helpers[1].watch(pending)
+            self._helpers.watch.watch(pending)
         return pending
 
     def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int, action: str) -> None:
@@ -285,7 +309,7 @@ class Transport:
             sleep_until(not_before)
             pending.works = post()
         else:
-            self._helpers[0].post(pending, post, not_before)
+            self._helpers.poster.post(pending, post, not_before)
         self._sends.append(pending)
         self.sending_bytes += pending.nbytes
         self.peak_sending_bytes = max(self.peak_sending_bytes, self.sending_bytes)
@@ -303,12 +327,12 @@ class Transport:
     def wait(self, pending: Pending, waiting_action: str) -> list[torch.Tensor]:
         """The received tensors, for the work queued next: on gloo once they are there; on NCCL
         at once, the current stream waiting for them (confirmed by `complete_messages`)."""
+        waiting = f"{waiting_action} (waiting for {pending.action})"
         if self.matches_by_tag:
-            self._complete(pending, f"{waiting_action} (waiting for {pending.action})")
+            pending.complete(waiting, self.rank, self.timeout)
         else:
             for work in pending.works:
                 work.wait()  # no timeout: the current stream waits, the host goes on
-            waiting = f"{waiting_action} (waiting for {pending.action})"
             self._device_waited.append(Pending(pending.works, [], pending.peer, waiting))
             self._release_sent()
         tensors, pending.tensors = pending.tensors, []
@@ -326,7 +350,7 @@ class Transport:
         sends, self._sends = self._sends, deque()
         received, self._device_waited = self._device_waited, []
         for pending in [*sends, *received]:
-            self._complete(pending, pending.action)
+            pending.complete(pending.action, self.rank, self.timeout)
         self.sending_bytes -= sum(p.nbytes for p in sends)
 
     def _release_sent(self) -> None:
@@ -338,45 +362,9 @@ class Transport:
         while sends and all(w.is_completed() for w in sends[0].works):
             self.sending_bytes -= sends.popleft().nbytes
 
-    def _complete(self, pending: Pending, action: str) -> None:
-        """Wait until `pending` completed: for its watching thread, else for its posting thread
-        and then its works; raise a PeerError where any of them failed or timed out."""
-        # a helper thread's own wait gives up after `timeout`; these only back it up
-        event = pending.done or pending.posted
-        if event is not None and not event.wait(self.timeout.total_seconds() + 30):
-            pending.timed_out = True
-        if pending.error is not None:
-            raise self._peer_failed(pending.peer, action, pending.error) from pending.error
-        if pending.timed_out:
-            raise self._timed_out(pending.peer, action)
-        if pending.done is None:
-            for work in pending.works:
-                self._wait_one(work, pending.peer, action)
-
     def _post(self, op, flat: torch.Tensor, peer: int, tag: int, action: str) -> list:
         """Post `op` (dist.isend or dist.irecv) of one message's buffer on the transport's group."""
         try:
             return [op(flat, peer, group=self.group, tag=tag)]
         except RuntimeError as error:
             raise PeerError(f"rank {self.rank}: posting {action} to/from rank {peer} failed: {error}") from error
-
-    def _wait_one(self, work, peer: int, action: str) -> None:
-        try:
-            completed = work.wait(self.timeout)
-        except RuntimeError as error:
-            raise self._peer_failed(peer, action, error) from error
-        if completed is False:
-            raise self._timed_out(peer, action)
-
-    def _peer_failed(self, peer: int, action: str, error: BaseException) -> PeerError:
-        return PeerError(
-            f"rank {self.rank}: {action} failed on its message with rank {peer} "
-            f"(peer rank {peer} may have died or timed out after {self.timeout.total_seconds():.0f} s): "
-            f"{str(error).splitlines()[0]}"
-        )
-
-    def _timed_out(self, peer: int, action: str) -> PeerError:
-        return PeerError(
-            f"rank {self.rank}: timed out after {self.timeout.total_seconds():.0f} s in {action} "
-            f"waiting for peer rank {peer}"
-        )

@@ -37,7 +37,7 @@ from zbcompile.runtime.parallel.layout import from_first_rank
 from zbcompile.runtime.tuning import recut, schedule_race
 from zbcompile.schedules import Costs
 
-Builder = Any  # runtime/build.py's Builder (it calls this module): its layout, options, choice, state
+Builder = Any  # runtime/build.py's Builder (it calls this module): its layout, options, choice, state, assembly
 Build = Any  # runtime/build.py's Build: one compile's runner and tuner
 
 COMPILER_CUT = "compiler's cut"  # how the compiler's cut's entrants are labelled beside a re-cut
@@ -114,7 +114,7 @@ def _compiled_at(
     builder: Builder, holding: Build, choice: recut.CutChoice, example: tuple, tag: str | None = None
 ) -> _Contender:
     """The model compiled at `choice`'s cut, the state moved there from `holding`."""
-    build = builder.compile_at(holding, choice, example)
+    build = builder.assembly.compile_at(holding, choice, example)
     return _Contender(build, choice, recut.solve_costs(choice.costs, build.compiled), tag)
 
 
@@ -137,7 +137,7 @@ def _raced(
     won = homes[winner.label]
     schedule_race.run_as(won.build.runner, winner)
     if won is not holding:
-        builder.move_state(holding.build, won.build)
+        builder.assembly.move_state(holding.build, won.build)
     build, choice = won.build, won.choice
     if choice.changes:
         build.tuner.history.append({"step": 0, "event": f"re-cut at compile: {choice.cut} (raced on real steps)"})
@@ -205,7 +205,7 @@ def _race(
     def run_step(entrant: schedule_race.Entrant) -> None:
         home = homes[entrant.label].build
         if home is not where[0]:
-            builder.move_state(where[0], home)
+            builder.assembly.move_state(where[0], home)
             where[0] = home
         schedule_race.run_as(home.runner, entrant)
         home.runner.train(*batch, builder.ownership)
@@ -213,5 +213,5 @@ def _race(
     with recut.untouched(builder.module, holding.build.runner.device):
         winner, race, finalists = schedule_race.race(field, run_step, builder.layout(), builder.options.race_rounds)
         if where[0] is not holding.build:  # what `untouched` puts back is what `holding` holds
-            builder.move_state(where[0], holding.build)
+            builder.assembly.move_state(where[0], holding.build)
     return winner, race, finalists
