@@ -89,9 +89,8 @@ class Builder:
         self.builds: dict[Any, Build] = {}  # by compile key (`batch.split`)
         self.measured_costs: Costs | None = None  # measured costs the running schedule is checked against
         self.cut_choice: recut.CutChoice | None = None  # the cut chosen by measurement, kept by later compiles
-        self._last_key: Any = None
         self._batch = batch.LocalBatch()
-        self._layout: Layout | None = None
+        self._last_key = self._layout = self._device = None  # the layout: made on the first distributed step
         if options.distributed:
             _DISTRIBUTED.add(self)
 
@@ -102,7 +101,7 @@ class Builder:
 
     @property
     def distributed(self) -> bool:
-        return self.options.distributed
+        return self._layout is not None or self.options.distributed
 
     def forget_compiles(self) -> None:
         """Drop every compile (the module's mode changed: dropout and friends trace differently)."""
@@ -112,20 +111,21 @@ class Builder:
     def release(self) -> None:
         """Let go of every compile and of the layout with its process groups (a later step builds them again)."""
         self.forget_compiles()
-        self._last_key = self._layout = None
+        self._last_key = self._layout = self._device = None
 
     def layout(self) -> Layout:
-        """This rank's place among the pipelines (made on the first call: a collective of the
-        ranks of `process_group`, the world by default)."""
+        """This rank's place among the pipelines, made on the first call (a collective of `process_group`'s ranks)."""
         if self._layout is None:
             o = self.options
             what = f"schedule {schedule_label(o.schedule)} with stages={o.stages}"
             self._layout = make_layout(pipeline_ranks(o.schedule, o.stages), self.device(), what, o.process_group)
+            self._device = self.device()  # settled by the layout (on CUDA, this rank's GPU)
         return self._layout
 
     def device(self) -> torch.device:
+        """The backend's device (`device_for` the process group), kept once the layout settles it."""
         group = self.options.process_group
-        return device_for(group.get_group(0) if isinstance(group, DeviceMesh) else group)
+        return self._device or device_for(group.get_group(0) if isinstance(group, DeviceMesh) else group)
 
     def split(self, inputs: tuple, kwargs: dict, target: Any, loss: bool = True) -> tuple[list, list, Any, tuple]:
         """This rank's microbatches and targets of the batch, its compile key (`batch.split`) and

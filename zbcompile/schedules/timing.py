@@ -59,22 +59,6 @@ def dependencies(
     raise ValueError(f"{action} is not a compute action")
 
 
-def consumers_of(action: Action, stages: int) -> list[Action]:
-    """Actions that may wait on ``action`` (a superset; used to wake ranks up)."""
-    s, k = action.stage, action.microbatch
-    if action.kind == "F":
-        out = [Action(s, "I", k), Action(s, "B", k)]
-        if s < stages - 1:
-            out.append(Action(s + 1, "F", k))
-        return out
-    if action.kind == "I":
-        out = [Action(s, "W", k)]
-        return out + ([Action(s - 1, "I", k), Action(s - 1, "B", k)] if s > 0 else [])
-    if action.kind == "B":
-        return [Action(s - 1, "I", k), Action(s - 1, "B", k)] if s > 0 else []
-    return []
-
-
 @dataclass(frozen=True)
 class Timing:
     start: Mapping[Action, float]
