@@ -260,9 +260,9 @@ class Mailbox:
                 self.run_weight(w, str(w))
                 self.early.append(str(w))
                 queued += forecast.weight_seconds.get(w.stage, 0.0)
-        waited = clock.mark()
+        wait_started = clock.mark()
         values = dict(zip(receive.message.names, transport.wait(pending, waiting_action)))
-        clock.record("comm", receive.message.text, waited)
+        clock.record("comm", receive.message.text, wait_started)
         clock.record("wait", key, reached, transport.arrival_time(pending) if clock.on_host else None)
         return values
 

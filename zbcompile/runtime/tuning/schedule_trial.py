@@ -210,8 +210,9 @@ class ScheduleSwitch:
             self.history.append({"step": 0, "event": event})
 
     def after_step(self, runner: DistributedRunner, step: int) -> tuple[Schedule | None, tuple | None]:
-        """The schedule to run from the next step on where it changes, and where the way in ends what
-        runs for good: (schedule, the costs its drift is checked against, event, trial record or None)."""
+        """(the schedule to run from the next step on, None where it does not change; where the way in
+        ends, what runs for good: (schedule, the costs its drift is checked against, event, trial
+        record or None), else None)."""
         if self._trial is None:
             return self._switch_if_solved(runner, step)
         schedule, kept = self._trial.after_step(runner, self.recompute)
