@@ -1,20 +1,41 @@
-"""Shared helpers of the benchmark scripts: launch local gloo ranks (one thread each), take
-medians, describe the machine's load, write a results file."""
+"""Shared helpers of the benchmark scripts: the fields their settings share, the model and batch a
+rank trains, launch local gloo ranks (one thread each), take medians, describe the machine's load,
+read the common command-line options, format tables and write a results file."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pathlib
 import platform
 import time
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
 from zbcompile import local_ranks
 from zbcompile.local_ranks import free_port  # noqa: F401 (the benchmarks use it from here)
-from zbcompile.measure import cpu_busy_seconds, median  # noqa: F401 (the benchmarks use them from here)
+from zbcompile.measure import median  # noqa: F401 (the benchmarks use it from here)
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every script launching ranks sets (its own Settings extends it): the model's shape,
+    sequences per microbatch, microbatches, rounds of `steps_per_round` timed steps, and how long
+    any wait on a peer may take."""
+
+    vocab: int = 256
+    seq_len: int = 64
+    hidden: int = 128
+    heads: int = 4
+    layers: int = 4
+    rows: int = 2  # sequences per microbatch
+    microbatches: int = 8
+    rounds: int = 6
+    steps_per_round: int = 3
+    timeout_s: float = 600.0
 
 
 def gpt(settings: Any, **config: Any) -> Any:
@@ -29,10 +50,28 @@ def gpt(settings: Any, **config: Any) -> Any:
     return GPT(GPTConfig(vocab_size=settings.vocab, **shape, **config))
 
 
+def batch(settings: Any, microbatches: int, seed: int) -> tuple[Any, Any]:
+    """`microbatches` x `settings.rows` sequences of `settings.seq_len` tokens below `settings.vocab`
+    from a generator seeded `seed`, and their targets (each next token: the tokens rolled left)."""
+    import torch
+
+    shape = (microbatches * settings.rows, settings.seq_len)
+    tokens = torch.randint(0, settings.vocab, shape, generator=torch.Generator().manual_seed(seed))
+    return tokens, tokens.roll(-1, 1)
+
+
 def run_ranks(world: int, fn: Callable, *args: Any, timeout_s: float = 120.0) -> list[Any]:
     """`fn(*args)` on `world` local gloo ranks (`zbcompile.local_ranks.run_ranks`), every wait on
     a peer bounded by `timeout_s`; rank r's result at index r; raises if any rank fails."""
     return local_ranks.run_ranks(world, fn, *args, timeout_s=max(timeout_s, 3600.0), group_timeout_s=timeout_s)
+
+
+def say(line: str) -> None:
+    """Print `line` once: on rank 0 where ranks run, else here."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(line, flush=True)
 
 
 def placement(schedule: Any) -> str:
@@ -59,11 +98,32 @@ def load_line(info: dict[str, Any]) -> str:
     return f"{info['cpus']} CPUs, load average {one:.2f} / {five:.2f} / {fifteen:.2f} (1 / 5 / 15 min)"
 
 
-def write_results(name: str, data: dict[str, Any], markdown: str) -> tuple[pathlib.Path, pathlib.Path]:
+def before_after(data: dict[str, Any]) -> str:
+    """The machine's load before and after the run (`data`'s machine_before and machine_after)."""
+    return f"{load_line(data['machine_before'])} before, {load_line(data['machine_after'])} after"
+
+
+def parser(description: str, quick: str, no_write: bool = True) -> argparse.ArgumentParser:
+    """Command-line options of a benchmark: `--quick` (a smoke run that writes nothing; its help
+    `quick`) and, where `no_write`, `--no-write`; the script adds its own."""
+    options = argparse.ArgumentParser(description=description)
+    options.add_argument("--quick", action="store_true", help=quick)
+    if no_write:
+        options.add_argument("--no-write", action="store_true", help="print only; leave the results files alone")
+    return options
+
+
+def writes(options: argparse.Namespace) -> bool:
+    """Whether a run of these options writes its results: not with --quick, nor with --no-write."""
+    return not options.quick and not getattr(options, "no_write", False)
+
+
+def write_results(name: str, data: Any, markdown: str, indent: int = 2) -> tuple[pathlib.Path, pathlib.Path]:
+    """benchmarks/results/<name>.json (`data`, indented by `indent`) and <name>.md (`markdown`)."""
     RESULTS.mkdir(exist_ok=True)
     json_path = RESULTS / f"{name}.json"
     md_path = RESULTS / f"{name}.md"
-    json_path.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n")
+    json_path.write_text(json.dumps(data, indent=indent, default=_jsonable) + "\n")
     md_path.write_text(markdown.rstrip() + "\n")
     return json_path, md_path
 
@@ -87,17 +147,30 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def run_and_report(
-    name: str, world: int, rank_main: Callable, settings: Any, analyse: Callable, report: Callable, write: bool
+    name: str, world: int | None, rank_main: Callable, settings: Any, analyse: Callable, report: Callable, write: bool
 ) -> None:
-    """Run `rank_main(settings)` on `world` ranks, then `analyse(per_rank, settings, machine
-    before, machine after, wall seconds)`, print `report(data)` and, if `write`, store both under
-    benchmarks/results/<name>.{json,md}."""
+    """Run `rank_main(settings)` on `world` ranks (None: once, in this process), print
+    `report(data)` and, if `write`, store both under benchmarks/results/<name>.{json,md}. `data`:
+    the settings (as a dict), the machine before and after, the run's wall seconds
+    (machine_before, machine_after, wall_s), then what `analyse(per_rank, settings)` returns
+    (`per_rank`: each rank's result, or the one result; a "settings" of its own replaces the first)."""
     before = machine()
     print(f"machine: {load_line(before)}", flush=True)
     started = time.perf_counter()
-    per_rank = run_ranks(world, rank_main, settings, timeout_s=settings.timeout_s)
-    data = analyse(per_rank, settings, before, machine(), time.perf_counter() - started)
-    text = report(data)
+    if world is None:
+        per_rank = rank_main(settings)
+    else:
+        per_rank = run_ranks(world, rank_main, settings, timeout_s=settings.timeout_s)
+    data = {
+        "settings": asdict(settings), "machine_before": before, "machine_after": machine(),
+        "wall_s": time.perf_counter() - started,
+    }
+    data.update(analyse(per_rank, settings))
+    print_and_write(name, data, report(data), write)
+
+
+def print_and_write(name: str, data: dict[str, Any], text: str, write: bool) -> None:
+    """Print `text` and, if `write`, store `data` and `text` under benchmarks/results/<name>.{json,md}."""
     print(text)
     if write:
         paths = write_results(name, data, text)

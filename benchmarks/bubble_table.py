@@ -17,15 +17,10 @@ import json
 import os
 import time
 
+from zbcompile.rehearsal import PAPER_TIMES
 from zbcompile.schedules import Costs, make_schedule, simulate
 
-# Table 9 (profiles) and Table 5 (the paper's stage bubble rates), from reference/paper.md.
-PROFILES = {
-    "1.5B": (8, (24, 32, 64), 18.522, 18.086, 9.337, 0.601),
-    "6.2B": (8, (24, 32, 64), 29.718, 29.444, 19.927, 0.527),
-    "14.6B": (16, (48, 64, 128), 11.347, 11.248, 8.132, 0.377),
-    "28.3B": (32, (96, 128, 256), 10.419, 10.207, 7.715, 0.408),
-}
+# Table 5 (the paper's stage bubble rates), from reference/paper.md; Table 9's profiles are PAPER_TIMES
 PAPER = {  # model, m -> 1F1B, ZB-H1, ZB-H2, ZB-1p, ZB-2p
     ("1.5B", 24): (0.2431, 0.1585, 0.1083, 0.1585, 0.0433),
     ("1.5B", 32): (0.1985, 0.1242, 0.0837, 0.1242, 0.0039),
@@ -53,50 +48,31 @@ EXPLAIN = {
 
 
 def run_row(model: str, m: int, budget: float) -> dict:
-    p, _, f, b, w, comm = PROFILES[model]
+    p, f, b, w, comm, _ = PAPER_TIMES[model]
     costs = Costs(f=f, i=b, w=w, comm=comm, mem_b=1.0, mem_w=0.5)
     chunk_costs = Costs(f=f / 2, i=b / 2, w=w / 2, comm=comm, mem_b=0.5, mem_w=0.25)
+    solver = {"time_budget": budget, "placements": ("in-line",)}
     built = {
         "1F1B": (make_schedule("1f1b", p, m, costs, check=False), costs),
         "ZB-H1": (make_schedule("zb-h1", p, m, costs, check=False), costs),
         "ZB-H2": (make_schedule("zb-h2", p, m, costs, check=False), costs),
-        "ZB-1p": (
-            make_schedule("zb-auto", p, m, costs, memory_limit=float(p), time_budget=budget, placements=("in-line",)),
-            costs,
-        ),
-        "ZB-2p": (
-            make_schedule("zb-auto", p, m, costs, memory_limit=2.0 * p, time_budget=budget, placements=("in-line",)),
-            costs,
-        ),
+        "ZB-1p": (make_schedule("zb-auto", p, m, costs, memory_limit=float(p), **solver), costs),
+        "ZB-2p": (make_schedule("zb-auto", p, m, costs, memory_limit=2.0 * p, **solver), costs),
         "ZB-V": (make_schedule("zbv", 2 * p, m, chunk_costs, check=False), chunk_costs),
     }
     row = {"model": model, "p": p, "m": m, "ours": {}, "paper": dict(zip(COLUMNS, PAPER[(model, m)]))}
     for name, (sched, c) in built.items():
         res = simulate(sched, c)
+        info = sched.info
         row["ours"][name] = {
-            "stage_bubble_rate": res.stage_bubble_rate,
-            "bubble_rate": res.bubble_rate,
-            "span": res.span,
-            "makespan": res.makespan,
-            "peak_memory": max(res.peak_memory),
-            "lower_bound": sched.info.get("lower_bound"),
-            "status": sched.info.get("status"),
-            "solve_time_s": sched.info.get("solve_time_s"),
-            "heuristic_time_s": sched.info.get("heuristic_time_s"),
-            "source": sched.info.get("zbv_source") or sched.info.get("heuristic_source"),
+            "stage_bubble_rate": res.stage_bubble_rate, "bubble_rate": res.bubble_rate, "span": res.span,
+            "makespan": res.makespan, "peak_memory": max(res.peak_memory),
+            **{key: info.get(key) for key in ("lower_bound", "status", "solve_time_s", "heuristic_time_s")},
+            "source": info.get("zbv_source") or info.get("heuristic_source"),
         }
     for factor in (2, 1):
         started = time.perf_counter()
-        mk = make_schedule(
-            "zb-auto",
-            p,
-            m,
-            costs,
-            memory_limit=factor * p,
-            objective="makespan",
-            time_budget=budget,
-            placements=("in-line",),
-        )
+        mk = make_schedule("zb-auto", p, m, costs, memory_limit=factor * p, objective="makespan", **solver)
         res = simulate(mk, costs)
         bound = mk.info["lower_bound"]
         row[f"makespan_{factor}p"] = {
@@ -203,7 +179,7 @@ def time_heuristic() -> float:
     from zbcompile.schedules.costs import resolve_costs
     from zbcompile.schedules.heuristic import zb_auto_heuristic
 
-    p, _, f, b, w, comm = PROFILES["28.3B"]
+    p, f, b, w, comm, _ = PAPER_TIMES["28.3B"]
     sc = resolve_costs(Costs(f=f, i=b, w=w, comm=comm), p)
     times = []
     for _ in range(3):
@@ -219,10 +195,10 @@ def main() -> None:
     parser.add_argument("--rows", default=None, help="comma-separated models to run (default: all)")
     parser.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
-    models = args.rows.split(",") if args.rows else list(PROFILES)
+    models = args.rows.split(",") if args.rows else list(PAPER_TIMES)
     rows = []
     for model in models:
-        for m in PROFILES[model][1]:
+        for m in PAPER_TIMES[model][-1]:
             row = run_row(model, m, args.time_budget)
             rows.append(row)
             ours = row["ours"]

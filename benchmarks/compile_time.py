@@ -22,14 +22,13 @@ the rest. Prints a table and writes benchmarks/results/compile_time.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import pathlib
 import time
 
 import torch
 import transformers
 
+import _launch
 from zbcompile.compiler import compile_costs, compile_pipeline
 
 transformers.logging.set_verbosity_error()
@@ -110,9 +109,7 @@ def main() -> None:
         )
     table = "\n".join(lines)
     print(table)
-    out = pathlib.Path(__file__).parent / "results"
-    (out / "compile_time.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out / "compile_time.md").write_text(table + "\n")
+    _launch.write_results("compile_time", results, table, indent=1)
 
 
 if __name__ == "__main__":

@@ -16,18 +16,12 @@ Writes benchmarks/results/compiled_stages.{json,md}.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import sys
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 
-sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
-
-import _launch  # noqa: E402
-from runtime_cpu import Settings as ModelSettings  # noqa: E402
-from runtime_cpu import _gpt  # noqa: E402
+import _launch
+import _pairing
+from runtime_cpu import Settings as ModelSettings
 
 COMPILERS = ("eager", "inductor")
 
@@ -45,82 +39,51 @@ class Settings:
 
 def rank_main(settings: Settings) -> dict:
     import torch
-    import torch.distributed as dist
 
     import zbcompile
     from zbcompile.models.gpt import lm_loss
 
     model_settings = settings.model
-    pipelines, optimizers, batches, compile_s = {}, {}, {}, {}
+    steps, compile_s = {}, {}
     for m in settings.microbatches:
-        generator = torch.Generator().manual_seed(m)
-        tokens = torch.randint(
-            0, model_settings.vocab, (m * model_settings.rows, model_settings.seq_len), generator=generator
-        )
-        batches[m] = (tokens, tokens.roll(-1, 1))
+        tokens, targets = _launch.batch(model_settings, m, seed=m)
         for compiler in COMPILERS:
-            model = _gpt(model_settings)
             pipe = zbcompile.pipeline(
-                model, stages=2, microbatches=m, loss_fn=lm_loss, schedule=settings.schedule,
+                _pairing.model(model_settings), stages=2, microbatches=m, loss_fn=lm_loss, schedule=settings.schedule,
                 split_points=[f"blocks.{model_settings.layers // 2}"], timeout=settings.timeout_s, compiler=compiler,
             )
-            pipe.compile(batches[m][0], target=batches[m][1])
-            pipelines[(compiler, m)] = pipe
-            optimizers[(compiler, m)] = torch.optim.SGD(pipe.parameters(), lr=model_settings.lr)
-
-    def steps(key, count: int) -> float:
-        """Seconds per training step over `count` steps run back to back, barriers around."""
-        pipe, optimizer = pipelines[key], optimizers[key]
-        tokens, targets = batches[key[1]]
-        dist.barrier()
+            pipe.compile(tokens, target=targets)
+            optimizer = torch.optim.SGD(pipe.parameters(), lr=model_settings.lr)
+            steps[(compiler, m)] = _pairing.training_step(pipe, optimizer, tokens, targets)
+    for key, step in steps.items():
         started = time.perf_counter()
-        for _ in range(count):
-            pipe.step(tokens, target=targets)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        dist.barrier()
-        return (time.perf_counter() - started) / count
-
-    keys = list(pipelines)
-    for key in keys:
-        started = time.perf_counter()
-        steps(key, 1)  # the first step: Inductor compiles here
+        _pairing.between_barriers(step)  # the first step: Inductor compiles here
         compile_s[f"{key[0]} m={key[1]}"] = time.perf_counter() - started
-        steps(key, settings.warmup)
-    times: dict[tuple, list[float]] = defaultdict(list)
-    for r in range(settings.rounds):
-        for key in keys if r % 2 == 0 else reversed(keys):
-            times[key].append(steps(key, settings.steps_per_round))
-        if dist.get_rank() == 0:
-            print(f"round {r + 1}/{settings.rounds} done", flush=True)
-    return {"times": dict(times), "first_step_s": compile_s}
+        _pairing.between_barriers(step, settings.warmup)
+    times = _pairing.rounds(
+        list(steps), settings.rounds, lambda key: _pairing.between_barriers(steps[key], settings.steps_per_round),
+        after=lambda r, _: f"round {r + 1}/{settings.rounds} done",
+    )
+    return {"times": times, "first_step_s": compile_s}
 
 
-def analyse(per_rank: list[dict], settings: Settings, before: dict, after: dict, wall: float) -> dict:
+def analyse(per_rank: list[dict], settings: Settings) -> dict:
     rows = []
     for m in settings.microbatches:
         row = {"m": m}
         for compiler in COMPILERS:
-            # a step ends when its slower rank ends: per round, the larger of the two ranks' times
-            per_round = [max(r["times"][(compiler, m)][i] for r in per_rank) for i in range(settings.rounds)]
+            per_round = _pairing.slowest(r["times"][(compiler, m)] for r in per_rank)
             row[f"{compiler}_step_ms"] = 1e3 * _launch.median(per_round)
             row[f"{compiler}_steps_per_s"] = 1.0 / _launch.median(per_round)
             row[f"{compiler}_first_step_s"] = max(r["first_step_s"][f"{compiler} m={m}"] for r in per_rank)
         row["speedup"] = row["inductor_steps_per_s"] / row["eager_steps_per_s"]
         rows.append(row)
-    return {
-        "settings": dataclasses.asdict(settings),
-        "rows": rows,
-        "per_rank_times": [{f"{c} m={m}": t for (c, m), t in r["times"].items()} for r in per_rank],
-        "machine_before": before,
-        "machine_after": after,
-        "wall_s": wall,
-    }
+    return {"rows": rows, "per_rank_times": [{f"{c} m={m}": t for (c, m), t in r["times"].items()} for r in per_rank]}
 
 
 def report(data: dict) -> str:
     s, model = data["settings"], data["settings"]["model"]
-    lines = [
+    return "\n".join([
         "# Inductor-compiled stage programs against eager stage programs (CPU)",
         "",
         f"GPT (untied embeddings) vocab {model['vocab']}, seq {model['seq_len']}, hidden {model['hidden']}, heads "
@@ -130,8 +93,7 @@ def report(data: dict) -> str:
         f"{s['rounds']} rounds alternating between eager and inductor (order reversed every other round), "
         f"{s['steps_per_round']} steps back to back per round with the optimizer step; medians over rounds of the "
         "slower rank's time per step.",
-        f"Machine: {_launch.load_line(data['machine_before'])} before, {_launch.load_line(data['machine_after'])} "
-        f"after. Run took {data['wall_s']:.0f} s.",
+        f"Machine: {_launch.before_after(data)}. Run took {data['wall_s']:.0f} s.",
         "",
         _launch.table(
             ["m", "eager steps/s", "inductor steps/s", "inductor / eager", "eager ms/step", "inductor ms/step",
@@ -143,28 +105,18 @@ def report(data: dict) -> str:
                 for r in data["rows"]
             ],
         ),
-    ]
-    return "\n".join(lines)
+    ])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = _launch.parser(__doc__.split("\n\n")[0], "a smoke run: smaller model, m=4, one round")
     parser.add_argument("--rounds", type=int, default=Settings.rounds)
-    parser.add_argument("--quick", action="store_true", help="a smoke run: smaller model, m=4, one round")
-    parser.add_argument("--no-write", action="store_true", help="print only; leave the results files alone")
     options = parser.parse_args()
     settings = Settings(rounds=options.rounds)
     if options.quick:
-        settings = Settings(
-            model=ModelSettings(hidden=32, seq_len=16, layers=2),
-            microbatches=(4,),
-            warmup=1,
-            rounds=1,
-            steps_per_round=1,
-        )
-    _launch.run_and_report(
-        "compiled_stages", 2, rank_main, settings, analyse, report, write=not options.no_write and not options.quick
-    )
+        model = ModelSettings(hidden=32, seq_len=16, layers=2)
+        settings = Settings(model=model, microbatches=(4,), warmup=1, rounds=1, steps_per_round=1)
+    _launch.run_and_report("compiled_stages", 2, rank_main, settings, analyse, report, write=_launch.writes(options))
 
 
 if __name__ == "__main__":

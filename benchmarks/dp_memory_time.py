@@ -25,32 +25,21 @@ Writes benchmarks/results/dp_memory_time.{json,md} (dp_memory_time_<schedule>.{j
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
-import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
-sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
-
-import _launch  # noqa: E402
+import _launch
+import _pairing
 
 MODES = ("replicate", "shard")
 
 
 @dataclass(frozen=True)
-class Settings:
-    vocab: int = 256
-    seq_len: int = 64
-    hidden: int = 128
-    heads: int = 4
-    layers: int = 4
-    rows: int = 2  # sequences per microbatch
+class Settings(_launch.Settings):
     microbatches: int = 4
-    schedule: str = "zb-h1"
     rounds: int = 8  # a multiple of 4: each variant takes each place in the order equally often
-    steps_per_round: int = 3
     timeout_s: float = 300.0
+    schedule: str = "zb-h1"
 
 
 def rank_main(settings: Settings) -> dict:
@@ -71,48 +60,45 @@ def rank_main(settings: Settings) -> dict:
     def local_bytes(tensors) -> int:
         return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
 
-    def step(pipe, optimizer) -> None:
-        pipe.step(tokens, target=target)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
-
-    pipes, optimizers, memory = {}, {}, {}
+    pipes, steps, memory = {}, {}, {}
     for mode in MODES:
         stages = 2 * schedule_spec(settings.schedule).chunks_per_rank
         pipes[mode] = pipe = zbcompile.pipeline(
             _launch.gpt(settings), stages=stages, microbatches=settings.microbatches, loss_fn=lm_loss,
-            schedule=settings.schedule,
-            data_parallel=mode, profile=False, timeout=settings.timeout_s,
+            schedule=settings.schedule, data_parallel=mode, profile=False, timeout=settings.timeout_s,
         )
         pipe.compile(tokens, target=target)
-        optimizers[mode] = optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
-        step(pipe, optimizer)  # warm-up; AdamW's state exists from here on
+        optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+        steps[mode] = _pairing.training_step(pipe, optimizer, tokens, target, set_to_none=False)
+        steps[mode]()  # warm-up; AdamW's state exists from here on
         memory[mode] = {
             "params": local_bytes(pipe.parameters()),
             "grads": local_bytes(p.grad for p in pipe.parameters() if p.grad is not None),
             "optimizer": local_bytes(v for s in optimizer.state.values() for v in s.values() if v.dim()),
         }
+    timelines = {mode: [] for mode in MODES}  # this rank's actions per step, reduced after the drain
+    reductions = {mode: [] for mode in MODES}  # this rank's reduction seconds per step, after the drain
+
+    def timed(variant: tuple[str, str, bool]) -> float:
+        mode, _, overlap = variant
+        runner = pipes[mode].runner
+        runner.overlap_reduction = overlap
+
+        def step() -> None:
+            steps[mode]()
+            if not overlap:
+                timelines[mode].append(list(runner.timeline))
+                reduced = [e - s for label, s, e in runner.comm_timeline if label.startswith("REDUCE")]
+                reductions[mode].append(sum(reduced))
+
+        return _pairing.between_barriers(step, settings.steps_per_round)
+
     # every round times all four (mode, reduction) variants back to back, in a rotating order
     variants = [
         (mode, name, overlap) for mode in MODES for name, overlap in (("overlapped", True), ("after drain", False))
     ]
-    times = {mode: {"overlapped": [], "after drain": []} for mode in MODES}
-    timelines = {mode: [] for mode in MODES}  # this rank's actions per step, reduced after the drain
-    reductions = {mode: [] for mode in MODES}  # this rank's reduction seconds per step, after the drain
-    for round_ in range(settings.rounds):
-        for mode, name, overlap in variants[round_ % 4 :] + variants[: round_ % 4]:
-            pipes[mode].runner.overlap_reduction = overlap
-            dist.barrier()
-            started = time.perf_counter()
-            for _ in range(settings.steps_per_round):
-                step(pipes[mode], optimizers[mode])
-                if not overlap:
-                    runner = pipes[mode].runner
-                    timelines[mode].append(list(runner.timeline))
-                    reduced = [e - s for label, s, e in runner.comm_timeline if label.startswith("REDUCE")]
-                    reductions[mode].append(sum(reduced))
-            dist.barrier()
-            times[mode][name].append((time.perf_counter() - started) / settings.steps_per_round)
+    rounds = _pairing.rounds(variants, settings.rounds, timed, rotate=True)
+    times = {mode: {name: rounds[(m, name, overlap)] for m, name, overlap in variants if m == mode} for mode in MODES}
     predicted = {mode: predicted_ratio(pipes[mode].runner, timelines[mode], reductions[mode]) for mode in MODES}
     return {mode: {"memory": memory[mode], "times": times[mode], "predicted": predicted[mode]} for mode in MODES}
 
@@ -121,8 +107,6 @@ def predicted_ratio(runner, timelines: list, reductions: list) -> float:
     """The simulator's step time with each stage's reduction after the drain over with it after
     the stage's last W, under this pipeline's measured per-action medians and reduction times
     (gathered over the pipeline's ranks; the same on each)."""
-    import statistics
-
     from zbcompile.runtime.parallel.layout import gather_objects
     from zbcompile.runtime.tuning.profile import action_medians
     from zbcompile.schedules import Costs, simulate
@@ -144,7 +128,7 @@ def predicted_ratio(runner, timelines: list, reductions: list) -> float:
     return max(after_drain) / overlapped
 
 
-def analyse(per_rank: list[dict], settings: Settings, before: dict, after: dict, seconds: float) -> dict:
+def analyse(per_rank: list[dict], settings: Settings) -> dict:
     modes = {}
     for mode in MODES:
         memory = [r[mode]["memory"] for r in per_rank]
@@ -164,67 +148,54 @@ def analyse(per_rank: list[dict], settings: Settings, before: dict, after: dict,
     times = {mode: per_rank[0][mode]["times"]["overlapped"] for mode in MODES}
     step_ratios = [s / r for s, r in zip(times["shard"], times["replicate"])]
     return {
-        "settings": asdict(settings), "machine_before": before, "machine_after": after, "wall_s": seconds,
         "modes": modes, "shard_over_replicate_bytes": shard_over_replicate,
         "shard_over_replicate_step": statistics.median(step_ratios), "shard_over_replicate_step_ratios": step_ratios,
     }
 
 
 def report(data: dict) -> str:
-    rows = []
-    for mode, m in data["modes"].items():
-        rows.append([
-            mode, ", ".join(f"{b / 1e6:.2f} MB" for b in m["bytes_per_rank"]),
-            f"{m['step_s']['overlapped'] * 1e3:.1f}", f"{m['step_s']['after drain'] * 1e3:.1f}",
-            f"{m['after_drain_over_overlapped']:.3f}", f"{m['predicted_after_drain_over_overlapped']:.3f}",
-        ])
-    header = [
-        "data_parallel",
-        "params+grads+AdamW per rank",
-        "step ms (overlapped)",
-        "step ms (after drain)",
-        "after drain / overlapped",
-        "predicted",
+    rows = [
+        [mode, ", ".join(f"{b / 1e6:.2f} MB" for b in m["bytes_per_rank"]), f"{m['step_s']['overlapped'] * 1e3:.1f}",
+         f"{m['step_s']['after drain'] * 1e3:.1f}", f"{m['after_drain_over_overlapped']:.3f}",
+         f"{m['predicted_after_drain_over_overlapped']:.3f}"]
+        for mode, m in data["modes"].items()
     ]
+    header = ["data_parallel", "params+grads+AdamW per rank", "step ms (overlapped)", "step ms (after drain)",
+              "after drain / overlapped", "predicted"]
     s, cpus = data["settings"], data["machine_before"]["cpus"]
-    return "\n".join(
-        [
-            "# Data parallelism: state memory and overlapped gradient reduction\n",
-            f"4 gloo ranks (2 replicas x 2 pipeline ranks, {s['schedule']}, {s['microbatches']} microbatches of "
-            f"{s['rows']} "
-            f"sequences), GPT hidden {s['hidden']}, {s['layers']} layers; machine "
-            f"{_launch.load_line(data['machine_before'])}. "
-            f"**The 4 processes share {cpus} cores**, so a reduction 'in the background' competes with computation for "
-            "them (and with the other work on the machine, whose load is above): these are measurements under load, "
-            "not what a network that moves the bytes by itself gives.\n",
-            _launch.table(header, rows),
-            "",
-            "shard / replicate bytes per rank: " + ", ".join(f"{r:.3f}" for r in data["shard_over_replicate_bytes"]),
-            "shard / replicate step time (overlapped, paired per round): median "
-            f"{data['shard_over_replicate_step']:.3f} "
-            f"(rounds: {', '.join(f'{r:.3f}' for r in data['shard_over_replicate_step_ratios'])})",
-            "predicted: the simulator's after drain / overlapped under the measured per-action medians and reduction "
-            "times. Where a rank holds one stage, its last W is the rank's last action, so the reduction cannot start "
-            "earlier and the prediction is 1; with two stages per rank (a V) the first stage's reduction runs under "
-            "the second's work.",
-            "after drain / overlapped: median over rounds, per mode; every round times the four variants back to back "
-            "in a rotating order (rounds: "
-            + "; ".join(f"{mode} {', '.join(f'{r:.3f}' for r in m['ratios'])}" for mode, m in data["modes"].items())
-            + ")",
-        ]
-    )
+    return "\n".join([
+        "# Data parallelism: state memory and overlapped gradient reduction\n",
+        f"4 gloo ranks (2 replicas x 2 pipeline ranks, {s['schedule']}, {s['microbatches']} microbatches of "
+        f"{s['rows']} sequences), GPT hidden {s['hidden']}, {s['layers']} layers; machine "
+        f"{_launch.load_line(data['machine_before'])}. "
+        f"**The 4 processes share {cpus} cores**, so a reduction 'in the background' competes with computation for "
+        "them (and with the other work on the machine, whose load is above): these are measurements under load, "
+        "not what a network that moves the bytes by itself gives.\n",
+        _launch.table(header, rows),
+        "",
+        "shard / replicate bytes per rank: " + ", ".join(f"{r:.3f}" for r in data["shard_over_replicate_bytes"]),
+        f"shard / replicate step time (overlapped, paired per round): median {data['shard_over_replicate_step']:.3f} "
+        f"(rounds: {', '.join(f'{r:.3f}' for r in data['shard_over_replicate_step_ratios'])})",
+        "predicted: the simulator's after drain / overlapped under the measured per-action medians and reduction "
+        "times. Where a rank holds one stage, its last W is the rank's last action, so the reduction cannot start "
+        "earlier and the prediction is 1; with two stages per rank (a V) the first stage's reduction runs under "
+        "the second's work.",
+        "after drain / overlapped: median over rounds, per mode; every round times the four variants back to back "
+        "in a rotating order (rounds: "
+        + "; ".join(f"{mode} {', '.join(f'{r:.3f}' for r in m['ratios'])}" for mode, m in data["modes"].items())
+        + ")",
+    ])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a smoke run (writes nothing)")
+    parser = _launch.parser(__doc__.splitlines()[0], "a smoke run (writes nothing)", no_write=False)
     parser.add_argument("--schedule", default=Settings.schedule, help="the pipeline schedule (default %(default)s)")
     args = parser.parse_args()
     settings = Settings(schedule=args.schedule)
     if args.quick:
         settings = replace(settings, rounds=1, steps_per_round=1, layers=4, hidden=32, seq_len=16)
     name = "dp_memory_time" if args.schedule == Settings.schedule else f"dp_memory_time_{args.schedule}"
-    _launch.run_and_report(name, 4, rank_main, settings, analyse, report, write=not args.quick)
+    _launch.run_and_report(name, 4, rank_main, settings, analyse, report, write=_launch.writes(args))
 
 
 if __name__ == "__main__":

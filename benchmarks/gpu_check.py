@@ -25,13 +25,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import zbcompile  # noqa: E402
 from zbcompile.models import GPT, GPTConfig  # noqa: E402
+from zbcompile.models.gpt import lm_loss as loss_fn  # noqa: E402
 from zbcompile.schedules import schedule_spec  # noqa: E402
 
 SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "zb-auto", "interleaved-1f1b", "zbv", "dualpipev")
-
-
-def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
 def check(schedule: str, ranks: int, device: torch.device) -> dict:
@@ -40,9 +37,8 @@ def check(schedule: str, ranks: int, device: torch.device) -> dict:
     eager = GPT(config).to(device)
     torch.manual_seed(0)
     model = GPT(config).to(device)
-    tokens = torch.randint(0, config.vocab_size, (8, config.seq_len), generator=torch.Generator().manual_seed(1)).to(
-        device
-    )
+    tokens = torch.randint(0, config.vocab_size, (8, config.seq_len), generator=torch.Generator().manual_seed(1))
+    tokens = tokens.to(device)
     targets = torch.roll(tokens, -1, dims=1)
     chunks = schedule_spec(schedule).chunks_per_rank
     # zb-auto with the default compiler (Inductor stage programs on CUDA), the others op by op
@@ -117,18 +113,12 @@ def main() -> None:
             )
     if not distributed or dist.get_rank() == 0:
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        where = {
+            "backend": dist.get_backend() if distributed else "one process",
+            "device": "cpu" if on_cpu else torch.cuda.get_device_name(),
+        }
         with open(args.out, "w") as f:
-            for row in rows:
-                f.write(
-                    json.dumps(
-                        {
-                            **row,
-                            "backend": dist.get_backend() if distributed else "one process",
-                            "device": "cpu" if on_cpu else torch.cuda.get_device_name(),
-                        }
-                    )
-                    + "\n"
-                )
+            f.writelines(json.dumps({**row, **where}) + "\n" for row in rows)
     if distributed:
         dist.destroy_process_group()
 

@@ -27,11 +27,12 @@ import sys
 import time
 from dataclasses import asdict, replace
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _launch  # noqa: E402
-from runtime_cpu import Settings, TorchPipeline, ZbPipeline  # noqa: E402
+import _pairing  # noqa: E402
+from runtime_cpu import Settings  # noqa: E402
+from zbcompile.measure import paired_ratio  # noqa: E402
 
 ZB = ("1f1b", "zb-h1", "zb-auto", "zbv")
 TORCH = ("Schedule1F1B", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
@@ -50,51 +51,36 @@ def run(settings: Settings) -> dict:
     import torch
     import torch.distributed as dist
 
-    from runtime_cpu import _rank_device
-
-    device = _rank_device(settings.device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    device = _pairing.rank_device(settings.device)
+    clock = _pairing.DeviceClock(device)
     m = settings.microbatches[0]
-    generator = torch.Generator().manual_seed(m)
-    tokens = torch.randint(0, settings.vocab, (m * settings.rows, settings.seq_len), generator=generator).to(device)
-    targets = tokens.roll(-1, 1)
-    pipelines = {f"zbcompile {n}": ZbPipeline(n, m, settings, tokens, targets) for n in ZB}
-    pipelines |= {f"torch {n}": TorchPipeline(n, m, settings, tokens, targets) for n in TORCH}
-
-    def barrier_step(pipeline) -> None:
-        dist.barrier()
-        pipeline.step()
-        pipeline.optimize()
-
+    tokens, targets = (t.to(device) for t in _launch.batch(settings, m, seed=m))
+    pipelines = {f"zbcompile {n}": _pairing.ZbPipeline(n, m, settings, tokens, targets) for n in ZB}
+    pipelines |= {f"torch {n}": _pairing.TorchPipeline(n, m, settings, tokens, targets) for n in TORCH}
     for pipeline in pipelines.values():
-        if isinstance(pipeline, ZbPipeline):
-            pipeline.warm_up(barrier_step)
-        else:
-            for _ in range(settings.warmup):
-                barrier_step(pipeline)
-    samples: dict[str, list[float]] = {name: [] for name in pipelines}
-    names = list(pipelines)
-    for r in range(settings.rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            pipeline = pipelines[name]
-            sync()
-            dist.barrier()
-            started = time.perf_counter()
-            for _ in range(settings.steps_per_round):
-                pipeline.step()
-                pipeline.optimize()
-            sync()
-            seconds = (time.perf_counter() - started) / settings.steps_per_round
-            slowest = torch.tensor([seconds], dtype=torch.float64, device=device)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            samples[name].append(slowest.item())
+        pipeline.warm_up()
+
+    def timed(name: str) -> float:
+        """Seconds per step of the round's steps back to back, the device synchronised at both ends:
+        the slowest rank's."""
+        clock.synchronize()
+        dist.barrier()
+        started = time.perf_counter()
+        for _ in range(settings.steps_per_round):
+            pipelines[name].step()
+            pipelines[name].optimize()
+        clock.synchronize()
+        seconds = (time.perf_counter() - started) / settings.steps_per_round
+        slowest = torch.tensor([seconds], dtype=torch.float64, device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        return slowest.item()
+
+    samples = _pairing.rounds(list(pipelines), settings.rounds, timed)
     chosen = pipelines["zbcompile zb-auto"].pipe.schedule
     return {
-        "ranks": dist.get_world_size(),
-        "backend": dist.get_backend(),
+        "ranks": dist.get_world_size(), "backend": dist.get_backend(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "settings": asdict(settings),
-        "samples_s": samples,
+        "settings": asdict(settings), "samples_s": samples,
         "zb_auto": {"schedule": chosen.name, "placement": chosen.info.get("placement", "in-line")},
     }
 
@@ -105,16 +91,12 @@ def analyse(data: dict) -> dict:
     rounds = len(next(iter(samples.values())))
     torch_best = [min(samples[f"torch {n}"][r] for n in TORCH) for r in range(rounds)]
     ours_1f1b = samples["zbcompile 1f1b"]
-    rows = []
-    for name, values in samples.items():
-        rows.append(
-            {
-                "pipeline": name,
-                "median_ms": round(1e3 * statistics.median(values), 2),
-                "vs_torch_best": round(statistics.median(b / v for b, v in zip(torch_best, values)), 3),
-                "vs_zbcompile_1f1b": round(statistics.median(b / v for b, v in zip(ours_1f1b, values)), 3),
-            }
-        )
+    rows = [
+        {"pipeline": name, "median_ms": round(1e3 * statistics.median(values), 2),
+         "vs_torch_best": round(paired_ratio(torch_best, values), 3),
+         "vs_zbcompile_1f1b": round(paired_ratio(ours_1f1b, values), 3)}
+        for name, values in samples.items()
+    ]
     return {**data, "rows": rows}
 
 

@@ -27,19 +27,16 @@ import gc
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
-sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
+import _launch
+import _pairing
+from bubble_table import COLUMNS, PAPER
+from zbcompile.rehearsal import PAPER_TIMES
 
-import _launch  # noqa: E402
-
-PAPER_TABLE9 = {"T_F": 18.522, "T_B": 18.086, "T_W": 9.337, "T_comm": 0.601}  # ms, A100 80GB, 1.5B
-PAPER_TABLE5 = {  # the paper's stage bubble rates for 1.5B: m -> 1F1B, ZB-H1, ZB-H2, ZB-1p, ZB-2p
-    24: (0.2431, 0.1585, 0.1083, 0.1585, 0.0433),
-    32: (0.1985, 0.1242, 0.0837, 0.1242, 0.0039),
-    64: (0.1240, 0.0674, 0.0444, 0.0674, 0.0026),
-}
-PAPER_COLUMNS = ("1F1B", "ZB-H1", "ZB-H2", "ZB-1p", "ZB-2p")
+PAPER_TABLE9 = dict(zip(("T_F", "T_B", "T_W", "T_comm"), PAPER_TIMES["1.5B"][1:5]))  # ms, A100 80GB, 1.5B
+PAPER_TABLE5 = {m: PAPER[("1.5B", m)] for m in (24, 32, 64)}  # the paper's stage bubble rates for 1.5B, by m
+PAPER_COLUMNS = COLUMNS[:5]  # PAPER_TABLE5's: 1F1B, ZB-H1, ZB-H2, ZB-1p, ZB-2p
 
 
 @dataclass(frozen=True)
@@ -59,46 +56,9 @@ class Config:
 
 
 TINY = Config(
-    vocab=64,
-    seq_len=16,
-    hidden=32,
-    heads=4,
-    layers=22,
-    microbatch=2,
-    microbatches=(24, 32),
-    warmup=1,
-    repeats=2,
+    vocab=64, seq_len=16, hidden=32, heads=4, layers=22, microbatch=2, microbatches=(24, 32), warmup=1, repeats=2,
     solver_time_budget=0.5,
 )
-
-
-# --- timing ---------------------------------------------------------------------------------
-
-
-class Timer:
-    """Marks on the device's stream: CUDA events on a GPU, perf_counter (after the work) on the CPU."""
-
-    def __init__(self, device) -> None:
-        import torch
-
-        self.cuda = device.type == "cuda"
-        self.torch = torch
-
-    def mark(self):
-        if self.cuda:
-            event = self.torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def elapsed_ms(self, start, end) -> float:
-        if self.cuda:
-            return start.elapsed_time(end)
-        return 1e3 * (end - start)
-
-    def synchronize(self) -> None:
-        if self.cuda:
-            self.torch.cuda.synchronize()
 
 
 # --- one stage at a time ----------------------------------------------------------------------
@@ -139,7 +99,7 @@ def _materialise(model, compiled, stage: int, device, dtype):
     with torch.no_grad():
         for fqn in part.param_fqns:
             meta = params[fqn]
-            value = torch.empty(meta.shape, dtype=meta.dtype if meta.is_floating_point() else meta.dtype, device=device)
+            value = torch.empty(meta.shape, dtype=meta.dtype, device=device)
             if value.dim() >= 2:
                 value.normal_(0.0, 0.02)
             elif fqn.endswith("weight"):
@@ -161,7 +121,7 @@ def profile_stage(model, compiled, stage: int, device, dtype, config: Config) ->
     from zbcompile.value_names import TANGENT
 
     program = compiled.programs[stage]
-    timer = Timer(device)
+    timer = _pairing.DeviceClock(device)
     state = _materialise(model, compiled, stage, device, dtype)
     inputs = _random_inputs(program.forward, state, device)
     samples = {"F": [], "I": [], "W": [], "unsplit": []}
@@ -203,18 +163,15 @@ def profile_stage(model, compiled, stage: int, device, dtype, config: Config) ->
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-    part = compiled.partition.stages[stage]
-    result = {k: _launch.median(v) for k, v in samples.items()}
-    result.update(
-        stage=stage,
-        samples_ms=samples,
-        params=len(part.param_fqns),
-        layers=sorted({int(f.split(".")[1]) for f in part.param_fqns if f.startswith("blocks.")}),
-        has_embedding=any(f.startswith("pos_emb") for f in part.param_fqns),
-        has_head=any(f.startswith(("head", "ln_f")) for f in part.param_fqns),
-        peak_memory_gib=None if peak is None else peak / 2**30,
-    )
-    return result
+    fqns = compiled.partition.stages[stage].param_fqns
+    return {
+        **{k: _launch.median(v) for k, v in samples.items()},
+        "stage": stage, "samples_ms": samples, "params": len(fqns),
+        "layers": sorted({int(f.split(".")[1]) for f in fqns if f.startswith("blocks.")}),
+        "has_embedding": any(f.startswith("pos_emb") for f in fqns),
+        "has_head": any(f.startswith(("head", "ln_f")) for f in fqns),
+        "peak_memory_gib": None if peak is None else peak / 2**30,
+    }
 
 
 # --- the simulator --------------------------------------------------------------------------
@@ -245,25 +202,14 @@ def simulate_all(stages: list[dict], static, config: Config) -> list[dict]:
         # the paper's limits for ZB-1p / ZB-2p: p (2p) microbatches of the largest stage's activations,
         # 1F1B's peak on its first stage, the same on every stage
         base = p * max(static.mem_b)
+        solver = {"time_budget": config.solver_time_budget, "placements": ("in-line",)}
         plans = [
             ("GPipe", "gpipe", p, costs, {}),
             ("1F1B", "1f1b", p, costs, {}),
             ("ZB-H1", "zb-h1", p, costs, {}),
             ("ZB-H2", "zb-h2", p, costs, {}),
-            (
-                "ZB-1p",
-                "zb-auto",
-                p,
-                costs,
-                {"memory_limit": base, "time_budget": config.solver_time_budget, "placements": ("in-line",)},
-            ),
-            (
-                "ZB-2p",
-                "zb-auto",
-                p,
-                costs,
-                {"memory_limit": 2 * base, "time_budget": config.solver_time_budget, "placements": ("in-line",)},
-            ),
+            ("ZB-1p", "zb-auto", p, costs, {"memory_limit": base, **solver}),
+            ("ZB-2p", "zb-auto", p, costs, {"memory_limit": 2 * base, **solver}),
             ("1F1B-I", "interleaved-1f1b", 2 * p, chunk_costs(loop), {"ranks": p}),
             ("ZB-V", "zbv", 2 * p, chunk_costs(vee), {}),
         ]
@@ -274,11 +220,8 @@ def simulate_all(stages: list[dict], static, config: Config) -> list[dict]:
                 schedule = make_schedule(name, chunks, m, chunk_cost, check=False, **extra)
                 sim = simulate(schedule, chunk_cost)
                 row.update(
-                    makespan_ms=sim.makespan,
-                    span_ms=sim.span,
-                    bubble_rate=sim.bubble_rate,
-                    stage_bubble_rate=sim.stage_bubble_rate,
-                    peak_memory=list(sim.peak_memory),
+                    makespan_ms=sim.makespan, span_ms=sim.span, bubble_rate=sim.bubble_rate,
+                    stage_bubble_rate=sim.stage_bubble_rate, peak_memory=list(sim.peak_memory),
                     solve_s=time.perf_counter() - started,
                 )
                 if label in PAPER_COLUMNS and m in PAPER_TABLE5:
@@ -296,17 +239,12 @@ def run(config: Config, device_name: str) -> dict:
     import torch
 
     from zbcompile.compiler import compile_pipeline
-    from zbcompile.models import GPT, GPTConfig
     from zbcompile.models.gpt import lm_loss
 
     device = torch.device(device_name)
     dtype = getattr(torch, config.dtype)
-    torch.manual_seed(0)
     with torch.device("meta"):
-        model = GPT(GPTConfig(
-            vocab_size=config.vocab, seq_len=config.seq_len, hidden=config.hidden, heads=config.heads,
-            layers=config.layers, tie_embeddings=True,
-        ))
+        model = _launch.gpt(config, tie_embeddings=True)
     model = model.to(dtype)
     tokens = torch.randint(0, config.vocab, (config.microbatch, config.seq_len), device=device)
     started = time.perf_counter()
@@ -320,16 +258,13 @@ def run(config: Config, device_name: str) -> dict:
         try:
             result = profile_stage(model, compiled, s, device, dtype, config)
             stages.append(result)
-            print(
-                f"stage {s}: F {result['F']:.2f} ms, I {result['I']:.2f} ms, W {result['W']:.2f} ms, "
-                f"unsplit backward {result['unsplit']:.2f} ms, layers {result['layers']}",
-                flush=True,
-            )
+            times = ", ".join(f"{k} {result[k]:.2f} ms" for k in ("F", "I", "W"))
+            unsplit = f"unsplit backward {result['unsplit']:.2f} ms"
+            print(f"stage {s}: {times}, {unsplit}, layers {result['layers']}", flush=True)
         except Exception as error:
-            errors.append(
-                {"stage": s, "error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
-            )
-            print(f"stage {s}: FAILED {type(error).__name__}: {error}", flush=True)
+            failure = f"{type(error).__name__}: {error}"
+            errors.append({"stage": s, "error": failure, "traceback": traceback.format_exc()})
+            print(f"stage {s}: FAILED {failure}", flush=True)
             if device.type == "cuda":
                 gc.collect()
                 torch.cuda.empty_cache()
@@ -341,21 +276,9 @@ def run(config: Config, device_name: str) -> dict:
             name=props.name, memory_gib=props.total_memory / 2**30, capability=f"{props.major}.{props.minor}"
         )
     return {
-        "config": asdict(config),
-        "device": device_info,
-        "machine": _launch.machine(),
-        "compile_s": compile_s,
-        "static_costs": {
-            "f": list(static.f),
-            "i": list(static.i),
-            "w": list(static.w),
-            "mem_b": list(static.mem_b),
-            "mem_w": list(static.mem_w),
-        },
-        "stages": stages,
-        "errors": errors,
-        "paper_table9_ms": PAPER_TABLE9,
-        "simulated": simulated,
+        "config": asdict(config), "device": device_info, "machine": _launch.machine(), "compile_s": compile_s,
+        "static_costs": {k: list(getattr(static, k)) for k in ("f", "i", "w", "mem_b", "mem_w")},
+        "stages": stages, "errors": errors, "paper_table9_ms": PAPER_TABLE9, "simulated": simulated,
     }
 
 
@@ -386,14 +309,11 @@ def report(data: dict) -> str:
     if data["stages"]:
         n = len(data["stages"])
         mean = {k: sum(s[k] for s in data["stages"]) / n for k in ("F", "I", "W", "unsplit")}
-        rows.append(
-            ["mean", "", f"{mean['F']:.2f}", f"{mean['I']:.2f}", f"{mean['W']:.2f}", f"{mean['unsplit']:.2f}", "", ""]
-        )
+        rows.append(["mean", "", *(f"{mean[k]:.2f}" for k in ("F", "I", "W", "unsplit")), "", ""])
     p9 = data["paper_table9_ms"]
     rows.append(["paper", "A100, Table 9", f"{p9['T_F']:.2f}", f"{p9['T_B']:.2f}", f"{p9['T_W']:.2f}", "", "", ""])
-    lines.append(
-        _launch.table(["stage", "contents", "T_F", "T_B", "T_W", "unsplit backward", "(I+W)/unsplit", "peak GiB"], rows)
-    )
+    header = ["stage", "contents", "T_F", "T_B", "T_W", "unsplit backward", "(I+W)/unsplit", "peak GiB"]
+    lines.append(_launch.table(header, rows))
     for e in data["errors"]:
         lines += ["", f"stage {e['stage']} failed: {e['error']}"]
     if data["simulated"]:
@@ -402,10 +322,8 @@ def report(data: dict) -> str:
             f"## Simulated with these costs (T_comm {p9['T_comm']} ms, the paper's), all schedules",
             "",
             "bubble: 1 - busy / (p x makespan); stage bubble: the paper's, 1 - busy / (p x span). ZB-1p / ZB-2p: "
-            "zb-auto "
-            "limited to p / 2p microbatches of the largest stage's activations on every stage (1x / 2x 1F1B's peak). "
-            "1F1B-I and ZB-V: two chunks per GPU, each half of that "
-            "GPU's measured stage.",
+            "zb-auto limited to p / 2p microbatches of the largest stage's activations on every stage (1x / 2x 1F1B's "
+            "peak). 1F1B-I and ZB-V: two chunks per GPU, each half of that GPU's measured stage.",
             "",
         ]
         rows = []
@@ -414,22 +332,12 @@ def report(data: dict) -> str:
                 rows.append([r["m"], r["schedule"], "error: " + r["error"], "", "", "", ""])
                 continue
             paper = r.get("paper_stage_bubble_rate")
-            rows.append(
-                [
-                    r["m"],
-                    r["schedule"],
-                    f"{r['makespan_ms']:.1f}",
-                    f"{r['span_ms']:.1f}",
-                    f"{r['bubble_rate']:.4f}",
-                    f"{r['stage_bubble_rate']:.4f}",
-                    "" if paper is None else f"{paper:.4f}",
-                ]
-            )
-        lines.append(
-            _launch.table(
-                ["m", "schedule", "makespan ms", "span ms", "bubble", "stage bubble", "paper (Table 5)"], rows
-            )
-        )
+            rows.append([
+                r["m"], r["schedule"], f"{r['makespan_ms']:.1f}", f"{r['span_ms']:.1f}", f"{r['bubble_rate']:.4f}",
+                f"{r['stage_bubble_rate']:.4f}", "" if paper is None else f"{paper:.4f}",
+            ])
+        header = ["m", "schedule", "makespan ms", "span ms", "bubble", "stage bubble", "paper (Table 5)"]
+        lines.append(_launch.table(header, rows))
     return "\n".join(lines)
 
 
@@ -448,21 +356,12 @@ def main() -> int:
               "use --device cpu --tiny to check the script")
         return 0
     config = TINY if options.tiny else Config()
-    overrides = {}
-    if options.dtype:
-        overrides["dtype"] = options.dtype
-    if options.repeats:
-        overrides["repeats"] = options.repeats
-    if overrides:
-        config = Config(**{**asdict(config), **overrides})
+    overrides = {"dtype": options.dtype, "repeats": options.repeats}
+    config = replace(config, **{k: v for k, v in overrides.items() if v})
     if options.device == "cpu":
         torch.set_num_threads(max(1, torch.get_num_threads()))
     data = run(config, options.device)
-    text = report(data)
-    print(text)
-    if options.device.startswith("cuda") or options.write:
-        paths = _launch.write_results("gpu_profile", data, text)
-        print("wrote " + ", ".join(str(p) for p in paths))
+    _launch.print_and_write("gpu_profile", data, report(data), options.device.startswith("cuda") or options.write)
     return 1 if data["errors"] else 0
 
 

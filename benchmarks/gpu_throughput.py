@@ -31,14 +31,13 @@ import json
 import os
 import pathlib
 import sys
-import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _launch  # noqa: E402
+import _pairing  # noqa: E402
 
 COMPILERS = ("eager", "inductor")
 MODELS = ("gpt-1.5b", "llama-1b")
@@ -83,6 +82,17 @@ def build(part: Part, device, dtype) -> tuple[Any, Callable, Callable, dict]:
     import torch
 
     torch.manual_seed(0)
+
+    def batch_of(vocab: int, labels: Callable) -> Callable:
+        """batch(step): tokens below `vocab` from seed `step`, and `labels(tokens)` as keyword arguments."""
+
+        def batch(step: int):
+            g = torch.Generator().manual_seed(step)
+            tokens = torch.randint(0, vocab, (part.rows * part.microbatches, part.seq_len), generator=g).to(device)
+            return (tokens,), labels(tokens)
+
+        return batch
+
     if part.model == "gpt-1.5b":
         from zbcompile.models import GPT, GPTConfig
         from zbcompile.models.gpt import lm_loss
@@ -92,16 +102,11 @@ def build(part: Part, device, dtype) -> tuple[Any, Callable, Callable, dict]:
             shape = dict(vocab_size=128, hidden=64, heads=4, layers=4)
         with torch.device(device):
             model = GPT(GPTConfig(seq_len=part.seq_len, **shape)).to(dtype)
-        vocab = shape["vocab_size"]
-
-        def batch(step: int):
-            g = torch.Generator().manual_seed(step)
-            tokens = torch.randint(0, vocab, (part.rows * part.microbatches, part.seq_len), generator=g).to(device)
-            return (tokens,), {"target": tokens.roll(-1, 1)}
 
         def eager_loss(module, args, kwargs):
             return lm_loss(module(*args), kwargs["target"])
 
+        batch = batch_of(shape["vocab_size"], lambda tokens: {"target": tokens.roll(-1, 1)})
         return model, batch, eager_loss, {"loss_fn": lm_loss}
     if part.model == "llama-1b":
         import transformers
@@ -112,42 +117,20 @@ def build(part: Part, device, dtype) -> tuple[Any, Callable, Callable, dict]:
         sizes = (128, 64, 128, 4, 4) if part.tiny else (128256, 2048, 8192, 16, 32)
         shape = dict(zip(names, sizes), num_key_value_heads=sizes[-1] // 4)
         config = transformers.LlamaConfig(
-            **shape,
-            max_position_embeddings=max(part.seq_len, 128),
-            tie_word_embeddings=True,
-            rope_theta=500000.0,
+            **shape, max_position_embeddings=max(part.seq_len, 128), tie_word_embeddings=True, rope_theta=500000.0,
             attn_implementation="sdpa",
         )
         with torch.device(device):
             model = transformers.LlamaForCausalLM(config).to(dtype)
-        vocab = shape["vocab_size"]
-
-        def batch(step: int):
-            g = torch.Generator().manual_seed(step)
-            tokens = torch.randint(0, vocab, (part.rows * part.microbatches, part.seq_len), generator=g).to(device)
-            return (tokens,), {"labels": tokens}
 
         def eager_loss(module, args, kwargs):
             return module(*args, **kwargs).loss
 
-        return model, batch, eager_loss, {}
+        return model, batch_of(shape["vocab_size"], lambda tokens: {"labels": tokens}), eager_loss, {}
     raise ValueError(f"unknown model {part.model!r}; choose one of {', '.join(MODELS)}")
 
 
 # --- one part -------------------------------------------------------------------------------
-
-
-class Clock:
-    """Wall time of work queued on the device: synchronise, then read the host's clock."""
-
-    def __init__(self, device) -> None:
-        import torch
-
-        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    def __call__(self) -> float:
-        self.sync()
-        return time.perf_counter()
 
 
 def eager_step(module, eager_loss, args, kwargs, microbatches: int) -> None:
@@ -198,7 +181,7 @@ def kernel_table(run_one: Callable, device, rows: int = 15) -> tuple[str, dict[s
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         run_one()
-        Clock(device)()
+        _pairing.DeviceClock(device)()
     sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     averages = prof.key_averages()
     totals = {
@@ -224,50 +207,42 @@ def run_part(part: Part, device_name: str, out_dir: pathlib.Path) -> dict:
         device = torch.device("cuda", device.index or 0)
         torch.cuda.set_device(device)
     dtype = torch.bfloat16
-    clock = Clock(device)
+    clock = _pairing.DeviceClock(device)
     model, batch, eager_loss, pipe_kwargs = build(part, device, dtype)
     model.train()
     params = sum(p.numel() for p in model.parameters())
     baseline = model if part.compiler == "eager" else torch.compile(model)
     pipe = zbcompile.pipeline(
-        model,
-        stages=part.stages,
-        microbatches=part.microbatches,
-        compiler=part.compiler,
-        **pipe_kwargs,
+        model, stages=part.stages, microbatches=part.microbatches, compiler=part.compiler, **pipe_kwargs
     )
     args, kwargs = batch(0)
     target = kwargs.pop("target", None)
 
     def run_baseline() -> None:
-        eager_step(
-            baseline,
-            eager_loss,
-            args,
-            {**kwargs, **({"target": target} if target is not None else {})},
-            part.microbatches,
-        )
+        labels = {**kwargs, **({"target": target} if target is not None else {})}
+        eager_step(baseline, eager_loss, args, labels, part.microbatches)
         model.zero_grad(set_to_none=True)
 
     def run_pipe() -> None:
         pipe.step(*args, target=target, **kwargs)
         pipe.zero_grad(set_to_none=True)
 
+    runs = {"baseline": run_baseline, "pipeline": run_pipe}
     first = {}
-    for name, fn, count in (("baseline", run_baseline, 2), ("pipeline", run_pipe, part.warmup)):
+    for name, count in (("baseline", 2), ("pipeline", part.warmup)):
         started = clock()
-        fn()
+        runs[name]()
         first[name] = clock() - started
         for _ in range(count - 1):
-            fn()
-    samples: dict[str, list[float]] = {"baseline": [], "pipeline": []}
-    for r in range(part.rounds):
-        order = (("baseline", run_baseline), ("pipeline", run_pipe))
-        for name, fn in order if r % 2 == 0 else order[::-1]:
-            started = clock()
-            for _ in range(part.steps_per_round):
-                fn()
-            samples[name].append((clock() - started) / part.steps_per_round)
+            runs[name]()
+
+    def timed(name: str) -> float:
+        started = clock()
+        for _ in range(part.steps_per_round):
+            runs[name]()
+        return (clock() - started) / part.steps_per_round
+
+    samples = _pairing.rounds(runs, part.rounds, timed)
     gaps = action_gaps(pipe.runner.timeline)
     base_kernels, base_totals = kernel_table(run_baseline, device)
     pipe_kernels, pipe_totals = kernel_table(run_pipe, device)
@@ -284,14 +259,9 @@ def run_part(part: Part, device_name: str, out_dir: pathlib.Path) -> dict:
     peak = _peak_flops(device)
     step_s = {name: _launch.median(values) for name, values in samples.items()}
     return {
-        "part": asdict(part),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "parameters": params,
-        "schedule": pipe.schedule.name,
-        "tokens_per_step": tokens,
-        "flops_per_step": flops,
-        "peak_flops": peak,
+        "part": asdict(part), "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "parameters": params, "schedule": pipe.schedule.name,
+        "tokens_per_step": tokens, "flops_per_step": flops, "peak_flops": peak,
         "first_step_s": {k: round(v, 3) for k, v in first.items()},
         "step_ms": {k: [round(v * 1e3, 3) for v in values] for k, values in samples.items()},
         "median_step_ms": {k: round(v * 1e3, 3) for k, v in step_s.items()},
@@ -338,70 +308,32 @@ def report(parts: list[dict]) -> str:
     ]
     rows = []
     for d in parts:
-        p = d["part"]
+        p, mfu, tokens = d["part"], d["mfu"] or {}, d["tokens_per_s"]
         baseline = "eager model" if p["compiler"] == "eager" else "torch.compile(model)"
-        mfu = d["mfu"] or {}
-        rows.append(
-            [
-                p["model"],
-                f"{d['parameters'] / 1e9:.2f}B",
-                f"{p['stages']} / {p['microbatches']} x {p['rows']} x {p['seq_len']}",
-                baseline,
-                f"{d['tokens_per_s']['baseline']:,.0f}",
-                _pct(mfu.get("baseline")),
-                f"pipe.step ({p['compiler']})",
-                f"{d['tokens_per_s']['pipeline']:,.0f}",
-                _pct(mfu.get("pipeline")),
-                f"{d['pipeline_over_baseline']:.3f}x",
-                f"{d['first_step_s']['baseline']:.1f} / {d['first_step_s']['pipeline']:.1f}",
-            ]
-        )
-    lines.append(
-        _launch.table(
-            [
-                "model",
-                "params",
-                "stages / m x rows x seq",
-                "baseline",
-                "tokens/s",
-                "MFU",
-                "ours",
-                "tokens/s",
-                "MFU",
-                "ours / baseline",
-                "first step s (baseline / ours)",
-            ],
-            rows,
-        )
-    )
+        rows.append([
+            p["model"], f"{d['parameters'] / 1e9:.2f}B",
+            f"{p['stages']} / {p['microbatches']} x {p['rows']} x {p['seq_len']}",
+            baseline, f"{tokens['baseline']:,.0f}", _pct(mfu.get("baseline")),
+            f"pipe.step ({p['compiler']})", f"{tokens['pipeline']:,.0f}", _pct(mfu.get("pipeline")),
+            f"{d['pipeline_over_baseline']:.3f}x",
+            f"{d['first_step_s']['baseline']:.1f} / {d['first_step_s']['pipeline']:.1f}",
+        ])
+    lines.append(_launch.table(
+        ["model", "params", "stages / m x rows x seq", "baseline", "tokens/s", "MFU", "ours", "tokens/s", "MFU",
+         "ours / baseline", "first step s (baseline / ours)"],
+        rows,
+    ))
     lines += ["", "## Per-action overhead (pipeline, last timed step, CUDA events)", ""]
-    lines.append(
-        _launch.table(
-            [
-                "model",
-                "compiler",
-                "actions",
-                "busy ms",
-                "span ms",
-                "mean gap ms",
-                "max gap ms",
-                "mean gap before (by kind)",
-            ],
-            [
-                [
-                    d["part"]["model"],
-                    d["part"]["compiler"],
-                    d["action_gaps"]["actions"],
-                    d["action_gaps"]["busy_ms"],
-                    d["action_gaps"]["span_ms"],
-                    d["action_gaps"]["mean_gap_ms"],
-                    d["action_gaps"]["max_gap_ms"],
-                    ", ".join(f"{k} {v}" for k, v in d["action_gaps"]["mean_gap_ms_before"].items()),
-                ]
-                for d in parts
-            ],
-        )
-    )
+    gaps = [d["action_gaps"] for d in parts]
+    lines.append(_launch.table(
+        ["model", "compiler", "actions", "busy ms", "span ms", "mean gap ms", "max gap ms",
+         "mean gap before (by kind)"],
+        [
+            [d["part"]["model"], d["part"]["compiler"], g["actions"], g["busy_ms"], g["span_ms"], g["mean_gap_ms"],
+             g["max_gap_ms"], ", ".join(f"{k} {v}" for k, v in g["mean_gap_ms_before"].items())]
+            for d, g in zip(parts, gaps)
+        ],
+    ))
     lines += [
         "",
         "A gap is the device's idle time between the end of one action and the start of the next "
@@ -436,10 +368,8 @@ def main() -> int:
     if options.report:
         lines = pathlib.Path(options.report, "gpu_throughput.jsonl").read_text().splitlines()
         parts = [json.loads(line) for line in lines if line.strip()]
-        text = report(parts)
-        print(text)
-        if parts and parts[0]["device"] != "cpu":
-            print("wrote " + ", ".join(map(str, _launch.write_results("gpu_throughput", {"parts": parts}, text))))
+        on_device = bool(parts) and parts[0]["device"] != "cpu"
+        _launch.print_and_write("gpu_throughput", {"parts": parts}, report(parts), on_device)
         return 0
     if options.model is None or options.compiler is None:
         parser.error("give --model and --compiler (one part), or --report DIR")

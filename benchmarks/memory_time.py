@@ -29,12 +29,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-import sys
-import time
 
-sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
-
-import _launch  # noqa: E402
+import _launch
+import _pairing
 
 SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "zb-auto")
 RANKS = 2
@@ -93,14 +90,8 @@ def _rank(config_fields: dict, rounds: int) -> dict:
         torch.manual_seed(0)
         model = GPT(dataclasses.replace(config, checkpoint=checkpoint))
         pipe = zbcompile.pipeline(
-            model,
-            stages=RANKS,
-            microbatches=MICROBATCHES,
-            loss_fn=lm_loss,
-            schedule=schedule,
-            profile=False,
-            timeout=300,
-            **options,
+            model, stages=RANKS, microbatches=MICROBATCHES, loss_fn=lm_loss, schedule=schedule, profile=False,
+            timeout=300, **options,
         )
         pipe.step(tokens, target=target)  # compile and warm up
         pipe.zero_grad()
@@ -122,22 +113,17 @@ def _rank(config_fields: dict, rounds: int) -> dict:
     limit_bytes = LIMIT_FRACTION * peak.item()
     limit = limit_bytes / reference.compiled.memory_unit()
     pipes.update({("recompute=auto", s): pipeline(False, s, memory_limit=limit, recompute="auto") for s in SCHEDULES})
-    times: dict = {key: [] for key in pipes}
-    for round_ in range(rounds):
-        for key in list(pipes)[:: 1 if round_ % 2 == 0 else -1]:
-            dist.barrier()
-            started = time.perf_counter()
-            pipes[key].step(tokens, target=target)
-            dist.barrier()
-            times[key].append(time.perf_counter() - started)
-            pipes[key].zero_grad()
+
+    def timed(key) -> float:
+        """One step between barriers: its seconds (nothing else measured)."""
+        seconds = _pairing.between_barriers(lambda: pipes[key].step(tokens, target=target))
+        pipes[key].zero_grad()
+        return seconds
+
+    times = _pairing.rounds(list(pipes), rounds, timed)
     return {
-        key: {
-            "peak_bytes": peaks[key],
-            "step_s": statistics.median(times[key]),
-            "limit_bytes": limit_bytes,
-            **_prediction(pipe),
-        }
+        key: {"peak_bytes": peaks[key], "step_s": statistics.median(times[key]), "limit_bytes": limit_bytes,
+              **_prediction(pipe)}
         for key, pipe in pipes.items()
     }
 
@@ -154,33 +140,25 @@ def main() -> None:
     info = _launch.machine()
     per_rank = _launch.run_ranks(RANKS, _rank, dict(config), rounds, timeout_s=1800)
     rows = []
-    for key in per_rank[0]:
+    for key in per_rank[0]:  # rank 0's predictions and limit; the largest peak and step over ranks
         ranks = [r[key] for r in per_rank]
         rows.append({
-            "variant": key[0], "schedule": key[1],
-            "peak_bytes": max(r["peak_bytes"] for r in ranks),
-            "predicted_peak_bytes": ranks[0]["predicted_peak_bytes"],
-            "predicted_stash_bytes": ranks[0]["predicted_stash_bytes"],
-            "step_s": max(r["step_s"] for r in ranks),
-            "predicted_makespan": ranks[0]["predicted_makespan"],
-            "recompute_levels": ranks[0]["recompute_levels"],
-            "limit_bytes": ranks[0]["limit_bytes"],
+            "variant": key[0], "schedule": key[1], **ranks[0],
+            "peak_bytes": max(r["peak_bytes"] for r in ranks), "step_s": max(r["step_s"] for r in ranks),
         })
     base = next(r for r in rows if (r["variant"], r["schedule"]) == ("plain", "1f1b"))
     lines = [
         "# Activation memory and step time (12-layer GPT, 2 ranks, m = 4)",
         "",
         f"Machine: {_launch.load_line(info)} before the run, torch {info['torch']}. Step times are medians over rounds "
-        "on a "
-        "shared 2-core machine: read them to a few percent.",
+        "on a shared 2-core machine: read them to a few percent.",
         f"Model: {config}. recompute=auto runs under a limit of {LIMIT_FRACTION:.0%} of plain zb-h1's measured peak "
         f"({rows[0]['limit_bytes']:,.0f} bytes). Measured peaks count what lives inside each action (the runtime's "
         "measure_transients); the predicted ones the same with each action's own peak from its graph; the M_B/M_W "
         "model's count the stashed values between actions (and a fused B's rise max(0, M_W - M_B)).",
         "",
         "| variant | schedule | peak bytes (measured) | peak bytes (predicted) | M_B/M_W model | step s | step / plain "
-        "1f1b "
-        "| predicted / plain 1f1b | recompute levels |",
+        "1f1b | predicted / plain 1f1b | recompute levels |",
         "|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:

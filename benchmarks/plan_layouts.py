@@ -25,9 +25,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-
-import _launch  # noqa: E402
+import _launch
 
 CONFIGS = pathlib.Path(__file__).parent / "configs"
 CASES = [

@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-
-import _launch  # noqa: E402
+import _launch
 
 CONFIGS = pathlib.Path(__file__).parent / "configs"
 CASES = [

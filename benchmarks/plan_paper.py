@@ -16,12 +16,11 @@ throughput ratio. Prints a table; writes benchmarks/results/plan_paper.{json,md}
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 import time
 
 import torch
 
+import _launch
 import zbcompile
 from zbcompile.hardware import Hardware
 from zbcompile.models import GPT, GPTConfig
@@ -52,13 +51,7 @@ def plan_model(name: str) -> dict:
         tokens = torch.zeros(size * m, SEQ, dtype=torch.long)
     started, cpu = time.perf_counter(), time.process_time()
     first = zbcompile.plan(
-        model,
-        tokens,
-        target=tokens,
-        loss_fn=lm_loss,
-        stages=p,
-        microbatches=m,
-        hardware="A100-80GB",
+        model, tokens, target=tokens, loss_fn=lm_loss, stages=p, microbatches=m, hardware="A100-80GB",
         schedules=("1f1b",),
     )
     seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
@@ -111,9 +104,7 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     if args.only is None:
-        out = pathlib.Path(__file__).parent / "results"
-        (out / "plan_paper.json").write_text(json.dumps(results, indent=1) + "\n")
-        (out / "plan_paper.md").write_text(table + "\n")
+        _launch.write_results("plan_paper", results, table, indent=1)
 
 
 if __name__ == "__main__":

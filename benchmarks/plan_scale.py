@@ -13,13 +13,14 @@ plan_scale_tp8.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import resource
 import subprocess
 import sys
 import time
+
+import _launch
 
 HERE = pathlib.Path(__file__).parent
 CONFIG = HERE / "configs" / "llama3-70b.json"
@@ -62,16 +63,13 @@ def main() -> None:
     print(table)
     for r in results:
         print(f"\n--- pp={r['stages']} ---\n{r['report']}")
-    out = HERE / "results"
     name = "plan_scale" if args.tp == 1 else f"plan_scale_tp{args.tp}"
-    (out / f"{name}.json").write_text(json.dumps(results, indent=1) + "\n")
     note = (
         "CPU time is the planning process's own (user + system), the best guide to its wall time on a quiet "
         "machine; wall time here depends on the load beside it.\n\n"
     )
-    (out / f"{name}.md").write_text(
-        note + table + "\n\n" + "\n\n".join(f"pp={r['stages']}:\n```\n{r['report']}```" for r in results) + "\n"
-    )
+    reports = "\n\n".join(f"pp={r['stages']}:\n```\n{r['report']}```" for r in results)
+    _launch.write_results(name, results, note + table + "\n\n" + reports, indent=1)
 
 
 if __name__ == "__main__":

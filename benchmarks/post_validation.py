@@ -26,36 +26,26 @@ Writes benchmarks/results/post_validation.{json,md} (and the simulated timelines
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
-
-import _launch  # noqa: E402
+import _launch
+import _pairing
+from zbcompile import measure
 
 VARIANTS = ("sync", "post-validated")
 
 
 @dataclass(frozen=True)
-class Settings:
-    vocab: int = 256
-    seq_len: int = 64
-    hidden: int = 128
-    heads: int = 4
-    layers: int = 4
-    rows: int = 2  # sequences per microbatch
-    microbatches: int = 8
+class Settings(_launch.Settings):
+    rounds: int = 20
+    timeout_s: float = 300.0
     schedule: str = "zb-h1"
     warmup: int = 2
-    rounds: int = 20
-    steps_per_round: int = 3
     lr: float = 1e-3
     max_norm_factor: float = 4.0  # max_norm = this x the median gradient norm of the warm-up steps
-    timeout_s: float = 300.0
 
 
 def rank_main(settings: Settings) -> dict:
@@ -63,26 +53,12 @@ def rank_main(settings: Settings) -> dict:
     import torch.distributed as dist
 
     import zbcompile
-    from zbcompile.models import GPT, GPTConfig
     from zbcompile.models.gpt import lm_loss
 
-    torch.manual_seed(0)
-    config = GPTConfig(
-        vocab_size=settings.vocab, seq_len=settings.seq_len, hidden=settings.hidden, heads=settings.heads,
-        layers=settings.layers, tie_embeddings=False,
-    )
-    model = GPT(config)
-    generator = torch.Generator().manual_seed(1)
-    tokens = torch.randint(
-        0, settings.vocab, (settings.microbatches * settings.rows, settings.seq_len), generator=generator
-    )
-    targets = tokens.roll(-1, 1)
+    model = _launch.gpt(settings, tie_embeddings=False)
+    tokens, targets = _launch.batch(settings, settings.microbatches, seed=1)
     pipe = zbcompile.pipeline(
-        model,
-        stages=2,
-        microbatches=settings.microbatches,
-        loss_fn=lm_loss,
-        schedule=settings.schedule,
+        model, stages=2, microbatches=settings.microbatches, loss_fn=lm_loss, schedule=settings.schedule,
         timeout=settings.timeout_s,
     )
     pipe.compile(tokens, target=targets)
@@ -95,62 +71,46 @@ def rank_main(settings: Settings) -> dict:
         probe.zero_grad()
     max_norm = settings.max_norm_factor * statistics.median(r.total_norm for r in probe.history)
     optimizers = {
-        "sync": zbcompile.SynchronousClipOptimizer(
-            torch.optim.AdamW(pipe.parameters(), lr=settings.lr), pipe, max_norm=max_norm
-        ),
-        "post-validated": zbcompile.PostValidatedOptimizer(
-            torch.optim.AdamW(pipe.parameters(), lr=settings.lr), pipe, max_norm=max_norm
-        ),
+        variant: clipping(torch.optim.AdamW(pipe.parameters(), lr=settings.lr), pipe, max_norm=max_norm)
+        for variant, clipping in zip(VARIANTS, (zbcompile.SynchronousClipOptimizer, zbcompile.PostValidatedOptimizer))
     }
+    # per variant and round: wall seconds, this rank's CPU seconds, the machine's busy CPU seconds
+    usage: dict[str, list[measure.Usage]] = defaultdict(list)
+    timelines: dict[str, list] = defaultdict(list)
+    optimizer_s: dict[str, list[float]] = defaultdict(list)
 
-    def run(variant: str) -> tuple[float, list, list[float]]:
+    def run(variant: str) -> float:
+        """Seconds per step of the round's steps back to back between two barriers, `finish()` inside."""
         opt = optimizers[variant]
-        timelines, optimizer_s = [], []
         dist.barrier()
-        started, own, busy = time.perf_counter(), time.process_time(), _launch.cpu_busy_seconds()
+        before = measure.Usage.now()
         for _ in range(settings.steps_per_round):
             pipe.step(tokens, target=targets)
-            timelines.append(list(pipe.runner.timeline))
+            timelines[variant].append(list(pipe.runner.timeline))
             t0 = time.perf_counter()
             opt.step()
-            optimizer_s.append(time.perf_counter() - t0)
+            optimizer_s[variant].append(time.perf_counter() - t0)
             opt.zero_grad()
         opt.finish()
         dist.barrier()
-        wall = time.perf_counter() - started
-        usage[variant].append((wall, time.process_time() - own, _launch.cpu_busy_seconds() - busy))
-        return wall / settings.steps_per_round, timelines, optimizer_s
+        usage[variant].append(measure.Usage.now().since(before))
+        return usage[variant][-1].wall_s / settings.steps_per_round
 
-    usage: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
     for variant in VARIANTS:  # warm-up of each variant's code path
         run(variant)
-    usage.clear()
-    times: dict[str, list[float]] = defaultdict(list)
-    timelines: dict[str, list] = defaultdict(list)
-    optimizer_s: dict[str, list[float]] = defaultdict(list)
-    for r in range(settings.rounds):
-        for variant in VARIANTS if r % 2 == 0 else reversed(VARIANTS):
-            seconds, steps, opt_s = run(variant)
-            times[variant].append(seconds)
-            timelines[variant] += steps
-            optimizer_s[variant] += opt_s
-        if dist.get_rank() == 0:
-            print(
-                f"round {r + 1}/{settings.rounds}: "
-                + ", ".join(f"{v} {1e3 * times[v][-1]:.1f} ms/step" for v in VARIANTS),
-                flush=True,
-            )
+    for kept in (usage, timelines, optimizer_s):
+        kept.clear()
+    times = _pairing.rounds(
+        VARIANTS, settings.rounds, run,
+        after=lambda r, done: f"round {r + 1}/{settings.rounds}: "
+        + ", ".join(f"{v} {1e3 * done[v][-1]:.1f} ms/step" for v in VARIANTS),
+    )
     optimizers["post-validated"].close()
     return {
-        "times": dict(times),
-        "usage": dict(usage),
-        "timelines": dict(timelines),
-        "optimizer_s": dict(optimizer_s),
-        "latency": _latencies(dist, torch),
-        "max_norm": max_norm,
+        "times": times, "usage": dict(usage), "timelines": dict(timelines), "optimizer_s": dict(optimizer_s),
+        "latency": _latencies(dist, torch), "max_norm": max_norm,
         "history": {v: [(h.total_norm, h.clipped, h.skipped) for h in o.history] for v, o in optimizers.items()},
-        "rollbacks": optimizers["post-validated"].rollbacks,
-        "schedule": pipe.schedule,
+        "rollbacks": optimizers["post-validated"].rollbacks, "schedule": pipe.schedule,
         "local_stages": pipe.runner.local_stages,
     }
 
@@ -181,25 +141,13 @@ def _latencies(dist, torch, repeats: int = 50) -> dict[str, float]:
 def predict(per_rank: list[dict]) -> dict:
     """The step-time simulator under the measured costs: per-action medians (both variants'
     steps), the median optimizer step of the slower rank, message and all-gather latency."""
-    from zbcompile.schedules import Costs
+    from zbcompile.runtime.tuning.profile import action_medians
     from zbcompile.schedules.render import to_svg
     from zbcompile.schedules.steps import compare_step_times
 
     schedule = per_rank[0]["schedule"]
-    durations: dict[tuple[int, str], list[float]] = defaultdict(list)
-    for result in per_rank:
-        for variant in VARIANTS:
-            for timeline in result["timelines"][variant]:
-                for action, start, end in timeline:
-                    durations[(int(action[0]), action[1])].append(end - start)
-    med = {k: statistics.median(v) for k, v in durations.items()}
-    stages = schedule.stages
-    costs = Costs(
-        f=[med.get((s, "F"), 0.0) for s in range(stages)],
-        i=[med.get((s, "I"), med.get((s, "B"), 0.0)) for s in range(stages)],
-        w=[med.get((s, "W"), 0.0) for s in range(stages)],
-        comm=per_rank[0]["latency"]["message_s"],
-    )
+    medians = action_medians([timeline for r in per_rank for v in VARIANTS for timeline in r["timelines"][v]])
+    costs = _pairing.stage_costs(medians, schedule.stages, per_rank[0]["latency"]["message_s"])
     optimizer = max(statistics.median(r["optimizer_s"]["post-validated"]) for r in per_rank)
     results = compare_step_times(
         schedule, costs, steps=6, optimizer=optimizer, allreduce=per_rank[0]["latency"]["allgather_s"]
@@ -210,116 +158,86 @@ def predict(per_rank: list[dict]) -> dict:
             to_svg(boxes, title=f"{schedule.name}: {mode}, two steps")
         )
     return {
-        "f_ms": [1e3 * x for x in costs.f],
-        "b_ms": [1e3 * x for x in costs.i],
-        "w_ms": [1e3 * x for x in costs.w],
-        "comm_ms": 1e3 * costs.comm,
-        "optimizer_ms": 1e3 * optimizer,
-        "allgather_ms": 1e3 * per_rank[0]["latency"]["allgather_s"],
-        "sync_ms": 1e3 * results["barrier"].step_time,
-        "post_validated_ms": 1e3 * results["post-validation"].step_time,
+        **_pairing.costs_ms(costs),
+        "optimizer_ms": 1e3 * optimizer, "allgather_ms": 1e3 * per_rank[0]["latency"]["allgather_s"],
+        "sync_ms": 1e3 * results["barrier"].step_time, "post_validated_ms": 1e3 * results["post-validation"].step_time,
         "ratio": results["barrier"].step_time / results["post-validation"].step_time,
     }
 
 
-def analyse(per_rank: list[dict], settings: Settings, before: dict, after: dict, wall_s: float) -> dict:
+def analyse(per_rank: list[dict], settings: Settings) -> dict:
     # a round's time is the slower rank's (both leave the round at its closing barrier)
-    times = {v: [max(r["times"][v][i] for r in per_rank) for i in range(settings.rounds)] for v in VARIANTS}
+    times = {v: _pairing.slowest(r["times"][v] for r in per_rank) for v in VARIANTS}
     medians = {v: _launch.median(t) for v, t in times.items()}
     history = per_rank[0]["history"]
     # per round: cores' worth of CPU that other jobs used meanwhile (machine busy time minus both
     # ranks' own CPU time over the wall time); the quiet half are the rounds where that was least
+    usage = [{v: [r["usage"][v][i] for r in per_rank] for v in VARIANTS} for i in range(settings.rounds)]
     others = [
-        sum(max(0.0, per_rank[0]["usage"][v][i][2] - sum(r["usage"][v][i][1] for r in per_rank)) for v in VARIANTS)
-        / sum(per_rank[0]["usage"][v][i][0] for v in VARIANTS)
-        for i in range(settings.rounds)
+        sum(max(0.0, u[v][0].machine_busy_s - sum(x.own_cpu_s for x in u[v])) for v in VARIANTS)
+        / sum(u[v][0].wall_s for v in VARIANTS)
+        for u in usage
     ]
     quiet = sorted(range(settings.rounds), key=lambda i: others[i])[: max(1, settings.rounds // 2)]
     paired = [times["sync"][i] / times["post-validated"][i] for i in range(settings.rounds)]
     return {
-        "settings": asdict(settings),
-        "machine_before": before,
-        "machine_after": after,
-        "wall_s": wall_s,
-        "max_norm": per_rank[0]["max_norm"],
-        "ms_per_step": {v: [1e3 * t for t in ts] for v, ts in times.items()},
+        "max_norm": per_rank[0]["max_norm"], "ms_per_step": {v: [1e3 * t for t in ts] for v, ts in times.items()},
         "median_ms": {v: 1e3 * m for v, m in medians.items()},
-        "throughput_ratio": medians["sync"] / medians["post-validated"],
-        "paired_ratio_median": _launch.median(paired),
-        "quiet_rounds": sorted(quiet),
-        "others_cores": others,
+        "throughput_ratio": medians["sync"] / medians["post-validated"], "paired_ratio_median": _launch.median(paired),
+        "quiet_rounds": sorted(quiet), "others_cores": others,
         "quiet_median_ms": {v: 1e3 * _launch.median([times[v][i] for i in quiet]) for v in VARIANTS},
         "quiet_paired_ratio_median": _launch.median([paired[i] for i in quiet]),
         "clipped_steps": {v: sum(1 for _, c, _ in h if c) for v, h in history.items()},
-        "steps": {v: len(h) for v, h in history.items()},
-        "rollbacks_per_rank": [r["rollbacks"] for r in per_rank],
+        "steps": {v: len(h) for v, h in history.items()}, "rollbacks_per_rank": [r["rollbacks"] for r in per_rank],
         "prediction": predict(per_rank),
     }
 
 
 def report(data: dict) -> str:
     s, p = data["settings"], data["prediction"]
-    med = data["median_ms"]
+    med, quiet = data["median_ms"], data["quiet_median_ms"]
     rows = [
-        [
-            "sync (all-gather of the norm, then clip, then step)",
-            f"{med['sync']:.1f}",
-            f"{1e3 / med['sync']:.2f}",
-            "1.00x",
-            f"{p['sync_ms']:.1f}",
-        ],
-        [
-            'post-validated (rollback="exact")',
-            f"{med['post-validated']:.1f}",
-            f"{1e3 / med['post-validated']:.2f}",
-            f"{data['throughput_ratio']:.3f}x",
-            f"{p['post_validated_ms']:.1f}",
-        ],
+        ["sync (all-gather of the norm, then clip, then step)", f"{med['sync']:.1f}", f"{1e3 / med['sync']:.2f}",
+         "1.00x", f"{p['sync_ms']:.1f}"],
+        ['post-validated (rollback="exact")', f"{med['post-validated']:.1f}", f"{1e3 / med['post-validated']:.2f}",
+         f"{data['throughput_ratio']:.3f}x", f"{p['post_validated_ms']:.1f}"],
     ]
-    return "\n".join(
-        [
-            "# Gradient clipping with and without the end-of-step barrier",
-            "",
-            f"GPT (untied embeddings) vocab {s['vocab']}, seq {s['seq_len']}, hidden {s['hidden']}, heads "
-            f"{s['heads']}, "
-            f"{s['layers']} layers; {s['rows']} rows per microbatch, m={s['microbatches']}, {s['schedule']}, 2 gloo "
-            "ranks "
-            f"with 1 thread each; AdamW, max_norm {data['max_norm']:.3f} ({s['max_norm_factor']}x the median norm of "
-            "the warm-up steps).",
-            f"{s['rounds']} rounds alternating the two variants (order reversed every other round); per round "
-            f"{s['steps_per_round']} steps back to back between two barriers (the post-validated variant's `finish()` "
-            "inside).",
-            f"Machine: {_launch.load_line(data['machine_before'])} before, {_launch.load_line(data['machine_after'])} "
-            "after. "
-            f"Run took {data['wall_s']:.0f} s.",
-            "",
-            _launch.table(["variant", "median ms/step", "steps/s", "throughput vs sync", "simulated ms/step"], rows),
-            "",
-            f"Throughput ratio post-validated / sync: {data['throughput_ratio']:.3f}x from the medians above; "
-            f"{data['paired_ratio_median']:.3f}x as the median of the per-round ratios (each round runs both variants "
-            f"back to back, so a round's ratio sees one load); over the quietest half of the rounds (other jobs used "
-            f"{_launch.median([data['others_cores'][i] for i in data['quiet_rounds']]):.2f} cores, against "
-            f"{_launch.median(data['others_cores']):.2f} over all rounds): sync {data['quiet_median_ms']['sync']:.1f} "
-            "ms, "
-            f"post-validated {data['quiet_median_ms']['post-validated']:.1f} ms per step, per-round ratio "
-            f"{data['quiet_paired_ratio_median']:.3f}x.",
-            "",
-            f"Clipped steps: sync {data['clipped_steps']['sync']}/{data['steps']['sync']}, post-validated "
-            f"{data['clipped_steps']['post-validated']}/{data['steps']['post-validated']}; optimistic steps rolled "
-            "back "
-            f"and redone, per rank: {data['rollbacks_per_rank']}.",
-            "",
-            f"Simulator (`zbcompile.schedules.steps`) under the measured costs: F {_ms(p['f_ms'])}, I "
-            f"{_ms(p['b_ms'])}, "
-            f"W {_ms(p['w_ms'])} ms per stage, message {p['comm_ms']:.3f} ms, all-gather {p['allgather_ms']:.3f} ms, "
-            f"optimizer step {p['optimizer_ms']:.2f} ms: sync {p['sync_ms']:.1f} ms/step, post-validated "
-            f"{p['post_validated_ms']:.1f} ms/step, predicted ratio {p['ratio']:.3f}x. Timelines: "
-            "`post_validation_barrier.svg`, `post_validation_post-validation.svg`.",
-            "",
-            "Per-round ms/step: "
-            + "; ".join(f"{v}: {', '.join(f'{t:.1f}' for t in ts)}" for v, ts in data["ms_per_step"].items()),
-        ]
-    )
+    clipped, steps = data["clipped_steps"], data["steps"]
+    return "\n".join([
+        "# Gradient clipping with and without the end-of-step barrier",
+        "",
+        f"GPT (untied embeddings) vocab {s['vocab']}, seq {s['seq_len']}, hidden {s['hidden']}, heads {s['heads']}, "
+        f"{s['layers']} layers; {s['rows']} rows per microbatch, m={s['microbatches']}, {s['schedule']}, 2 gloo ranks "
+        f"with 1 thread each; AdamW, max_norm {data['max_norm']:.3f} ({s['max_norm_factor']}x the median norm of "
+        "the warm-up steps).",
+        f"{s['rounds']} rounds alternating the two variants (order reversed every other round); per round "
+        f"{s['steps_per_round']} steps back to back between two barriers (the post-validated variant's `finish()` "
+        "inside).",
+        f"Machine: {_launch.before_after(data)}. Run took {data['wall_s']:.0f} s.",
+        "",
+        _launch.table(["variant", "median ms/step", "steps/s", "throughput vs sync", "simulated ms/step"], rows),
+        "",
+        f"Throughput ratio post-validated / sync: {data['throughput_ratio']:.3f}x from the medians above; "
+        f"{data['paired_ratio_median']:.3f}x as the median of the per-round ratios (each round runs both variants "
+        f"back to back, so a round's ratio sees one load); over the quietest half of the rounds (other jobs used "
+        f"{_launch.median([data['others_cores'][i] for i in data['quiet_rounds']]):.2f} cores, against "
+        f"{_launch.median(data['others_cores']):.2f} over all rounds): sync {quiet['sync']:.1f} ms, "
+        f"post-validated {quiet['post-validated']:.1f} ms per step, per-round ratio "
+        f"{data['quiet_paired_ratio_median']:.3f}x.",
+        "",
+        f"Clipped steps: sync {clipped['sync']}/{steps['sync']}, post-validated "
+        f"{clipped['post-validated']}/{steps['post-validated']}; optimistic steps rolled back "
+        f"and redone, per rank: {data['rollbacks_per_rank']}.",
+        "",
+        f"Simulator (`zbcompile.schedules.steps`) under the measured costs: F {_ms(p['f_ms'])}, I {_ms(p['b_ms'])}, "
+        f"W {_ms(p['w_ms'])} ms per stage, message {p['comm_ms']:.3f} ms, all-gather {p['allgather_ms']:.3f} ms, "
+        f"optimizer step {p['optimizer_ms']:.2f} ms: sync {p['sync_ms']:.1f} ms/step, post-validated "
+        f"{p['post_validated_ms']:.1f} ms/step, predicted ratio {p['ratio']:.3f}x. Timelines: "
+        "`post_validation_barrier.svg`, `post_validation_post-validation.svg`.",
+        "",
+        "Per-round ms/step: "
+        + "; ".join(f"{v}: {', '.join(f'{t:.1f}' for t in ts)}" for v, ts in data["ms_per_step"].items()),
+    ])
 
 
 def _ms(values: list[float]) -> str:
@@ -327,28 +245,15 @@ def _ms(values: list[float]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a smoke run: fewer rounds and a smaller model")
-    parser.add_argument(
-        "--max-norm-factor",
-        type=float,
-        default=Settings.max_norm_factor,
-        help="max_norm over the warm-up steps' median norm",
-    )
+    parser = _launch.parser(__doc__.splitlines()[0], "a smoke run: fewer rounds and a smaller model", no_write=False)
+    parser.add_argument("--max-norm-factor", type=float, default=Settings.max_norm_factor,
+                        help="max_norm over the warm-up steps' median norm")
     parser.add_argument("--rounds", type=int, default=Settings.rounds)
     args = parser.parse_args()
     settings = Settings(rounds=args.rounds, max_norm_factor=args.max_norm_factor)
     if args.quick:
         settings = Settings(rounds=2, steps_per_round=2, layers=2, microbatches=4, max_norm_factor=args.max_norm_factor)
-    before = _launch.machine()
-    started = time.perf_counter()
-    per_rank = _launch.run_ranks(2, rank_main, settings, timeout_s=settings.timeout_s)
-    data = analyse(per_rank, settings, before, _launch.machine(), time.perf_counter() - started)
-    text = report(data)
-    print(text)
-    if not args.quick:
-        paths = _launch.write_results("post_validation", data, text)
-        print("wrote", *paths)
+    _launch.run_and_report("post_validation", 2, rank_main, settings, analyse, report, write=_launch.writes(args))
 
 
 if __name__ == "__main__":

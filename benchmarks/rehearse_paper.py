@@ -27,16 +27,12 @@ share two cores, that host work is what stops a rehearsal at Table 9's times.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import _launch  # noqa: E402
-from zbcompile.inspect.rehearsal_report import report_text, write_timeline_png  # noqa: E402
-from zbcompile.measure import paired_ratio  # noqa: E402
-from zbcompile.rehearsal import PAPER_GAINS, PAPER_TIMES, paper_times, rehearse  # noqa: E402
+import _launch
+from zbcompile.inspect.rehearsal_report import report_text, write_timeline_png
+from zbcompile.measure import paired_ratio
+from zbcompile.rehearsal import PAPER_GAINS, PAPER_TIMES, paper_times, rehearse
 
 OURS = ("1f1b", "zb-h1", "zb-h2", "zb-1p", "zb-2p", "zb-auto")
 TORCH = (
@@ -111,15 +107,14 @@ def main() -> None:
                 at = [f"m{settings.microbatches}"] if args.every_m else []
                 png = _launch.RESULTS / ("_".join(["rehearse_paper", model, *at, *scaled]) + ".png")
                 write_timeline_png(record, str(png), ("1f1b", "zb-1p", "zb-2p"))
-    after = _launch.machine()
+    machines = {"machine_before": before, "machine_after": _launch.machine()}
     header = (
         "# The paper's runs rehearsed (`benchmarks/rehearse_paper.py`)\n\n"
-        f"Machine: {_launch.load_line(before)} before, {_launch.load_line(after)} after; "
-        f"{time.perf_counter() - started:.0f} s.\n"
+        f"Machine: {_launch.before_after(machines)}; {time.perf_counter() - started:.0f} s.\n"
     )
     markdown = header + "\n" + "\n".join(sections)
     if not args.no_write:
-        paths = _launch.write_results(name, {"settings": results, "machine": [before, after]}, markdown)
+        paths = _launch.write_results(name, {"settings": results, "machine": list(machines.values())}, markdown)
         print("wrote " + ", ".join(str(p) for p in paths))
 
 

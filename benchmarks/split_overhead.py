@@ -21,17 +21,15 @@ from __future__ import annotations
 
 import argparse
 import gc
-import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
+import torch
+import torch.nn.functional as F
+from torch import nn
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
-
-import _launch  # noqa: E402
+import _launch
+import _pairing
 
 ROWS = (32, 128, 512)
 TORCH_REPORTED = {32: 1.30, 128: 1.17, 512: 1.04}  # torch's split, measured earlier on a 2-core CPU
@@ -158,23 +156,17 @@ class Theirs:
 def measure(settings: Settings, rows: int) -> dict:
     model = build_model(settings)
     ours, theirs = Ours(model, rows, settings.hidden), Theirs(model, rows, settings.hidden)
-    samples: dict[str, list] = {"ours_unsplit": [], "ours_split": [], "torch_unsplit": [], "torch_split": []}
-    runs = [
-        ("ours_unsplit", ours.unsplit),
-        ("ours_split", ours.split),
-        ("torch_unsplit", theirs.unsplit),
-        ("torch_split", theirs.split),
-    ]
+    runs = {
+        "ours_unsplit": ours.unsplit, "ours_split": ours.split, "torch_unsplit": theirs.unsplit,
+        "torch_split": theirs.split,
+    }
     for _ in range(settings.warmup):
-        for _, fn in runs:
+        for fn in runs.values():
             fn()
     gc.collect()
     gc.disable()
     try:
-        for r in range(settings.repeats):
-            for i in range(len(runs)):
-                name, fn = runs[(r + i) % len(runs)]
-                samples[name].append(fn())
+        samples = _pairing.rounds(runs, settings.repeats, lambda name: runs[name](), rotate=True)
     finally:
         gc.enable()
     med = _launch.median
@@ -184,19 +176,28 @@ def measure(settings: Settings, rows: int) -> dict:
         b = med([s[0] for s in samples[f"{lib}_split"]])
         w = med([s[1] for s in samples[f"{lib}_split"]])
         total = med([s[0] + s[1] for s in samples[f"{lib}_split"]])
+        # the ratio within each repeat (unsplit and split ran side by side), then the median
+        paired = med([(s[0] + s[1]) / u for s, u in zip(samples[f"{lib}_split"], samples[f"{lib}_unsplit"])])
         result[lib] = {
-            "unsplit_ms": 1e3 * unsplit,
-            "b_ms": 1e3 * b,
-            "w_ms": 1e3 * w,
-            "b_plus_w_ms": 1e3 * total,
-            "ratio": total / unsplit,
-            # the ratio within each repeat (unsplit and split ran side by side), then the median
-            "ratio_paired": med(
-                [(s[0] + s[1]) / u for s, u in zip(samples[f"{lib}_split"], samples[f"{lib}_unsplit"])]
-            ),
-            "w_share": w / (b + w) if b + w > 0 else float("nan"),
+            "unsplit_ms": 1e3 * unsplit, "b_ms": 1e3 * b, "w_ms": 1e3 * w, "b_plus_w_ms": 1e3 * total,
+            "ratio": total / unsplit, "ratio_paired": paired, "w_share": w / (b + w) if b + w > 0 else float("nan"),
         }
     return result
+
+
+def measure_all(settings: Settings) -> list[dict]:
+    """`measure` at every row count of `settings`, each printed as it ends."""
+    results = []
+    for rows in settings.rows:
+        results.append(measure(settings, rows))
+        ours, theirs = results[-1]["ours"]["ratio"], results[-1]["torch"]["ratio"]
+        print(f"rows {rows}: ours {ours:.3f}, torch {theirs:.3f}", flush=True)
+    return results
+
+
+def analyse(results: list[dict], settings: Settings) -> dict:
+    holds = all(r["ours"]["ratio"] <= 1.05 for r in results)
+    return {"torch_reported": TORCH_REPORTED, "results": results, "target": {"ours_max_ratio": 1.05, "holds": holds}}
 
 
 def report(data: dict) -> str:
@@ -207,27 +208,13 @@ def report(data: dict) -> str:
         f"Stage: {s['layers']} residual MLP blocks (hidden {s['hidden']}, LayerNorm, Linear h->4h, GELU, Linear 4h->h) "
         f"and a Linear head with the MSE loss, the second stage of a 2-stage pipeline; fp32, {s['threads']} thread(s); "
         f"{s['warmup']} warm-up and {s['repeats']} alternating repeats of the four variants; medians.",
-        f"Machine: {_launch.load_line(data['machine_before'])} before, {_launch.load_line(data['machine_after'])} "
-        "after.",
+        f"Machine: {_launch.before_after(data)}.",
         "",
     ]
-    rows = []
-    for r in data["results"]:
-        o, t = r["ours"], r["torch"]
-        rows.append(
-            [
-                r["rows"],
-                f"{o['unsplit_ms']:.2f}",
-                f"{o['b_ms']:.2f} + {o['w_ms']:.2f}",
-                f"{o['ratio']:.3f}",
-                f"{o['ratio_paired']:.3f}",
-                f"{t['unsplit_ms']:.2f}",
-                f"{t['b_ms']:.2f} + {t['w_ms']:.2f}",
-                f"{t['ratio']:.3f}",
-                f"{t['ratio_paired']:.3f}",
-                f"{TORCH_REPORTED.get(r['rows'], float('nan')):.2f}",
-            ]
-        )
+    rows = [
+        [r["rows"], *_cells(r["ours"]), *_cells(r["torch"]), f"{TORCH_REPORTED.get(r['rows'], float('nan')):.2f}"]
+        for r in data["results"]
+    ]
     lines.append(_launch.table(
         ["rows", "ours unsplit ms", "ours I + W ms", "ours ratio", "ours paired", "torch unsplit ms", "torch I + W ms",
          "torch ratio", "torch paired", "torch earlier"],
@@ -241,16 +228,20 @@ def report(data: dict) -> str:
         "## Target: ours at most 1.05 at every size",
         "",
     ]
-    lines.append(
-        _launch.table(
-            ["rows", "ours ratio", "holds"],
-            [
-                [r["rows"], f"{r['ours']['ratio']:.3f}", "yes" if r["ours"]["ratio"] <= 1.05 else "NO"]
-                for r in data["results"]
-            ],
-        )
-    )
+    lines.append(_launch.table(
+        ["rows", "ours ratio", "holds"],
+        [[r["rows"], f"{r['ours']['ratio']:.3f}", "yes" if r["ours"]["ratio"] <= 1.05 else "NO"]
+         for r in data["results"]],
+    ))
     return "\n".join(lines)
+
+
+def _cells(times: dict) -> list[str]:
+    """One library's columns of a row: unsplit ms, I + W ms, the ratio and the paired ratio."""
+    return [
+        f"{times['unsplit_ms']:.2f}", f"{times['b_ms']:.2f} + {times['w_ms']:.2f}", f"{times['ratio']:.3f}",
+        f"{times['ratio_paired']:.3f}",
+    ]
 
 
 def main() -> None:
@@ -263,30 +254,7 @@ def main() -> None:
     options = parser.parse_args()
     settings = Settings(hidden=options.hidden, layers=options.layers, repeats=options.repeats, rows=tuple(options.rows))
     torch.set_num_threads(settings.threads)
-    before = _launch.machine()
-    print(f"machine: {_launch.load_line(before)}", flush=True)
-    started = time.perf_counter()
-    results = []
-    for rows in settings.rows:
-        results.append(measure(settings, rows))
-        print(
-            f"rows {rows}: ours {results[-1]['ours']['ratio']:.3f}, torch {results[-1]['torch']['ratio']:.3f}",
-            flush=True,
-        )
-    data = {
-        "settings": asdict(settings),
-        "machine_before": before,
-        "machine_after": _launch.machine(),
-        "wall_s": time.perf_counter() - started,
-        "torch_reported": TORCH_REPORTED,
-        "results": results,
-        "target": {"ours_max_ratio": 1.05, "holds": all(r["ours"]["ratio"] <= 1.05 for r in results)},
-    }
-    text = report(data)
-    print(text)
-    if not options.no_write:
-        paths = _launch.write_results("split_overhead", data, text)
-        print("wrote " + ", ".join(str(p) for p in paths))
+    _launch.run_and_report("split_overhead", None, measure_all, settings, analyse, report, not options.no_write)
 
 
 if __name__ == "__main__":

@@ -22,33 +22,24 @@ Writes benchmarks/results/straggler.{json,md}.
 
 from __future__ import annotations
 
-import argparse
-import sys
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
-
-import _launch  # noqa: E402
+import _launch
+import _pairing
 
 PIPELINES = ("static cut", "re-cut")
 
 
 @dataclass(frozen=True)
-class Settings:
+class Settings(_launch.Settings):
     vocab: int = 512
     seq_len: int = 128
     hidden: int = 256
-    heads: int = 4
     layers: int = 8
-    rows: int = 2  # sequences per microbatch
-    microbatches: int = 8
+    steps_per_round: int = 4
     slowdown: float = 1.5
     slowed_rank: int = 1
-    rounds: int = 6
-    steps_per_round: int = 4
     max_warmup: int = 60  # steps until a tuner runs its measured schedule
-    timeout_s: float = 600.0
 
 
 def _pipeline(name: str, settings: Settings, tokens, targets):
@@ -68,42 +59,31 @@ def rank_main(settings: Settings) -> dict:
     import torch
     import torch.distributed as dist
 
-    generator = torch.Generator().manual_seed(0)
-    shape = (settings.microbatches * settings.rows, settings.seq_len)
-    tokens = torch.randint(0, settings.vocab, shape, generator=generator)
-    targets = tokens.roll(-1, 1)
-    pipes, optimizers = {}, {}
+    from zbcompile.measure import steady_period
+
+    tokens, targets = _launch.batch(settings, settings.microbatches, seed=0)
+    pipes, step = {}, {}
     for name in PIPELINES:
-        pipes[name] = _pipeline(name, settings, tokens, targets)
-        optimizers[name] = torch.optim.SGD(pipes[name].parameters(), lr=1e-3)
-
-    def step(name: str) -> None:
-        pipes[name].step(tokens, target=targets)
-        optimizers[name].step()
-        optimizers[name].zero_grad(set_to_none=True)
-
+        pipes[name] = pipe = _pipeline(name, settings, tokens, targets)
+        step[name] = _pairing.training_step(pipe, torch.optim.SGD(pipe.parameters(), lr=1e-3), tokens, targets)
     warmup = {}
     for name, pipe in pipes.items():
-        steps = 0
-        while (pipe.tuner.measured is None or pipe.tuner.solving) and steps < settings.max_warmup:
-            step(name)
-            steps += 1
-        step(name)
-        warmup[name] = steps
-    times: dict[str, list[float]] = {name: [] for name in PIPELINES}
-    for r in range(settings.rounds):
-        for name in PIPELINES if r % 2 == 0 else reversed(PIPELINES):
-            dist.barrier()
-            step(name)  # settles after the barrier
-            started = time.perf_counter()
-            for _ in range(settings.steps_per_round):
-                step(name)
-            times[name].append((time.perf_counter() - started) / settings.steps_per_round)
-        if dist.get_rank() == 0:
-            print(f"round {r + 1}/{settings.rounds} done", flush=True)
+        taken = 0
+        while (pipe.tuner.measured is None or pipe.tuner.solving) and taken < settings.max_warmup:
+            step[name]()
+            taken += 1
+        step[name]()
+        warmup[name] = taken
+
+    def timed(name: str) -> float:
+        """Seconds per step of the round's steps back to back, after one that settles after a barrier."""
+        return steady_period(step[name], settings.steps_per_round + 1, settle=1, sync=dist.barrier)
+
+    times = _pairing.rounds(
+        PIPELINES, settings.rounds, timed, after=lambda r, _: f"round {r + 1}/{settings.rounds} done"
+    )
     return {
-        "times": times,
-        "warmup": warmup,
+        "times": times, "warmup": warmup,
         "predicted_span": {name: pipes[name].tuner.predicted_span for name in PIPELINES},
         "history": {name: list(pipes[name].tuner.history) for name in PIPELINES},
         "cuts": {name: list(pipes[name].compiled.partition.cuts) for name in PIPELINES},
@@ -113,10 +93,9 @@ def rank_main(settings: Settings) -> dict:
     }
 
 
-def analyse(per_rank: list[dict], settings: Settings, before: dict, after: dict, wall_s: float) -> dict:
+def analyse(per_rank: list[dict], settings: Settings) -> dict:
     first = per_rank[0]
-    step = {name: _launch.median([max(r["times"][name][i] for r in per_rank) for i in range(settings.rounds)])
-            for name in PIPELINES}
+    step = {name: _launch.median(_pairing.slowest(r["times"][name] for r in per_rank)) for name in PIPELINES}
     predicted = first["predicted_span"]
     recut, static = step["re-cut"], step["static cut"]
     checks = [
@@ -126,7 +105,6 @@ def analyse(per_rank: list[dict], settings: Settings, before: dict, after: dict,
          "value": static / recut, "holds": static >= 1.2 * recut},
     ]
     return {
-        "settings": asdict(settings), "machine_before": before, "machine_after": after, "wall_s": wall_s,
         "step_s": step, "predicted_span_s": predicted, "checks": checks,
         **{k: first[k] for k in ("warmup", "history", "cuts", "placement", "cut_record")},
     }
@@ -135,14 +113,12 @@ def analyse(per_rank: list[dict], settings: Settings, before: dict, after: dict,
 def report(data: dict) -> str:
     s = data["settings"]
     cut = data["cut_record"] or {}
-    lines = [
+    return "\n".join([
         "# A slower rank: zb-auto re-cut by measurement against the compiler's cut",
         "",
         f"Llama-style decoder ({s['layers']} layers, hidden {s['hidden']}, vocab {s['vocab']}, seq {s['seq_len']}), "
         f"{s['rows']} rows per microbatch, m={s['microbatches']}, 2 gloo ranks; rank {s.get('slowed_rank', 1)} slowed "
-        f"{s['slowdown']}x "
-        "(`_slowdown`, a testing aid). Machine: "
-        f"{_launch.load_line(data['machine_before'])} before, {_launch.load_line(data['machine_after'])} after; "
+        f"{s['slowdown']}x (`_slowdown`, a testing aid). Machine: {_launch.before_after(data)}; "
         f"{data['wall_s']:.0f} s.",
         "",
         _launch.table(
@@ -161,18 +137,15 @@ def report(data: dict) -> str:
             ["check", "value", "holds"],
             [[c["check"], f"{c['value']:.3f}", "yes" if c["holds"] else "NO"] for c in data["checks"]],
         ),
-    ]
-    return "\n".join(lines)
+    ])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = _launch.parser(__doc__.split("\n\n")[0], "a smoke run: a small model, 2 rounds")
     parser.add_argument("--slowdown", type=float, default=Settings.slowdown)
     parser.add_argument("--slowed-rank", type=int, choices=(0, 1), default=Settings.slowed_rank)
     parser.add_argument("--rounds", type=int, default=Settings.rounds)
     parser.add_argument("--rows", type=int, default=Settings.rows)
-    parser.add_argument("--quick", action="store_true", help="a smoke run: a small model, 2 rounds")
-    parser.add_argument("--no-write", action="store_true", help="print only; leave the results files alone")
     options = parser.parse_args()
     settings = Settings(
         slowdown=options.slowdown, slowed_rank=options.slowed_rank, rounds=options.rounds, rows=options.rows
@@ -182,9 +155,7 @@ def main() -> None:
             seq_len=32, hidden=64, rows=1, rounds=2, steps_per_round=2, slowdown=options.slowdown,
             slowed_rank=options.slowed_rank,
         )
-    _launch.run_and_report(
-        "straggler", 2, rank_main, settings, analyse, report, write=not options.no_write and not options.quick
-    )
+    _launch.run_and_report("straggler", 2, rank_main, settings, analyse, report, write=_launch.writes(options))
 
 
 if __name__ == "__main__":

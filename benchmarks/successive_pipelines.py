@@ -18,10 +18,10 @@ import sys
 import time
 import traceback
 
+from _launch import load_line, machine, table, write_results
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-from _launch import load_line, machine, table, write_results  # noqa: E402
 from helpers import tensor_parallel_workers as workers  # noqa: E402
 from helpers.multiprocess import run_ranks  # noqa: E402
 
