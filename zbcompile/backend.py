@@ -187,10 +187,7 @@ class _RegionBackward:
     W inside it."""
 
     def __init__(
-        self,
-        unsplit: fx.GraphModule,
-        input_names: Sequence[str],
-        output_names: Sequence[str | None],
+        self, unsplit: fx.GraphModule, input_names: Sequence[str], output_names: Sequence[str | None],
         split: IWPrograms,
     ) -> None:
         self.unsplit = unsplit

@@ -20,7 +20,7 @@ from zbcompile.passes.forward_only import forward_program
 from zbcompile.passes.held_cuts import held_cuts
 from zbcompile.passes.joint import StageJoint, export_stage_joint, export_stage_joints
 from zbcompile.passes.partition import Stage, StagePartition, partition_stages
-from zbcompile.passes.recompute import RECOMPUTE_LEVELS, RecomputeLevel
+from zbcompile.passes.recompute import RECOMPUTE_LEVELS
 from zbcompile.passes.split_backward import MIN_DEFERRAL_INTENSITY, StageIWPrograms, split_backward
 from zbcompile.passes.stage_cost import StageGraphCost, forward_peak, peak_memory_with_transients, stage_cost
 from zbcompile.passes.stage_reuse import renamed_joint, renamed_split, stage_fingerprint, stage_name_map
@@ -126,20 +126,25 @@ class CompiledPipeline:
         return lines
 
 
+class _Phases:
+    """The wall-clock seconds and this process's CPU seconds of each timed phase."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.cpu_seconds: dict[str, float] = {}
+
+    def timed(self, phase: str, fn: Callable[[], Any]) -> Any:
+        started, cpu = time.perf_counter(), time.process_time()
+        result = fn()
+        self.seconds[phase], self.cpu_seconds[phase] = time.perf_counter() - started, time.process_time() - cpu
+        return result
+
+
 def compile_pipeline(
-    model: nn.Module,
-    loss_fn: Callable[..., torch.Tensor] | None,
-    args: tuple,
-    kwargs: dict[str, Any],
-    target: Any,
-    stages: int,
-    split_points: Sequence[str] | None = None,
-    device: torch.device | None = None,
-    min_deferral_intensity: float = MIN_DEFERRAL_INTENSITY,
-    cuts: Sequence[int] | None = None,
-    recompute_alternatives: bool = False,
-    reuse_stages: bool = False,
-    reuse_blocks: bool = True,
+    model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None, args: tuple, kwargs: dict[str, Any], target: Any,
+    stages: int, split_points: Sequence[str] | None = None, device: torch.device | None = None,
+    min_deferral_intensity: float = MIN_DEFERRAL_INTENSITY, cuts: Sequence[int] | None = None,
+    recompute_alternatives: bool = False, reuse_stages: bool = False, reuse_blocks: bool = True,
 ) -> CompiledPipeline:
     """Compile one microbatch's forward + loss (`args`, `kwargs`, `target` are a microbatch).
     The model's parameters may be on the `meta` device; they compile as if on `device`.
@@ -151,84 +156,67 @@ def compile_pipeline(
     (`phase_seconds` then times "joint+split+cost" together); `reuse_blocks`: a stage's joint
     graph is assembled from its blocks' joints, each distinct block traced once for all stages, where that
     gives the same graph op for op (`passes/block_joint.py`), and traced whole otherwise."""
-    seconds: dict[str, float] = {}
-    cpu_seconds: dict[str, float] = {}
-
-    def timed(phase: str, fn, *a, **k):
-        start, cpu = time.perf_counter(), time.process_time()
-        result = fn(*a, **k)
-        seconds[phase], cpu_seconds[phase] = time.perf_counter() - start, time.process_time() - cpu
-        return result
-
+    phases = _Phases()
     # the errors we raise say what went wrong; ZBCOMPILE_DEBUG=1 shows torch's own log
     with ti.quiet_torch_logs():
-        traced = timed("trace", trace_model, model, loss_fn, args, kwargs, target, device)
+        traced = phases.timed("trace", lambda: trace_model(model, loss_fn, args, kwargs, target, device))
     with ti.quiet_torch_logs(warnings_too=True):  # no user code runs in these passes
-        partition = timed("partition", partition_stages, traced, stages, split_points, cuts=cuts)
+        partition = phases.timed("partition", lambda: partition_stages(traced, stages, split_points, cuts=cuts))
         levels = RECOMPUTE_LEVELS if recompute_alternatives else ()
         predicates = list(dict.fromkeys(level.recompute for level in levels))  # one separation each
         if reuse_stages:
-            programs, _ = timed(
+            programs, _ = phases.timed(
                 "joint+split+cost",
-                _programs_with_reuse,
-                partition,
-                traced.fake_mode,
-                min_deferral_intensity,
-                predicates,
-                reuse_blocks,
+                lambda: _programs_with_reuse(
+                    partition, traced.fake_mode, min_deferral_intensity, predicates, reuse_blocks
+                ),
             )
         else:
-            joints = timed(
+            joints = phases.timed(
                 "joint",
-                export_stage_joints,
-                partition,
-                traced.fake_mode,
-                recompute_levels=predicates,
-                reuse_blocks=reuse_blocks,
+                lambda: export_stage_joints(
+                    partition, traced.fake_mode, recompute_levels=predicates, reuse_blocks=reuse_blocks
+                ),
             )
-            splits = timed("split_backward", lambda: [split_backward(j, min_deferral_intensity) for j in joints])
-            programs = timed(
+            splits = phases.timed("split_backward", lambda: [split_backward(j, min_deferral_intensity) for j in joints])
+            programs = phases.timed(
                 "cost",
                 lambda: tuple(
                     StageProgram(stage, joint, split, stage_cost(joint, split))
                     for stage, joint, split in zip(partition.stages, joints, splits)
                 ),
             )
-        alternatives = (
-            timed("recompute", _recompute_alternatives, partition, programs, predicates, min_deferral_intensity)
-            if levels
-            else ()
-        )
+        alternatives = ()
+        if levels:
+            alternatives = phases.timed(
+                "recompute", lambda: _recompute_alternatives(partition, programs, predicates, min_deferral_intensity)
+            )
     return CompiledPipeline(
-        traced, partition, programs, seconds, alternatives=alternatives, phase_cpu_seconds=cpu_seconds
+        traced, partition, programs, phases.seconds, alternatives=alternatives, phase_cpu_seconds=phases.cpu_seconds
     )
 
 
-
 def _recompute_alternatives(
-    partition: StagePartition,
-    programs: tuple[StageProgram, ...],
-    predicates: list,
-    min_deferral_intensity: float,
+    partition: StagePartition, programs: tuple[StageProgram, ...], predicates: list, min_deferral_intensity: float,
     only: Sequence[int] | None = None,
 ) -> tuple[tuple[StageProgram, ...], ...]:
     """Per stage, its program and one per level of `RECOMPUTE_LEVELS`, from the joint's
     separation under that level's predicate (`predicates`: the distinct ones, in order); with
     `only`, the other stages get none (an empty tuple)."""
-    return tuple(
-        (
-            program,
-            *(
-                _stage_program(
-                    stage, program.joint.alternatives[predicates.index(level.recompute)], level, min_deferral_intensity
-                )
-                for level in RECOMPUTE_LEVELS
-            ),
-        )
-        if only is None or stage.index in only
-        else ()
-        for stage, program in zip(partition.stages, programs)
-    )
+    alternatives = []
+    for stage, program in zip(partition.stages, programs):
+        if only is not None and stage.index not in only:
+            alternatives.append(())
+            continue
+        chosen = [program]
+        for level in RECOMPUTE_LEVELS:
+            joint = program.joint.alternatives[predicates.index(level.recompute)]
+            intensity = min_deferral_intensity if level.defer_weights else math.inf
+            split = split_backward(joint, intensity, level.weight_recomputes)
+            chosen.append(StageProgram(stage, joint, split, stage_cost(joint, split)))
+        alternatives.append(tuple(chosen))
+    return tuple(alternatives)
+
 
 @dataclass(frozen=True)
 class CostedPipeline:
@@ -251,20 +239,11 @@ class CostedPipeline:
 
 
 def compile_costs(
-    model: nn.Module,
-    loss_fn: Callable[..., torch.Tensor] | None,
-    args: tuple,
-    kwargs: dict[str, Any],
-    target: Any,
-    stages: int,
-    split_points: Sequence[str] | None = None,
-    device: torch.device | None = None,
-    min_deferral_intensity: float = MIN_DEFERRAL_INTENSITY,
-    reuse_blocks: bool = True,
-    annotate: Callable[[TracedModel], Any] | None = None,
-    cuts: Sequence[int] | None = None,
-    traced: TracedModel | None = None,
-    recompute_alternatives: bool = False,
+    model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None, args: tuple, kwargs: dict[str, Any], target: Any,
+    stages: int, split_points: Sequence[str] | None = None, device: torch.device | None = None,
+    min_deferral_intensity: float = MIN_DEFERRAL_INTENSITY, reuse_blocks: bool = True,
+    annotate: Callable[[TracedModel], Any] | None = None, cuts: Sequence[int] | None = None,
+    traced: TracedModel | None = None, recompute_alternatives: bool = False,
 ) -> CostedPipeline:
     """What `compile_pipeline` computes of each stage's cost, for a model on the meta device as
     well (nothing is materialised), with the joint export, the I/W split and the cost of stages
@@ -277,51 +256,38 @@ def compile_costs(
     `trace_model` with these inputs; annotating it again for another plan is allowed), not traced
     again. `recompute_alternatives`: every stage compiled for itself also at each level of
     `RECOMPUTE_LEVELS` (`CostedPipeline.alternatives`)."""
-    seconds: dict[str, float] = {}
-    cpu_seconds: dict[str, float] = {}
-
-    def timed(phase: str, fn: Callable[[], Any]) -> Any:
-        started, cpu = time.perf_counter(), time.process_time()
-        result = fn()
-        seconds[phase], cpu_seconds[phase] = time.perf_counter() - started, time.process_time() - cpu
-        return result
-
+    phases = _Phases()
     if traced is None:
         with ti.quiet_torch_logs():
-            traced = timed(
+            traced = phases.timed(
                 "trace", lambda: trace_model(model, loss_fn, args, kwargs, target, device, record_stack_traces=False)
             )
     annotation = annotate(traced) if annotate is not None else None
     predicates = list(dict.fromkeys(level.recompute for level in RECOMPUTE_LEVELS)) if recompute_alternatives else []
     with ti.quiet_torch_logs(warnings_too=True):
-        partition = timed("partition", lambda: partition_stages(traced, stages, split_points, cuts=cuts))
-        programs, representative = timed(
+        partition = phases.timed("partition", lambda: partition_stages(traced, stages, split_points, cuts=cuts))
+        programs, representative = phases.timed(
             "joint+split+cost",
             lambda: _programs_with_reuse(
                 partition, traced.fake_mode, min_deferral_intensity, predicates, reuse_blocks=reuse_blocks
             ),
         )
-        alternatives = (
-            timed(
+        alternatives = ()
+        if predicates:
+            alternatives = phases.timed(
                 "recompute",
                 lambda: _recompute_alternatives(
                     partition, programs, predicates, min_deferral_intensity, set(representative)
                 ),
             )
-            if predicates
-            else ()
-        )
     costs = tuple(p.cost for p in programs)
     return CostedPipeline(
-        traced, partition, costs, representative, seconds, cpu_seconds, annotation, programs, alternatives
+        traced, partition, costs, representative, phases.seconds, phases.cpu_seconds, annotation, programs, alternatives
     )
 
 
 def _programs_with_reuse(
-    partition: StagePartition,
-    fake_mode: Any,
-    min_deferral_intensity: float,
-    predicates: Sequence[Callable] = (),
+    partition: StagePartition, fake_mode: Any, min_deferral_intensity: float, predicates: Sequence[Callable] = (),
     reuse_blocks: bool = True,
 ) -> tuple[tuple[StageProgram, ...], tuple[int, ...]]:
     """Every stage's program, and the stage it was compiled from: stages are taken last first,
@@ -371,14 +337,8 @@ class CompiledForward:
 
 
 def compile_forward_only(
-    model: nn.Module,
-    loss_fn: Callable[..., torch.Tensor] | None,
-    args: tuple,
-    kwargs: dict[str, Any],
-    target: Any,
-    held: Sequence[frozenset[str]],
-    device: torch.device | None = None,
-    outputs: bool = False,
+    model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None, args: tuple, kwargs: dict[str, Any], target: Any,
+    held: Sequence[frozenset[str]], device: torch.device | None = None, outputs: bool = False,
 ) -> CompiledForward:
     """Compile one microbatch's forward (with its loss, or with `outputs` the model's output) in
     the module's current mode (eval mode: dropout off, BatchNorm's running statistics), cut into
@@ -394,11 +354,3 @@ def compile_forward_only(
         peaks = tuple(forward_peak(program, stage, partition) for program, stage in zip(programs, partition.stages))
     return CompiledForward(traced, partition, programs, peaks, result_names)
 
-
-def _stage_program(
-    stage: Stage, joint: StageJoint, level: RecomputeLevel, min_deferral_intensity: float
-) -> StageProgram:
-    """The stage at one recompute level (`joint` separated with its predicate)."""
-    intensity = min_deferral_intensity if level.defer_weights else math.inf
-    split = split_backward(joint, intensity, level.weight_recomputes)
-    return StageProgram(stage, joint, split, stage_cost(joint, split))

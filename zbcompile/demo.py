@@ -98,10 +98,8 @@ class DemoLayout:
         return max(0, self.cores - self.ranks * self.threads)
 
     def describe(self) -> str:
-        stages = (
-            f"one stage per rank, {self.microbatches} microbatches ({MICROBATCHES_PER_STAGE} per stage: zero bubble's "
-            "predicted gain over 1F1B peaks there)"
-        )
+        stages = (f"one stage per rank, {self.microbatches} microbatches ({MICROBATCHES_PER_STAGE} per stage: zero "
+                  "bubble's predicted gain over 1F1B peaks there)")
         if self.on_gpus:
             why = f"at most {MAX_RANKS}" if self.gpus > MAX_RANKS else "one per GPU"
             return f"{self.gpus} GPUs -> {self.ranks} nccl ranks ({why}), {stages}"
@@ -110,9 +108,8 @@ class DemoLayout:
         threads = f"{self.threads} thread{'s' if self.threads != 1 else ''} each"
         why = f"at most {MAX_RANKS}, {threads}" if self.cores > MAX_RANKS else f"one per core, {threads}"
         if self.shares_cores:
-            why = (
-                f"sharing {'it' if self.cores == 1 else 'them'}: a pipeline needs 2; the comparison will be unreliable"
-            )
+            them = "it" if self.cores == 1 else "them"
+            why = f"sharing {them}: a pipeline needs 2; the comparison will be unreliable"
         return f"{cores}{gpu_note} -> {self.ranks} gloo ranks ({why}), {stages}"
 
 
@@ -163,12 +160,9 @@ class ModelSize:
 
     def describe(self) -> str:
         low, high = STEP_RANGE_S
-        return (
-            f"GPT (untied embeddings) with {self.layers} layers, hidden {self.hidden}, {ROWS} sequences of {SEQ_LEN} "
-            "bytes per microbatch: "
-            f"a 1F1B step ~{self.step_s:.2f} s ({low}-{high} s wanted; one block measured at {self.block_s * 1e3:.1f} "
-            "ms)"
-        )
+        return (f"GPT (untied embeddings) with {self.layers} layers, hidden {self.hidden}, {ROWS} sequences of "
+                f"{SEQ_LEN} bytes per microbatch: a 1F1B step ~{self.step_s:.2f} s ({low}-{high} s wanted; one block "
+                f"measured at {self.block_s * 1e3:.1f} ms)")
 
 
 def size_model(layout: DemoLayout, block_seconds: Callable[[int], float]) -> ModelSize:
@@ -241,12 +235,8 @@ class Summary:
         for name in SCHEDULES:
             loss = losses.get(name)
             rows.append(f"{name:>9s}  {self.step_s[name] * 1e3:8.1f} ms  {'-' if loss is None else f'{loss:.4f}':>10s}")
-        same = (
-            " (the same: every schedule computes the same gradients)"
-            if losses.get(reference) == losses.get(other)
-            else ""
-        )
-        rows[-1] += same
+        if losses.get(reference) == losses.get(other):
+            rows[-1] += " (the same: every schedule computes the same gradients)"
         faster = "faster" if self.speedup >= 1 else "SLOWER"
         rows.append(
             f"{other} vs {reference}: {self.speedup:.3f}x the speed ({faster}; median over {self.rounds} rounds of "
@@ -256,9 +246,8 @@ class Summary:
         rows.append(
             f"simulator's predicted gain for {layout.stages} stages x {layout.microbatches} microbatches: "
             f"{self.predicted:.3f}x (steady state, each schedule timed by its own measured actions, the optimizer step "
-            "and batch as measured; "
-            f"{self.predicted_solved:.3f}x under the {self.cost_source} costs zb-auto was solved with); captured: "
-            f"{captured}"
+            f"and batch as measured; {self.predicted_solved:.3f}x under the {self.cost_source} costs zb-auto was "
+            f"solved with); captured: {captured}"
         )
         rows.append(self.machine_line(layout))
         return rows
@@ -268,11 +257,9 @@ class Summary:
         if math.isnan(self.others_cores):
             used = "other processes' CPU use during the run is unknown here (no /proc/stat)"
         if layout.shares_cores:
-            return (
-                f"UNRELIABLE: {layout.ranks} ranks shared {layout.cores} core(s), so a rank's bubble was another "
-                "rank's "
-                f"compute time and this measured the operating system's scheduler more than the pipeline; {used}"
-            )
+            return (f"UNRELIABLE: {layout.ranks} ranks shared {layout.cores} core(s), so a rank's bubble was another "
+                    "rank's compute time and this measured the operating system's scheduler more than the pipeline; "
+                    f"{used}")
         if self.busy:
             return f"machine was BUSY: {used}, so these numbers are noisy; run again on a quieter machine"
         if math.isnan(self.others_cores):
@@ -281,23 +268,13 @@ class Summary:
 
 
 def summarize(
-    periods: dict[str, Sequence[float]],
-    predicted: tuple[float, float, str],
-    others_cores: float,
-    spare_cores: float,
+    periods: dict[str, Sequence[float]], predicted: tuple[float, float, str], others_cores: float, spare_cores: float
 ) -> Summary:
     """`periods[schedule]`: seconds per step per round, rounds alike; `predicted`: `predicted_gains`'."""
     reference, other = SCHEDULES
-    return Summary(
-        step_s={name: measure.median(values) for name, values in periods.items()},
-        rounds=len(periods[reference]),
-        speedup=measure.paired_ratio(periods[reference], periods[other]),
-        predicted=predicted[0],
-        predicted_solved=predicted[1],
-        cost_source=predicted[2],
-        others_cores=others_cores,
-        spare_cores=spare_cores,
-    )
+    step_s = {name: measure.median(values) for name, values in periods.items()}
+    speedup = measure.paired_ratio(periods[reference], periods[other])
+    return Summary(step_s, len(periods[reference]), speedup, *predicted, others_cores, spare_cores)
 
 
 def predicted_gains(
@@ -343,11 +320,7 @@ class _Training:
         with torch.device("meta"):
             model = GPT(size.config())
         self.pipe = zbcompile.pipeline(
-            model,
-            stages=layout.stages,
-            microbatches=layout.microbatches,
-            loss_fn=lm_loss,
-            schedule=schedule,
+            model, stages=layout.stages, microbatches=layout.microbatches, loss_fn=lm_loss, schedule=schedule,
             dump_dir=dump_dir,
         )
         self.device = device
@@ -393,15 +366,6 @@ class _Training:
             self.loop_s.append(time.perf_counter() - started - pipeline_s)
 
 
-def _sync(device: torch.device) -> Callable[[], None]:
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        dist.barrier()
-
-    return sync
-
-
 def _rank_main(rank: int, layout: DemoLayout, size: ModelSize, port: int, out_dir: str, rounds: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if layout.on_gpus:
@@ -420,7 +384,12 @@ def _rank_main(rank: int, layout: DemoLayout, size: ModelSize, port: int, out_di
         for name, run in runs.items():  # as many steps everywhere: the same weights and batches
             for _ in range(max(warmed.values()) - warmed[name]):
                 run.step()
-        sync = _sync(device)
+
+        def sync() -> None:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dist.barrier()
+
         sync()
         periods: dict[str, list[float]] = {name: [] for name in SCHEDULES}
         progress = _progress(rounds) if reporter else None
@@ -471,10 +440,8 @@ def _write_pictures(out_dir: str) -> None:
     page = write_report(dumps[-1], os.path.join(out_dir, "report.html"), compared=dumps[:-1])
     png = write_compared_png(dumps, os.path.join(out_dir, "timelines.png"))
     print(f"report: {page} (both schedules' measured steps, bubbles shaded); picture: {png}")
-    print(
-        f"dumps (graphs, schedules, trace.json for Perfetto): {os.path.join(out_dir, 'dump')}; summary: zbcompile "
-        "inspect DIR"
-    )
+    print(f"dumps (graphs, schedules, trace.json for Perfetto): {os.path.join(out_dir, 'dump')}; "
+          "summary: zbcompile inspect DIR")
 
 
 def run(args: argparse.Namespace) -> int:

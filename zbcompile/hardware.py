@@ -139,10 +139,7 @@ class Hardware:
 
     @classmethod
     def from_measured(
-        cls,
-        measured: Any,
-        static: Sequence[Mapping[str, PassCost]],
-        like: "Hardware | str" = "H100-80GB",
+        cls, measured: Any, static: Sequence[Mapping[str, PassCost]], like: "Hardware | str" = "H100-80GB",
         boundary_bytes: Sequence[float] = (),
     ) -> "Hardware":
         """`like` calibrated to measured per-pass times: `measured` has per-stage seconds `f`, `i`,

@@ -68,11 +68,7 @@ def _entry(rank: int, world: int, port: int, out_dir: str, timeout_s: float, fn:
 
 
 def run_ranks(
-    world: int,
-    fn: Callable,
-    *args: Any,
-    timeout_s: float = 600.0,
-    group_timeout_s: float | None = None,
+    world: int, fn: Callable, *args: Any, timeout_s: float = 600.0, group_timeout_s: float | None = None,
     allow_failures: bool = False,
 ) -> list[Any]:
     """`fn(*args)` on `world` spawned processes (one intra-op thread each) in a gloo group on

@@ -45,10 +45,7 @@ def one_f_one_b_peaks(plan_: Any) -> list[float]:
 
 
 def cut_decision(
-    costed: CostedPipeline,
-    rank_hardware: Sequence[Hardware],
-    limits: Sequence[float],
-    options: Any,
+    costed: CostedPipeline, rank_hardware: Sequence[Hardware], limits: Sequence[float], options: Any,
 ) -> CutDecision:
     """The cut of `costed`'s model chosen by predicted step time on `rank_hardware` within
     `limits` (bytes per rank; `options`: the plan's `PlanOptions`), against the compile's own."""

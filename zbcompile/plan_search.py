@@ -58,22 +58,11 @@ class LayoutPlan:
 
 
 def plan_layouts(
-    model: nn.Module,
-    inputs: tuple,
-    kwargs: dict,
-    target: Any,
-    *,
-    gpus: int,
-    gpus_per_node: int = 8,
-    hardware: Hardware | str = "H100-80GB",
-    memory_limit: float | str | None = None,
-    loss_fn: Callable[..., torch.Tensor] | None = None,
-    optimizer_factor: float = 2.0,
-    grad_factor: float = 1.0,
-    tensor_parallel: Mapping[str, Any] | None = None,
-    sequence_parallel: bool = False,
-    data_parallel: Sequence[str] = ("replicate", "shard"),
-    keep: int = 5,
+    model: nn.Module, inputs: tuple, kwargs: dict, target: Any,
+    *, gpus: int, gpus_per_node: int = 8, hardware: Hardware | str = "H100-80GB",
+    memory_limit: float | str | None = None, loss_fn: Callable[..., torch.Tensor] | None = None,
+    optimizer_factor: float = 2.0, grad_factor: float = 1.0, tensor_parallel: Mapping[str, Any] | None = None,
+    sequence_parallel: bool = False, data_parallel: Sequence[str] = ("replicate", "shard"), keep: int = 5,
     near: Layout | None = None,
 ) -> LayoutPlan:
     """The `keep` fastest layouts of `model` over `gpus` GPUs (`gpus_per_node` to a node) for the
@@ -93,8 +82,8 @@ def plan_layouts(
     tps = tuple(t for t in TP_DEGREES if t not in refused and t <= gpus_per_node)
 
     def batch_of(b: int) -> tuple[tuple, dict, Any]:
-        return pytree.tree_map(lambda x: x[:b] if isinstance(x, torch.Tensor) else x, (tuple(inputs), dict(kwargs),
-                                                                                       target))
+        batch = (tuple(inputs), dict(kwargs), target)
+        return pytree.tree_map(lambda x: x[:b] if isinstance(x, torch.Tensor) else x, batch)
 
     units = model_units(model, batch_of, device, tps, parallel_plan, sequence_parallel, loss_fn)
     settings = settings_on(
@@ -126,9 +115,7 @@ def _tensor_parallel_degrees(
         return None, {t: str(error).split(";")[0] for t in TP_DEGREES if t > 1}
     refused = {}
     for t in TP_DEGREES[1:]:
-        why = split_mismatch(model, plan, t) or (f"above the {gpus_per_node} GPUs of a node" if t > gpus_per_node
-                                                  else "")
-        if why:
+        if why := split_mismatch(model, plan, t) or (t > gpus_per_node and f"above the {gpus_per_node} GPUs of a node"):
             refused[t] = why
     return plan, refused
 
@@ -244,8 +231,9 @@ def nearest(model: Units, result: SearchResult, layout: Layout, count: int = 3) 
     have spared some of its options; the per-stage levels and recompute cuts, which can only make a
     layout faster, are left to the named layout's own plan, whose menu prices them)."""
     def changed(other: Layout) -> int:
-        return sum(getattr(other, k) != getattr(layout, k) for k in ("pp", "tp", "dp", "data_parallel",
-                                                                       "microbatch_size"))
+        knobs = ("pp", "tp", "dp", "data_parallel", "microbatch_size")
+        return sum(getattr(other, k) != getattr(layout, k) for k in knobs)
+
     fitting: dict[Layout, Outcome] = {}
     for o in result.priced:
         if o.fits and (o.layout not in fitting or o.key() < fitting[o.layout].key()):

@@ -76,10 +76,7 @@ class ModelUnits:
             if tp > 1:
                 widest = self._widest[0]  # a collective's seconds grow as (tp - 1) / tp, and with b
                 scale = (tp - 1) / tp * widest / (widest - 1) * microbatch_size / TRACED[0]
-                times = [list(kind) for kind in level0.times[0]]
-                for kind, seconds in enumerate(self._collectives):
-                    times[kind] = [t + scale * c for t, c in zip(times[kind], seconds)]
-                level0 = replace(level0, times=(tuple(tuple(t) for t in times),))
+                level0 = _plus_collectives(level0, self._collectives, scale)
             self._cache[key] = tuple(
                 level0 if level == 0 else _relative(level0, self._base[0], units)
                 for level, units in enumerate(self._base)
@@ -98,10 +95,9 @@ class ModelUnits:
             # y = (x1 - xT) T / (T - 1), x = x1 - y
             return tuple(max(0.0, a - (a - b) * widest / (widest - 1) * (1 - 1 / tp)) for a, b in zip(one, wide))
 
-        f, i, w, mem_b, mem_w, crossing, transient = (at(a, b) for a, b in zip(_vectors(whole), _vectors(narrow)))
+        vectors = [at(a, b) for a, b in zip(_vectors(whole), _vectors(narrow))]
         params = tuple((at((a,), (b,))[0], readers) for (a, readers), (b, _) in zip(whole.params, narrow.params))
-        return replace(whole, times=((f, i, w),), mem_b=mem_b, mem_w=mem_w, crossing=crossing, transient=transient,
-                       params=params)
+        return replace(_with_vectors(whole, vectors), params=params)
 
 
 def for_ranks(units: CutUnits, ranks: int) -> CutUnits:
@@ -110,12 +106,8 @@ def for_ranks(units: CutUnits, ranks: int) -> CutUnits:
 
 
 def model_units(
-    model: nn.Module,
-    batch_of: BatchOf,
-    hardware: Hardware,
-    tps: Sequence[int] = (1,),
-    tensor_parallel: Mapping[str, Any] | None = None,
-    sequence_parallel: bool = False,
+    model: nn.Module, batch_of: BatchOf, hardware: Hardware, tps: Sequence[int] = (1,),
+    tensor_parallel: Mapping[str, Any] | None = None, sequence_parallel: bool = False,
     loss_fn: Callable[..., torch.Tensor] | None = None,
 ) -> ModelUnits:
     """Compile `model` (meta device welcome) for the search (module docstring): one microbatch of
@@ -190,6 +182,19 @@ def _vectors(units: CutUnits) -> list[Sequence[float]]:
     return [f, i, w, units.mem_b, units.mem_w, units.crossing, units.transient or (0.0,) * units.positions]
 
 
+def _with_vectors(units: CutUnits, vectors: Sequence[Sequence[float]]) -> CutUnits:
+    """`units` with the quantities of `_QUANTITIES` taken from `vectors`, in that order (one rank's times)."""
+    f, i, w, mem_b, mem_w, crossing, transient = vectors
+    return replace(units, times=((f, i, w),), mem_b=mem_b, mem_w=mem_w, crossing=crossing, transient=transient)
+
+
+def _plus_collectives(units: CutUnits, collectives: Sequence[Sequence[float]], scale: float = 1.0) -> CutUnits:
+    """`units` (one rank's times) with `scale` x each position's collective seconds added to its F and I."""
+    f, i, w = units.times[0]
+    f, i = (tuple(t + scale * c for t, c in zip(times, seconds)) for times, seconds in zip((f, i), collectives))
+    return replace(units, times=((f, i, w),))
+
+
 def _fixed_shares(once: CutUnits, twice: CutUnits) -> tuple[tuple[float, ...], ...]:
     """Per quantity (`_QUANTITIES`) and position, the share of its value at `TRACED[0]` samples
     that does not grow with them: (2 x1 - x2) / x1 (x2 at twice as many). Unbounded: a
@@ -212,8 +217,7 @@ def _grown(units: CutUnits, fixed: Sequence[Sequence[float]], b: int) -> CutUnit
         tuple(max(0.0, x * (c + (1 - c) * b / TRACED[0])) for x, c in zip(values, shares))
         for values, shares in zip(_vectors(units), fixed)
     ]
-    f, i, w, mem_b, mem_w, crossing, transient = grown
-    return replace(units, times=((f, i, w),), mem_b=mem_b, mem_w=mem_w, crossing=crossing, transient=transient)
+    return _with_vectors(units, grown)
 
 
 def _relative(level0: CutUnits, base0: CutUnits, base_level: CutUnits) -> CutUnits:
@@ -225,17 +229,11 @@ def _relative(level0: CutUnits, base0: CutUnits, base_level: CutUnits) -> CutUni
     scale = [total(level0, p) / total(base0, p) if total(base0, p) > 0 else 1.0 for p in range(level0.positions)]
     times = tuple(tuple(x * s for x, s in zip(kind, scale)) for kind in base_level.times[0])
 
-    def ratio(now: Sequence[float], base: Sequence[float], at_level: Sequence[float]) -> tuple[float, ...]:
+    def ratio(name: str) -> tuple[float, ...]:
+        now, base, at_level = (dict(zip(_QUANTITIES, _vectors(u)))[name] for u in (level0, base0, base_level))
         return tuple(n * lv / b if b > 0 else lv for n, b, lv in zip(now, base, at_level))
 
-    return replace(
-        level0,
-        times=(times,),
-        mem_b=ratio(level0.mem_b, base0.mem_b, base_level.mem_b),
-        mem_w=ratio(level0.mem_w, base0.mem_w, base_level.mem_w),
-        transient=ratio(level0.transient or (0.0,) * level0.positions, base0.transient or (0.0,) * base0.positions,
-                        base_level.transient or (0.0,) * base_level.positions),
-    )
+    return replace(level0, times=(times,), mem_b=ratio("mem_b"), mem_w=ratio("mem_w"), transient=ratio("transient"))
 
 
 @dataclass
@@ -263,8 +261,6 @@ def compiled_units(costed: CostedPipeline, hardware: Hardware, tp: int, microbat
     """`costed`'s units at every recompute level it was compiled with, timed on `hardware`."""
     levels = [_costed_units(costed, hardware, level) for level in range(len(LEVEL_NAMES) if costed.alternatives else 1)]
     if costed.annotation is not None:
-        f, i = _collective_seconds(costed, hardware)
-        levels = [replace(u, times=((tuple(a + b for a, b in zip(u.times[0][0], f)),
-                                     tuple(a + b for a, b in zip(u.times[0][1], i)), u.times[0][2]),))
-                  for u in levels]
+        collectives = _collective_seconds(costed, hardware)
+        levels = [_plus_collectives(u, collectives) for u in levels]
     return CompiledUnits(tp, microbatch_size, tuple(levels))

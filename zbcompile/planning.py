@@ -98,27 +98,13 @@ class Plan:
 
 
 def plan(
-    model: nn.Module,
-    *inputs: Any,
-    stages: int | None = None,
-    microbatches: int | None = None,
-    target: Any = None,
-    hardware: Hardware | str | Sequence[Hardware | str] = "H100-80GB",
-    dp: int = 1,
-    data_parallel: str = "replicate",
-    memory_limit: float | str | None = None,
-    loss_fn: Callable[..., torch.Tensor] | None = None,
-    split_points: Sequence[str] | None = None,
-    schedules: Sequence[str] = PLANNED_SCHEDULES,
-    optimizer_factor: float = 2.0,
-    grad_factor: float = 1.0,
-    time_budget: float = 1.0,
-    tp: int = 1,
-    tensor_parallel: Mapping[str, Any] | None = None,
-    sequence_parallel: bool = False,
-    gpus: int | None = None,
-    gpus_per_node: int = 8,
-    **kwargs: Any,
+    model: nn.Module, *inputs: Any, stages: int | None = None, microbatches: int | None = None, target: Any = None,
+    hardware: Hardware | str | Sequence[Hardware | str] = "H100-80GB", dp: int = 1, data_parallel: str = "replicate",
+    memory_limit: float | str | None = None, loss_fn: Callable[..., torch.Tensor] | None = None,
+    split_points: Sequence[str] | None = None, schedules: Sequence[str] = PLANNED_SCHEDULES,
+    optimizer_factor: float = 2.0, grad_factor: float = 1.0, time_budget: float = 1.0, tp: int = 1,
+    tensor_parallel: Mapping[str, Any] | None = None, sequence_parallel: bool = False, gpus: int | None = None,
+    gpus_per_node: int = 8, **kwargs: Any,
 ) -> "Plan | LayoutPlan":
     """Plan `stages` pipeline stages over `microbatches` microbatches of the batch `inputs`,
     `kwargs`, `target` (one data-parallel replica's, as `step()` takes it; meta tensors welcome)
@@ -386,13 +372,8 @@ def _plan_schedule(
 
 
 def _solve_within(
-    plan_: Plan,
-    name: str,
-    microbatches: int,
-    memory_limit: list[float] | None,
-    limits: Sequence[float],
-    time_budget: float,
-    tries: int = 6,
+    plan_: Plan, name: str, microbatches: int, memory_limit: list[float] | None, limits: Sequence[float],
+    time_budget: float, tries: int = 6,
 ) -> tuple[Schedule, list[float]]:
     """`name` made under `memory_limit` (units; a solved schedule's bound) and its peaks per rank
     in bytes with each action's transients; where those pass `limits` (bytes per rank) on a rank,
@@ -403,12 +384,7 @@ def _solve_within(
     mem_b = resolve_costs(plan_.costs, len(plan_.state)).mem_b
     for attempt in range(tries):
         schedule = make_schedule(
-            name,
-            len(plan_.state),
-            microbatches,
-            plan_.costs,
-            memory_limit,
-            time_budget=time_budget,
+            name, len(plan_.state), microbatches, plan_.costs, memory_limit, time_budget=time_budget,
             placements=("in-line",),
         )
         peaks = plan_.peak_bytes(schedule)

@@ -208,16 +208,9 @@ class _OurRun:
         torch.manual_seed(0)
         chunks = prepared.schedule.stages
         self.pipe = zbcompile.pipeline(
-            StandIn(chunks, settings.width),
-            stages=chunks,
-            microbatches=settings.microbatches,
-            schedule=prepared.schedule,
-            split_points=[f"layers.{c}" for c in range(1, chunks)],
-            loss_fn=mse,
-            profile=False,
-            race_rounds=0,
-            recut=False,
-            timeout=settings.timeout_s,
+            StandIn(chunks, settings.width), stages=chunks, microbatches=settings.microbatches,
+            schedule=prepared.schedule, split_points=[f"layers.{c}" for c in range(1, chunks)], loss_fn=mse,
+            profile=False, race_rounds=0, recut=False, timeout=settings.timeout_s,
             _emulate=EmulatedTimes(prepared.costs, settings.unit_s),
         )
         self.inputs, self.targets = standin_batch(settings, settings.width)

@@ -33,37 +33,22 @@ _SERIES_COLOURS = {"predicted": "#9aa9c9", "measured": "#e0a060", "M_B": "#6c8eb
 def predicted_boxes(version: dict[str, Any], scale: float) -> list[Box]:
     """The simulator's timing of every compute action, times multiplied by `scale`."""
     start, end = version["prediction"]["start"], version["prediction"]["end"]
-    return [
-        Box(
-            rank,
-            start[text] * scale,
-            end[text] * scale,
-            str(Action.parse(text).microbatch),
-            Action.parse(text).kind,
-            text,
-        )
-        for rank, row in enumerate(version["actions"])
-        for text in row
-    ]
+    boxes = []
+    for rank, row in enumerate(version["actions"]):
+        for text in row:
+            action = Action.parse(text)
+            boxes.append(Box(rank, start[text] * scale, end[text] * scale, str(action.microbatch), action.kind, text))
+    return boxes
 
 
 def measured_boxes(trace: dict[str, Any], step: int) -> list[Box]:
     """Every action of `step` on the first replica's ranks, in ms from the step's first start."""
     ranks = trace["otherData"]["ranks"]
-    events = [
-        e for e in action_events(trace)
-        if e["args"]["step"] == step and ranks[str(e["pid"])]["dp_rank"] == 0
-    ]
+    events = [e for e in action_events(trace) if e["args"]["step"] == step and ranks[str(e["pid"])]["dp_rank"] == 0]
     origin = min(e["ts"] for e in events if e["cat"] in COMPUTE_KINDS)
     return [
-        Box(
-            ranks[str(e["pid"])]["pp_rank"],
-            (e["ts"] - origin) / 1e3,
-            (e["ts"] + e["dur"] - origin) / 1e3,
-            str(e["args"]["microbatch"]),
-            e["cat"],
-            e["name"],
-        )
+        Box(ranks[str(e["pid"])]["pp_rank"], (e["ts"] - origin) / 1e3, (e["ts"] + e["dur"] - origin) / 1e3,
+            str(e["args"]["microbatch"]), e["cat"], e["name"])
         for e in events
     ]
 
@@ -128,8 +113,7 @@ def bar_chart(title: str, groups: Sequence[tuple[str, Sequence[tuple[str, float]
             out.append(f'<text x="4" y="{y + 12}">{escape(name)}</text>')
             out.append(
                 f'<rect class="bar" data-series="{escape(series)}" data-group="{escape(label)}" x="{label_width}" '
-                f'y="{y + 2}" '
-                f'width="{max(w, 0.5):.2f}" height="{row - 4}" fill="{colour}"/>'
+                f'y="{y + 2}" width="{max(w, 0.5):.2f}" height="{row - 4}" fill="{colour}"/>'
             )
             out.append(f'<text x="{label_width + w + 4:.2f}" y="{y + 12}">{escape(fmt(value))}</text>')
             y += row
@@ -152,29 +136,18 @@ def _timelines(dump: Dump, version: dict[str, Any], found: dict[str, Any] | None
     unit = version["time_unit"]
     if found is None:
         label, scale = ("ms", 1e3) if unit == "s" else ("FLOP-equivalents", 1.0)
-        boxes = predicted_boxes(version, scale)
-        return (
-            to_svg(boxes, f"predicted ({label}): {version['name']}", _TIMELINE_WIDTH)
-            + "<p>measured: no trace recorded</p>"
-        )
+        title = f"predicted ({label}): {version['name']}"
+        return to_svg(predicted_boxes(version, scale), title, _TIMELINE_WIDTH) + "<p>measured: no trace recorded</p>"
     predicted = predicted_boxes(version, found["scale"] * 1e3)
     measured = measured_boxes(dump.trace, found["representative"])
     # both from the first compute action; a RECV wait may begin before it
     span = (min([0.0, *(b.start for b in measured)]), max(b.end for b in [*predicted, *measured]))
-    return "\n".join(
-        [
-            to_svg(
-                predicted, f"predicted (ms): makespan {found['predicted_makespan'] * 1e3:.2f} ms", _TIMELINE_WIDTH, span
-            ),
-            to_svg(
-                measured,
-                f"measured, step {found['representative']} (ms; grey: SEND posts and RECV waits): makespan of the "
-                "median step",
-                _TIMELINE_WIDTH,
-                span,
-            ),
-        ]
-    )
+    panels = [
+        (predicted, f"predicted (ms): makespan {found['predicted_makespan'] * 1e3:.2f} ms"),
+        (measured, f"measured, step {found['representative']} (ms; grey: SEND posts and RECV waits): makespan of the "
+         "median step"),
+    ]
+    return "\n".join(to_svg(boxes, title, _TIMELINE_WIDTH, span) for boxes, title in panels)
 
 
 def _bars(dump: Dump, version: dict[str, Any], found: dict[str, Any] | None) -> str:
@@ -209,18 +182,13 @@ def _bars(dump: Dump, version: dict[str, Any], found: dict[str, Any] | None) -> 
 
 
 def _listings(dump: Dump) -> str:
-    parts = [
-        "<details><summary>traced forward with "
-        f"stages</summary><pre>{escape(graph_text(dump, None, 'forward'))}</pre></details>"
-    ]
+    def details(summary: str, text: str) -> str:
+        return f"<details><summary>{summary}</summary><pre>{escape(text)}</pre></details>"
+
+    parts = [details("traced forward with stages", graph_text(dump, None, "forward"))]
     for s in range(dump.record["stages"]):
-        for graph in ("F", "I", "W", "B"):
-            code = graph_text(dump, s, graph)
-            parts.append(f"<details><summary>stage {s} {graph}</summary><pre>{escape(code)}</pre></details>")
-    parts.append(
-        "<details><summary>the backward before and after the I/W "
-        f"split</summary><pre>{escape(split_diff(dump))}</pre></details>"
-    )
+        parts += [details(f"stage {s} {graph}", graph_text(dump, s, graph)) for graph in ("F", "I", "W", "B")]
+    parts.append(details("the backward before and after the I/W split", split_diff(dump)))
     return "\n".join(parts)
 
 

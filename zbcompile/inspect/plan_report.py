@@ -30,6 +30,7 @@ __all__ = [
     "zb_auto_line",
 ]
 
+
 def format_schedules(record: dict[str, Any]) -> str:
     """One line per schedule: peak memory per rank (state + activations, the largest rank's
     and the list), whether every rank fits, predicted step time (makespan), steady-state step
@@ -39,16 +40,8 @@ def format_schedules(record: dict[str, Any]) -> str:
     scale, unit = next(
         (f, u) for f, u in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB"), (1.0, "B")) if largest >= f or f == 1.0
     )
-    header = (
-        "schedule",
-        "peak (max rank)",
-        "fits",
-        "step",
-        "steady step",
-        "bubble",
-        "stage bubble",
-        f"peak per rank ({unit})",
-    )
+    header = ("schedule", "peak (max rank)", "fits", "step", "steady step", "bubble", "stage bubble",
+              f"peak per rank ({unit})")
     lines = []
     for entry in record["schedules"]:
         if entry.get("error"):

@@ -3,8 +3,7 @@ memory M_B and M_W, boundary bytes), the schedule's costs and predicted makespan
 against the measured ones (`summary_text`, what `zbcompile inspect` and `pipe.explain()` print).
 
 `stage_rows` turns a compiled pipeline into plain per-stage facts (JSON-able: the dump stores
-them); `format_stage_table` prints them. Both `stage_table` and `zbcompile inspect` print
-through it, so the table reads the same live and from a dump. Pure Python; no torch."""
+them); `format_stage_table` prints them, so the table reads the same live and from a dump. Pure Python; no torch."""
 
 from __future__ import annotations
 
@@ -131,20 +130,11 @@ def format_stage_table(rows: Sequence[dict[str, Any]]) -> str:
     for row in rows:
         flops = row["flops"]
         backward = flops["I"] + flops["W"]
-        lines.append(
-            (
-                str(row["stage"]),
-                si(row["params"]),
-                si(row["param_bytes"], "B"),
-                si(flops["F"]),
-                si(flops["I"]),
-                si(flops["W"]),
-                f"{flops['W'] / backward:.0%}" if backward else "-",
-                si(row["mem_b"], "B"),
-                si(row["mem_w"], "B"),
-                si(row["send_bytes"], "B"),
-            )
-        )
+        lines.append((
+            str(row["stage"]), si(row["params"]), si(row["param_bytes"], "B"), si(flops["F"]), si(flops["I"]),
+            si(flops["W"]), f"{flops['W'] / backward:.0%}" if backward else "-", si(row["mem_b"], "B"),
+            si(row["mem_w"], "B"), si(row["send_bytes"], "B"),
+        ))
     return format_table(header, lines)
 
 
@@ -213,12 +203,6 @@ def format_state_memory(rows: Sequence[dict[str, int]], mode: str, replicas: int
 
 def format_phases(seconds: dict[str, float]) -> str:
     return "compile: " + ", ".join(f"{k} {v:.2f}s" for k, v in seconds.items())
-
-
-def stage_table(compiled: "CompiledPipeline") -> str:
-    """The stage table, boundary values, tied weights and compile times of `compiled`."""
-    stages = format_stages(stage_rows(compiled), compiled.partition.shared_params)
-    return stages + "\n" + format_phases(compiled.phase_seconds)
 
 
 # --- state memory per rank (shared with the plan's report, inspect/plan_report.py) ---------------
@@ -294,29 +278,21 @@ def format_schedule(version: dict[str, Any], count: int = 1, memory_unit: int | 
     }.get(version["cost_source"], "static estimates in FLOP-equivalents (FLOPs + 4 x bytes written)")
     lines = [
         f"schedule {version['name']} (version {version['version']} of {count}), {ranks} ranks (stage->rank "
-        f"{placement}), "
-        f"{version['microbatches']} microbatches",
-        f"costs: {source}, comm {_time(costs['comm'], unit)}",
+        f"{placement}), {version['microbatches']} microbatches"
     ]
     info = version.get("info", {})
     if info.get("placement") == "v":
-        lines.insert(
-            1,
-            (
-                f"placement: V, two chunks per rank ({info.get('v_source')} order), chosen as the faster placement by "
-                "zb-auto's objective under the memory limit (or by the cut chosen by measurement)"
-            ),
+        lines.append(
+            f"placement: V, two chunks per rank ({info.get('v_source')} order), chosen as the faster placement by "
+            "zb-auto's objective under the memory limit (or by the cut chosen by measurement)"
         )
-    unit_bytes = memory_unit or 1
+    lines.append(f"costs: {source}, comm {_time(costs['comm'], unit)}")
+
+    def memory(units: float) -> str:
+        return si(units * memory_unit, "B") if memory_unit else f"{units:.2f}"
+
     rows = [
-        (
-            str(s),
-            _time(costs["f"][s], unit),
-            _time(costs["i"][s], unit),
-            _time(costs["w"][s], unit),
-            si(costs["mem_b"][s] * unit_bytes, "B") if memory_unit else f"{costs['mem_b'][s]:.2f}",
-            si(costs["mem_w"][s] * unit_bytes, "B") if memory_unit else f"{costs['mem_w'][s]:.2f}",
-        )
+        (str(s), *(_time(costs[k][s], unit) for k in "fiw"), memory(costs["mem_b"][s]), memory(costs["mem_w"][s]))
         for s in range(version["stages"])
     ]
     lines.append(format_table(("stage", "F", "I", "W", "M_B", "M_W"), rows))
@@ -327,7 +303,7 @@ def format_schedule(version: dict[str, Any], count: int = 1, memory_unit: int | 
             f"{shown}"
         )
     if version.get("memory_limit"):
-        shown = ", ".join(si(v * unit_bytes, "B") if memory_unit else f"{v:.2f}" for v in version["memory_limit"])
+        shown = ", ".join(memory(v) for v in version["memory_limit"])
         rule = version.get("info", {}).get("memory_limit_rule", "the schedule's own")
         lines.append(f"memory limit per rank: {shown} ({rule})")
     peaks = ", ".join(si(b, "B") for b in predicted["peak_memory_bytes"])
@@ -399,8 +375,7 @@ def format_measured(version: dict[str, Any], trace: dict[str, Any] | None) -> st
     return "\n".join(
         [
             f"measured: {len(steps)} steps of version {version['version']} (steps {steps[0]}-{steps[-1]}; a schedule's "
-            "first step "
-            "warms up and is left out), medians:",
+            "first step warms up and is left out), medians:",
             f"  makespan {found['makespan'] * 1e3:.2f} ms, span {found['span'] * 1e3:.2f} ms, "
             f"{_rates(found['bubble_rate'], found['stage_bubble_rate'])}",
             f"  per rank: busy {', '.join(f'{b * 1e3:.2f}' for b in found['rank_busy'])} ms; waiting on RECV "

@@ -118,17 +118,8 @@ def chrome_trace(timelines: dict[int, tuple[dict, list[dict]]]) -> dict[str, Any
                 }
                 if text.startswith(REDUCE):  # a gradient reduction over the replicas: no action of the schedule
                     args = {"step": step["step"], "schedule_version": step["schedule_version"]}
-                    events.append(
-                        {
-                            "ph": "X",
-                            "name": text,
-                            "cat": REDUCE,
-                            "pid": rank,
-                            "tid": COMM_THREAD,
-                            **timing,
-                            "args": args,
-                        }
-                    )
+                    event = {"ph": "X", "name": text, "cat": REDUCE, "pid": rank, "tid": COMM_THREAD, **timing}
+                    events.append({**event, "args": args})
                     continue
                 action = Action.parse(text)
                 args = {

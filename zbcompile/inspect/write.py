@@ -135,12 +135,7 @@ def schedule_record(
             "costs": {k: getattr(resolved, k) for k in ("f", "i", "w", "comm", "mem_b", "mem_w", "reduce")},
             "memory_limit": limits,
             "prediction": {
-                "makespan": result.makespan,
-                "span": result.span,
-                "bubble_rate": result.bubble_rate,
-                "stage_bubble_rate": result.stage_bubble_rate,
-                "busy": result.busy,
-                "peak_memory": result.peak_memory,
+                **{k: getattr(result, k) for k in _PREDICTED},
                 "peak_memory_bytes": [p * memory_unit for p in result.peak_memory],
                 "start": {str(a): t for a, t in result.start.items()},
                 "end": {str(a): t for a, t in result.end.items()},
@@ -148,6 +143,9 @@ def schedule_record(
             "info": {k: v for k, v in schedule.info.items() if isinstance(v, (str, int, float, bool, type(None)))},
         }
     )
+
+
+_PREDICTED = ("makespan", "span", "bubble_rate", "stage_bubble_rate", "busy", "peak_memory")
 
 
 def _plain(value: Any) -> Any:
@@ -241,13 +239,8 @@ class CompileDump:
         self._write("stages.txt", format_stages(record["stage_rows"], record["tied"]) + "\n")
         self._write(FORWARD_FILE, forward_code(self.compiled))
         for program in self.compiled.programs:
-            graphs = {
-                "F": program.forward,
-                "I": program.input_backward,
-                "W": program.weight_backward,
-                "B": program.joint.backward,
-            }
-            for graph, prog in graphs.items():
+            graphs = ("F", program.forward), ("I", program.input_backward), ("W", program.weight_backward)
+            for graph, prog in (*graphs, ("B", program.joint.backward)):
                 self._write(
                     os.path.join(f"stage{program.index}", GRAPH_FILES[graph]), program_code(prog, program.index, graph)
                 )
@@ -298,10 +291,7 @@ class CompileDump:
 
 
 def start_dump(
-    dump_dir: str | os.PathLike | None,
-    compiled: "CompiledPipeline",
-    schedule: Schedule,
-    options: PipelineOptions,
+    dump_dir: str | os.PathLike | None, compiled: "CompiledPipeline", schedule: Schedule, options: PipelineOptions,
     runner: Any,
 ) -> CompileDump | None:
     """Begin the dump of a compile (None when dumping is off): rank 0 writes the compile's files,
@@ -346,12 +336,8 @@ def world_of(runner: Any, schedule: Schedule, grad_dtype: Any = None) -> dict[st
     }
     if layout is None:
         return {"distributed": False, "world_size": 1, "ranks_per_pipeline": schedule.ranks, **data_parallel}
-    return {
-        "distributed": True,
-        "world_size": layout.pp_size * layout.dp_size,
-        "ranks_per_pipeline": layout.pp_size,
-        **data_parallel,
-    }
+    world = layout.pp_size * layout.dp_size
+    return {"distributed": True, "world_size": world, "ranks_per_pipeline": layout.pp_size, **data_parallel}
 
 
 def live_dump(pipe: Any, compile_dump: CompileDump | None = None) -> Dump:

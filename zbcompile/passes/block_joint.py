@@ -95,11 +95,7 @@ def _requires_grad(stage: Stage, partition: StagePartition) -> set[fx.Node]:
 
 
 def stitched_joint(
-    stage: Stage,
-    partition: StagePartition,
-    grads_from_next: set[str],
-    loss_name: str | None,
-    fake_mode: Any,
+    stage: Stage, partition: StagePartition, grads_from_next: set[str], loss_name: str | None, fake_mode: Any,
     exported: dict[Hashable, Segment] | None = None,
 ) -> fx.GraphModule | None:
     """The whole stage's joint graph (as `ti.export_joint` of `joint._prepare_outputs`' module
@@ -109,18 +105,12 @@ def stitched_joint(
     partition, and a block alike in two stages is exported once."""
     try:
         return _stitched_joint(stage, partition, grads_from_next, loss_name, fake_mode, exported)
-    except NotStitchable:
-        return None
-    except Exception:  # noqa: BLE001 - the whole stage's export reports it, naming the stage
+    except Exception:  # noqa: BLE001 - NotStitchable, or an error the whole stage's export reports, naming the stage
         return None
 
 
 def _stitched_joint(
-    stage: Stage,
-    partition: StagePartition,
-    grads_from_next: set[str],
-    loss_name: str | None,
-    fake_mode: Any,
+    stage: Stage, partition: StagePartition, grads_from_next: set[str], loss_name: str | None, fake_mode: Any,
     exported: dict[Hashable, Segment] | None,
 ) -> fx.GraphModule:
     graph = stage.module.graph
@@ -154,14 +144,8 @@ def _stitched_joint(
 
 
 def _export_last_first(
-    stage: Stage,
-    partition: StagePartition,
-    parts: list[Segment],
-    returned: list[fx.Node],
-    takes_grad: dict[fx.Node, bool],
-    requires_grad: set[fx.Node],
-    loss_name: str | None,
-    fake_mode: Any,
+    stage: Stage, partition: StagePartition, parts: list[Segment], returned: list[fx.Node],
+    takes_grad: dict[fx.Node, bool], requires_grad: set[fx.Node], loss_name: str | None, fake_mode: Any,
     exported: dict[Hashable, Segment],
 ) -> None:
     """Each segment's joint, last first (a segment's output wants a gradient where a later
@@ -195,19 +179,12 @@ def _export_last_first(
         )
         part.differentiable = tuple(
             n in requires_grad
-            and (
-                n.op != "placeholder"
-                or (placeholder_names[n] in partition.values and partition.values[placeholder_names[n]].differentiable)
-            )
+            and (n.op != "placeholder" or getattr(partition.values.get(placeholder_names[n]), "differentiable", False))
             for n in part.inputs
         )
         part.module = _segment_module(part, stage.module)
-        key = (
-            graph_fingerprint(part.module, constants_by_value=True),
-            part.differentiable,
-            part.wants_grad,
-            loss_name is not None and returned[0] in part.outputs,
-        )
+        fingerprint = graph_fingerprint(part.module, constants_by_value=True)
+        key = (fingerprint, part.differentiable, part.wants_grad, loss_name is not None and returned[0] in part.outputs)
         first = exported.get(key)
         if first is None:
             examples = tuple(

@@ -268,10 +268,7 @@ def balanced_cuts(
 
 
 def cuts_at_split_points(
-    anchors: list[fx.Node],
-    allowed: list[int],
-    split_points: list[str],
-    stages: int,
+    anchors: list[fx.Node], allowed: list[int], split_points: list[str], stages: int,
     updates: Sequence[BufferUpdate] = (),
 ) -> list[int]:
     if len(split_points) != stages - 1:

@@ -83,11 +83,8 @@ class StageJoint:
 
 
 def export_stage_joints(
-    partition: StagePartition,
-    fake_mode,
-    loss_name: str = "loss",
-    recompute_levels: Sequence[Callable[[fx.Node], bool]] = (),
-    reuse_blocks: bool = False,
+    partition: StagePartition, fake_mode, loss_name: str = "loss",
+    recompute_levels: Sequence[Callable[[fx.Node], bool]] = (), reuse_blocks: bool = False,
 ) -> tuple[StageJoint, ...]:
     """Trace every stage's joint graph, last stage first, so that a stage gives a tangent only to
     outputs whose gradient the next stage can produce. With `recompute_levels`, each joint's
@@ -100,31 +97,21 @@ def export_stage_joints(
     for stage in reversed(partition.stages):
         last = stage.index == len(partition.stages) - 1
         joint, alternatives = export_stage_joint(
-            stage,
-            partition,
-            grads_from_next,
-            loss_name if last else None,
-            fake_mode,
-            recompute_levels,
+            stage, partition, grads_from_next, loss_name if last else None, fake_mode, recompute_levels,
             blocks if reuse_blocks else None,
         )
         output_grads = tuple(v for v in stage.outputs if v in grads_from_next)
         alternatives = tuple(dataclasses.replace(a, output_grads=output_grads) for a in alternatives)
         joint = dataclasses.replace(joint, output_grads=output_grads, alternatives=alternatives)
         # gradients this stage provides to its predecessor: its own, and relayed ones
-        grads_from_next = {v for v in joint.input_grads} | {v for v in stage.relays if v in grads_from_next}
+        grads_from_next = set(joint.input_grads) | {v for v in stage.relays if v in grads_from_next}
         joints.append(joint)
     return tuple(reversed(joints))
 
 
 def export_stage_joint(
-    stage: Stage,
-    partition: StagePartition,
-    grads_from_next: set[str],
-    loss_name: str | None,
-    fake_mode,
-    recompute_levels: Sequence[Callable[[fx.Node], bool]] = (),
-    blocks: dict | None = None,
+    stage: Stage, partition: StagePartition, grads_from_next: set[str], loss_name: str | None, fake_mode,
+    recompute_levels: Sequence[Callable[[fx.Node], bool]] = (), blocks: dict | None = None,
 ) -> tuple[StageJoint, tuple[StageJoint, ...]]:
     """The stage's joint, separated as it is and once per recompute level. `blocks` (a dict, one
     for all stages; None: the stage traced whole): the joint graph assembled from its blocks'
@@ -306,32 +293,21 @@ def _separate_forward(
     for node in saved:
         names.setdefault(node, saved_name(node.name))
     roots = _fx.storage_roots(graph)
-    storage = {
-        names[n]: (roots[n].name, _fx.node_bytes(roots[n])) for n in [*saved, *tangents]
-    }
+    storage = {names[n]: (roots[n].name, _fx.node_bytes(roots[n])) for n in [*saved, *tangents]}
     storage.update((v, (roots[n].name, _fx.node_bytes(roots[n]))) for n, v in forward_outputs if v.startswith(UPDATE))
 
     forward = extract_program(
-        graph,
-        body=forward_nodes,
-        inputs=[n for n in placeholders if not names[n].startswith(TANGENT)],
-        outputs=[*forward_outputs, *[(n, names[n]) for n in saved if n.op != "placeholder"]],
-        names=names,
+        graph, body=forward_nodes, inputs=[n for n in placeholders if not names[n].startswith(TANGENT)],
+        outputs=[*forward_outputs, *[(n, names[n]) for n in saved if n.op != "placeholder"]], names=names,
         class_name=f"Stage{stage.index}Forward",
     )
     backward_reads = state | tangents | set(saved)
     backward_inputs = [
-        n
-        for n in graph.nodes
-        if n in backward_reads and (n in returned or any(u in backward_nodes for u in n.users))
+        n for n in graph.nodes if n in backward_reads and (n in returned or any(u in backward_nodes for u in n.users))
     ]
     backward = extract_program(
-        graph,
-        body=backward_nodes,
-        inputs=backward_inputs,
-        outputs=grad_outputs,
-        names={**names, **_updated_buffers(names, stage)},
-        class_name=f"Stage{stage.index}Backward",
+        graph, body=backward_nodes, inputs=backward_inputs, outputs=grad_outputs,
+        names={**names, **_updated_buffers(names, stage)}, class_name=f"Stage{stage.index}Backward",
     )
     recompute_when_needed(backward.graph, (n.name for n in recomputed))
     return StageJoint(
@@ -373,12 +349,8 @@ def _fresh(candidate: str, taken: set[str]) -> str:
 
 
 def extract_program(
-    graph: fx.Graph,
-    body: set[fx.Node],
-    inputs: list[fx.Node],
-    outputs: list[tuple[fx.Node, str]],
-    names: dict[fx.Node, str],
-    class_name: str,
+    graph: fx.Graph, body: set[fx.Node], inputs: list[fx.Node], outputs: list[tuple[fx.Node, str]],
+    names: dict[fx.Node, str], class_name: str,
 ) -> Program:
     """A Program computing `outputs` (node, environment name) from `inputs` by running the
     `body` nodes (in graph order). Inputs are named by `names`; the body's nodes keep their

@@ -65,10 +65,7 @@ def forward_region(joint: fx.GraphModule) -> set[fx.Node]:
 
 
 def stitch(
-    stage: Stage,
-    parts: list[Segment],
-    returned: list[fx.Node],
-    takes_grad: dict[fx.Node, bool],
+    stage: Stage, parts: list[Segment], returned: list[fx.Node], takes_grad: dict[fx.Node, bool],
     requires_grad: set[fx.Node],
 ) -> fx.GraphModule:
     """The whole stage's joint from its segments' (see the module docstring)."""
@@ -81,10 +78,8 @@ def stitch(
     outputs: list[fx.Node | None] = [forward_out[n] for n in returned]
     descs: list[Any] = [ti.PlainAOTOutput(i) for i in range(len(returned))]
     grads = [(param_grads.get(name), ti.ParamAOTInput(name)) for name in state]  # buffers: None
-    grads += [
-        (grad_of.get(node), ti.PlainAOTInput(i))
-        for i, node in enumerate(stage.module.graph.find_nodes(op="placeholder"))
-    ]
+    inputs = stage.module.graph.find_nodes(op="placeholder")
+    grads += [(grad_of.get(node), ti.PlainAOTInput(i)) for i, node in enumerate(inputs)]
     for grad, of in grads:
         outputs.append(grad)
         descs.append(None if grad is None else ti.GradAOTOutput(of))
@@ -94,11 +89,7 @@ def stitch(
 
 
 def _stitch_placeholders(
-    graph: fx.Graph,
-    stage: Stage,
-    parts: list[Segment],
-    returned: list[fx.Node],
-    takes_grad: dict[fx.Node, bool],
+    graph: fx.Graph, stage: Stage, parts: list[Segment], returned: list[fx.Node], takes_grad: dict[fx.Node, bool],
     requires_grad: set[fx.Node],
 ) -> tuple[dict[str, fx.Node], dict[fx.Node, fx.Node], dict[fx.Node, fx.Node]]:
     """The stitched graph's placeholders, in AOTAutograd's order (parameters, buffers, the
@@ -123,9 +114,8 @@ def _stitch_placeholders(
     env: dict[fx.Node, fx.Node] = {}  # stage graph node -> its value in the stitched graph
     input_vals = _plain_input_vals(parts, stage_placeholders)
     for i, node in enumerate(stage_placeholders):
-        env[node] = _placeholder(
-            graph, f"primals_{len(state) + i + 1}", ti.PlainAOTInput(i), input_vals.get(node, node.meta.get("val"))
-        )
+        val = input_vals.get(node, node.meta.get("val"))
+        env[node] = _placeholder(graph, f"primals_{len(state) + i + 1}", ti.PlainAOTInput(i), val)
     tangent_of: dict[fx.Node, fx.Node] = {}  # stage output -> its tangent placeholder
     for i, node in enumerate(returned):
         if takes_grad[node] and node in requires_grad:
@@ -137,10 +127,7 @@ def _stitch_placeholders(
 
 
 def _stitch_forwards(
-    graph: fx.Graph,
-    parts: list[Segment],
-    returned: list[fx.Node],
-    state: dict[str, fx.Node],
+    graph: fx.Graph, parts: list[Segment], returned: list[fx.Node], state: dict[str, fx.Node],
     env: dict[fx.Node, fx.Node],
 ) -> tuple[list[dict[fx.Node, fx.Node]], dict[fx.Node, fx.Node]]:
     """The segments' forward regions copied in segment order (`env` gains each segment's
@@ -167,10 +154,8 @@ def _stitch_forwards(
             for value, desc in zip(output.args[0], output.meta["desc"])
             if isinstance(desc, ti.PlainAOTOutput) and part.detach[desc.idx]
         }
-        if any(
-            v.op != "call_function" or v.target is not torch.ops.aten.detach.default or len(v.users) > 1
-            for v in detaches
-        ):
+        detach = torch.ops.aten.detach.default
+        if any(v.op != "call_function" or v.target is not detach or len(v.users) > 1 for v in detaches):
             raise NotStitchable("a detached output the joint reads")
         _copy(graph, [n for n in joint.nodes if n in forward and n not in detaches], local, part)
         for value, desc in zip(output.args[0], output.meta["desc"]):
@@ -190,10 +175,7 @@ def _stitch_forwards(
 
 
 def _stitch_backwards(
-    graph: fx.Graph,
-    parts: list[Segment],
-    copies: list[dict[fx.Node, fx.Node]],
-    returned: list[fx.Node],
+    graph: fx.Graph, parts: list[Segment], copies: list[dict[fx.Node, fx.Node]], returned: list[fx.Node],
     tangent_of: dict[fx.Node, fx.Node],
 ) -> tuple[dict[fx.Node, fx.Node], dict[str, fx.Node]]:
     """The segments' backward regions copied in reverse segment order, a segment's tangent being
@@ -255,10 +237,8 @@ def _tangent_val(part: Segment, index: int) -> Any:
 
 def _same_layout(grad: fx.Node, tangent: fx.Node) -> bool:
     a, b = grad.meta.get("val"), tangent.meta.get("val")
-    return (
-        isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-        and (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype)
-    )
+    tensors = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+    return tensors and (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype)
 
 
 def _copy(graph: fx.Graph, nodes: list[fx.Node], env: dict[fx.Node, fx.Node], part: Segment) -> None:

@@ -109,10 +109,7 @@ class StagePartition:
 
 
 def partition_stages(
-    traced: TracedModel,
-    stages: int,
-    split_points: Sequence[str] | None = None,
-    balance_tolerance: float = 0.05,
+    traced: TracedModel, stages: int, split_points: Sequence[str] | None = None, balance_tolerance: float = 0.05,
     cuts: Sequence[int] | None = None,
 ) -> StagePartition:
     """`cuts`, when given, are the positions (in the anchored-node order) where stages 1..S-1
@@ -154,11 +151,7 @@ def _requires_grad(graph: fx.Graph) -> set[fx.Node]:
 
 
 def _build_stages(
-    traced: TracedModel,
-    anchors: list[fx.Node],
-    stage_of: dict[fx.Node, int],
-    bounds: list[int],
-    live_bytes: list[int],
+    traced: TracedModel, anchors: list[fx.Node], stage_of: dict[fx.Node, int], bounds: list[int], live_bytes: list[int],
     updates: Sequence[BufferUpdate] = (),
 ) -> StagePartition:
     graph = traced.graph_module.graph
@@ -194,7 +187,7 @@ def _build_stages(
         if k == stages_count - 1:  # results computed upstream arrive to be returned
             reads |= {n for n in results if n not in own_set and n not in free}
         read_inputs = [n for n in graph.nodes if n in reads]  # graph order
-        stage_inputs = [n for n in crossing[k]] if k > 0 else [n for n in graph.nodes if role(n) == ROLE_INPUT]
+        stage_inputs = list(crossing[k]) if k > 0 else [n for n in graph.nodes if role(n) == ROLE_INPUT]
         boundary_reads = [n for n in read_inputs if role(n) != ROLE_TARGET]
         targets = [n for n in read_inputs if role(n) == ROLE_TARGET]
         missing = [n for n in boundary_reads if n not in stage_inputs]
@@ -247,12 +240,8 @@ def _build_stages(
     values = {}
     for node in {n for cross in crossing for n in cross}:
         value = node.meta["val"]
-        values[_value_name(node)] = ValueInfo(
-            tuple(value.shape),
-            tuple(value.stride()),
-            value.dtype,
-            node in differentiable and _fx.is_differentiable(value),
-        )
+        carries_grad = node in differentiable and _fx.is_differentiable(value)
+        values[_value_name(node)] = ValueInfo(tuple(value.shape), tuple(value.stride()), value.dtype, carries_grad)
     return StagePartition(
         stages=tuple(stages),
         stage_of_node={n.name: k for n, k in stage_of.items()},
@@ -325,10 +314,8 @@ def _free_ancestors(own: list[fx.Node], dependencies: nx.DiGraph, anchored: set[
         node = frontier.pop()
         if node in free:
             continue
-        if (
-            role(node) in (ROLE_PARAM, ROLE_BUFFER)
-            or node.op == "get_attr"
-            or (node.op == "call_function" and node not in anchored)
+        if role(node) in (ROLE_PARAM, ROLE_BUFFER) or node.op == "get_attr" or (
+            node.op == "call_function" and node not in anchored
         ):
             free.add(node)
             frontier.extend(dependencies.predecessors(node))

@@ -111,11 +111,8 @@ def held_until_weight(joint: StageJoint, split: IWPrograms) -> int:
 
 
 def split_backward_program(
-    backward: Program,
-    min_deferral_intensity: float = MIN_DEFERRAL_INTENSITY,
-    class_prefix: str = "",
-    weight_recomputes: frozenset[str] = frozenset(),
-    activation_chain: bool = False,
+    backward: Program, min_deferral_intensity: float = MIN_DEFERRAL_INTENSITY, class_prefix: str = "",
+    weight_recomputes: frozenset[str] = frozenset(), activation_chain: bool = False,
 ) -> IWPrograms:
     """Split any backward Program whose inputs are named `param:`/`buffer:` (state, whose views
     each graph recomputes) or otherwise (values read from the environment), and whose outputs
@@ -246,22 +243,15 @@ def _reads(graph: fx.Graph, body: set[fx.Node], returned: set[fx.Node]) -> list[
 def _extract(partition: _Partition, class_prefix: str) -> IWPrograms:
     p = partition
     input_program = extract_program(
-        p.graph,
-        body=p.input_body,
-        inputs=_reads(p.graph, p.input_body, {n for n, _ in p.input_grads}),
-        outputs=[*p.input_grads, *[(n, p.names[n]) for n in p.stash]],
-        names=p.names,
+        p.graph, body=p.input_body, inputs=_reads(p.graph, p.input_body, {n for n, _ in p.input_grads}),
+        outputs=[*p.input_grads, *[(n, p.names[n]) for n in p.stash]], names=p.names,
         class_name=f"{class_prefix}InputBackward",
     )
     stray = [n.name for n in p.weight_body if _fx.is_collective(n)]
     if stray:
         raise RuntimeError(f"{class_prefix}: collectives {stray[:4]} would run in W; they belong in I")
     weight_program = extract_program(
-        p.graph,
-        body=p.weight_body,
-        inputs=p.weight_inputs,
-        outputs=p.param_grads,
-        names=p.names,
+        p.graph, body=p.weight_body, inputs=p.weight_inputs, outputs=p.param_grads, names=p.names,
         class_name=f"{class_prefix}WeightBackward",
     )
     return IWPrograms(

@@ -14,7 +14,7 @@ against compiling every stage.
 from __future__ import annotations
 
 import dataclasses
-from typing import Hashable
+from typing import Any, Hashable
 
 from zbcompile.passes.graph_fingerprint import graph_fingerprint
 from zbcompile.passes.joint import StageJoint
@@ -74,35 +74,30 @@ def renamed_program(program: Program, mapping: dict[str, str]) -> Program:
     return Program(program.graph, signature)
 
 
-def _names(values: tuple[str, ...], mapping: dict[str, str]) -> tuple[str, ...]:
-    return tuple(renamed(v, mapping) for v in values)
+def _renamed_fields(
+    value: Any, index: int, mapping: dict[str, str], programs: tuple[str, ...], names: tuple[str, ...], **other: Any
+) -> Any:
+    """`value` (a joint or a split) as stage `index`'s: its `programs` and its tuples of `names`
+    renamed by `mapping`, and the `other` fields given."""
+    return dataclasses.replace(
+        value,
+        stage=index,
+        **{f: renamed_program(getattr(value, f), mapping) for f in programs},
+        **{f: tuple(renamed(v, mapping) for v in getattr(value, f)) for f in names},
+        **other,
+    )
 
 
 def renamed_joint(joint: StageJoint, index: int, mapping: dict[str, str]) -> StageJoint:
     """`joint` as stage `index`'s, whose names `mapping` gives (`stage_name_map`)."""
-    return dataclasses.replace(
-        joint,
-        stage=index,
-        forward=renamed_program(joint.forward, mapping),
-        backward=renamed_program(joint.backward, mapping),
-        tangents=_names(joint.tangents, mapping),
-        input_grads=_names(joint.input_grads, mapping),
-        param_grads=_names(joint.param_grads, mapping),
+    return _renamed_fields(
+        joint, index, mapping, ("forward", "backward"), ("tangents", "input_grads", "param_grads", "output_grads"),
         storage={renamed(k, mapping): v for k, v in joint.storage.items()},
-        output_grads=_names(joint.output_grads, mapping),
         alternatives=tuple(renamed_joint(a, index, mapping) for a in joint.alternatives),
     )
 
 
 def renamed_split(split: StageIWPrograms, index: int, mapping: dict[str, str]) -> StageIWPrograms:
     """`split` as stage `index`'s (see `renamed_joint`)."""
-    return dataclasses.replace(
-        split,
-        stage=index,
-        input_backward=renamed_program(split.input_backward, mapping),
-        weight_backward=renamed_program(split.weight_backward, mapping),
-        stash=_names(split.stash, mapping),
-        weight_reads=_names(split.weight_reads, mapping),
-        input_param_grads=_names(split.input_param_grads, mapping),
-        freed_after_input=_names(split.freed_after_input, mapping),
-    )
+    names = ("stash", "weight_reads", "input_param_grads", "freed_after_input")
+    return _renamed_fields(split, index, mapping, ("input_backward", "weight_backward"), names)

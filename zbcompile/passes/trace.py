@@ -89,14 +89,8 @@ class TracedModel:
 
 
 def trace_model(
-    model: nn.Module,
-    loss_fn: Callable[..., torch.Tensor] | None,
-    args: tuple,
-    kwargs: dict[str, Any],
-    target: Any = None,
-    device: torch.device | None = None,
-    record_stack_traces: bool = True,
-    outputs: bool = False,
+    model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None, args: tuple, kwargs: dict[str, Any],
+    target: Any = None, device: torch.device | None = None, record_stack_traces: bool = True, outputs: bool = False,
 ) -> TracedModel:
     """Trace `loss_fn(model(*args, **kwargs), target)` (or `model(...)` itself when loss_fn is None,
     which must then return the loss, see `_loss_of_output`; `loss_fn` may return `(loss_sum,
@@ -185,11 +179,8 @@ def trace_model(
     placeholders = list(graph_module.graph.find_nodes(op="placeholder"))
     for node, (role, name) in zip(placeholders, roles, strict=True):
         node.meta["zb_role"], node.meta["zb_name"] = role, name
-    item_count = (
-        None
-        if count[0] is None
-        else cut_out_count(graph_module, count[0], {n: n.meta["zb_role"] for n in placeholders})
-    )
+    roles = {n: n.meta["zb_role"] for n in placeholders}
+    item_count = None if count[0] is None else cut_out_count(graph_module, count[0], roles)
     results = len(graph_module.graph.output_node().args[0]) if outputs else 1
     if parallel is not None:
         tensor_parallel.check_local_use(graph_module.graph)
@@ -200,19 +191,9 @@ def trace_model(
     graph_module.graph.eliminate_dead_code()  # autograd's unused `detach`es of saved values, folded masks
     graph_module = ti.use_plain_codegen(graph_module)  # make_fx flattens inputs with pytree
     return TracedModel(
-        graph_module=graph_module,
-        model=model,
-        fake_mode=fake_mode,
-        fake_state=fake_state,
-        param_fqns=tuple(params),
-        buffer_fqns=tuple(buffers),
-        input_spec=input_spec,
-        constants=constants,
-        target_spec=target_spec,
-        buffer_updates=buffer_updates,
-        count=item_count,
-        results=results,
-        output_structure=structure[0],
+        graph_module=graph_module, model=model, fake_mode=fake_mode, fake_state=fake_state, param_fqns=tuple(params),
+        buffer_fqns=tuple(buffers), input_spec=input_spec, constants=constants, target_spec=target_spec,
+        buffer_updates=buffer_updates, count=item_count, results=results, output_structure=structure[0],
         parallel=parallel,
     )
 
@@ -319,14 +300,8 @@ def _substituted(model: nn.Module, values: dict[str, torch.Tensor]):
     canonical = {id(t): name for named in (model.named_parameters, model.named_buffers) for name, t in named()}
     modules = list(model.modules())  # each module once, however many names it has
     saved = [
-        (
-            m,
-            dict(m.__dict__),
-            dict(m._parameters),
-            dict(m._buffers),
-            dict(m._modules),
-            set(m._non_persistent_buffers_set),
-        )
+        (m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules),
+         set(m._non_persistent_buffers_set))
         for m in modules
     ]
     try:
@@ -341,11 +316,8 @@ def _substituted(model: nn.Module, values: dict[str, torch.Tensor]):
             for name in [n for n in module.__dict__ if n not in attributes]:
                 del module.__dict__[name]
             module.__dict__.update(attributes)
-            for current, before in (
-                (module._parameters, parameters),
-                (module._buffers, buffers),
-                (module._modules, submodules),
-            ):
+            slots = ((module._parameters, parameters), (module._buffers, buffers), (module._modules, submodules))
+            for current, before in slots:
                 current.clear()
                 current.update(before)
             module._non_persistent_buffers_set.clear()
@@ -460,14 +432,12 @@ def _mutation_message(placeholder: fx.Node, node: fx.Node) -> str:
     module = node.meta.get("custom", {}).get("module")
     if module is None:  # functionalization's write-back runs after the forward: name the owner
         module = name.rpartition(".")[0] if role in (ROLE_PARAM, ROLE_BUFFER) and "." in name else "<root>"
+    what, remedy = role, (
+        "The stages compute with copies of the inputs; return the new value instead of writing it in place."
+    )
     if role == ROLE_PARAM:
         what, remedy = "parameter", (
             "Parameters change only in the optimizer's step; keep state that the forward updates in a "
             "buffer (register_buffer), whose updates zbcompile applies microbatch by microbatch."
-        )
-    else:
-        what, remedy = (
-            role,
-            "The stages compute with copies of the inputs; return the new value instead of writing it in place.",
         )
     return f"the forward of module '{module}' mutates {what} '{name}' in place ({node.target}). {remedy}"

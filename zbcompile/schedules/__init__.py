@@ -29,25 +29,8 @@ from .timing import ScheduleError
 from .validate import validate
 
 __all__ = [
-    "Action",
-    "ActionKind",
-    "Costs",
-    "DEFAULT_SCHEDULE",
-    "REFERENCE_SCHEDULE",
-    "ResolvedCosts",
-    "SCHEDULES",
-    "SCHEDULE_NAMES",
-    "Schedule",
-    "ScheduleError",
-    "ScheduleSpec",
-    "SimResult",
-    "forward_only",
-    "lower",
-    "check_schedule_sizes",
-    "make_schedule",
-    "pipeline_ranks",
-    "schedule_label",
-    "schedule_spec",
-    "simulate",
+    "Action", "ActionKind", "Costs", "DEFAULT_SCHEDULE", "REFERENCE_SCHEDULE", "ResolvedCosts", "SCHEDULES",
+    "SCHEDULE_NAMES", "Schedule", "ScheduleError", "ScheduleSpec", "SimResult", "forward_only", "lower",
+    "check_schedule_sizes", "make_schedule", "pipeline_ranks", "schedule_label", "schedule_spec", "simulate",
     "validate",
 ]

@@ -39,14 +39,8 @@ def _at_bound(info: dict) -> bool:
 
 
 def zb_auto(
-    stages: int,
-    microbatches: int,
-    costs: ResolvedCosts,
-    limits: Sequence[float] | None,
-    objective: str,
-    time_budget: float | None,
-    deterministic: bool,
-    started: float,
+    stages: int, microbatches: int, costs: ResolvedCosts, limits: Sequence[float] | None, objective: str,
+    time_budget: float | None, deterministic: bool, started: float,
 ) -> Schedule:
     """The best zb-auto schedule found within ``time_budget`` seconds (default 3) counted from
     ``started``; ``info`` records each phase's value, the lower bound and the status."""
@@ -74,14 +68,8 @@ def zb_auto(
 
 
 def _search_phase(
-    ev: Evaluator,
-    limits: Sequence[float] | None,
-    objective: str,
-    rows: list[list[int]],
-    score: tuple[float, float],
-    budget: _Budget,
-    share: float,
-    info: dict,
+    ev: Evaluator, limits: Sequence[float] | None, objective: str, rows: list[list[int]], score: tuple[float, float],
+    budget: _Budget, share: float, info: dict,
 ) -> list[list[int]]:
     """The search from ``rows`` on ``share`` of the budget (of what is left, unless deterministic);
     returns the better rows and records the search's steps, ``value`` and ``status`` in ``info``."""
@@ -96,12 +84,7 @@ def _search_phase(
 
 
 def _solver_phase(
-    sched: Schedule,
-    costs: ResolvedCosts,
-    limits: Sequence[float] | None,
-    objective: str,
-    budget: _Budget,
-    info: dict,
+    sched: Schedule, costs: ResolvedCosts, limits: Sequence[float] | None, objective: str, budget: _Budget, info: dict,
 ) -> Schedule:
     """CP-SAT warm-started from ``sched``; returns the better schedule and records the solver's
     status, ``value`` and the proven ``lower_bound`` in ``info``."""

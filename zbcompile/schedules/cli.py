@@ -88,13 +88,7 @@ def _built(name: str, args: argparse.Namespace, costs: Costs) -> tuple[Schedule,
         # only the solved schedules are shaped by a limit; the others are only measured
         limit = memory_limit_for(args.memory_limit, name, stages, costs) if spec.solved else None
         sched = make_schedule(
-            name,
-            stages,
-            args.microbatches,
-            sc,
-            limit,
-            args.objective,
-            time_budget=args.time_budget,
+            name, stages, args.microbatches, sc, limit, args.objective, time_budget=args.time_budget,
             placements=("in-line",),
         )
         return sched, sc

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Sequence, TypeVar, Union
+from typing import Callable, Sequence, TypeVar, Union
 
 Number = Union[int, float]
 PerStage = Union[Number, Sequence[Number]]
@@ -129,43 +129,23 @@ class ResolvedCosts:
         """Busy time of one microbatch on a stage: F + I + W."""
         return self.f[stage] + self.i[stage] + self.w[stage]
 
+    def _mapped(self, per_stage: Callable[[tuple[float, ...]], tuple[float, ...]]) -> "ResolvedCosts":
+        """Every per-stage field through ``per_stage``; ``comm`` stays."""
+        fields = (self.f, self.i, self.w, self.mem_b, self.mem_w, self.reduce, self.b)
+        f, i, w, mem_b, mem_w, reduce, b = (per_stage(values) for values in fields)
+        return ResolvedCosts(f, i, w, self.comm, mem_b, mem_w, reduce, b)
+
     def chunked(self, chunks: int) -> "ResolvedCosts":
         """The same model cut into ``chunks`` times as many stages: each stage becomes ``chunks``
         consecutive chunks of equal share (times and memory divided by ``chunks``); ``comm`` stays."""
-
-        def split(values: tuple[float, ...]) -> tuple[float, ...]:
-            return tuple(v / chunks for v in values for _ in range(chunks))
-
-        return ResolvedCosts(
-            split(self.f),
-            split(self.i),
-            split(self.w),
-            self.comm,
-            split(self.mem_b),
-            split(self.mem_w),
-            split(self.reduce),
-            split(self.b),
-        )
+        return self._mapped(lambda values: tuple(v / chunks for v in values for _ in range(chunks)))
 
     def merged(self, chunks: int) -> "ResolvedCosts":
         """The inverse cut: every ``chunks`` consecutive chunks summed into one stage (times and
         memory add); ``comm`` stays."""
         if self.stages % chunks:
             raise ValueError(f"cannot merge {self.stages} chunks in groups of {chunks}")
-
-        def merge(values: tuple[float, ...]) -> tuple[float, ...]:
-            return tuple(sum(values[s : s + chunks]) for s in range(0, len(values), chunks))
-
-        return ResolvedCosts(
-            merge(self.f),
-            merge(self.i),
-            merge(self.w),
-            self.comm,
-            merge(self.mem_b),
-            merge(self.mem_w),
-            merge(self.reduce),
-            merge(self.b),
-        )
+        return self._mapped(lambda values: tuple(sum(values[s : s + chunks]) for s in range(0, len(values), chunks)))
 
 
 @dataclass(frozen=True)

@@ -148,12 +148,7 @@ def predict(
 
 
 def cut_schedule(
-    name: str,
-    cut: Cut,
-    costs: Costs,
-    microbatches: int,
-    memory_limit: list[float] | None,
-    objective: str = "span",
+    name: str, cut: Cut, costs: Costs, microbatches: int, memory_limit: list[float] | None, objective: str = "span",
     time_budget: float = 0.0,
 ) -> Schedule:
     """Schedule `name` over `cut`'s stages (a V's chunks: "zbv", "v-half", "v-min", or zb-auto

@@ -73,13 +73,8 @@ class _ListScheduler:
     far and their end times; per rank its memory level, when it is free and its program."""
 
     def __init__(
-        self,
-        stages: int,
-        microbatches: int,
-        stage_to_rank: Sequence[int],
-        costs: ResolvedCosts,
-        memory_limit: Sequence[float] | None,
-        policy: GreedyPolicy,
+        self, stages: int, microbatches: int, stage_to_rank: Sequence[int], costs: ResolvedCosts,
+        memory_limit: Sequence[float] | None, policy: GreedyPolicy,
     ):
         S, M = stages, microbatches
         self.S, self.M, self.stage_to_rank, self.costs, self.policy = S, M, stage_to_rank, costs, policy
@@ -211,14 +206,10 @@ class _ListScheduler:
         w_stage = next((s for s in sorted(group) if self.nw[s] < self.ni[s]), None)
         if w_stage is None:
             return None
-        if ready_f and not fits:
+        if (ready_f and not fits) or self.policy.w_gate == "fill":
             return w_stage, "W"
-        if self.policy.w_gate == "fill":
-            return w_stage, "W"
-        next_f = min(
-            (self.f_avail(s) for s in group if self.forward_allowed(s) and self.forward_fits(r, s)),
-            default=math.inf,
-        )
+        waiting = [s for s in group if self.forward_allowed(s) and self.forward_fits(r, s)]
+        next_f = min((self.f_avail(s) for s in waiting), default=math.inf)
         upcoming = min(next_i, next_f)
         if fits or now + self.costs.w[w_stage] <= upcoming + _EPS or upcoming == math.inf:
             return w_stage, "W"
@@ -236,13 +227,8 @@ class _ListScheduler:
 
 
 def list_schedule(
-    name: str,
-    stages: int,
-    microbatches: int,
-    stage_to_rank: Sequence[int],
-    costs: ResolvedCosts,
-    memory_limit: Sequence[float] | None,
-    policy: GreedyPolicy = GreedyPolicy(),
+    name: str, stages: int, microbatches: int, stage_to_rank: Sequence[int], costs: ResolvedCosts,
+    memory_limit: Sequence[float] | None, policy: GreedyPolicy = GreedyPolicy(),
 ) -> Schedule:
     """Build per-rank programs (F, I, W) with ``policy``; raises MemoryTooSmall when stuck."""
     ls = _ListScheduler(stages, microbatches, stage_to_rank, costs, memory_limit, policy)

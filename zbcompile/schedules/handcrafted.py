@@ -110,14 +110,21 @@ def zb_h2(stages: int, microbatches: int) -> Schedule:
     return _single_chunk("zb-h2", stages, microbatches, rows)
 
 
-def interleaved_one_f_one_b(stages: int, microbatches: int, ranks: int | None = None) -> Schedule:
-    """Megatron-LM's interleaved 1F1B; ``stages`` counts chunks, default two chunks per rank."""
+def _looped_ranks(name: str, stages: int, ranks: int | None) -> int:
+    """The ranks a looped placement spreads ``stages`` chunks over (default two chunks per rank);
+    ValueError unless they divide evenly."""
     ranks = ranks if ranks is not None else stages // 2
     if ranks < 1 or stages % ranks:
         raise ValueError(
-            f"interleaved-1f1b: {stages} stages (chunks) cannot be spread evenly over {ranks} ranks; "
+            f"{name}: {stages} stages (chunks) cannot be spread evenly over {ranks} ranks; "
             "use a multiple of the rank count (default: two chunks per rank, so an even stage count)"
         )
+    return ranks
+
+
+def interleaved_one_f_one_b(stages: int, microbatches: int, ranks: int | None = None) -> Schedule:
+    """Megatron-LM's interleaved 1F1B; ``stages`` counts chunks, default two chunks per rank."""
+    ranks = _looped_ranks("interleaved-1f1b", stages, ranks)
     chunks = stages // ranks
     if microbatches % ranks:
         raise ValueError(
@@ -169,11 +176,13 @@ def zb_v(stages: int, microbatches: int) -> Schedule:
     for r in range(p):
         down, up = r, 2 * p - 1 - r
         row: list[Action] = []
-        count = {(down, "F"): 0, (down, "I"): 0, (down, "W"): 0, (up, "F"): 0, (up, "I"): 0, (up, "W"): 0}
+        count = {(stage, kind): 0 for stage in (down, up) for kind in "FIW"}
 
-        def put(stage: int, kind: str) -> None:
-            row.append(Action(stage, kind, count[(stage, kind)]))
-            count[(stage, kind)] += 1
+        def put(stage: int, kinds: str) -> None:
+            """The next microbatch of ``stage`` for each of ``kinds`` in turn."""
+            for kind in kinds:
+                row.append(Action(stage, kind, count[(stage, kind)]))
+                count[(stage, kind)] += 1
 
         for _ in range(2 * (p - r) - 1):
             put(down, "F")
@@ -181,23 +190,17 @@ def zb_v(stages: int, microbatches: int) -> Schedule:
             put(up, "F")
             put(down, "F")
         for _ in range(p - r):
-            put(up, "F")
-            put(up, "I")
-            put(up, "W")
+            put(up, "FIW")
         while count[(up, "F")] < count[(down, "F")] or count[(down, "F")] < m:
             if count[(down, "F")] < m:
                 put(down, "F")
-            put(down, "I")
-            put(down, "W")
-            put(up, "F")
-            put(up, "I")
-            put(up, "W")
+            put(down, "IW")
+            put(up, "FIW")
         for _ in range(r):
             put(down, "I")
             put(up, "I")
         for _ in range(p - r):
-            put(down, "I")
-            put(down, "W")
+            put(down, "IW")
         while count[(up, "W")] < count[(up, "I")]:
             put(up, "W")
         while count[(down, "W")] < count[(down, "I")]:
@@ -212,12 +215,7 @@ def looped_bfs(stages: int, microbatches: int, ranks: int | None = None) -> Sche
     every backward (fused B) on its chunks in reverse order. torch runs a chunk's backwards from
     the last microbatch down; here they run in increasing microbatch order, the order every other
     schedule accumulates weight gradients in, so gradients are bitwise the same."""
-    ranks = ranks if ranks is not None else stages // 2
-    if ranks < 1 or stages % ranks:
-        raise ValueError(
-            f"looped-bfs: {stages} stages (chunks) cannot be spread evenly over {ranks} ranks; "
-            "use a multiple of the rank count (default: two chunks per rank, so an even stage count)"
-        )
+    ranks = _looped_ranks("looped-bfs", stages, ranks)
     rows = []
     for r in range(ranks):
         own = list(range(r, stages, ranks))

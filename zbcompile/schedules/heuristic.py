@@ -113,11 +113,7 @@ def best_of(candidates: Sequence[Schedule], costs: ResolvedCosts, objective: str
 
 
 def zb_auto_heuristic(
-    stages: int,
-    microbatches: int,
-    costs: ResolvedCosts,
-    limits: Sequence[float] | None,
-    objective: str = "span",
+    stages: int, microbatches: int, costs: ResolvedCosts, limits: Sequence[float] | None, objective: str = "span",
     policies: Sequence[GreedyPolicy] | None = None,
 ) -> Schedule:
     """Best of the list-scheduler policies, the analytic member of the search family
@@ -128,13 +124,8 @@ def zb_auto_heuristic(
 
 
 def zb_auto_candidates(
-    stages: int,
-    microbatches: int,
-    costs: ResolvedCosts,
-    limits: Sequence[float] | None,
-    objective: str,
-    policies: Sequence[GreedyPolicy] | None,
-    ev: Evaluator,
+    stages: int, microbatches: int, costs: ResolvedCosts, limits: Sequence[float] | None, objective: str,
+    policies: Sequence[GreedyPolicy] | None, ev: Evaluator,
 ) -> tuple[list[list[int]], tuple[float, float], str]:
     """The heuristic's winner as evaluator rows, its score (objective, sum of rank spans) and its
     source. Large problems with the same costs on every stage skip the list scheduler: the
@@ -148,19 +139,15 @@ def zb_auto_candidates(
     scored: list[tuple[tuple[float, float], int, str, list[list[int]]]] = []
 
     def consider(source: str, rows: list[list[int]] | None) -> None:
-        if rows is None:
-            return
-        if limits is not None and not ev.fits(rows, lims):
-            return
-        scored.append((ev.score(rows, objective), len(scored), source, rows))
+        if rows is not None and (limits is None or ev.fits(rows, lims)):
+            scored.append((ev.score(rows, objective), len(scored), source, rows))
 
     for policy in policies:
         try:
-            consider(
-                "list", ev.rows_of(list_schedule("zb-auto", stages, microbatches, placement, costs, limits, policy))
-            )
+            rows = ev.rows_of(list_schedule("zb-auto", stages, microbatches, placement, costs, limits, policy))
         except MemoryTooSmall:
             continue
+        consider("list", rows)
     warm, defer = analytic_parameters(stages, costs)
     consider("pattern", pattern_rows(ev, lims, warm, defer))
     raises = any(mw > mf for mf, mw in zip(costs.mem_b, costs.mem_w))
@@ -175,11 +162,8 @@ def zb_auto_candidates(
     if reference is not None:
         before = min((t[0][0] for t in scored), default=math.inf)
         consider(*reference)
-        if (
-            before < math.inf
-            and scored[-1][2] == reference[0]
-            and not scored[-1][0][0] < before - _STRICTLY_BETTER * max(1.0, abs(before))
-        ):
+        margin = _STRICTLY_BETTER * max(1.0, abs(before))
+        if before < math.inf and scored[-1][2] == reference[0] and not scored[-1][0][0] < before - margin:
             scored.pop()
     if not scored:
         raise ValueError(f"zb-auto: no schedule fits memory_limit {list(limits)}; raise it")
@@ -239,13 +223,10 @@ def zbv(
     if not candidates or not _uniform(costs) or candidates[0].info["zbv_source"] != "handcrafted":
         for policy in POLICIES:
             try:
-                candidates.append(
-                    list_schedule("zbv", stages, microbatches, placement, costs, limits, policy).with_info(
-                        zbv_source="list"
-                    )
-                )
+                listed = list_schedule("zbv", stages, microbatches, placement, costs, limits, policy)
             except MemoryTooSmall:
                 continue
+            candidates.append(listed.with_info(zbv_source="list"))
     if not candidates:  # one microbatch at a time: peaks at exactly minimum_memory
         candidates.append(sequential(stages, microbatches, placement).with_info(zbv_source="sequential"))
     best, _ = best_of(candidates, costs, objective)

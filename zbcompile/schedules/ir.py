@@ -124,22 +124,16 @@ class Schedule:
     overlapped: tuple[tuple[Action, ...], ...] = field(default=(), compare=False, hash=False)
 
     def __post_init__(self) -> None:
+        def parsed(rows: Iterable[Iterable[Action | str]]) -> tuple[tuple[Action, ...], ...]:
+            return tuple(tuple(a if isinstance(a, Action) else Action.parse(a) for a in row) for row in rows)
+
         object.__setattr__(self, "stage_to_rank", tuple(int(r) for r in self.stage_to_rank))
-        object.__setattr__(
-            self,
-            "actions",
-            tuple(tuple(a if isinstance(a, Action) else Action.parse(a) for a in row) for row in self.actions),
-        )
+        object.__setattr__(self, "actions", parsed(self.actions))
         object.__setattr__(self, "info", dict(self.info))
-        object.__setattr__(
-            self,
-            "overlapped",
-            tuple(tuple(a if isinstance(a, Action) else Action.parse(a) for a in g) for g in self.overlapped),
-        )
+        object.__setattr__(self, "overlapped", parsed(self.overlapped))
         if len(self.stage_to_rank) != self.stages:
             raise ValueError(
-                f"schedule {self.name!r}: stage_to_rank has {len(self.stage_to_rank)} entries "
-                f"for {self.stages} stages"
+                f"schedule {self.name!r}: stage_to_rank has {len(self.stage_to_rank)} entries for {self.stages} stages"
             )
         if self.mirrored_from is not None and not 0 < self.mirrored_from < self.microbatches:
             raise ValueError(
@@ -215,11 +209,7 @@ class Schedule:
 
     @classmethod
     def from_csv(
-        cls,
-        text: str,
-        name: str = "csv",
-        stages: int | None = None,
-        microbatches: int | None = None,
+        cls, text: str, name: str = "csv", stages: int | None = None, microbatches: int | None = None,
     ) -> "Schedule":
         """Parse torch's CSV form, compute-only or with communication (every cell torch writes:
         see the module docstring); stage count, microbatch count and placement are inferred
@@ -247,12 +237,8 @@ class Schedule:
 
     @classmethod
     def from_rows(
-        cls,
-        rows: Sequence[Iterable[Action | str]],
-        name: str = "custom",
-        stages: int | None = None,
-        microbatches: int | None = None,
-        overlapped: Sequence[Sequence[Action]] = (),
+        cls, rows: Sequence[Iterable[Action | str]], name: str = "custom", stages: int | None = None,
+        microbatches: int | None = None, overlapped: Sequence[Sequence[Action]] = (),
     ) -> "Schedule":
         """Build a schedule from per-rank action lists (Actions or their text)."""
         parsed = [tuple(a if isinstance(a, Action) else Action.parse(a) for a in row) for row in rows]
@@ -264,12 +250,11 @@ class Schedule:
         placement: dict[int, int] = {}
         for rank, row in enumerate(parsed):
             for a in row:
-                if a.is_compute:
-                    if placement.setdefault(a.stage, rank) != rank:
-                        raise ValueError(
-                            f"stage {a.stage} appears on ranks {placement[a.stage]} and {rank}; "
-                            "each stage must run on exactly one rank"
-                        )
+                if a.is_compute and placement.setdefault(a.stage, rank) != rank:
+                    raise ValueError(
+                        f"stage {a.stage} appears on ranks {placement[a.stage]} and {rank}; "
+                        "each stage must run on exactly one rank"
+                    )
         missing = [s for s in range(stages) if s not in placement]
         if missing:
             raise ValueError(f"stages {missing} have no compute action, so their rank is unknown")

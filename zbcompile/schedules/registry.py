@@ -98,6 +98,11 @@ def _build_zb_auto(r: BuildRequest) -> Schedule:
     )
 
 
+def _looped(stages: int) -> tuple[int, ...]:
+    """Two chunks per rank, dealt out in turn (interleaved 1F1B's placement)."""
+    return round_robin(stages, stages // 2)
+
+
 SCHEDULES: Mapping[str, ScheduleSpec] = MappingProxyType(
     {
         spec.name: spec
@@ -105,9 +110,7 @@ SCHEDULES: Mapping[str, ScheduleSpec] = MappingProxyType(
             ScheduleSpec("gpipe", lambda r: gpipe(r.stages, r.microbatches)),
             ScheduleSpec("1f1b", lambda r: one_f_one_b(r.stages, r.microbatches)),
             ScheduleSpec(
-                "interleaved-1f1b",
-                lambda r: interleaved_one_f_one_b(r.stages, r.microbatches, r.ranks),
-                placement=lambda stages: round_robin(stages, stages // 2),
+                "interleaved-1f1b", lambda r: interleaved_one_f_one_b(r.stages, r.microbatches, r.ranks), _looped,
                 chunks_per_rank=2,
             ),
             ScheduleSpec("zb-h1", lambda r: zb_h1(r.stages, r.microbatches)),
@@ -123,17 +126,10 @@ SCHEDULES: Mapping[str, ScheduleSpec] = MappingProxyType(
                 )
             ),
             ScheduleSpec(
-                "looped-bfs",
-                lambda r: looped_bfs(r.stages, r.microbatches, r.ranks),
-                placement=lambda stages: round_robin(stages, stages // 2),
-                chunks_per_rank=2,
+                "looped-bfs", lambda r: looped_bfs(r.stages, r.microbatches, r.ranks), _looped, chunks_per_rank=2
             ),
             ScheduleSpec(
-                "dualpipev",
-                lambda r: dualpipev(r.stages, r.microbatches),
-                placement=v_placement,
-                chunks_per_rank=2,
-                min_stages=2,
+                "dualpipev", lambda r: dualpipev(r.stages, r.microbatches), v_placement, chunks_per_rank=2, min_stages=2
             ),
             ScheduleSpec("dualpipe", lambda r: dualpipe(r.stages, r.microbatches), min_stages=2, mirrored=True),
         )
@@ -212,20 +208,10 @@ def _given(
 
 
 def make_schedule(
-    name: str | Schedule,
-    stages: int,
-    microbatches: int,
-    costs: Costs | ResolvedCosts | None = None,
-    memory_limit: MemoryLimit = None,
-    objective: str = "span",
-    *,
-    time_budget: float | None = None,
-    ranks: int | None = None,
-    deterministic: bool = False,
-    check: bool = True,
-    placements: Sequence[str] = PLACEMENTS,
-    chunk_costs: Costs | ResolvedCosts | None = None,
-    v_always: bool = False,
+    name: str | Schedule, stages: int, microbatches: int, costs: Costs | ResolvedCosts | None = None,
+    memory_limit: MemoryLimit = None, objective: str = "span",
+    *, time_budget: float | None = None, ranks: int | None = None, deterministic: bool = False, check: bool = True,
+    placements: Sequence[str] = PLACEMENTS, chunk_costs: Costs | ResolvedCosts | None = None, v_always: bool = False,
 ) -> Schedule:
     """Build, validate and return the schedule ``name`` (one of ``SCHEDULE_NAMES``). ``name`` may
     also be a ``Schedule`` (e.g. ``Schedule.from_csv(text)``): it is checked against ``stages``,
@@ -258,18 +244,8 @@ def make_schedule(
     limits = rank_limits(memory_limit, spec.ranks(stages)) if spec.solved else None
     chunks = None if chunk_costs is None else resolve_costs(chunk_costs, 2 * stages)
     request = BuildRequest(
-        stages,
-        microbatches,
-        sc,
-        limits,
-        objective,
-        time_budget,
-        deterministic,
-        ranks,
-        started,
-        tuple(placements),
-        chunks,
-        v_always,
+        stages, microbatches, sc, limits, objective, time_budget, deterministic, ranks, started, tuple(placements),
+        chunks, v_always,
     )
     sched = spec.build(request)
     sched = sched.with_info(solve_time_s=time.perf_counter() - started)

@@ -69,10 +69,7 @@ def idle_boxes(boxes: Sequence[Box], kinds: Sequence[str] = ("F", "I", "B", "W")
 
 
 def to_svg(
-    boxes: Sequence[Box],
-    title: str = "",
-    width: float = 1200.0,
-    time_range: tuple[float, float] | None = None,
+    boxes: Sequence[Box], title: str = "", width: float = 1200.0, time_range: tuple[float, float] | None = None,
     legend: bool = False,
 ) -> str:
     """An SVG document with one ``<rect class="action F" data-action="0F3">`` per box. The x axis

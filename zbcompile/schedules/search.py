@@ -41,7 +41,6 @@ SECONDS_PER_ACTION = 2.5e-6
 class SearchResult:
     rows: list[list[int]] | None
     score: tuple[float, float]
-    evaluations: int
     info: dict
 
 
@@ -81,13 +80,8 @@ class _Clock:
 
 
 def pattern_rows(
-    ev: Evaluator,
-    limits: Sequence[float],
-    warm: Sequence[int],
-    defer: Sequence[int],
-    w_after: bool = False,
-    drain: int = 0,
-    floor: Sequence[int] | None = None,
+    ev: Evaluator, limits: Sequence[float], warm: Sequence[int], defer: Sequence[int], w_after: bool = False,
+    drain: int = 0, floor: Sequence[int] | None = None,
 ) -> list[list[int]] | None:
     """Per-stage programs of the family above (single chunk: stage s on rank s), None if stuck."""
     S, M = ev.S, ev.M
@@ -355,13 +349,8 @@ def _nudged(member: _Member, stage: int, which: str, delta: int) -> _Member | No
 
 
 def search(
-    ev: Evaluator,
-    limits: Sequence[float] | None,
-    objective: str,
-    budget: float,
-    deterministic: bool = False,
-    start_rows: list[list[int]] | None = None,
-    seed: int = 0,
+    ev: Evaluator, limits: Sequence[float] | None, objective: str, budget: float, deterministic: bool = False,
+    start_rows: list[list[int]] | None = None, seed: int = 0,
 ) -> SearchResult:
     """Best rows found within ``budget`` (see the module docstring); starts from ``start_rows``.
     ``info`` holds the best value after each phase and when it ended."""
@@ -381,7 +370,7 @@ def search(
         info[f"search_{name}"] = run.best[0]
         info[f"search_{name}_at_s"] = round(time.perf_counter() - clock.started, 3)
     info["search_evaluations"] = clock.evals
-    return SearchResult(run.best_rows, run.best, clock.evals, info)
+    return SearchResult(run.best_rows, run.best, info)
 
 
 def _critical_first(ev: Evaluator, rows) -> list[int]:

@@ -91,9 +91,7 @@ def simulate(schedule: Schedule, costs: Costs | ResolvedCosts | None = None) -> 
     """Time ``schedule`` under ``costs`` (default: uniform unit costs) and measure it."""
     sc = resolve_costs(costs, schedule.stages)
     rows = [tuple(a for a in row if a.is_compute) for row in schedule.actions]
-    timing = asap_timing(
-        rows, schedule.stages, schedule.stage_to_rank, lambda a: sc.duration(a.stage, a.kind), sc.comm
-    )
+    timing = asap_timing(rows, schedule.stages, schedule.stage_to_rank, lambda a: sc.duration(a.stage, a.kind), sc.comm)
     busy = tuple(sum(sc.duration(a.stage, a.kind) for a in row) for row in rows)
     rank_end = [max(timing.end[a] for a in row) if row else 0.0 for row in rows]
     reduced = None
@@ -105,7 +103,7 @@ def simulate(schedule: Schedule, costs: Costs | ResolvedCosts | None = None) -> 
             for stage, t in ends.items():
                 reduced[stage] = max(reduced.get(stage, t), t)
     rank_span = tuple((rank_end[r] - min(timing.start[a] for a in row)) if row else 0.0 for r, row in enumerate(rows))
-    starts = [t for t in timing.start.values()]
+    starts = list(timing.start.values())
     ends = [*timing.end.values(), *(reduced.values() if reduced is not None else ())]
     makespan = (max(ends) - min(starts)) if starts else 0.0
     span = max(rank_span, default=0.0)
@@ -116,15 +114,8 @@ def simulate(schedule: Schedule, costs: Costs | ResolvedCosts | None = None) -> 
         return 1.0 - total_busy / (ranks * window) if window > 0 else 0.0
 
     return SimResult(
-        start=timing.start,
-        end=timing.end,
-        makespan=makespan,
-        span=span,
-        bubble_rate=rate(makespan),
-        stage_bubble_rate=rate(span),
-        busy=busy,
-        rank_span=rank_span,
-        idle_time=tuple(s - b for s, b in zip(rank_span, busy)),
-        peak_memory=peak_memory(schedule, sc),
+        start=timing.start, end=timing.end, makespan=makespan, span=span, bubble_rate=rate(makespan),
+        stage_bubble_rate=rate(span), busy=busy, rank_span=rank_span,
+        idle_time=tuple(s - b for s, b in zip(rank_span, busy)), peak_memory=peak_memory(schedule, sc),
         reduction_end=reduced,
     )

@@ -172,13 +172,8 @@ class _Model:
 
 
 def improve(
-    schedule: Schedule,
-    costs: ResolvedCosts,
-    limits: Sequence[float] | None,
-    objective: str,
-    time_budget: float,
-    deterministic: bool = False,
-    workers: int | None = None,
+    schedule: Schedule, costs: ResolvedCosts, limits: Sequence[float] | None, objective: str, time_budget: float,
+    deterministic: bool = False, workers: int | None = None,
 ) -> SolveResult:
     """Search for a better ordering within ``time_budget`` seconds (wall time, model building
     included): build the model, solve it, re-time the solution's order with the real costs."""

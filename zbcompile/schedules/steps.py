@@ -73,12 +73,8 @@ def _time_step(
 
 
 def simulate_steps(
-    schedule: Schedule,
-    costs: Costs | ResolvedCosts | None = None,
-    mode: str = "post-validation",
-    steps: int = 6,
-    optimizer: float = 0.0,
-    allreduce: float | None = None,
+    schedule: Schedule, costs: Costs | ResolvedCosts | None = None, mode: str = "post-validation", steps: int = 6,
+    optimizer: float = 0.0, allreduce: float | None = None,
 ) -> StepsResult:
     """`steps` steps of `schedule` back to back, connected as `mode` says (see the module)."""
     if mode not in MODES:
@@ -126,10 +122,7 @@ def simulate_steps(
 
 
 def compare_step_times(
-    schedule: Schedule,
-    costs: Costs | ResolvedCosts | None = None,
-    steps: int = 6,
-    optimizer: float = 0.0,
+    schedule: Schedule, costs: Costs | ResolvedCosts | None = None, steps: int = 6, optimizer: float = 0.0,
     allreduce: float | None = None,
 ) -> dict[str, StepsResult]:
     """Both modes under the same costs: {"barrier": ..., "post-validation": ...}."""

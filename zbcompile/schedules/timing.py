@@ -34,10 +34,7 @@ def backward_index(rows: Sequence[Sequence[Action]]) -> dict[tuple[int, int], Ac
 
 
 def dependencies(
-    action: Action,
-    stages: int,
-    stage_to_rank: Sequence[int],
-    comm: float,
+    action: Action, stages: int, stage_to_rank: Sequence[int], comm: float,
     backward_of: Mapping[tuple[int, int], Action],
 ) -> list[Dependency]:
     """The producers ``action`` waits for, with the communication delay on each edge."""
@@ -66,10 +63,7 @@ class Timing:
 
 
 def asap_timing(
-    rows: Sequence[Sequence[Action]],
-    stages: int,
-    stage_to_rank: Sequence[int],
-    duration: Callable[[Action], float],
+    rows: Sequence[Sequence[Action]], stages: int, stage_to_rank: Sequence[int], duration: Callable[[Action], float],
     comm: float,
 ) -> Timing:
     """Start every action as early as its rank and inputs allow, in each rank's order.

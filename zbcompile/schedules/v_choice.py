@@ -23,10 +23,7 @@ from .ir import Schedule
 PLACEMENTS = ("in-line", "v")  # one stage per rank; two chunks per rank in a V
 # the fixed V orders, least memory first; zbv is solved under the limit itself
 V_BUILDERS: dict[str, Callable[[int, int], Schedule]] = {
-    "v-min": v_min,
-    "v-half": v_half,
-    "v-zb": v_zb,
-    "dualpipev": dualpipev,
+    "v-min": v_min, "v-half": v_half, "v-zb": v_zb, "dualpipev": dualpipev
 }
 
 
@@ -38,11 +35,7 @@ def below_one_f_one_b(stages: int, costs: ResolvedCosts, limits: Sequence[float]
 
 
 def best_v_schedule(
-    stages: int,
-    microbatches: int,
-    costs: ResolvedCosts,
-    limits: Sequence[float] | None,
-    objective: str,
+    stages: int, microbatches: int, costs: ResolvedCosts, limits: Sequence[float] | None, objective: str,
     chunk_costs: ResolvedCosts | None = None,
 ) -> tuple[Schedule, float, float] | None:
     """The best V schedule on ``stages`` ranks within ``limits`` (per rank) under ``objective``, its
@@ -51,7 +44,6 @@ def best_v_schedule(
     chunks = 2 * stages
     chunk_costs = chunk_costs or costs.chunked(2)
     candidates = [build(chunks, microbatches) for build in V_BUILDERS.values()]
-    candidates = [c for c in candidates if fits(c, chunk_costs, limits)]
     try:
         candidates.append(zbv(chunks, microbatches, chunk_costs, limits, objective))
     except ValueError:  # the limit is below one microbatch of a rank
@@ -65,14 +57,8 @@ def best_v_schedule(
 
 
 def choose_placement(
-    solve_in_line: Callable[[], Schedule],
-    stages: int,
-    microbatches: int,
-    costs: ResolvedCosts,
-    limits: Sequence[float] | None,
-    objective: str,
-    placements: Sequence[str],
-    chunk_costs: ResolvedCosts | None = None,
+    solve_in_line: Callable[[], Schedule], stages: int, microbatches: int, costs: ResolvedCosts,
+    limits: Sequence[float] | None, objective: str, placements: Sequence[str], chunk_costs: ResolvedCosts | None = None,
     v_always: bool = False,
 ) -> Schedule:
     """zb-auto's result over ``placements`` (see ``PLACEMENTS``): ``solve_in_line()`` (zb-auto with
@@ -84,13 +70,12 @@ def choose_placement(
     unknown = set(placements) - set(PLACEMENTS)
     if unknown or not placements:
         raise ValueError(f"zb-auto: placements must be among {PLACEMENTS}, got {tuple(placements)}")
-    v_allowed = "v" in placements and (
-        "in-line" not in placements or v_always or below_one_f_one_b(stages, costs, limits)
-    )
+    in_line_allowed = "in-line" in placements
+    v_allowed = "v" in placements and (not in_line_allowed or v_always or below_one_f_one_b(stages, costs, limits))
     v = best_v_schedule(stages, microbatches, costs, limits, objective, chunk_costs) if v_allowed else None
     in_line = None
     try:
-        if "in-line" in placements:
+        if in_line_allowed:
             in_line = solve_in_line()
     except ValueError:  # no one-stage-per-rank schedule fits the limit
         if v is None:
