@@ -49,8 +49,29 @@ def _ephemeral_low() -> int:
         return 32768
 
 
-def _entry(rank: int, world: int, port: int, out_dir: str, timeout_s: float, fn: Callable, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+# what the fork server imports once, before it forks the ranks (`_start_context`)
+PRELOAD = ("__main__", "torch", "torch.distributed")
+
+
+def _start_context(fn: Callable) -> Any:
+    """The forkserver context where the platform has one: every rank is a fork of one server that
+    imported torch and `fn`'s module when it started (the first launch of this process), so that
+    a launch of 32 ranks starts in seconds, not in 32 interpreters importing torch; else spawn.
+    Each rank then takes its launcher's environment (`_entry`) and directory, as a spawned one would."""
+    import torch.multiprocessing as mp
+
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(list(dict.fromkeys([*PRELOAD, fn.__module__])))
+    return context
+
+
+def _entry(
+    rank: int, world: int, port: int, out_dir: str, timeout_s: float, environ: dict, fn: Callable, args: tuple
+) -> None:
+    os.environ.clear()
+    os.environ.update(environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
     import torch.distributed as dist
 
@@ -71,18 +92,16 @@ def run_ranks(
     world: int, fn: Callable, *args: Any, timeout_s: float = 600.0, group_timeout_s: float | None = None,
     allow_failures: bool = False,
 ) -> list[Any]:
-    """`fn(*args)` on `world` spawned processes (one intra-op thread each) in a gloo group on
+    """`fn(*args)` on `world` local processes (one intra-op thread each) in a gloo group on
     127.0.0.1 whose collectives time out after `group_timeout_s` (default `timeout_s`); a process
     still running `timeout_s` after it was waited for is killed. Rank r's result at index r; a rank
     that raised or died gives a `Failed`; unless `allow_failures`, any failure raises RuntimeError
     with the traces."""
-    import torch.multiprocessing as mp
-
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    context = mp.get_context("spawn")
+    context = _start_context(fn)
     with tempfile.TemporaryDirectory() as out_dir:
         port = free_port()
-        launch = (world, port, out_dir, group_timeout_s or timeout_s, fn, args)
+        launch = (world, port, out_dir, group_timeout_s or timeout_s, dict(os.environ), fn, args)
         processes = [context.Process(target=_entry, args=(r, *launch)) for r in range(world)]
         for p in processes:
             p.start()

@@ -279,6 +279,22 @@ def test_a_dead_peer_fails_the_others_within_the_timeout():
     assert "rank 0" in survivor and "RECV" in survivor and "after 10 s" in survivor, survivor
 
 
+def _where_and_what(name: str) -> tuple[str, str | None]:
+    import os
+
+    return os.getcwd(), os.environ.get(name)
+
+
+def test_ranks_start_in_the_launchers_directory_and_environment(tmp_path, monkeypatch):
+    """Ranks are forks of a server started by an earlier launch of this process: each still
+    runs in the directory and environment its launcher has now, as a freshly spawned one would."""
+    run_ranks(2, _where_and_what, "ZBCOMPILE_TEST_LAUNCH")  # the server runs from here on
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("ZBCOMPILE_TEST_LAUNCH", "set after the server started")
+    per_rank = run_ranks(2, _where_and_what, "ZBCOMPILE_TEST_LAUNCH")
+    assert per_rank == [(str(tmp_path), "set after the server started")] * 2
+
+
 @launches.READS_TWO_RANKS
 def test_zb_auto_measures_its_costs_by_default(profiled):
     """Without options, a distributed zb-auto pipeline's first compile times calibration steps,
