@@ -32,14 +32,12 @@ class PipelineOptions:
     microbatches: int = 1
     # (output, target) -> a microbatch's mean loss, or (loss_sum, count) for the whole batch's; None: forward returns it
     loss_fn: Callable[..., Any] | None = None
-    schedule: str | Schedule = (
-        DEFAULT_SCHEDULE  # one of SCHEDULE_NAMES (docs/schedules.md), or a Schedule to run as given
-    )
+    # one of SCHEDULE_NAMES (docs/schedules.md), or a Schedule to run as given
+    schedule: str | Schedule = DEFAULT_SCHEDULE
     split_points: tuple[str, ...] | None = None  # module FQNs where a stage begins; None: stages balanced by cost
     memory_limit: float | str | Sequence[float | str] | None = None
-    process_group: ProcessGroup | DeviceMesh | None = (
-        None  # one pipeline's ranks, or a DeviceMesh over ("dp", "pp", "tp") or a subset; None: the world
-    )
+    # one pipeline's ranks, or a DeviceMesh over ("dp", "pp", "tp") or a subset; None: the world
+    process_group: ProcessGroup | DeviceMesh | None = None
     timeout: timedelta = DEFAULT_TIMEOUT  # bounds every wait on a peer
     solver_time_budget: float | None = None  # seconds zb-auto improves its heuristic
     profile: bool | None = None  # measure costs and re-solve (runtime/tuning/profile.py); None: the schedule table's
@@ -50,17 +48,15 @@ class PipelineOptions:
     race_rounds: int = 3
     objective: str = "span"  # "span" (steps back to back) or "makespan" (a synchronisation ends every step)
     compiler: str | None = None  # "inductor" compiles each stage's graphs, "eager" runs them op by op; None: by device
-    dump_dir: str | None = (
-        None  # every compile's graphs, schedule and trace (default $ZBCOMPILE_DUMP; `zbcompile inspect`)
-    )
+    # every compile's graphs, schedule and trace (default $ZBCOMPILE_DUMP; `zbcompile inspect`)
+    dump_dir: str | None = None
     init_fn: Callable[[nn.Module], None] | None = None  # fills a module's own tensors materialised from `meta`
     costs: Costs | None = None  # solve with these instead of the static estimates (any one time unit)
     follow_readiness: bool = True  # W run in waits and past sends, in order (runtime/step/dispatch.py)
     grad_dtype: torch.dtype | None = None  # dtype `.grad` accumulates in (torch's param.grad_dtype); None: as set
     recompute: str | None = None  # "auto": recompute forward values per stage to fit memory_limit (auto_recompute.py)
-    data_parallel: str = (
-        "replicate"  # replicas keep parameters whole, or "shard": DTensors over "dp" (runtime/parallel/sharding.py)
-    )
+    # "replicate": replicas keep parameters whole, or "shard": DTensors over "dp" (runtime/parallel/sharding.py)
+    data_parallel: str = "replicate"
     # {module-FQN pattern: torch ParallelStyle}, applied on the process_group mesh's "tp" dimension
     tensor_parallel: Mapping[str, Any] | None = None
     recut: bool = True  # zb-auto measuring its costs chooses its cut again from them (runtime/tuning/recut.py)
@@ -98,9 +94,8 @@ class PipelineOptions:
             raise ValueError(
                 "pipeline(): recompute='auto' chooses recomputation to fit memory_limit; give a memory_limit"
             )
-        if self.grad_dtype is not None and not (
-            isinstance(self.grad_dtype, torch.dtype) and self.grad_dtype.is_floating_point
-        ):
+        dtype = self.grad_dtype
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise TypeError(
                 f"pipeline(): grad_dtype must be a floating-point torch.dtype or None, got {self.grad_dtype!r}"
             )

@@ -53,22 +53,23 @@ def compile_stage_programs(
     if chosen == "eager":
         return compiled
 
-    def make(part: Program, name: str) -> Program:
+    def make(part: Program, stage: int, kind: str) -> Program:
         if chosen == "traced":
             return TracedProgram(part.graph, part.signature)
-        return InductorProgram(part.graph, part.signature, name=name, fallback=compiler is None)
+        return InductorProgram(part.graph, part.signature, name=f"stage {stage}'s {kind}", fallback=compiler is None)
 
-    return dataclasses.replace(compiled, programs=tuple(_compile_stage(p, make) for p in compiled.programs))
+    return dataclasses.replace(compiled, programs=tuple(each_graph(p, make) for p in compiled.programs))
 
 
-def _compile_stage(program: StageProgram, make: Callable[[Program, str], Program]) -> StageProgram:
-    """`program` with each graph that computes something made by `make(graph, its name)`."""
+def each_graph(program: StageProgram, make: Callable[[Program, int, str], Program]) -> StageProgram:
+    """`program` with each graph that computes something made by `make(graph, stage index, kind)`
+    (kind: "F", "B", "I" or "W"); a graph without ops (the first stage's I) stays as it is."""
     joint, split = program.joint, program.split
 
-    def made(part: Program, name: str) -> Program:
+    def made(part: Program, kind: str) -> Program:
         if not any(n.op == "call_function" for n in part.graph.graph.nodes):
-            return part  # nothing to compute (the first stage's I)
-        return make(part, f"stage {program.index}'s {name}")
+            return part
+        return make(part, program.index, kind)
 
     return dataclasses.replace(
         program,

@@ -377,11 +377,8 @@ class Evaluation:
         its rank holds under `train`'s placement, and the runner of its forward-only schedule."""
         b, schedule = self.builder, train.runner.schedule
         stages = train.compiled.partition.stages
-        on_rank: dict[int, frozenset[str]] = {}
-        for s, stage in enumerate(stages):
-            for rank in schedule.ranks_of(s):
-                on_rank[rank] = on_rank.get(rank, frozenset()) | set(stage.param_fqns) | set(stage.buffer_fqns)
-        held = [on_rank[rank] for rank in schedule.stage_to_rank]
+        readers = state_transfer.holders(train.compiled, schedule)
+        held = [frozenset(f for f, ranks in readers.items() if rank in ranks) for rank in schedule.stage_to_rank]
         args, kwargs = example
         loss_fn = None if outputs else b.options.loss_fn
         device = b.device() if b.distributed else None

@@ -117,10 +117,9 @@ def agree(mine: BatchDescription, group: dist.ProcessGroup | None) -> BatchDescr
     if target is not None and inputs[1].batch_size != target[1].batch_size:
         raise ValueError(
             f"the first stage and the last stage would compute with batches of different sizes: rank {inputs[0]} "
-            "passed "
-            f"inputs of {inputs[1].batch_size} samples {inputs[1]}, rank {target[0]} a target of "
-            f"{target[1].batch_size} "
-            f"{target[1]}; every rank of a pipeline passes the same batch (its replica's own under data parallelism)"
+            f"passed inputs of {inputs[1].batch_size} samples {inputs[1]}, rank {target[0]} a target of "
+            f"{target[1].batch_size} {target[1]}; every rank of a pipeline passes the same batch (its replica's own "
+            "under data parallelism)"
         )
     return BatchDescription(inputs[1], target[1] if target is not None else None)
 
@@ -261,15 +260,11 @@ def split(inputs: tuple, kwargs: dict, target: Any, microbatches: int):
     micro_targets = (
         [pytree.tree_unflatten(c, target_spec) for c in chunks(target_leaves)] if target is not None else [None] * m
     )
-    key = (
-        spec,
-        target_spec,
-        tuple(
-            (tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else _constant_key(t)
-            for t in [*leaves, *target_leaves]
-        ),
+    described = tuple(
+        (tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else _constant_key(t)
+        for t in [*leaves, *target_leaves]
     )
-    return micro_inputs, micro_targets, key
+    return micro_inputs, micro_targets, (spec, target_spec, described)
 
 
 def feeds(compiled: CompiledPipeline, micro_inputs: list, micro_targets: list) -> tuple[list[Feed], list[Feed]]:

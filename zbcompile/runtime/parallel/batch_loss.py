@@ -71,14 +71,8 @@ def sum_over_replicas(value: torch.Tensor, group: Any) -> torch.Tensor:
 
 
 def reduction(
-    traced: TracedModel,
-    micro_inputs: Sequence[tuple[tuple, dict]],
-    feeds: list[dict[str, torch.Tensor]],
-    targets: Sequence[dict[str, torch.Tensor]],
-    module: nn.Module,
-    held: Collection[int],
-    stages: int,
-    layout: Any,
+    traced: TracedModel, micro_inputs: Sequence[tuple[tuple, dict]], feeds: list[dict[str, torch.Tensor]],
+    targets: Sequence[dict[str, torch.Tensor]], module: nn.Module, held: Collection[int], stages: int, layout: Any,
 ) -> LossReduction:
     """The step's `LossReduction` for `traced` (the compile it runs). `held`: the stages of
     `stages` this process runs; `layout`: this rank's place (`layout.Layout`; None in one

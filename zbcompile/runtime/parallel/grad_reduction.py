@@ -128,8 +128,7 @@ class GradReduction:
             stage = self.plan.order[self._next]
             raise RuntimeError(
                 f"rank {dist.get_rank()}: stage {stage} ran {self._ran.get(stage, 0)} of its "
-                f"{self.plan.expected[stage]} "
-                "gradient actions in the step; its gradients were never reduced"
+                f"{self.plan.expected[stage]} gradient actions in the step; its gradients were never reduced"
             )
         return self._wait()
 
@@ -145,14 +144,13 @@ class GradReduction:
             tensors = [grads[f] for f in bucket]
             posted = time.perf_counter()
             if self.mesh is None:
-                flat = torch.cat([t.reshape(-1) for t in tensors])
+                layout, flat = None, torch.cat([t.reshape(-1) for t in tensors])
                 work = dist.all_reduce(flat, group=self.group, async_op=True)
-                self._buckets.append(_Bucket(bucket, tensors, flat, work, label, posted))
             else:
                 layout = ReduceScatterLayout(tensors, self.group)
                 flat = layout.output(tensors[0])
                 work = dist.reduce_scatter_single(flat, layout.input(tensors), group=self.group, async_op=True)
-                self._buckets.append(_Bucket(bucket, tensors, flat, work, label, posted, layout))
+            self._buckets.append(_Bucket(bucket, tensors, flat, work, label, posted, layout))
 
     def _wait(self) -> dict[str, torch.Tensor]:
         reduced: dict[str, torch.Tensor] = {}
@@ -161,9 +159,8 @@ class GradReduction:
             wait(bucket.work, self.timeout, f"{bucket.label}: reducing the gradients of {bucket.fqns[:3]}")
             bucket.flat.div_(self.size)
             if bucket.layout is None:
-                parts = [
-                    p.view_as(t) for p, t in zip(bucket.flat.split([t.numel() for t in bucket.tensors]), bucket.tensors)
-                ]
+                sizes = [t.numel() for t in bucket.tensors]
+                parts = [p.view_as(t) for p, t in zip(bucket.flat.split(sizes), bucket.tensors)]
             else:
                 parts = bucket.layout.shards(bucket.flat, self.mesh)
             reduced.update(zip(bucket.fqns, parts))
@@ -187,15 +184,13 @@ def reduction_per_message(
         return (0.0,) * len(compiled.partition.stages)
     share = (2 if mode == "replicate" else 1) * (replicas - 1) / replicas
     params = dict(compiled.traced.model.named_parameters())
-    per_stage = []
-    for stage in compiled.partition.stages:
-        nbytes = 0
-        for fqn in stage.param_fqns:
-            p = params[fqn]
-            size = grad_dtype.itemsize if grad_dtype is not None and p.is_floating_point() else p.element_size()
-            nbytes += p.numel() * size
-        per_stage.append(share * nbytes / largest)
-    return tuple(per_stage)
+
+    def grad_bytes(p: torch.Tensor) -> int:
+        itemsize = grad_dtype.itemsize if grad_dtype is not None and p.is_floating_point() else p.element_size()
+        return p.numel() * itemsize
+
+    stages = compiled.partition.stages
+    return tuple(share * sum(grad_bytes(params[f]) for f in s.param_fqns) / largest for s in stages)
 
 
 def _buckets(fqns: Sequence[str], grads: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[list[str]]:

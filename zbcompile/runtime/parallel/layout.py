@@ -82,14 +82,10 @@ def from_first_rank(value: Any, layout: Layout | None) -> Any:
     itself in one process): one broadcast per group of `Layout.decision_groups`. Every rank must
     call it at the same point."""
     for group in layout.decision_groups if layout is not None else ():
-        value = _from_first_of(group, value)
+        box = [value]
+        dist.broadcast_object_list(box, group=group, group_src=0)
+        value = box[0]
     return value
-
-
-def _from_first_of(group: dist.ProcessGroup, value: Any) -> Any:
-    box = [value]
-    dist.broadcast_object_list(box, group=group, group_src=0)
-    return box[0]
 
 
 def make_layout(
@@ -117,15 +113,8 @@ def make_layout(
                 "DeviceMesh with 'dp' and 'pp' dimensions"
             )
         return Layout(
-            pp_size=pp_size,
-            dp_size=1,
-            pp_rank=ranks.index(rank),
-            dp_rank=0,
-            pipeline_ranks=tuple(ranks),
-            replica_ranks=(rank,),
-            pp_group=group if pp_size > 1 else None,
-            dp_group=None,
-            mesh=None,
+            pp_size=pp_size, dp_size=1, pp_rank=ranks.index(rank), dp_rank=0, pipeline_ranks=tuple(ranks),
+            replica_ranks=(rank,), pp_group=group if pp_size > 1 else None, dp_group=None, mesh=None,
         )
     if len(ranks) % pp_size:
         raise ValueError(
@@ -138,10 +127,7 @@ def make_layout(
     mesh = init_device_mesh(device.type, (dp_size, pp_size), mesh_dim_names=("dp", "pp"))
     dp_rank, pp_rank = divmod(rank, pp_size)
     return Layout(
-        pp_size=pp_size,
-        dp_size=dp_size,
-        pp_rank=pp_rank,
-        dp_rank=dp_rank,
+        pp_size=pp_size, dp_size=dp_size, pp_rank=pp_rank, dp_rank=dp_rank,
         pipeline_ranks=tuple(dp_rank * pp_size + i for i in range(pp_size)),
         replica_ranks=tuple(d * pp_size + pp_rank for d in range(dp_size)),
         pp_group=mesh.get_group("pp") if pp_size > 1 else None,
@@ -192,17 +178,20 @@ def _layout_of_mesh(mesh: DeviceMesh, pp_size: int, description: str) -> Layout:
     groups = {n: mesh.get_group(n) for n in names}
     ranks = {n: tuple(dist.get_process_group_ranks(g)) for n, g in groups.items()}
     me = dist.get_rank()
+
+    def ranks_of(name: str) -> tuple[int, ...]:
+        """The global ranks along dimension `name` with this rank (this rank alone where absent)."""
+        return ranks.get(name, (me,))
+
+    def local_rank(name: str) -> int:
+        return mesh.get_local_rank(name) if name in names else 0
+
+    def group_of(name: str) -> dist.ProcessGroup | None:
+        """The group along `name`, where it holds more than this rank."""
+        return groups[name] if len(ranks_of(name)) > 1 else None
+
     return Layout(
-        pp_size=pp_size,
-        dp_size=len(ranks.get("dp", (me,))),
-        pp_rank=mesh.get_local_rank("pp") if "pp" in names else 0,
-        dp_rank=mesh.get_local_rank("dp") if "dp" in names else 0,
-        pipeline_ranks=ranks.get("pp", (me,)),
-        replica_ranks=ranks.get("dp", (me,)),
-        pp_group=groups["pp"] if pp_size > 1 else None,
-        dp_group=groups["dp"] if len(ranks.get("dp", ())) > 1 else None,
-        mesh=mesh,
-        tp_size=len(ranks.get("tp", (me,))),
-        tp_rank=mesh.get_local_rank("tp") if "tp" in names else 0,
-        tp_group=groups["tp"] if len(ranks.get("tp", ())) > 1 else None,
+        pp_size=pp_size, dp_size=len(ranks_of("dp")), pp_rank=local_rank("pp"), dp_rank=local_rank("dp"),
+        pipeline_ranks=ranks_of("pp"), replica_ranks=ranks_of("dp"), pp_group=group_of("pp"), dp_group=group_of("dp"),
+        mesh=mesh, tp_size=len(ranks_of("tp")), tp_rank=local_rank("tp"), tp_group=group_of("tp"),
     )

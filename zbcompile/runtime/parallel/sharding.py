@@ -138,9 +138,8 @@ class _StageGather:
         pieces = []
         for p, width in zip(params, self.widths):
             local = p.detach().to_local().reshape(-1)
-            pieces.append(
-                local if local.numel() == width else torch.cat([local, local.new_zeros(width - local.numel())])
-            )
+            padding = width - local.numel()
+            pieces.append(local if padding == 0 else torch.cat([local, local.new_zeros(padding)]))
         send = torch.cat(pieces) if len(pieces) > 1 else pieces[0].contiguous()
         self.received = send.new_empty(dp * send.numel())
         self.work = dist.all_gather_single(self.received, send, group=group, async_op=True)
@@ -164,10 +163,7 @@ class Gathered(Mapping):
     parameters' runtime names, in the order stages come first) and waited for on first read."""
 
     def __init__(
-        self,
-        state: Mapping[str, torch.Tensor],
-        stage_params: Mapping[int, Sequence[str]],
-        group: dist.ProcessGroup,
+        self, state: Mapping[str, torch.Tensor], stage_params: Mapping[int, Sequence[str]], group: dist.ProcessGroup,
         timeout: timedelta,
     ) -> None:
         self._values = {k: v for k, v in state.items() if not isinstance(v, DTensor)}

@@ -122,7 +122,6 @@ class _Pending:
 class _Position:
     """This rank's place in its pipeline's chain: global ranks of its neighbours (None at an end)."""
 
-    pp_rank: int
     previous: int | None
     next: int | None
     pipeline_group: Any = None
@@ -247,20 +246,16 @@ class _PipelineOptimizer:
         """This rank's chain neighbours and which of its parameters count in the norm."""
         runner = self.pipe.runner
         if not isinstance(runner, DistributedRunner):
-            return _Position(0, None, None)
+            return _Position(None, None)
         layout = runner.layout
         names = {p: n for n, p in self.pipe.named_parameters()}
         foreign = {t.fqn for t in runner.tied_weights if t.owner != runner.rank}
         ranks = layout.pipeline_ranks
         return _Position(
-            pp_rank=layout.pp_rank,
             previous=ranks[layout.pp_rank - 1] if layout.pp_rank > 0 else None,
             next=ranks[layout.pp_rank + 1] if layout.pp_rank + 1 < layout.pp_size else None,
-            pipeline_group=layout.pp_group,
-            pipeline_size=layout.pp_size,
-            rank=runner.rank,
-            counted=lambda p: names.get(p) not in foreign,
-            replica_group=layout.dp_group,
+            pipeline_group=layout.pp_group, pipeline_size=layout.pp_size, rank=runner.rank,
+            counted=lambda p: names.get(p) not in foreign, replica_group=layout.dp_group,
         )
 
 
@@ -314,17 +309,15 @@ class PostValidatedOptimizer(_PipelineOptimizer):
         grads = self._grads()
         state = self._own_state(position, grads)
         if position.next is not None:
-            state = self._receive(transport, position.next, PARTIAL_TAG, "optimizer step (partial gradient norm)").plus(
-                state
-            )
-        if position.previous is not None:
-            transport.complete_messages()
-            transport.send([state.to_tensor(self._device())], position.previous, PARTIAL_TAG, "partial gradient norm")
+            action = "optimizer step (partial gradient norm)"
+            state = self._receive(transport, position.next, PARTIAL_TAG, action).plus(state)
         if position.previous is None:  # pipeline rank 0: the global state is known
             self._apply(grads, state)
             if position.next is not None:
                 self._pending = _Pending(grads, stepped=False, global_state=state)
             return
+        transport.complete_messages()
+        transport.send([state.to_tensor(self._device())], position.previous, PARTIAL_TAG, "partial gradient norm")
         skip, coef = self._verdict(state)
         stepped = not skip and coef is None
         if stepped:

@@ -41,10 +41,8 @@ class ExactRollback:
         params = _stepped_params(self.optimizer)
         with torch.no_grad():
             self._params = [(p, p.detach().clone()) for p in params]
-        self._state = {}
-        for p in params:
-            state = self.optimizer.state.get(p)
-            self._state[p] = None if not state else {k: _clone(v) for k, v in state.items()}
+        states = self.optimizer.state
+        self._state = {p: {k: _clone(v) for k, v in states[p].items()} if states.get(p) else None for p in params}
 
     def undo(self, grads: Mapping[torch.Tensor, torch.Tensor]) -> None:
         if self._params is None:
@@ -65,12 +63,9 @@ class ExactRollback:
     @property
     def held_bytes(self) -> int:
         """Bytes of the snapshot now held (0 when no step is unvalidated)."""
-        total = sum(saved.numel() * saved.element_size() for _, saved in self._params or [])
-        for state in self._state.values():
-            for v in (state or {}).values():
-                if isinstance(v, torch.Tensor):
-                    total += v.numel() * v.element_size()
-        return total
+        tensors = [saved for _, saved in self._params or []]
+        tensors += [v for state in self._state.values() for v in (state or {}).values() if isinstance(v, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _clone(value: Any) -> Any:
@@ -97,8 +92,7 @@ class ReverseRollback:
             if narrow:
                 raise ValueError(
                     f'rollback="reverse" cannot undo steps of {narrow[0].dtype} parameters (param group {i}, e.g. one '
-                    'of '
-                    f"shape {tuple(narrow[0].shape)}): an update near the value's rounding step does not come back "
+                    f"of shape {tuple(narrow[0].shape)}): an update near the value's rounding step does not come back "
                     'by the inverse formula (off by one unit in the last place, a relative 1e-2 in bfloat16); use '
                     'rollback="exact"'
                 )

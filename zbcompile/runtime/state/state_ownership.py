@@ -58,30 +58,27 @@ class StateOwnership:
         owners = sorted({type(self.module.get_submodule(n.rpartition(".")[0])).__name__ for n in names})
         in_state_dict = set(placement.canonical_names(self.module)) & set(self.module.state_dict(keep_vars=True))
         unloadable = [n for n in names if n not in in_state_dict]
+        ending = ""
+        if len(unloadable) < len(names):
+            ending += "; or load them with pipe.load_state_dict(state_dict) after compile()"
+        if unloadable:
+            ending += f". No state dict holds {unloadable[:4]} (non-persistent buffers): only init_fn can fill them"
         raise ValueError(
             f"{len(names)} parameters or buffers this process uses were built on the meta device and neither "
             f"initialised nor loaded, e.g. {names[:4]} (owned by {', '.join(owners[:4])}). Pass init_fn= to "
             "pipeline(): a function that fills one module's own parameters and buffers, such as a transformers "
             "model's _init_weights (without it, a module's reset_parameters() fills its parameters and the buffers "
-            "it writes)"
-            + (
-                "; or load them with pipe.load_state_dict(state_dict) after compile()"
-                if len(unloadable) < len(names)
-                else ""
-            )
-            + (
-                f". No state dict holds {unloadable[:4]} (non-persistent buffers): only init_fn can fill them"
-                if unloadable
-                else ""
-            )
+            "it writes)" + ending
         )
 
     def held_only(self, named: Iterator[tuple[str, Any]], prefix: str) -> Iterator[tuple[str, Any]]:
         """The (name, tensor) of `named` (a module's `named_parameters(prefix)` or buffers) this
         rank holds: all of them in one process."""
-        held = self._held_names()
+        distributed = self.options.distributed
+        if distributed:
+            self.require_placed()
         for name, tensor in named:
-            if held is None or name.removeprefix(prefix + "." if prefix else "") in held:
+            if not distributed or name.removeprefix(prefix + "." if prefix else "") in self.held:
                 yield name, tensor
 
     def held_only_entries(self, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -92,13 +89,6 @@ class StateOwnership:
             return state_dict
         aliases = placement.canonical_names(self.module)
         return {k: v for k, v in state_dict.items() if aliases.get(k, k) in self.held}
-
-    def _held_names(self) -> set[str] | None:
-        """FQNs this rank holds (None: all of them, in one process)."""
-        if not self.options.distributed:
-            return None
-        self.require_placed()
-        return self.held
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool) -> Any:
         """Copy into the parameters and buffers this process holds their entries of `state_dict`

@@ -89,16 +89,12 @@ class _Sent:
             dims = tuple(tensor.device_mesh.mesh_dim_names or ())
             layout = _Layout(dims, tuple(tensor.placements), tensor.shape, tensor.stride())
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        return _Sent(_grad_dtype(tensor), unfilled, local.shape, layout)
+        grad = tensor.grad if isinstance(tensor, nn.Parameter) else None
+        return _Sent(None if grad is None else grad.dtype, unfilled, local.shape, layout)
 
 
 def transfer(
-    module: nn.Module,
-    ownership,
-    plan: list[Move],
-    dropped: set[str],
-    layout: Layout,
-    transport: MessageTransport,
+    module: nn.Module, ownership, plan: list[Move], dropped: set[str], layout: Layout, transport: MessageTransport
 ) -> None:
     """Run `plan` (this rank sends what it is the source of, receives what it is the target of,
     in the plan's order), then let go of `dropped` (canonical FQNs this rank no longer holds).
@@ -126,17 +122,12 @@ def transfer(
                 pending = transport.post_recv(like, layout.pipeline_ranks[move.source], STATE_TAG + index, action)
                 like = transport.wait(pending, action)
             arrived[move.fqn] = _rebuilt(meta, like, what.dtensor, layout)
-            if sent[move.fqn].unfilled:
+            if what.unfilled:
                 ownership.unfilled.add(move.fqn)
     transport.complete_messages()
     placement.replace_tensors(module, arrived)
     placement.replace_tensors(module, {fqn: _meta_like(state[fqn]) for fqn in dropped})
     ownership.unfilled -= dropped
-
-
-def _grad_dtype(tensor: torch.Tensor) -> torch.dtype | None:
-    grad = tensor.grad if isinstance(tensor, nn.Parameter) else None
-    return None if grad is None else grad.dtype
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

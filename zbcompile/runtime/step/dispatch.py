@@ -53,14 +53,9 @@ class Interpreter:
         self.step_timeout_s = step_timeout_s
         self.mail = mail = Mailbox(transport, receive_device, self.clock, self._run_weight)
         self.handlers: dict[ActionKind, Callable[[int, Action], None]] = {
-            ActionKind.F: self._forward,
-            ActionKind.I: self._backward,
-            ActionKind.B: self._backward,
-            ActionKind.W: self._weight,
-            ActionKind.SEND_F: mail.send,
-            ActionKind.SEND_B: mail.send,
-            ActionKind.RECV_F: mail.receive,
-            ActionKind.RECV_B: mail.receive,
+            ActionKind.F: self._forward, ActionKind.I: self._backward, ActionKind.B: self._backward,
+            ActionKind.W: self._weight, ActionKind.SEND_F: mail.send, ActionKind.SEND_B: mail.send,
+            ActionKind.RECV_F: mail.receive, ActionKind.RECV_B: mail.receive,
         }
         self.timeline: list[tuple[str, float, float]] = []
         self.comm_timeline: list[tuple[str, float, float]] = []

@@ -90,17 +90,15 @@ class DistributedRunner(Runner):
         transport = Transport(self.rank, timeout, layout.pp_group)
         super().__init__(compiled, schedule, executors, transport, device, follow_readiness, clock)
         self.interpreter.step_timeout_s = timeout.total_seconds()
-        self.tied_weights = tied_weights(
-            parameter_users(compiled.partition), schedule.ranks_of, layout.pipeline_ranks, self.rank
-        )
+        users = parameter_users(compiled.partition)
+        self.tied_weights = tied_weights(users, schedule.ranks_of, layout.pipeline_ranks, self.rank)
         self._synchronize_state(state)
 
     def _synchronize_state(self, state: Mapping[str, torch.Tensor]) -> None:
         """Start every copy of a parameter equal: a tied weight's copies take its owner's value,
         and replicas take replica 0's (each rank may have initialised its own)."""
-        whole = [
-            t for t in self.tied_weights if not isinstance(state[param_name(t.fqn)], DTensor)
-        ]  # shards: kept equal
+        # shards: kept equal
+        whole = [t for t in self.tied_weights if not isinstance(state[param_name(t.fqn)], DTensor)]
         with torch.no_grad():
             share_owner_values(whole, state, self.transport)
             if self.layout.dp_group is not None:
@@ -149,10 +147,8 @@ class DistributedRunner(Runner):
             return None
         if self.rank == reporter:
             buffer = torch.empty(len(inputs) - first_mirrored, dtype=losses[0].dtype, device=losses[0].device)
-            received = self.transport.wait(
-                self.transport.post_recv([buffer], mirrored, MIRRORED_LOSS_TAG, action), action
-            )
-            return losses + list(received[0].unbind())
+            pending = self.transport.post_recv([buffer], mirrored, MIRRORED_LOSS_TAG, action)
+            return losses + list(self.transport.wait(pending, action)[0].unbind())
         return losses
 
     def reduce_grads(self) -> dict[str, torch.Tensor]:
@@ -200,10 +196,8 @@ class DistributedRunner(Runner):
             if action.is_compute:
                 first.setdefault(action.stage, index)
         stages = self.compiled.partition.stages
-        return {
-            s: [param_name(f) for f in stages[s].param_fqns]
-            for s in sorted(self.local_stages, key=lambda s: first.get(s, 0))
-        }
+        order = sorted(self.local_stages, key=lambda s: first.get(s, 0))
+        return {s: [param_name(f) for f in stages[s].param_fqns] for s in order}
 
     def reschedule(self, schedule: Schedule) -> None:
         """Run `schedule` from the next step on (same stages on the same ranks)."""
@@ -215,13 +209,11 @@ class DistributedRunner(Runner):
         super().reschedule(schedule)
 
     def _program(self, schedule: Schedule) -> RankProgram:
-        compiled = self.compiled
+        programs = self.compiled.programs
         memory = None
         if self.follow_readiness:  # the memory model the schedule was validated with (bytes)
-            memory = resolve_costs(
-                Costs(mem_b=[p.cost.mem_b for p in compiled.programs], mem_w=[p.cost.mem_w for p in compiled.programs]),
-                schedule.stages,
-            )
+            costs = Costs(mem_b=[p.cost.mem_b for p in programs], mem_w=[p.cost.mem_w for p in programs])
+            memory = resolve_costs(costs, schedule.stages)
         return rank_program(
             schedule, self.layout.pp_rank, self.rank_of, self._message_names, self._value_layout, memory
         )

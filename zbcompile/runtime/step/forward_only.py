@@ -20,10 +20,10 @@ from zbcompile.program import Program
 from zbcompile.runtime.step.dispatch import Interpreter, Values
 from zbcompile.runtime.step.live_memory import TransientTracker
 from zbcompile.runtime.step.rank_program import rank_program, single_process_program
-from zbcompile.runtime.step.stage import as_traced, placeholder_layouts
+from zbcompile.runtime.step.stage import as_traced, forward_results, placeholder_layouts
 from zbcompile.runtime.step.transport import MessageTransport
 from zbcompile.schedules import forward_only
-from zbcompile.value_names import OUTPUT, buffer_name, fqn_of, input_name, output_name, update_name
+from zbcompile.value_names import input_name
 
 
 class ForwardStage:
@@ -62,12 +62,7 @@ class ForwardStage:
             self.peak_activation_bytes = max(self.peak_activation_bytes, tracker.peak)
         else:
             self.program.run(env, self.state, consumed)
-        with torch.no_grad():
-            for fqn in self.stage.buffer_updates:
-                self.state[buffer_name(fqn)].copy_(env[update_name(fqn)])
-        if self.stage.outputs:
-            return {v: env[output_name(v)] if output_name(v) in env else env[input_name(v)] for v in self.stage.outputs}
-        return {fqn_of(n): env[n] for n in self.program.signature.outputs if n.startswith(OUTPUT)}
+        return forward_results(self.stage, self.program, env, self.state)
 
 
 class ForwardRunner:

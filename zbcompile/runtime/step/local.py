@@ -75,15 +75,11 @@ class LocalRunner(Runner):
         schedule = self.schedule
         if schedule.mirrored_from is None:
             return self._stage_grads()
-        own = [
-            merge_stage_grads(
-                [
-                    self.executors[s] if schedule.stage_to_rank[s] == rank else self.copies[s]
-                    for s in schedule.stages_on(rank)
-                ]
-            )
-            for rank in range(schedule.ranks)
-        ]
+        own = []
+        for rank in range(schedule.ranks):
+            on_rank = schedule.stages_on(rank)
+            held = [self.executors[s] if schedule.stage_to_rank[s] == rank else self.copies[s] for s in on_rank]
+            own.append(merge_stage_grads(held))
         grads = {}
         for fqn, stages in parameter_users(self.compiled.partition).items():
             parts = [own[rank][fqn] for rank in holder_positions(stages, schedule.ranks_of) if fqn in own[rank]]

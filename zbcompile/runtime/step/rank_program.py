@@ -142,12 +142,8 @@ def execution_order(schedule: Schedule) -> list[Action]:
 
 
 def _resolve(
-    schedule: Schedule,
-    planned: Sequence[Action],
-    actions: Sequence[Action],
-    deferred: tuple[str, ...],
-    rank_of: Callable[[int, int], int],
-    names: Callable[[str, int], Sequence[str]],
+    schedule: Schedule, planned: Sequence[Action], actions: Sequence[Action], deferred: tuple[str, ...],
+    rank_of: Callable[[int, int], int], names: Callable[[str, int], Sequence[str]],
     layout: Callable[[str], TensorLayout],
 ) -> RankProgram:
     """The program running `actions` (`planned`, with the W in `deferred` moved past sends):
@@ -164,27 +160,16 @@ def _resolve(
             sender = {"RECV_F": s - 1, "RECV_B": s + 1}.get(kind, s)
             peer = rank_of(receiver if kind.startswith("SEND") else sender, k)
             value_names = tuple(names(carries, receiver))
-            message = Message(
-                carries,
-                receiver,
-                k,
-                peer,
-                message_tag(carries, receiver, k, schedule.stages),
-                value_names,
-                str(action),
-            )
+            tag = message_tag(carries, receiver, k, schedule.stages)
+            message = Message(carries, receiver, k, peer, tag, value_names, str(action))
             if kind.startswith("SEND"):
                 last_send = index
             else:
                 receives.append(Receive(message, index, last_send, tuple(layout(n) for n in value_names)))
         messages.append(message if message is not None and kind.startswith("SEND") else None)
     return RankProgram(
-        actions=tuple(actions),
-        texts=tuple(str(a) for a in actions),
-        messages=tuple(messages),
-        receives=tuple(receives),
-        weight_order=tuple(a for a in actions if a.kind == "W"),
-        deferred=deferred,
+        actions=tuple(actions), texts=tuple(str(a) for a in actions), messages=tuple(messages),
+        receives=tuple(receives), weight_order=tuple(a for a in actions if a.kind == "W"), deferred=deferred,
         overtaken=_overtaken(planned, actions),
     )
 

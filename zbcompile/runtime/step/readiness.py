@@ -41,11 +41,9 @@ class WaitForecast:
         """Whether the wait for message `key` may leave room for a W: it was late by at least
         the shortest W in recent steps."""
         recent = self.lateness.get(key)
-        return (
-            bool(recent)
-            and bool(self.weight_seconds)
-            and statistics.median(recent) >= min(self.weight_seconds.values())
-        )
+        if not recent or not self.weight_seconds:
+            return False
+        return statistics.median(recent) >= min(self.weight_seconds.values())
 
     def fits(self, key: tuple[str, int, int], waited: float, stage: int) -> bool:
         """Whether a W of `stage` should fit in the rest of the wait for message `key`, of which
@@ -89,11 +87,8 @@ class WeightQueue:
 
     def runnable(self) -> Action | None:
         """The next W, if it may run now."""
-        if self.next < len(self.order):
-            w = self.order[self.next]
-            if (w.stage, w.microbatch) in self.backward_done:
-                return w
-        return None
+        w = self.order[self.next] if self.next < len(self.order) else None
+        return w if w is not None and (w.stage, w.microbatch) in self.backward_done else None
 
     def planned(self) -> bool:
         """The list reached its next W: True if it is still to run (it is then run), False if it
@@ -124,11 +119,8 @@ class ReceivesAhead:
     hands over the sent tensors themselves (in one process)."""
 
     def __init__(
-        self,
-        program: RankProgram,
-        transport: MessageTransport,
-        device: torch.device | None,
-        watch: Callable[[tuple[str, int, int]], bool],
+        self, program: RankProgram, transport: MessageTransport, device: torch.device | None,
+        watch: Callable[[Key], bool],
     ) -> None:
         self.plan = program.receives
         self.transport = transport
@@ -160,9 +152,7 @@ class ReceivesAhead:
         if self.device is not None:  # one tensor is received into; several lay out one flat buffer
             device = self.device if len(receive.layouts) == 1 else "meta"
             buffers = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in receive.layouts]
-        pending = self.transport.post_recv(
-            buffers, message.peer, message.tag, message.text, watch=self.watch(message.key)
-        )
+        pending = self.transport.post_recv(buffers, message.peer, message.tag, message.text, self.watch(message.key))
         self.posted[message.key] = (receive, pending)
         self.next += 1
 
@@ -179,10 +169,7 @@ class Mailbox:
     their data, `run_weight(action, text)` running W meanwhile where `follow_readiness`."""
 
     def __init__(
-        self,
-        transport: MessageTransport,
-        receive_device: torch.device | None,
-        clock: ActionClock,
+        self, transport: MessageTransport, receive_device: torch.device | None, clock: ActionClock,
         run_weight: Callable[[Action, str], None],
     ) -> None:
         self.transport, self.receive_device, self.clock, self.run_weight = transport, receive_device, clock, run_weight

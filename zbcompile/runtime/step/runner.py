@@ -93,9 +93,7 @@ class Runner(ABC):
         """The step's parameter gradients this process holds, by FQN."""
 
     def step(
-        self,
-        inputs: Sequence[Mapping[str, torch.Tensor]],
-        targets: Sequence[Mapping[str, torch.Tensor]],
+        self, inputs: Sequence[Mapping[str, torch.Tensor]], targets: Sequence[Mapping[str, torch.Tensor]],
         loss_tangent: float | None = None,
     ) -> list[torch.Tensor] | None:
         """One step; returns the microbatch losses where this process holds the last stage, else
@@ -105,11 +103,7 @@ class Runner(ABC):
         return [r["loss"] for r in results] if results is not None else None
 
     def train(
-        self,
-        micro_inputs: list,
-        micro_targets: list,
-        absent: tuple[str, ...],
-        ownership: Any,
+        self, micro_inputs: list, micro_targets: list, absent: tuple[str, ...], ownership: Any,
         before: Sequence[Callable[[], None]] = (),
     ) -> torch.Tensor | None:
         """One training step over a batch split into microbatches (`batch.split`; `absent`: the

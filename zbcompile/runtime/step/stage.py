@@ -75,13 +75,7 @@ class StageExecutor:
         self._last_forward = microbatch
         env = {input_name(name): as_traced(value, layouts.get(input_name(name))) for name, value in inputs.items()}
         self._run("F", self.program.joint.forward, env, microbatch, keep=self._forward_keeps)
-        with torch.no_grad():  # the new values of the buffers the stage updates
-            for fqn in stage.buffer_updates:
-                self.state[buffer_name(fqn)].copy_(env[update_name(fqn)])
-        if stage.outputs:
-            outputs = {v: env[output_name(v)] if output_name(v) in env else env[input_name(v)] for v in stage.outputs}
-        else:
-            outputs = {fqn_of(n): env[n] for n in self.program.joint.forward.signature.outputs if n.startswith(OUTPUT)}
+        outputs = forward_results(stage, self.program.joint.forward, env, self.state)
         kept = self.envs[microbatch] = {k: v for k, v in env.items() if k in self._backward_reads}
         self.memory.note(microbatch, "F", kept.values())
         return outputs
@@ -211,6 +205,18 @@ def add_grads(grads: dict[str, torch.Tensor], fqns: Sequence[str], env: Tensors,
             param = state[param_name(fqn)]
             dtype = (param.grad_dtype if param.is_leaf else param.dtype) or grad.dtype
             grads[fqn] = grad.detach().to(dtype, copy=True)
+
+
+def forward_results(stage: Stage, forward: Program, env: Tensors, state: Tensors) -> dict[str, torch.Tensor]:
+    """After `forward` (F of `stage`) ran on `env`: the buffers the stage updates take their new
+    values in `state`; returns the stage's outputs by value name (the last stage's results by
+    their names: `loss`, or `output_<i>`)."""
+    with torch.no_grad():
+        for fqn in stage.buffer_updates:
+            state[buffer_name(fqn)].copy_(env[update_name(fqn)])
+    if stage.outputs:
+        return {v: env[output_name(v)] if output_name(v) in env else env[input_name(v)] for v in stage.outputs}
+    return {fqn_of(n): env[n] for n in forward.signature.outputs if n.startswith(OUTPUT)}
 
 
 def check_forward_order(stage: Stage, microbatch: int, last_forward: int) -> None:

@@ -46,9 +46,7 @@ def parameter_users(partition: StagePartition) -> dict[str, tuple[int, ...]]:
 
 
 def tied_weights(
-    users: Mapping[str, Sequence[int]],
-    ranks_of: Callable[[int], Sequence[int]],
-    pipeline_ranks: Sequence[int],
+    users: Mapping[str, Sequence[int]], ranks_of: Callable[[int], Sequence[int]], pipeline_ranks: Sequence[int],
     rank: int,
 ) -> list[TiedWeight]:
     """The parameters used by stages on several ranks that `rank` holds, sorted by FQN.
@@ -78,17 +76,13 @@ def share_owner_values(weights: Sequence[TiedWeight], state: Mapping[str, torch.
                 transport.send([value.detach()], holder, TIED_TAG + index, action)
             transport.complete_messages()
         else:
-            received = transport.wait(
-                transport.post_recv([torch.empty_like(value)], weight.owner, TIED_TAG + index, action), action
-            )
+            received = _receive(transport, value, weight.owner, TIED_TAG + index, action)
             with torch.no_grad():
-                value.copy_(received[0])
+                value.copy_(received)
 
 
 def sum_gradients(
-    weights: Sequence[TiedWeight],
-    grads: dict[str, torch.Tensor],
-    state: Mapping[str, torch.Tensor],
+    weights: Sequence[TiedWeight], grads: dict[str, torch.Tensor], state: Mapping[str, torch.Tensor],
     transport: Transport,
 ) -> None:
     """Replace each tied weight's gradient in `grads` by the sum over its holders (a holder whose
@@ -101,17 +95,17 @@ def sum_gradients(
         if transport.rank == weight.owner:
             total = own.clone()
             for holder in weight.holders[1:]:
-                part = transport.wait(
-                    transport.post_recv([torch.empty_like(own)], holder, TIED_TAG + index, action), action
-                )
-                total += part[0]
+                total += _receive(transport, own, holder, TIED_TAG + index, action)
             for holder in weight.holders[1:]:
                 transport.send([total], holder, TIED_TAG + index, action)
             transport.complete_messages()
         else:
             transport.send([own], weight.owner, TIED_TAG + index, action)
-            total = transport.wait(
-                transport.post_recv([torch.empty_like(own)], weight.owner, TIED_TAG + index, action), action
-            )[0]
+            total = _receive(transport, own, weight.owner, TIED_TAG + index, action)
             transport.complete_messages()
         grads[weight.fqn] = total
+
+
+def _receive(transport: Transport, like: torch.Tensor, peer: int, tag: int, action: str) -> torch.Tensor:
+    """A tensor shaped like `like` received from `peer`, once it is there."""
+    return transport.wait(transport.post_recv([torch.empty_like(like)], peer, tag, action), action)[0]

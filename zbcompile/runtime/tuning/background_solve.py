@@ -35,10 +35,7 @@ class BackgroundSolve:
             given.seek(0)
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "zbcompile.runtime.tuning.background_solve"],
-                stdin=given,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                env=env,
+                stdin=given, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
             )
         self.started = time.perf_counter()
         self._finalizer = weakref.finalize(self, _stop, self._process)
@@ -60,8 +57,7 @@ class BackgroundSolve:
 
     def result(self, timeout: float):
         """The schedule, or raises RuntimeError with the child's error (or after `timeout` seconds)."""
-        self._reader.join(timeout)
-        if self._reader.is_alive():
+        if not self.wait(timeout):
             self._finalizer()
             raise RuntimeError(f"solving the schedule took over {time.perf_counter() - self.started:.0f} s")
         self._finalizer.detach()

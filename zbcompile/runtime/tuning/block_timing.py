@@ -27,10 +27,11 @@ from typing import Any, Callable, Collection, Mapping
 import torch
 from torch import fx
 
-from zbcompile.compiler import CompiledPipeline, StageProgram
+from zbcompile.compiler import CompiledPipeline
 from zbcompile.passes.cut_profile import unit_key
 from zbcompile.program import Program
 from zbcompile.runtime.step.action_clock import cuda_event, wait_for_event
+from zbcompile.stage_compiler import each_graph
 
 UnitKey = tuple[int, str, str]  # (stage, action kind, unit)
 
@@ -124,13 +125,6 @@ def _marked_graph(graph_module: fx.GraphModule) -> tuple[fx.GraphModule, tuple[s
     return fx.GraphModule(graph_module, graph, class_name=type(graph_module).__name__), tuple(units)
 
 
-def _marked_program(program: Program, stage: int, kind: str, times: UnitTimes) -> Program:
-    if not any(n.op == "call_function" for n in program.graph.graph.nodes):
-        return program  # nothing runs (the first stage's I): nothing to time
-    graph, units = _marked_graph(program.graph)
-    return MarkedProgram(graph, program.signature, units=units, stage=stage, kind=kind, times=times)
-
-
 def unit_times(device: torch.device | None) -> UnitTimes:
     """Empty `UnitTimes` for marked programs running on `device`: events on CUDA, host times
     elsewhere."""
@@ -141,18 +135,8 @@ def marked(compiled: CompiledPipeline, times: UnitTimes) -> CompiledPipeline:
     """`compiled` with every stage's programs marked (`MarkedProgram`), their units' seconds
     added to `times` (made by `unit_times` for the device they run on)."""
 
-    def stage(program: StageProgram) -> StageProgram:
-        s, joint, split = program.index, program.joint, program.split
-        return dataclasses.replace(
-            program,
-            joint=dataclasses.replace(
-                joint, forward=_marked_program(joint.forward, s, "F", times),
-                backward=_marked_program(joint.backward, s, "B", times),
-            ),
-            split=dataclasses.replace(
-                split, input_backward=_marked_program(split.input_backward, s, "I", times),
-                weight_backward=_marked_program(split.weight_backward, s, "W", times),
-            ),
-        )
+    def mark(program: Program, stage: int, kind: str) -> Program:
+        graph, units = _marked_graph(program.graph)
+        return MarkedProgram(graph, program.signature, units=units, stage=stage, kind=kind, times=times)
 
-    return dataclasses.replace(compiled, programs=tuple(stage(p) for p in compiled.programs))
+    return dataclasses.replace(compiled, programs=tuple(each_graph(p, mark) for p in compiled.programs))

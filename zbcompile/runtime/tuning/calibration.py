@@ -168,14 +168,10 @@ def _moved_only_beyond_the_spread(
 
 def _distinct(entrants: list[schedule_race.Entrant]) -> list[schedule_race.Entrant]:
     """`entrants` less those that run as an earlier one does (the same actions, readiness alike)."""
-    seen: list[tuple] = []
-    kept = []
+    by_run: dict[tuple, schedule_race.Entrant] = {}
     for entrant in entrants:
-        runs_as = (entrant.schedule.actions, entrant.follow_readiness)
-        if runs_as not in seen:
-            seen.append(runs_as)
-            kept.append(entrant)
-    return kept
+        by_run.setdefault((entrant.schedule.actions, entrant.follow_readiness), entrant)
+    return list(by_run.values())
 
 
 def _entrants(

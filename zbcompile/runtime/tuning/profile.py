@@ -89,23 +89,19 @@ def round_trip_seconds(runner: DistributedRunner, repeats: int = 5) -> float:
     position, ranks = layout.pp_rank, layout.pipeline_ranks
     timeout = runner.transport.timeout
 
-    def send(peer: int) -> None:
-        dist.isend(buffer, peer, group=layout.pp_group).wait(timeout)
-
-    def receive(peer: int) -> None:
-        dist.irecv(buffer, peer, group=layout.pp_group).wait(timeout)
+    def exchange(peer: int, send_first: bool) -> None:
+        for op in (dist.isend, dist.irecv) if send_first else (dist.irecv, dist.isend):
+            op(buffer, peer, group=layout.pp_group).wait(timeout)
 
     samples = []
     for _ in range(repeats):
         for sender in (0, 1):  # pairs (0,1), (2,3)... then (1,2), (3,4)...
             if (position - sender) % 2 == 0 and position + 1 < len(ranks):
                 started = time.perf_counter()
-                send(ranks[position + 1])
-                receive(ranks[position + 1])
+                exchange(ranks[position + 1], send_first=True)
                 samples.append((time.perf_counter() - started) / 2)
             elif (position - sender) % 2 == 1 and position >= 1:
-                receive(ranks[position - 1])
-                send(ranks[position - 1])
+                exchange(ranks[position - 1], send_first=False)
     return statistics.median(samples) if samples else 0.0
 
 
@@ -121,11 +117,9 @@ def costs_of(parts: Sequence[Medians], comm: float, stages: int, static: Costs) 
         if (stage, kind) in medians:
             return medians[(stage, kind)]
         if kind in ("I", "W") and (stage, "B") in medians:  # only fused backwards ran: split by FLOPs
-            share = (
-                static.w[stage] / max(static.i[stage] + static.w[stage], 1e-12)
-                if isinstance(static.w, (list, tuple))
-                else 0.5
-            )
+            share = 0.5
+            if isinstance(static.w, (list, tuple)):
+                share = static.w[stage] / max(static.i[stage] + static.w[stage], 1e-12)
             return medians[(stage, "B")] * (share if kind == "W" else 1 - share)
         return 0.0
 

@@ -208,19 +208,16 @@ def _where(compiled: CompiledPipeline, schedule: Schedule) -> tuple:
     return cut_layout(compiled.traced, compiled.partition), compiled.programs, schedule.stage_to_rank, schedule.ranks
 
 
-def repeated_speeds(compiled: CompiledPipeline, schedule: Schedule, gathered: list[Measured]) -> list[list[float]]:
-    """Each timed step's rank speeds (`measured_cut.rank_speeds`), for `agreed_speeds`."""
-    return _repeated_speeds(_where(compiled, schedule), gathered)
-
-
 def _repeated_speeds(where: tuple, gathered: list[Measured]) -> list[list[float]]:
+    """Each timed step's rank speeds (`measured_cut.rank_speeds`) where `where` (`_where`) ran
+    them, for `agreed_speeds`."""
     actions, units, steps = _merged(gathered)
     return [measured_units(*where, step, units)[1] for step in steps or [actions]]
 
 
 def speeds_in_doubt(compiled: CompiledPipeline, schedule: Schedule) -> Callable[[list[Measured]], bool]:
     """`calibrate`'s doubt for this compile: a rank's speed that more steps may settle."""
-    return lambda gathered: bool(measured_cut.speeds_in_doubt(repeated_speeds(compiled, schedule, gathered)))
+    return lambda gathered: bool(measured_cut.speeds_in_doubt(_repeated_speeds(_where(compiled, schedule), gathered)))
 
 
 def decide(
@@ -251,7 +248,7 @@ def decide(
     record = {**decision_record(decision, compiled, speeds), "timed_steps": len(gathered[0].per_step)}
     rival = _rival(decision)
     if rival is not None:
-        record["rival"] = {"cut": str(rival.cut), "predicted_step_s": rival.value, "schedule": rival.schedule}
+        record["rival"] = _entry(rival)
     # a B is one action: its measured time and one action's host time, as each F, I and W has
     fused = {s: t + settings.action_host for part in gathered for s, t in part.fused.items()}
     share = _fused_share(fused, decision.current.costs)
@@ -305,23 +302,21 @@ def _limits(memory_limit: Any, unit_bytes: float, ranks: int) -> tuple[float, ..
 
 def decision_record(decision: CutDecision, compiled: CompiledPipeline, speeds: list[float]) -> dict[str, Any]:
     """What the dump and `pipe.explain()` say: the cut measured, the one chosen, why."""
-
-    def entry(prediction) -> dict[str, Any]:
-        return {"cut": str(prediction.cut), "predicted_step_s": prediction.value, "schedule": prediction.schedule}
-
+    stages = [layers_of(s.param_fqns) for s in compiled.partition.stages]
     return {
-        "measured": {
-            **entry(decision.current),
-            "stages": [layers_of(s.param_fqns) for s in compiled.partition.stages],
-        },
-        "chosen": entry(decision.chosen),
+        "measured": {**_entry(decision.current), "stages": stages},
+        "chosen": _entry(decision.chosen),
         "changed": decision.changes,
         "predicted_gain": decision.gain,
         "threshold": decision.threshold,
         "rank_speeds": speeds,
         "reason": decision.reason,
-        "candidates": [entry(p) for p in decision.candidates[:4]],
+        "candidates": [_entry(p) for p in decision.candidates[:4]],
     }
+
+
+def _entry(prediction: Any) -> dict[str, Any]:
+    return {"cut": str(prediction.cut), "predicted_step_s": prediction.value, "schedule": prediction.schedule}
 
 
 def kept(choice: CutChoice, compiled: CompiledPipeline, schedule: Schedule, why: str) -> CutChoice:

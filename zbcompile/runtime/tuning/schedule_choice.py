@@ -94,22 +94,18 @@ class ScheduleChoice:
                     f"{limit_in_words(self.options.memory_limit, compiled.memory_unit())}: {error}"
                 ) from error
             limit = arguments["memory_limit"]
-            reduction = with_reduction(
-                solved_with, self.reduction_per_message(compiled)
-            ).reduce  # as solve_arguments counts it
-            source = (
+            # as solve_arguments counts it
+            reduction = with_reduction(solved_with, self.reduction_per_message(compiled)).reduce
+            info: dict[str, Any] = (
                 {"cost_source": "measured"} if costs is not None
                 else {"cost_source": "given", "costs": given} if given is not None else {"cost_source": "static"}
             )
-            return schedule.with_info(
-                **source,
-                **(
-                    {"reduction": tuple(reduction)}
-                    if not isinstance(reduction, (int, float)) and any(reduction)
-                    else {}
-                ),
-                **({"memory_limit": limit, "memory_limit_rule": self._limit_rule()} if limit is not None else {}),
-            )
+            if not isinstance(reduction, (int, float)) and any(reduction):
+                info["reduction"] = tuple(reduction)
+            if limit is not None:
+                rule = "given" if self.options.memory_limit is not None else DEFAULT_LIMIT_RULE
+                info.update(memory_limit=limit, memory_limit_rule=rule)
+            return schedule.with_info(**info)
 
         return self._on_first_rank(solve)
 
@@ -162,10 +158,9 @@ class ScheduleChoice:
     def reduction_per_message(self, compiled: CompiledPipeline) -> tuple[float, ...]:
         """Per compiled stage, its gradient reduction over the replicas in boundary messages
         (`grad_reduction.reduction_per_message`): what the schedule counts after its last W."""
-        replicas = self.layout().dp_size if self.options.distributed else 1
-        return grad_reduction.reduction_per_message(
-            compiled, replicas, self.options.data_parallel, self.options.grad_dtype
-        )
+        o = self.options
+        replicas = self.layout().dp_size if o.distributed else 1
+        return grad_reduction.reduction_per_message(compiled, replicas, o.data_parallel, o.grad_dtype)
 
     def _is_v_compile(self, compiled: CompiledPipeline) -> bool:
         """Whether `compiled` is zb-auto's V: twice the stages the pipeline was given."""
@@ -174,9 +169,6 @@ class ScheduleChoice:
     def _per_compiled_stage(self, given: Costs, compiled: CompiledPipeline) -> Costs | ResolvedCosts:
         """`pipeline(costs=...)`, given per stage, for `compiled`'s stages: cut in two for a V."""
         return resolve_costs(given, self.options.stages).chunked(2) if self._is_v_compile(compiled) else given
-
-    def _limit_rule(self) -> str:
-        return "given" if self.options.memory_limit is not None else DEFAULT_LIMIT_RULE
 
     def tuner(self, compiled: CompiledPipeline, device: torch.device | None = None) -> profile.CostTuner | None:
         """Measured costs for a distributed pipeline whose programs run on `device`, where

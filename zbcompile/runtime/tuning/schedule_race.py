@@ -142,9 +142,8 @@ def race(
             entrant.samples.append(seconds)
         rounds_run += 1
     winner = min(running, key=lambda e: e.median_s) if rounds_run else entries[0]
-    why = (
-        f"fastest measured over {rounds_run} round(s)"
-        + (", ahead of every other beyond the spread" if decided(running, rounds_run) and len(entries) > 1 else "")
-    )
+    why = f"fastest measured over {rounds_run} round(s)"
+    if decided(running, rounds_run) and len(entries) > 1:
+        why += ", ahead of every other beyond the spread"
     finalists = sorted(still_in(running, rounds_run), key=lambda e: e.median_s) if rounds_run else []
     return winner, {"entrants": [e.record() for e in entries], "chosen": winner.label, "why": why}, finalists
