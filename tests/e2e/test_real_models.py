@@ -82,7 +82,6 @@ def test_causal_model_without_a_mask_keeps_sdpas_is_causal():
         assert is_causal and "attn_mask" not in node.kwargs, node.format_node()
 
 
-@launches.READS_TWO_RANK_MODELS
 def test_blooms_custom_gelu_is_refused_naming_the_module():
     """A transformers Bloom in training mode runs its GELU through a custom autograd.Function,
     whose backward a traced stage cannot reproduce: refused, naming the module and the line."""
@@ -97,6 +96,7 @@ def test_blooms_custom_gelu_is_refused_naming_the_module():
         pipe.step(tokens, labels=tokens)
 
 
+@launches.READS_TWO_RANK_MODELS
 def test_meta_models_loaded_from_a_full_state_dict_train_on_two_ranks():
     """Every library family (GPT-2 and Llama under three schedules, the others under zb-h1) built
     on the meta device on each of 2 ranks (gloo), filled from the eager model's full state dict:

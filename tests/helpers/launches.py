@@ -37,6 +37,8 @@ READS_FOUR_RANKS = pytest.mark.xdist_group("four-ranks")
 READS_TWO_RANKS = pytest.mark.xdist_group("two-ranks")
 READS_TWO_RANK_MODELS = pytest.mark.xdist_group("two-rank-models")
 READS_EIGHT_RANKS = pytest.mark.xdist_group("eight-ranks")
+# set by conftest.py where the run groups tests by their xdist_group (`pytest -n N --dist loadgroup`)
+GROUPED = "ZBCOMPILE_TESTS_GROUPED"
 # how long a shared launch may run before its processes count as hung: each runs many pipelines in a
 # row (5 minutes quiet for the two-rank one), two of them at once under `pytest -n 2`, and a CI-like
 # load beside can slow them threefold; a hung wait inside fails sooner, on the pipelines' own timeouts
@@ -48,24 +50,41 @@ def several(calls: Calls) -> dict[str, Any]:
     return {label: function(*arguments) for label, function, arguments in calls}
 
 
-def once(launch: Callable[[], list]) -> Callable[[], list]:
+def once(group: pytest.MarkDecorator) -> Callable[[Callable[[], list]], Callable[[], list]]:
     """`launch` run by the first call only: later calls return its result, or raise its error
-    again, so that a failed launch is not started anew by every test that reads it."""
-    outcome: list = []
+    again, so that a failed launch is not started anew by every test that reads it. Where tests
+    run grouped, every call must come from a test marked with `group` (its `READS_...`): one
+    unmarked could run in another worker, which would launch it all again."""
+    name = group.args[0]
 
-    @functools.wraps(launch)
-    def first_outcome() -> list:
-        if not outcome:
-            try:
-                outcome.append((launch(), None))
-            except RuntimeError as error:
-                outcome.append((None, str(error)))
-        result, error = outcome[0]
-        if error is not None:
-            raise RuntimeError(f"{launch.__name__}() failed:\n{error}")
-        return result
+    def decorate(launch: Callable[[], list]) -> Callable[[], list]:
+        outcome: list = []
 
-    return first_outcome
+        @functools.wraps(launch)
+        def first_outcome() -> list:
+            _check_group(name, launch.__name__)
+            if not outcome:
+                try:
+                    outcome.append((launch(), None))
+                except RuntimeError as error:
+                    outcome.append((None, str(error)))
+            result, error = outcome[0]
+            if error is not None:
+                raise RuntimeError(f"{launch.__name__}() failed:\n{error}")
+            return result
+
+        return first_outcome
+
+    return decorate
+
+
+def _check_group(group: str, launch: str) -> None:
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
+    if os.environ.get(GROUPED) and test and not test.endswith(f"@{group}"):
+        raise RuntimeError(
+            f"{test} reads the shared launch {launch}() but is not in its xdist group {group!r}: mark the test "
+            f"with the launch's READS_... mark (helpers/launches.py), or the launch runs again in another worker"
+        )
 
 
 @functools.cache
@@ -104,7 +123,7 @@ def four_rank_calls(out: str) -> Calls:
     ]
 
 
-@once
+@once(READS_FOUR_RANKS)
 def four_ranks() -> list[dict]:
     """Every rank's results of `four_rank_calls`, launched once."""
     return run_ranks(4, several, four_rank_calls(directory("four-ranks")), timeout=LAUNCH_TIMEOUT_S)
@@ -118,7 +137,7 @@ def four_rank_results(label: str) -> list:
 # --- eight ranks ------------------------------------------------------------------------------
 
 
-@once
+@once(READS_EIGHT_RANKS)
 def eight_ranks() -> list[dict]:
     """Every rank's results of the eight-rank checks (dp=2 x pp=2 x tp=2), launched once."""
     calls = [("tensor_parallel", tensor_parallel_workers.eight_ranks, ())]
@@ -174,7 +193,7 @@ def two_rank_calls(out: str) -> Calls:
     ]
 
 
-@once
+@once(READS_TWO_RANKS)
 def two_ranks() -> list[dict]:
     """Every rank's results of `two_rank_calls`, launched once."""
     return run_ranks(2, several, two_rank_calls(directory("two-ranks")), timeout=LAUNCH_TIMEOUT_S)
@@ -191,7 +210,7 @@ TWO_RANK_MODEL_CALLS = [
 ]
 
 
-@once
+@once(READS_TWO_RANK_MODELS)
 def two_rank_models() -> list[dict]:
     """Every rank's results of `TWO_RANK_MODEL_CALLS`, launched once."""
     return run_ranks(2, several, TWO_RANK_MODEL_CALLS, timeout=LAUNCH_TIMEOUT_S)
