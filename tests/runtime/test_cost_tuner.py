@@ -19,6 +19,7 @@ import zbcompile
 from helpers.models import build
 from zbcompile.auto_recompute import MeasuredRecomputation, calibrated_costs, evaluate_memory, with_levels
 from zbcompile.inspect.decisions_text import tuner_lines
+from zbcompile.inspect.write import schedule_costs_used
 from zbcompile.runtime.parallel.layout import Layout
 from zbcompile.runtime.tuning import profile, schedule_trial
 from zbcompile.runtime.tuning.schedule_race import MIN_ROUNDS, Entrant
@@ -103,6 +104,9 @@ def test_first_solve_switch_calibration_and_drift():
     assert tuner.history[-1]["event"].startswith("solving (drift +"), tuner.history
     _wait_for_switch(tuner, runner, 2.0)
     assert tuner.measured.f == pytest.approx([2e-3] * 2) and tuner.drift_resolves == 1
+    # what a dump and explain() show of a schedule: the costs it was solved with, whatever was measured since
+    made_with, source = schedule_costs_used(runner.schedule, None, measured)
+    assert source == "measured" and made_with.f == pytest.approx([2e-3] * 2), made_with
     _run(tuner, runner, 2.0, profile.DRIFT_WINDOW)  # the window has doubled: not yet calibrated
     assert tuner.history[-1]["event"] == "switched"
     _run(tuner, runner, 2.0, profile.DRIFT_WINDOW)

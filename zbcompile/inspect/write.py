@@ -96,14 +96,15 @@ def compile_record(compiled: "CompiledPipeline", options: PipelineOptions, world
 
 def schedule_costs_used(schedule: Schedule, compiled: "CompiledPipeline", measured: Costs | None) -> tuple[Costs, str]:
     """The costs `schedule` was made with and where they came from ("measured": seconds the
-    pipeline measured; "given": `pipeline(costs=...)`; "static": the compiler's FLOP-equivalent
-    estimates), with each stage's gradient reduction time the schedule was solved with where the
-    pipeline has replicas (`info["reduction"]`, in the static or given costs' unit)."""
-    source = schedule.info.get("cost_source")
-    if source == "measured" and measured is not None:
-        costs, source = measured, "measured"
-    elif source == "given" and isinstance(schedule.info.get("costs"), Costs):
-        costs, source = schedule.info["costs"], "given"
+    pipeline measured, those it was solved with (`info["costs"]`), else `measured`; "given":
+    `pipeline(costs=...)`; "static": the compiler's FLOP-equivalent estimates), with each stage's
+    gradient reduction time the schedule was solved with where the pipeline has replicas
+    (`info["reduction"]`, in the static or given costs' unit)."""
+    source, made_with = schedule.info.get("cost_source"), schedule.info.get("costs")
+    if source == "measured" and (isinstance(made_with, Costs) or measured is not None):
+        costs, source = made_with if isinstance(made_with, Costs) else measured, "measured"
+    elif source == "given" and isinstance(made_with, Costs):
+        costs, source = made_with, "given"
     else:
         costs, source = compiled.schedule_costs(), "static"
     if source != "measured" and "reduction" in schedule.info and not any(resolve_costs(costs, schedule.stages).reduce):

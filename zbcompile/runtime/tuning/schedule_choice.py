@@ -97,7 +97,7 @@ class ScheduleChoice:
             # as solve_arguments counts it
             reduction = with_reduction(solved_with, self.reduction_per_message(compiled)).reduce
             info: dict[str, Any] = (
-                {"cost_source": "measured"} if costs is not None
+                {"cost_source": "measured", "costs": costs} if costs is not None
                 else {"cost_source": "given", "costs": given} if given is not None else {"cost_source": "static"}
             )
             if not isinstance(reduction, (int, float)) and any(reduction):

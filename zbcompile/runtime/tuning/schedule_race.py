@@ -10,8 +10,8 @@ where the compile has one stage per rank, ZBV where it is a V; where the pipelin
 readiness (W run in waits for messages, `runtime/step/dispatch.py`), zb-auto's solve also in the
 plan's order, since moving W is a prediction too (from recent waits). Schedules of one compile switch
 freely between steps (the same stages on the same ranks, no state moves), and none changes what
-a step computes, only when its work runs. Every entrant's `info["cost_source"]` is "measured":
-its predictions (`explain()`) are under the calibration's costs.
+a step computes, only when its work runs. Every entrant's `info["cost_source"]` is "measured",
+its `info["costs"]` the calibration's: its predictions (`explain()`) are under those.
 
 A round runs every entrant still in the race in turn (the order rotated round by round, so
 that none always follows the same one): two steps each, the first settling the switch, the
@@ -74,6 +74,7 @@ def entrants(
     span under `costs`, the calibration's) and following `readiness`; with `readiness`, also
     `solved` in the plan's order where it has a W to move."""
     v = solved.stages == 2 * solved.ranks
+    measured = {"cost_source": "measured", "costs": costs}
     found = [Entrant("zb-auto", solved, simulate(solved, costs).span)]
     if readiness and any(a.kind == "W" for row in solved.actions for a in row):
         found.append(Entrant("zb-auto (plan order)", solved, found[0].predicted_s, follow_readiness=False))
@@ -82,7 +83,7 @@ def entrants(
         found.append(Entrant("zb-auto (fused B)", fused, simulate(fused, costs).span))
     if static is not None and static.placement == solved.placement and static.actions != solved.actions:
         predicted = simulate(static, costs).span
-        found.append(Entrant("zb-auto (static costs)", static.with_info(cost_source="measured"), predicted))
+        found.append(Entrant("zb-auto (static costs)", static.with_info(**measured), predicted))
     for name in V_RIVALS if v else IN_LINE_RIVALS:
         try:
             rival = make_schedule(
@@ -91,7 +92,7 @@ def entrants(
         except ValueError:  # does not fit the limit
             continue
         if rival.placement == solved.placement:
-            found.append(Entrant(name, rival.with_info(cost_source="measured"), simulate(rival, costs).span))
+            found.append(Entrant(name, rival.with_info(**measured), simulate(rival, costs).span))
     for entrant in found:
         entrant.follow_readiness = entrant.follow_readiness and readiness
     return found

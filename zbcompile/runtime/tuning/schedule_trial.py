@@ -243,7 +243,7 @@ class ScheduleSwitch:
         if schedule is None:
             self.history.append({"step": step, "event": f"kept the schedule: {error}"})
             return None, None
-        schedule = schedule.with_info(cost_source="measured")
+        schedule = schedule.with_info(cost_source="measured", costs=costs)
         incumbent = runner.compiled
         if levels is not None:
             before = self.recompute.levels
