@@ -113,27 +113,34 @@ def rank_speeds(
 
 SPEED_NOISE = 0.05
 """Below this, a rank's measured slowness is noise (`agreed_speeds`)."""
+MIN_REPETITIONS = 4
+"""Fewer repetitions call no rank slower (`agreed_speeds`), only in doubt (`speeds_in_doubt`): the
+few steps of one round of calibration can all fall in one spell of other work on the machine
+(two equal ranks came out 1.2-1.3x apart that way), so a rank is slower on more than one round's say."""
 
 
 def agreed_speeds(repeated: Sequence[Sequence[float]], noise: float = SPEED_NOISE) -> list[float]:
     """Each rank's speed from several repeated measurements of the same blocks (`rank_speeds`
-    of each): a rank is slower only where every repetition says so by more than the spread
-    between them plus `noise` (from four repetitions on, the outer quarter at each end set
-    aside: one burst among many); then its median; else it is as fast as the fastest (1). Two
-    ranks of one kind thus come out equal however one repetition went."""
+    of each): a rank is slower only where at least `MIN_REPETITIONS` repetitions all say so by
+    more than the spread between them plus `noise` (the outer quarter at each end set aside: one
+    burst among many); then its median; else it is as fast as the fastest (1). Two ranks of one
+    kind thus come out equal however one repetition, or one short spell of them, went."""
     agreed = [statistics.median(e) if _agree(e, noise) else 1.0 for e in zip(*repeated)]
     return [v / min(agreed) for v in agreed] if agreed else []
 
 
 def speeds_in_doubt(repeated: Sequence[Sequence[float]], noise: float = SPEED_NOISE) -> list[int]:
     """The ranks whose repetitions, taken together (their median), say slower by more than
-    `noise` while they do not agree on it (`agreed_speeds`): more repetitions may settle them."""
+    `noise` while they do not agree on it (`agreed_speeds`), or are too few to: more repetitions
+    may settle them."""
     return [r for r, e in enumerate(zip(*repeated)) if statistics.median(e) - 1 > noise and not _agree(e, noise)]
 
 
 def _agree(estimates: Sequence[float], noise: float) -> bool:
-    """Whether every estimate (the outer quarter at each end set aside) says slower by more than
-    the spread between them plus `noise`."""
+    """Whether there are at least `MIN_REPETITIONS` estimates and every one (the outer quarter at
+    each end set aside) says slower by more than the spread between them plus `noise`."""
+    if len(estimates) < MIN_REPETITIONS:
+        return False
     ordered = sorted(estimates)
     inner = ordered[len(ordered) // 4: len(ordered) - len(ordered) // 4]
     low, high = inner[0], inner[-1]
