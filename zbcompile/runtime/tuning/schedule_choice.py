@@ -94,10 +94,11 @@ class ScheduleChoice:
                     f"{limit_in_words(self.options.memory_limit, compiled.memory_unit())}: {error}"
                 ) from error
             limit = arguments["memory_limit"]
-            # as solve_arguments counts it
-            reduction = with_reduction(solved_with, self.reduction_per_message(compiled)).reduce
+            # the costs as solve_arguments counts them
+            made_with = with_reduction(solved_with, self.reduction_per_message(compiled))
+            reduction = made_with.reduce
             info: dict[str, Any] = (
-                {"cost_source": "measured", "costs": costs} if costs is not None
+                {"cost_source": "measured", "costs": made_with} if costs is not None
                 else {"cost_source": "given", "costs": given} if given is not None else {"cost_source": "static"}
             )
             if not isinstance(reduction, (int, float)) and any(reduction):
