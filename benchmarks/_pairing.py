@@ -381,15 +381,16 @@ def costs_ms(costs: Any) -> dict[str, Any]:
     return {**ms, "comm_ms": 1e3 * costs.comm}
 
 
-def _timeline_stats(steps: Sequence[Sequence[dict]]) -> tuple[dict, list[float], list[float], int]:
+def _timeline_stats(steps: Sequence[Sequence[dict]]) -> tuple[dict, list[float], list[float], int, dict]:
     """From `steps` (per settled step, each rank's recorded sample): each (stage, kind)'s compute
     times (the time an action waited for a message taken out), the message latencies that could be
     observed, per step the largest per-rank sum of gaps between consecutive actions that were not
-    waits (the runtime's own work between actions: posting sends and receives, bookkeeping), and
-    the actions per rank and step."""
+    waits (the runtime's own work between actions: posting sends and receives, bookkeeping), the
+    actions per rank and step, and per rank its compute times summed in each step."""
     from zbcompile.schedules import Action
 
     durations: dict[tuple[int, str], list[float]] = defaultdict(list)
+    busy: dict[int, list[float]] = defaultdict(list)
     latencies: list[float] = []
     gaps: list[float] = []
     actions = 0
@@ -397,10 +398,11 @@ def _timeline_stats(steps: Sequence[Sequence[dict]]) -> tuple[dict, list[float],
         end_of: dict[tuple[int, str, int], float] = {}
         wait_of: dict[str, tuple[float, float]] = {}
         step_gaps = []
-        for sample in samples:
+        for rank, sample in enumerate(samples):
             rank_waits = {a: (s, e) for a, s, e in sample["waits"]}
             previous_end = None
             gap = 0.0
+            busy[rank].append(0.0)
             timeline = sorted(sample["timeline"], key=lambda e: e[1])
             actions = max(actions, len(timeline))
             for text, start, end in timeline:
@@ -409,6 +411,7 @@ def _timeline_stats(steps: Sequence[Sequence[dict]]) -> tuple[dict, list[float],
                 # runtimes that start an action's clock before its wait count the wait in: take it out
                 overlap = max(0.0, min(end, waited[1]) - max(start, waited[0])) if waited else 0.0
                 durations[(action.stage, action.kind)].append((end - start) - overlap)
+                busy[rank][-1] += (end - start) - overlap
                 end_of[(action.stage, "I" if action.kind == "B" else action.kind, action.microbatch)] = end
                 if previous_end is not None:
                     outside = max(0.0, min(start, waited[1]) - max(previous_end, waited[0])) if waited else 0.0
@@ -425,7 +428,7 @@ def _timeline_stats(steps: Sequence[Sequence[dict]]) -> tuple[dict, list[float],
             producer = (stage, kind, action.microbatch)
             if producer in end_of and start <= end_of[producer]:
                 latencies.append(max(0.0, end - end_of[producer]))
-    return durations, latencies, gaps, actions
+    return durations, latencies, gaps, actions, busy
 
 
 def predict(schedule: Any, steps: Sequence[Sequence[dict]]) -> dict:
@@ -436,20 +439,18 @@ def predict(schedule: Any, steps: Sequence[Sequence[dict]]) -> dict:
     from zbcompile.schedules import make_schedule, simulate
     from zbcompile.schedules.costs import resolve_costs
 
-    durations, latencies, gaps, actions = _timeline_stats(steps)
+    durations, latencies, gaps, actions, busy = _timeline_stats(steps)
     comm = _launch.median(latencies) if latencies else 0.0
     costs = stage_costs({k: _launch.median(v) for k, v in durations.items()}, schedule.stages, comm)
     sim = simulate(schedule, costs)
     # 1F1B on the same ranks: a V's chunks 2r and 2r+1 make rank r's stage
     in_line = resolve_costs(costs, schedule.stages).merged(schedule.stages // schedule.ranks)
     one_f_one_b = simulate(make_schedule("1f1b", schedule.ranks, schedule.microbatches, check=False), in_line)
-    per_stage = [costs.f[s] + costs.i[s] + costs.w[s] for s in range(schedule.stages)]
     return {
         **costs_ms(costs), "makespan_ms": 1e3 * sim.makespan, "span_ms": 1e3 * sim.span,
-        "busy_ms": [
-            1e3 * sum(x for s, x in enumerate(per_stage) if schedule.stage_to_rank[s] == r) * schedule.microbatches
-            for r in range(schedule.ranks)
-        ],
+        # each rank's actions summed in a step (the first microbatch's W included, slower every step than
+        # the others for its new gradient buffers, which per-action medians would leave out), median over steps
+        "busy_ms": [1e3 * _launch.median(busy[r]) for r in sorted(busy)],
         "simulated_gain_over_1f1b": one_f_one_b.makespan / sim.makespan,
         "simulated_steady_gain_over_1f1b": one_f_one_b.span / sim.span,
         "runtime_gaps_ms": 1e3 * _launch.median(gaps),

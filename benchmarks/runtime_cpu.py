@@ -40,7 +40,7 @@ how its schedule race went (`runtime/tuning/schedule_race.py`).
 
 Targets, for both models and every m ("never behind", `NEVER_BEHIND`): zb-auto at least 1.00x
 torch's best and 0.98x our best fixed schedule (1f1b, zb-h1, zb-h2, zbv), its step within 5% of
-its busy-time bound (the slowest rank's summed action medians); our 1f1b at least 0.98x torch's.
+its busy-time bound (the slowest rank's actions summed in a step, median over steps); our 1f1b at least 0.98x torch's.
 
     python benchmarks/runtime_cpu.py                 # ~6 minutes on 2 quiet cores
     python benchmarks/runtime_cpu.py --model llama   # the Llama-style decoder
@@ -97,7 +97,8 @@ MODEL_NAMES = {
     "tiny-llama": "Llama-style, tiny (actions of a few ms: the runtimes' own time per action shows)",
 }
 # zb-auto never behind: against torch's best, against our best fixed schedule (`FIXED`), and its
-# step against its busy-time bound (the slowest rank's summed action medians); our 1F1B against torch's
+# step against its busy-time bound (the slowest rank's actions summed in a step, median over steps);
+# our 1F1B against torch's
 NEVER_BEHIND = {"torch": 1.00, "ours": 0.98, "bound": 1.05, "1f1b": 0.98}
 LLAMA = dict(vocab=512, seq_len=128, hidden=256, heads=4, layers=8, microbatches=(4, 8))  # the held-out shape
 SHAPES = {  # per model other than the GPT: its shape, microbatches, and rows per microbatch (None: sized)
@@ -353,8 +354,8 @@ def report(data: dict) -> str:
             ],
         ),
         "",
-        "Busy bound: the slowest rank's summed per-action medians over a step (no schedule's period on these "
-        "ranks can be shorter); step / bound: how far the measured step is above it.",
+        "Busy bound: the slowest rank's actions summed in a step, median over the steps (no schedule's period on "
+        "these ranks can be shorter); step / bound: how far the measured step is above it.",
         "",
         "torch best: " + ", ".join(f"m={m}: {a}" for m, a in sorted({(r["m"], r["torch_best"]) for r in rows})),
         "",
