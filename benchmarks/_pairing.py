@@ -410,8 +410,9 @@ def _timeline_stats(steps: Sequence[Sequence[dict]]) -> tuple[dict, list[float],
                 waited = rank_waits.get(text)
                 # runtimes that start an action's clock before its wait count the wait in: take it out
                 overlap = max(0.0, min(end, waited[1]) - max(start, waited[0])) if waited else 0.0
-                durations[(action.stage, action.kind)].append((end - start) - overlap)
-                busy[rank][-1] += (end - start) - overlap
+                took = (end - start) - overlap
+                durations[(action.stage, action.kind)].append(took)
+                busy[rank][-1] += took
                 end_of[(action.stage, "I" if action.kind == "B" else action.kind, action.microbatch)] = end
                 if previous_end is not None:
                     outside = max(0.0, min(start, waited[1]) - max(previous_end, waited[0])) if waited else 0.0
