@@ -30,12 +30,14 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._sympy.functions import FloorDiv
 
 # What tracing with fake tensors raises when Python control flow depends on tensor values.
 DATA_DEPENDENT_ERRORS = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
 
 __all__ = [
     "DATA_DEPENDENT_ERRORS",
+    "FloorDiv",
     "FakeTensorMode",
     "OpOverload",
     "TENSOR_DATA",
@@ -74,6 +76,11 @@ __all__ = [
     "preserve_node_meta",
     "quiet_torch_logs",
     "traced_like_compile",
+    "symbolic_fake_mode",
+    "fake_with_symbolic_dims",
+    "python_dispatcher",
+    "shape_guards",
+    "symbol_range",
 ]
 
 aten = torch.ops.aten
@@ -263,7 +270,7 @@ def fake_like(mode: FakeTensorMode, tensor: torch.Tensor, device: torch.device) 
     if tensor.is_meta:
         fake = mode.fake_tensor_converter.from_meta_and_device(mode, tensor, device)
     else:
-        fake = mode.from_tensor(tensor)
+        fake = mode.from_tensor(tensor, static_shapes=True)
     return torch.nn.Parameter(fake, tensor.requires_grad) if isinstance(tensor, torch.nn.Parameter) else fake
 
 
@@ -320,7 +327,10 @@ def count_flops(target: Any, args: tuple, kwargs: dict, out: Any) -> int:
     have no formula in `torch.utils.flop_counter` (elementwise ops, views)."""
     packet = getattr(target, "overloadpacket", target)
     formula = flop_counter.flop_registry.get(packet) or _EXTRA_FLOP_FORMULAS.get(packet)
-    return int(formula(*args, out_val=out, **kwargs)) if formula else 0
+    if not formula:
+        return 0
+    flops = formula(*args, out_val=out, **kwargs)
+    return int(flops.node.hint) if isinstance(flops, torch.SymInt) else int(flops)  # symbolic: at the example
 
 
 class LocalFlopCounter(TorchDispatchMode):
@@ -440,3 +450,51 @@ def default_store():
     from torch.distributed import distributed_c10d
 
     return distributed_c10d._get_default_store()
+
+
+# --- symbolic sizes (one compile for every length) ----------------------------------------------
+def symbolic_fake_mode() -> FakeTensorMode:
+    """A fake-tensor mode with a ShapeEnv: dimensions made symbolic in it trace as symbols, and
+    every guard the trace puts on them is recorded (`shape_guards`). Equal sizes are not taken
+    for one symbol (no duck sizing): only the trace's own guards tie two dimensions."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    return FakeTensorMode(shape_env=ShapeEnv(duck_shape=False))
+
+
+def fake_with_symbolic_dims(
+    mode: FakeTensorMode, tensor: torch.Tensor, dims: Iterator[int] | tuple[int, ...], name: str,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """A new contiguous fake of `tensor` (on `device` where `tensor` is on `meta`) in `mode` (a
+    `symbolic_fake_mode`), its dimensions `dims` symbols (a size 0 or 1 stays a constant) named `name`."""
+    from torch._dynamo.source import LocalSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+
+    where = device if tensor.is_meta and device is not None else tensor.device
+    sizes = [DimDynamic.DYNAMIC if d in set(dims) else DimDynamic.STATIC for d in range(tensor.dim())]
+    example = torch.empty(tensor.shape, dtype=tensor.dtype, device=where)  # an input's size: small
+    context = StatelessSymbolicContext(dynamic_sizes=sizes)
+    return mode.from_tensor(example, symbolic_context=context, source=LocalSource(name))
+
+
+def python_dispatcher() -> contextlib.AbstractContextManager:
+    """Ops trace with their symbolic-size decompositions while active (as torch.compile traces)."""
+    from torch._dispatch.python import enable_python_dispatcher
+
+    return enable_python_dispatcher()
+
+
+def shape_guards(mode: FakeTensorMode, start: int = 0) -> tuple[Any, ...]:
+    """The sympy expressions the guards recorded in `mode`'s shape environment state, from the
+    `start`-th on."""
+    return tuple(mode.shape_env.simplify(g.expr) for g in mode.shape_env.guards[start:])
+
+
+def symbol_range(mode: FakeTensorMode, symbol: Any) -> tuple[int, int | None]:
+    """The least and greatest value (None: unbounded) the trace assumed for `symbol`."""
+    bounds = mode.shape_env.var_to_range.get(symbol)
+    if bounds is None:
+        return 0, None
+    lower, upper = bounds.lower, bounds.upper  # sympy Integers, or torch's integer infinities
+    return (int(lower) if lower.is_Integer else 0), (int(upper) if upper.is_Integer else None)

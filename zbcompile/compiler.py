@@ -10,7 +10,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -145,6 +145,7 @@ def compile_pipeline(
     stages: int, split_points: Sequence[str] | None = None, device: torch.device | None = None,
     min_deferral_intensity: float = MIN_DEFERRAL_INTENSITY, cuts: Sequence[int] | None = None,
     recompute_alternatives: bool = False, reuse_stages: bool = False, reuse_blocks: bool = True,
+    dynamic: Mapping[str, Sequence[int]] | None = None,
 ) -> CompiledPipeline:
     """Compile one microbatch's forward + loss (`args`, `kwargs`, `target` are a microbatch).
     The model's parameters may be on the `meta` device; they compile as if on `device`.
@@ -155,11 +156,14 @@ def compile_pipeline(
     `stage_fingerprint`s share one joint export, split and cost, each under its own names
     (`phase_seconds` then times "joint+split+cost" together); `reuse_blocks`: a stage's joint
     graph is assembled from its blocks' joints, each distinct block traced once for all stages, where that
-    gives the same graph op for op (`passes/block_joint.py`), and traced whole otherwise."""
+    gives the same graph op for op (`passes/block_joint.py`), and traced whole otherwise. `dynamic`:
+    the dimensions of each input leaf traced as symbols (`trace_model`; `passes/shape_symbols.py`)."""
     phases = _Phases()
     # the errors we raise say what went wrong; ZBCOMPILE_DEBUG=1 shows torch's own log
     with ti.quiet_torch_logs():
-        traced = phases.timed("trace", lambda: trace_model(model, loss_fn, args, kwargs, target, device))
+        traced = phases.timed(
+            "trace", lambda: trace_model(model, loss_fn, args, kwargs, target, device, dynamic=dynamic)
+        )
     with ti.quiet_torch_logs(warnings_too=True):  # no user code runs in these passes
         partition = phases.timed("partition", lambda: partition_stages(traced, stages, split_points, cuts=cuts))
         levels = RECOMPUTE_LEVELS if recompute_alternatives else ()

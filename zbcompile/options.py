@@ -60,6 +60,9 @@ class PipelineOptions:
     # {module-FQN pattern: torch ParallelStyle}, applied on the process_group mesh's "tp" dimension
     tensor_parallel: Mapping[str, Any] | None = None
     recut: bool = True  # zb-auto measuring its costs chooses its cut again from them (runtime/tuning/recut.py)
+    # symbolic sizes (runtime/compile_cache.py): None compiles once more, shape-generically, for dimensions whose
+    # size changes; True: every dimension of the inputs and targets, an int or ints: those dimensions; False: per shape
+    dynamic: bool | int | Sequence[int] | None = None
     # a testing aid: {global rank: factor} slows that rank's F, I, W and B by sleeping (factor - 1)
     # times each one's own time (CPU: host time), as a slower or shared device would
     _slowdown: Mapping[int, float] | None = None
@@ -99,6 +102,7 @@ class PipelineOptions:
             raise TypeError(
                 f"pipeline(): grad_dtype must be a floating-point torch.dtype or None, got {self.grad_dtype!r}"
             )
+        check_dynamic(self.dynamic)
         if self.recut not in (True, False):
             raise ValueError(f"pipeline(): recut must be True or False, got {self.recut!r}")
         for rank, factor in (self._slowdown or {}).items():
@@ -121,6 +125,19 @@ class PipelineOptions:
             raise ValueError(f"pipeline(): race_rounds must be an int >= 0 (0: no race), got {self.race_rounds!r}")
         check_schedule_option(self.schedule, self.stages, self.microbatches)
         check_memory_limit(self.memory_limit)
+
+
+def check_dynamic(dynamic: Any) -> None:
+    """None, True, False, a dimension index or a sequence of them."""
+    if dynamic is None or isinstance(dynamic, bool):
+        return
+    dims = (dynamic,) if isinstance(dynamic, int) else dynamic
+    valid = isinstance(dims, Sequence) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims)
+    if not valid:
+        raise ValueError(
+            "pipeline(): dynamic must be None (a dimension whose size changes compiles once more, for every size), "
+            f"True, False, or the dimension indices to trace as symbols (e.g. dynamic=1), got {dynamic!r}"
+        )
 
 
 def check_schedule_option(schedule: Any, stages: int, microbatches: int) -> None:

@@ -20,10 +20,16 @@ def get_attr_value(root: torch.nn.Module, path: str) -> object:
 def tensor_bytes(value: object) -> int:
     """Bytes of a tensor (or the tensors in a tuple/list); 0 for anything else."""
     if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
+        return size_hint(value.numel()) * value.element_size()
     if isinstance(value, (tuple, list)):
         return sum(tensor_bytes(v) for v in value)
     return 0
+
+
+def size_hint(size: object) -> int:
+    """A size as a number: a symbolic size's value in the example it was traced with, read
+    without adding a guard (`shape_symbols.py`); any other size as it is."""
+    return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
 
 
 def is_differentiable(value: object) -> bool:

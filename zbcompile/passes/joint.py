@@ -165,6 +165,9 @@ def _example_inputs(stage: Stage, partition: StagePartition, fake_mode) -> tuple
     examples = []
     for name, node in zip(stage.graph_inputs, stage.module.graph.find_nodes(op="placeholder")):
         value = node.meta["val"]
+        if not isinstance(value, torch.Tensor):  # a symbolic size (`shape_symbols.py`)
+            examples.append(value)
+            continue
         info = partition.values.get(name)
         example = ti.fake_strided(fake_mode, value.shape, value.stride(), value.dtype, value.device)
         examples.append(example.requires_grad_(info is not None and info.differentiable))

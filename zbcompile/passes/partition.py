@@ -43,6 +43,7 @@ from zbcompile.passes.cut_positions import (
     role,
 )
 from zbcompile.passes.graph_cost import node_cost
+from zbcompile.passes.shape_symbols import ROLE_SIZE, numel_hint
 from zbcompile.passes.trace import ROLE_BUFFER, ROLE_INPUT, ROLE_PARAM, ROLE_TARGET, TracedModel
 
 
@@ -60,7 +61,7 @@ class ValueInfo:
 
     @property
     def nbytes(self) -> int:
-        return torch.Size(self.shape).numel() * torch.empty((), dtype=self.dtype).element_size()
+        return numel_hint(self.shape) * torch.empty((), dtype=self.dtype).element_size()  # symbolic: at the example
 
 
 @dataclass(frozen=True)
@@ -71,9 +72,10 @@ class Stage:
         inputs), by global value name. outputs: boundary values sent to the next stage (the
         last stage: none; its graph returns the loss). relays: inputs forwarded unchanged into
         outputs. graph_inputs: the module's placeholders in order (inputs it reads, then target
-        tensors); graph_outputs: what the module returns (values it computes for outputs, or
-        the loss). state_fqns: the FQN of each parameter or buffer the module reads, by its
-        attribute path in the module (the FQN itself unless it contains a Python keyword, see
+        tensors, then the symbolic sizes it reads, `shape_symbols.py`); graph_outputs: what the
+        module returns (values it computes for outputs, or the loss). state_fqns: the FQN of
+        each parameter or buffer the module reads, by its attribute path in the module (the FQN
+        itself unless it contains a Python keyword, see
         `_state_attribute_paths`). buffer_updates: the buffers whose new value the stage
         computes (every update of a buffer runs on the one stage that reads the buffer); the
         module returns these values after `graph_outputs`.
@@ -202,12 +204,13 @@ def _build_stages(
         elsewhere = {b.meta["zb_name"] for b in buffers} & ({u.fqn for u in updates} - {u.fqn for u in mine})
         assert not elsewhere, f"stage {k} reads buffers {sorted(elsewhere)} that another stage updates"
         constants = [n for n in graph.nodes if n in free and n.op == "get_attr"]
+        sizes = [n for n in graph.nodes if n in free and role(n) == ROLE_SIZE]  # every stage reads its own
         for p in params:
             shared.setdefault(p.meta["zb_name"], []).append(k)
 
         new_graph = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
-        for node in [*boundary_reads, *targets]:
+        for node in [*boundary_reads, *targets, *sizes]:
             env[node] = new_graph.placeholder(_value_name(node))
             env[node].meta = dict(node.meta)
         for node in [*params, *buffers]:
@@ -227,7 +230,7 @@ def _build_stages(
                 inputs=tuple(_value_name(n) for n in stage_inputs),
                 outputs=tuple(_value_name(n) for n in next_inputs),
                 relays=tuple(_value_name(n) for n in relays),
-                graph_inputs=tuple(_value_name(n) for n in [*boundary_reads, *targets]),
+                graph_inputs=tuple(_value_name(n) for n in [*boundary_reads, *targets, *sizes]),
                 graph_outputs=tuple(_value_name(n) for n in graph_outputs),
                 param_fqns=tuple(p.meta["zb_name"] for p in params),
                 buffer_fqns=tuple(b.meta["zb_name"] for b in buffers),
@@ -314,7 +317,7 @@ def _free_ancestors(own: list[fx.Node], dependencies: nx.DiGraph, anchored: set[
         node = frontier.pop()
         if node in free:
             continue
-        if role(node) in (ROLE_PARAM, ROLE_BUFFER) or node.op == "get_attr" or (
+        if role(node) in (ROLE_PARAM, ROLE_BUFFER, ROLE_SIZE) or node.op == "get_attr" or (
             node.op == "call_function" and node not in anchored
         ):
             free.add(node)

@@ -25,7 +25,7 @@ import contextlib
 import functools
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import fx, nn
@@ -36,6 +36,7 @@ from zbcompile.passes import _fx, tensor_parallel
 from zbcompile.passes.autograd_in_forward import detach_no_grad_results, watching_autograd
 from zbcompile.passes.causal_mask import fold_causal_masks
 from zbcompile.passes.loss_parts import ItemCount, OutputStructure, cut_out_count, sum_and_count
+from zbcompile.passes.shape_symbols import ShapeSymbols, introduce_size_placeholders, symbolic_tracing
 from zbcompile.passes.trace_errors import NameStack, raised_here, traced_error
 
 # meta["zb_role"] of placeholders (what the placeholder is; not the value names of value_names.py)
@@ -83,6 +84,7 @@ class TracedModel:
     results: int = 1
     output_structure: OutputStructure | None = None
     parallel: tensor_parallel.ParallelCalls | None = None  # the tensor-parallel modules' calls
+    symbols: ShapeSymbols | None = None  # a trace with symbolic dimensions: its sizes' placeholders
 
     def placeholders(self, role: str) -> list[fx.Node]:
         return [n for n in self.graph_module.graph.find_nodes(op="placeholder") if n.meta["zb_role"] == role]
@@ -91,6 +93,7 @@ class TracedModel:
 def trace_model(
     model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None, args: tuple, kwargs: dict[str, Any],
     target: Any = None, device: torch.device | None = None, record_stack_traces: bool = True, outputs: bool = False,
+    dynamic: Mapping[str, Sequence[int]] | None = None,
 ) -> TracedModel:
     """Trace `loss_fn(model(*args, **kwargs), target)` (or `model(...)` itself when loss_fn is None,
     which must then return the loss, see `_loss_of_output`; `loss_fn` may return `(loss_sum,
@@ -139,8 +142,14 @@ def trace_model(
 
     tensors = [*input_tensors, *target_leaves]
     device = device or (tensors[0].device if tensors else torch.device("cpu"))
-    fake_mode = ti.FakeTensorMode()
+    fake_mode = ti.symbolic_fake_mode() if dynamic else ti.FakeTensorMode()
     fake_state = {name: _fake_local(fake_mode, value, device) for name, value in [*params.items(), *buffers.items()]}
+
+    def fake_input(tensor: torch.Tensor, name: str) -> torch.Tensor:
+        if dynamic and dynamic.get(name):
+            return ti.fake_with_symbolic_dims(fake_mode, tensor, tuple(dynamic[name]), name, device)
+        return ti.fake_contiguous(fake_mode, tensor, device)  # meta inputs: on `device` too
+
     parallel = tensor_parallel.ParallelCalls.of(model)
     standing_in = parallel.standing_in if parallel is not None else lambda model: contextlib.nullcontext()
     # Fresh contiguous fakes (the runtime feeds contiguous microbatches), so that an input passed
@@ -148,8 +157,8 @@ def trace_model(
     example = (
         [fake_state[n] for n in params],
         [fake_state[n] for n in buffers],
-        [ti.fake_contiguous(fake_mode, t, device) for t in input_tensors],  # meta inputs: on `device` too
-        [ti.fake_contiguous(fake_mode, t, device) for t in target_leaves],
+        [fake_input(t, f"input_{i}") for i, t in enumerate(input_tensors)],
+        [fake_input(t, f"target_{i}") for i, t in enumerate(target_leaves)],
     )
     # Traced as torch.compile traces: libraries that ask whether they are being compiled
     # (transformers' masks) take their traceable path.
@@ -158,6 +167,7 @@ def trace_model(
         ti.preserve_node_meta(),
         _module_annotations(model) as module_stack,
         _checkpoint_annotations(module_stack),
+        symbolic_tracing() if dynamic else contextlib.nullcontext(),
     ):
         try:
             with fake_mode, ti.onednn_disabled():
@@ -179,7 +189,8 @@ def trace_model(
     placeholders = list(graph_module.graph.find_nodes(op="placeholder"))
     for node, (role, name) in zip(placeholders, roles, strict=True):
         node.meta["zb_role"], node.meta["zb_name"] = role, name
-    roles = {n: n.meta["zb_role"] for n in placeholders}
+    symbols = introduce_size_placeholders(graph_module.graph, fake_mode) if dynamic else None
+    roles = {n: n.meta["zb_role"] for n in graph_module.graph.find_nodes(op="placeholder")}
     item_count = None if count[0] is None else cut_out_count(graph_module, count[0], roles)
     results = len(graph_module.graph.output_node().args[0]) if outputs else 1
     if parallel is not None:
@@ -194,7 +205,7 @@ def trace_model(
         graph_module=graph_module, model=model, fake_mode=fake_mode, fake_state=fake_state, param_fqns=tuple(params),
         buffer_fqns=tuple(buffers), input_spec=input_spec, constants=constants, target_spec=target_spec,
         buffer_updates=buffer_updates, count=item_count, results=results, output_structure=structure[0],
-        parallel=parallel,
+        parallel=parallel, symbols=symbols,
     )
 
 

@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from zbcompile.compiler import CompiledPipeline, compile_forward_only, compile_pipeline
 from zbcompile.inspect.write import CompileDump, start_dump
 from zbcompile.options import PipelineOptions
+from zbcompile.runtime.compile_cache import CompileCache
 from zbcompile.runtime.parallel import batch, batch_loss, sharding, tensor_parallel
 from zbcompile.runtime.parallel.layout import Layout, device_for, make_layout
 from zbcompile.runtime.state import placement, state_transfer
@@ -86,7 +87,7 @@ class Builder:
         self.ownership = StateOwnership(module, options)
         self.assembly = Assembly(self)
         self.evaluation = Evaluation(self)
-        self.builds: dict[Any, Build] = {}  # by compile key (`batch.split`)
+        self.cache = CompileCache(options.dynamic)  # the compiles, and which serves each batch's shapes
         self.measured_costs: Costs | None = None  # measured costs the running schedule is checked against
         self.cut_choice: recut.CutChoice | None = None  # the cut chosen by measurement, kept by later compiles
         self._batch = batch.LocalBatch()
@@ -103,9 +104,14 @@ class Builder:
     def distributed(self) -> bool:
         return self._layout is not None or self.options.distributed
 
+    @property
+    def builds(self) -> dict[Any, Build]:
+        """The compiles, by the compile key (`batch.split`) of the batch each was made for."""
+        return self.cache.builds
+
     def forget_compiles(self) -> None:
         """Drop every compile (the module's mode changed: dropout and friends trace differently)."""
-        self.builds.clear()
+        self.cache.clear()
         self.evaluation = Evaluation(self)
 
     def release(self) -> None:
@@ -145,11 +151,15 @@ class Builder:
         """The compile for this batch (made if its shapes are new), its microbatches and targets,
         and the parts of the batch this rank was not given (`split`)."""
         micro_inputs, micro_targets, key, absent = self.split(inputs, kwargs, target)
-        if key not in self.builds:
-            self.builds[key] = self.assembly.build(micro_inputs, micro_targets, absent)
-        self._last_key = key
+        leaves = batch.leaf_tensors(*micro_inputs[0], micro_targets[0])
+        served = self.cache.serving(key, leaves)
+        if served is None:
+            build = functools.partial(self.assembly.build, micro_inputs, micro_targets, absent)
+            self.cache.compile(key, leaves, lambda dims: build(dynamic=dims))
+            served = key
+        self._last_key = served
         self.ownership.set_grad_dtype()
-        return self.builds[key], micro_inputs, micro_targets, absent
+        return self.builds[served], micro_inputs, micro_targets, absent
 
     def step(self, inputs: tuple, kwargs: dict, target: Any, before: Sequence[Callable[[], None]]) -> Any:
         """One training step on this batch: its compile (`prepare`) runs it (`Runner.train`, after
@@ -205,11 +215,14 @@ class Assembly:
     def __init__(self, builder: Builder) -> None:
         self.builder = builder
         self._parallelized = False  # the tensor-parallel plan applied and the model checked
+        self._dynamic: Any = None  # the symbolic dimensions of the compile being built (every cut of it)
 
-    def build(self, micro_inputs: list, micro_targets: list, absent: tuple[str, ...]) -> Build:
-        """The compile for microbatches like these, calibrated where its cut is chosen by
-        measurement (`_recut_wanted`), with its dump started."""
+    def build(self, micro_inputs: list, micro_targets: list, absent: tuple[str, ...], dynamic: Any = None) -> Build:
+        """The compile for microbatches like these (`dynamic`: the dimensions of each input leaf
+        traced as symbols, `compile_cache.py`), calibrated where its cut is chosen by measurement
+        (`_recut_wanted`), with its dump started."""
         b, o = self.builder, self.builder.options
+        self._dynamic = dynamic
         example, example_target = micro_inputs[0], micro_targets[0]
         if b.distributed:
             self._parallelize()
@@ -281,6 +294,7 @@ class Assembly:
         compiled = compile_pipeline(
             b.module, o.loss_fn, args, kwargs, example_target, stages, o.split_points,
             b.device() if b.distributed else None, recompute_alternatives=o.recompute == "auto", cuts=cuts,
+            dynamic=self._dynamic,
         )
         if memory_unit_bytes is not None:
             compiled = replace(compiled, memory_unit_bytes=memory_unit_bytes)

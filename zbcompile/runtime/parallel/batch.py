@@ -35,7 +35,7 @@ from zbcompile._torch_internals import pytree
 from zbcompile.compiler import CompiledPipeline
 from zbcompile.runtime.parallel.layout import gather_objects
 
-Feed = dict[str, torch.Tensor]
+Feed = dict[str, torch.Tensor | int]  # tensors by leaf name, then a shape-generic compile's sizes
 
 
 @dataclass(frozen=True)
@@ -261,7 +261,7 @@ def split(inputs: tuple, kwargs: dict, target: Any, microbatches: int):
         [pytree.tree_unflatten(c, target_spec) for c in chunks(target_leaves)] if target is not None else [None] * m
     )
     described = tuple(
-        (tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else _constant_key(t)
+        ("tensor", tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else ("constant", _constant_key(t))
         for t in [*leaves, *target_leaves]
     )
     return micro_inputs, micro_targets, (spec, target_spec, described)
@@ -287,6 +287,13 @@ def fed(
     return feeds(runner.compiled, micro_inputs, micro_targets)
 
 
+def leaf_tensors(args: tuple, kwargs: dict, target: Any) -> dict[str, torch.Tensor]:
+    """A microbatch's tensors by the trace's leaf names (`input_<i>`, `target_<i>`)."""
+    inputs = [x for x in pytree.tree_leaves((tuple(args), dict(kwargs))) if isinstance(x, torch.Tensor)]
+    targets = [t for t in pytree.tree_leaves(target) if isinstance(t, torch.Tensor)]
+    return {**{f"input_{i}": t for i, t in enumerate(inputs)}, **{f"target_{i}": t for i, t in enumerate(targets)}}
+
+
 def feed(compiled: CompiledPipeline, args: tuple, kwargs: dict, target: Any) -> tuple[Feed, Feed]:
     """One microbatch as the graph's inputs (`input_<i>`) and targets (`target_<i>`)."""
     traced = compiled.traced
@@ -297,6 +304,15 @@ def feed(compiled: CompiledPipeline, args: tuple, kwargs: dict, target: Any) -> 
     # no target leaves without a loss_fn or with a None target (the graph has no target inputs)
     target_tensors = [t.contiguous() for t in pytree.tree_leaves(target)] if traced.target_spec is not None else []
     targets = {f"target_{i}": t for i, t in enumerate(target_tensors)}
+    symbols = traced.symbols
+    if symbols is not None:  # a shape-generic compile: this microbatch's sizes feed every stage
+        values = symbols.bind({**inputs, **targets})
+        if values is None:
+            raise ValueError(
+                f"this compile serves {symbols.describe()} within its guards, and this microbatch's shapes "
+                f"{[tuple(t.shape) for t in [*tensors, *target_tensors]]} fall outside them"
+            )
+        inputs.update(symbols.sizes(values))
     return inputs, targets
 
 

@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from zbcompile.passes.shape_symbols import ShapeSymbols, is_symbolic, sizes_of
 from zbcompile.runtime.step.action_clock import ActionClock
 from zbcompile.runtime.step.rank_program import ACTIVATIONS, GRADIENTS, RankProgram, Receive
 from zbcompile.runtime.step.transport import MessageTransport
@@ -120,8 +121,9 @@ class ReceivesAhead:
 
     def __init__(
         self, program: RankProgram, transport: MessageTransport, device: torch.device | None,
-        watch: Callable[[Key], bool],
+        watch: Callable[[Key], bool], shape: Callable[[Any, int], Any] = lambda shape, microbatch: shape,
     ) -> None:
+        self.shape = shape  # a layout's shape for a microbatch (a shape-generic compile's at the step's sizes)
         self.plan = program.receives
         self.transport = transport
         self.device = device
@@ -151,7 +153,11 @@ class ReceivesAhead:
         buffers = []
         if self.device is not None:  # one tensor is received into; several lay out one flat buffer
             device = self.device if len(receive.layouts) == 1 else "meta"
-            buffers = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in receive.layouts]
+            microbatch = message.key[2]
+            buffers = [
+                torch.empty(self.shape(shape, microbatch), dtype=dtype, device=device)
+                for shape, dtype in receive.layouts
+            ]
         pending = self.transport.post_recv(buffers, message.peer, message.tag, message.text, self.watch(message.key))
         self.posted[message.key] = (receive, pending)
         self.next += 1
@@ -173,6 +179,7 @@ class Mailbox:
         run_weight: Callable[[Action, str], None],
     ) -> None:
         self.transport, self.receive_device, self.clock, self.run_weight = transport, receive_device, clock, run_weight
+        self.symbols: ShapeSymbols | None = None  # a shape-generic compile's: message shapes follow each step's sizes
 
     def load(self, program: RankProgram, last: int, follow_readiness: bool) -> None:
         """Serve `program` from the next step on."""
@@ -185,9 +192,15 @@ class Mailbox:
         self.results: dict[int, Values] = {}  # what the last stage's F returned
         self.held: dict[Key, Values] = {}  # for a stage on this rank, until it takes them
         self.outgoing: dict[Key, Values] = {}  # for another rank, until their SEND
-        self.receives = ReceivesAhead(self.program, self.transport, self.receive_device, self._watch)
+        self.receives = ReceivesAhead(self.program, self.transport, self.receive_device, self._watch, self._shape)
         self.weights = WeightQueue(self.program.weight_order)
         self.early: list[str] = []  # the W run in a wait
+
+    def _shape(self, shape: Any, microbatch: int) -> Any:
+        """A message value's shape in `microbatch` (symbolic sizes at the microbatch's)."""
+        if self.symbols is None or not is_symbolic(shape):
+            return shape
+        return self.symbols.shape(shape, self.symbols.values(sizes_of(self.inputs[microbatch])))
 
     def end_step(self) -> list[Values]:
         """The last stage's results of the step, in microbatch order; the step's values let go."""
@@ -198,7 +211,8 @@ class Mailbox:
 
     def activations(self, stage: int, microbatch: int, text: str) -> Values:
         """What F (`text`) of `stage` takes for `microbatch`."""
-        feed = dict(self.inputs[microbatch]) if stage == 0 else self.take((ACTIVATIONS, stage, microbatch), text)
+        inputs = self.inputs[microbatch]
+        feed = dict(inputs) if stage == 0 else {**self.take((ACTIVATIONS, stage, microbatch), text), **sizes_of(inputs)}
         if stage == self.last:
             feed.update(self.targets[microbatch])
         return feed

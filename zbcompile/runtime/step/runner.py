@@ -46,6 +46,7 @@ class Runner(ABC):
         self.transport = transport
         self.follow_readiness = follow_readiness
         self.interpreter = Interpreter(executors, transport, receive_device, follow_readiness, clock, copies)
+        self.interpreter.mail.symbols = compiled.traced.symbols
         self._load(schedule)
 
     @property

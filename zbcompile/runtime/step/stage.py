@@ -10,7 +10,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from zbcompile.compiler import StageProgram
+from zbcompile.passes._fx import size_hint
 from zbcompile.passes.partition import Stage
+from zbcompile.passes.shape_symbols import is_symbolic
 from zbcompile.passes.trace_errors import first_line, node_location, same_kind
 from zbcompile.program import Program
 from zbcompile.runtime.step.live_memory import held_bytes, peak_inside
@@ -260,18 +262,43 @@ def op_error(action: str, node, error: Exception) -> Exception:
     )
 
 
-def as_traced(value: torch.Tensor, stride: tuple[int, ...] | None) -> torch.Tensor:
+class DimOrder(tuple):
+    """The layout of an input traced with symbolic sizes: its dimensions from the outermost
+    (largest stride) to the innermost, densely laid out, whatever the sizes."""
+
+    def strides(self, shape: torch.Size) -> tuple[int, ...]:
+        strides, step = [0] * len(shape), 1
+        for dim in reversed(self):
+            strides[dim], step = step, step * max(shape[dim], 1)
+        return tuple(strides)
+
+
+def as_traced(value: torch.Tensor, stride: tuple[int, ...] | DimOrder | None) -> torch.Tensor:
     """`value` with the strides a graph was traced with (None: any); a received tensor arrives
     contiguous, and the graph may expect, say, a transposed attention output."""
-    if stride is None or value.stride() == stride or value.numel() <= 1:
+    if stride is None or not isinstance(value, torch.Tensor) or value.numel() <= 1:
+        return value
+    if isinstance(stride, DimOrder):
+        stride = stride.strides(value.shape)
+    if value.stride() == stride:
         return value
     return torch.empty_strided(value.shape, stride, dtype=value.dtype, device=value.device).copy_(value)
 
 
-def placeholder_layouts(program) -> dict[str, tuple[int, ...]]:
-    """The strides of each of `program`'s inputs as traced, by environment name."""
-    placeholders = program.graph.graph.find_nodes(op="placeholder")
-    return {name: tuple(node.meta["val"].stride()) for node, name in zip(placeholders, program.signature.inputs)}
+def placeholder_layouts(program) -> dict[str, tuple[int, ...] | DimOrder]:
+    """The strides of each of `program`'s tensor inputs as traced (their `DimOrder` where traced
+    with symbolic sizes), by environment name."""
+    layouts = {}
+    for node, name in zip(program.graph.graph.find_nodes(op="placeholder"), program.signature.inputs):
+        value = node.meta["val"]
+        if not isinstance(value, torch.Tensor):
+            continue
+        strides = tuple(value.stride())
+        if is_symbolic(strides):
+            hints = [size_hint(s) for s in strides]
+            strides = DimOrder(sorted(range(len(hints)), key=lambda d: (-hints[d], d)))
+        layouts[name] = strides
+    return layouts
 
 
 def merge_stage_grads(executors: Sequence[StageExecutor]) -> dict[str, torch.Tensor]:
