@@ -145,7 +145,7 @@ def compile_pipeline(
     stages: int, split_points: Sequence[str] | None = None, device: torch.device | None = None,
     min_deferral_intensity: float = MIN_DEFERRAL_INTENSITY, cuts: Sequence[int] | None = None,
     recompute_alternatives: bool = False, reuse_stages: bool = False, reuse_blocks: bool = True,
-    dynamic: Mapping[str, Sequence[int]] | None = None,
+    dynamic: Mapping[str, Sequence[int]] | None = None, stage_params: Sequence[frozenset[str]] | None = None,
 ) -> CompiledPipeline:
     """Compile one microbatch's forward + loss (`args`, `kwargs`, `target` are a microbatch).
     The model's parameters may be on the `meta` device; they compile as if on `device`.
@@ -157,7 +157,8 @@ def compile_pipeline(
     (`phase_seconds` then times "joint+split+cost" together); `reuse_blocks`: a stage's joint
     graph is assembled from its blocks' joints, each distinct block traced once for all stages, where that
     gives the same graph op for op (`passes/block_joint.py`), and traced whole otherwise. `dynamic`:
-    the dimensions of each input leaf traced as symbols (`trace_model`; `passes/shape_symbols.py`)."""
+    the dimensions of each input leaf traced as symbols (`trace_model`; `passes/shape_symbols.py`);
+    `stage_params`: see `partition_stages`."""
     phases = _Phases()
     # the errors we raise say what went wrong; ZBCOMPILE_DEBUG=1 shows torch's own log
     with ti.quiet_torch_logs():
@@ -165,7 +166,9 @@ def compile_pipeline(
             "trace", lambda: trace_model(model, loss_fn, args, kwargs, target, device, dynamic=dynamic)
         )
     with ti.quiet_torch_logs(warnings_too=True):  # no user code runs in these passes
-        partition = phases.timed("partition", lambda: partition_stages(traced, stages, split_points, cuts=cuts))
+        partition = phases.timed(
+            "partition", lambda: partition_stages(traced, stages, split_points, cuts=cuts, stage_params=stage_params)
+        )
         levels = RECOMPUTE_LEVELS if recompute_alternatives else ()
         predicates = list(dict.fromkeys(level.recompute for level in levels))  # one separation each
         if reuse_stages:

@@ -18,7 +18,7 @@ import numpy as np
 from torch import fx
 
 from zbcompile.passes import _fx
-from zbcompile.passes.trace import ROLE_BUFFER, ROLE_INPUT, ROLE_TARGET, TracedModel
+from zbcompile.passes.trace import ROLE_BUFFER, ROLE_INPUT, ROLE_PARAM, ROLE_TARGET, TracedModel
 
 # --- classifying nodes -------------------------------------------------------------------------
 
@@ -144,6 +144,38 @@ def _positions_reading(node: fx.Node, position: dict[fx.Node, int], unanchored: 
 
 
 # --- choosing the cuts -------------------------------------------------------------------------
+def cuts_keeping_params(
+    anchors: list[fx.Node], allowed: list[int], live_bytes: list[int], stage_params: Sequence[frozenset[str]],
+    preferred: Sequence[int] | None = None,
+) -> list[int]:
+    """Cuts of this graph under which every stage reads the parameters `stage_params[k]` says
+    (each parameter read by one stage reads there; a parameter several stages read, a tied weight,
+    may go anywhere): the same cut as an earlier compile's, in a trace of the same model whose
+    nodes differ (another batch shape, symbolic sizes). Among the cuts that do, `preferred`'s
+    positions where they qualify, else the fewest bytes crossing. Raises ValueError where none does."""
+    graph = anchors[0].graph
+    position = {n: i for i, n in enumerate(anchors)}
+    reads = {
+        n.meta["zb_name"]: _positions_reading(n, position, {}) for n in graph.find_nodes(op="placeholder")
+        if role(n) == ROLE_PARAM
+    }
+    owner = {}
+    for k, params in enumerate(stage_params):
+        for fqn in params:
+            owner[fqn] = None if fqn in owner else k  # None: read by several stages
+    cuts = []
+    for k in range(1, len(stage_params)):
+        before = [max(reads[f]) + 1 for f, o in owner.items() if o is not None and o < k and reads.get(f)]
+        after = [min(reads[f]) for f, o in owner.items() if o is not None and o >= k and reads.get(f)]
+        low, high = max(before + [cuts[-1] + 1 if cuts else 1]), min(after + [len(anchors) - 1])
+        candidates = [c for c in allowed if low <= c <= high]
+        if not candidates:
+            raise ValueError(f"no cut of this graph gives stage {k} the parameters it held in the earlier compile")
+        wanted = preferred[k - 1] if preferred is not None and len(preferred) >= k else None
+        cuts.append(wanted if wanted in candidates else min(candidates, key=lambda c: (live_bytes[c], c)))
+    return cuts
+
+
 
 
 def boundary_values(

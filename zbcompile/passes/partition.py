@@ -39,6 +39,7 @@ from zbcompile.passes.cut_positions import (
     boundary_values,
     buffer_updates,
     cuts_at_split_points,
+    cuts_keeping_params,
     live_bytes_at,
     role,
 )
@@ -112,10 +113,12 @@ class StagePartition:
 
 def partition_stages(
     traced: TracedModel, stages: int, split_points: Sequence[str] | None = None, balance_tolerance: float = 0.05,
-    cuts: Sequence[int] | None = None,
+    cuts: Sequence[int] | None = None, stage_params: Sequence[frozenset[str]] | None = None,
 ) -> StagePartition:
     """`cuts`, when given, are the positions (in the anchored-node order) where stages 1..S-1
-    begin, as in `StagePartition.cuts` of an earlier partition of the same model."""
+    begin, as in `StagePartition.cuts` of an earlier partition of the same model; with
+    `stage_params` (each stage's parameters in that partition) they may come from a trace whose
+    nodes differ, and the cut where each stage reads the same parameters is taken."""
     if stages < 1:
         raise ValueError(f"stages must be at least 1, got {stages}")
     graph = traced.graph_module.graph
@@ -123,7 +126,9 @@ def partition_stages(
     updates = buffer_updates(traced, anchors)
     allowed = allowed_cuts(anchors, [u.span for u in updates])
     live_bytes = live_bytes_at(anchors, graph)
-    if cuts is not None:
+    if stage_params is not None:
+        cuts = cuts_keeping_params(anchors, allowed, live_bytes, stage_params, cuts)
+    elif cuts is not None:
         cuts = list(cuts)
         if len(cuts) != stages - 1 or not set(cuts) <= set(allowed) or cuts != sorted(cuts):
             raise ValueError(f"cuts {cuts} are not {stages - 1} increasing allowed positions for this graph")

@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from zbcompile.compiler import CompiledPipeline, compile_forward_only, compile_pipeline
 from zbcompile.inspect.write import CompileDump, start_dump
 from zbcompile.options import PipelineOptions
-from zbcompile.runtime.compile_cache import CompileCache
+from zbcompile.runtime.compile_cache import CompileCache, first_line
 from zbcompile.runtime.parallel import batch, batch_loss, sharding, tensor_parallel
 from zbcompile.runtime.parallel.layout import Layout, device_for, make_layout
 from zbcompile.runtime.state import placement, state_transfer
@@ -242,13 +242,16 @@ class Assembly:
         return replace(built, dump=start_dump(o.dump_dir, built.compiled, built.runner.schedule, o, built.runner))
 
     def _at_chosen_cut(self, compile_in: Callable[..., CompiledPipeline]) -> tuple[CompiledPipeline, Schedule] | None:
-        """A later compile (new batch shapes) at the cut chosen by measurement, where its graph
-        cuts there; None where none was chosen or it does not."""
-        if self.builder.cut_choice is None:
+        """A later compile (new batch shapes) at the cut the pipeline runs (the cut chosen by
+        measurement, which the first compile then runs), each stage reading the parameters it
+        reads there, where its graph cuts so; None for the first compile or where it does not."""
+        earlier = next(iter(self.builder.builds.values()), None)
+        if earlier is None:
             return None
-        cut = self.builder.cut_choice.cut
+        partition = earlier.compiled.partition
+        stage_params = tuple(frozenset(stage.param_fqns) for stage in partition.stages)
         try:
-            compiled = compile_in(cut.stages, None, cut.positions)
+            compiled = compile_in(len(stage_params), None, partition.cuts, stage_params)
         except ValueError:
             return None
         return compiled, self.builder.choice.schedule(compiled)
@@ -284,18 +287,27 @@ class Assembly:
 
     def compile_model(
         self, example: tuple, example_target: Any, stages: int, memory_unit_bytes: int | None = None,
-        cuts: Sequence[int] | None = None,
+        cuts: Sequence[int] | None = None, stage_params: Sequence[frozenset[str]] | None = None,
     ) -> CompiledPipeline:
-        """The model cut into `stages` stages (at `cuts` where given; recompute="auto" applied),
-        before the stage programs are compiled; memory counted in units of `memory_unit_bytes`
-        where given."""
+        """The model cut into `stages` stages (at `cuts` where given, each stage reading
+        `stage_params[k]` where given: `partition_stages`; recompute="auto" applied), before the
+        stage programs are compiled; memory counted in units of `memory_unit_bytes` where given.
+        A shape-generic compile that fails compiles for this shape (`CompileCache.compiles_per_shape`)."""
         b, o = self.builder, self.builder.options
         args, kwargs = example
-        compiled = compile_pipeline(
-            b.module, o.loss_fn, args, kwargs, example_target, stages, o.split_points,
+        compile_in = functools.partial(
+            compile_pipeline, b.module, o.loss_fn, args, kwargs, example_target, stages, o.split_points,
             b.device() if b.distributed else None, recompute_alternatives=o.recompute == "auto", cuts=cuts,
-            dynamic=self._dynamic,
+            stage_params=stage_params,
         )
+        try:
+            compiled = compile_in(dynamic=self._dynamic)
+        except Exception as error:  # noqa: BLE001 - compiled for this shape instead, the reason said once
+            if self._dynamic is None:
+                raise
+            b.cache.compiles_per_shape([(n, d) for n, dims in self._dynamic.items() for d in dims], first_line(error))
+            self._dynamic = None
+            compiled = compile_in(dynamic=None)
         if memory_unit_bytes is not None:
             compiled = replace(compiled, memory_unit_bytes=memory_unit_bytes)
         if o.recompute == "auto":

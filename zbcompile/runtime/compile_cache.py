@@ -112,17 +112,10 @@ class CompileCache:
         self.per_shape.update(dims)
 
     def compile(self, key: Any, leaves: Mapping[str, torch.Tensor], make: Callable[[Dims | None], Any]) -> Any:
-        """A new compile for `key` by `make(dims)`: shape-generic where `symbolic_dims` says so,
-        per shape where that compile fails (the reason said once)."""
+        """A new compile for `key` by `make(dims)`, shape-generic where `symbolic_dims` says so
+        (`make` compiles for this shape where that fails, saying so through `compiles_per_shape`)."""
         dims = self.symbolic_dims(key, leaves)
-        if dims is None:
-            built = make(None)
-        else:
-            try:
-                built = make(dims)
-            except Exception as error:  # noqa: BLE001 - compiled per shape instead (a user's error recurs there)
-                self.compiles_per_shape([(n, d) for n, ds in dims.items() for d in ds], first_line(error))
-                dims, built = None, make(None)
+        built = make(dims)
         self.add(key, built, dims)
         return built
 
