@@ -185,7 +185,7 @@ class PipelinedModule(ModuleView):
         times, each pipeline rank's bytes of parameters, gradients and optimizer state under `data_parallel`, and
         the measured-cost tuner's decisions (each trial's measured steps)."""
         tuner = self.tuner
-        lines = tuner_lines(tuner.history) if tuner is not None else []
+        lines = [*(tuner_lines(tuner.history) if tuner is not None else []), *self._builder.cache.lines()]
         return "\n".join([summary_text(live_dump(self, self._builder.latest().dump)), *lines])
 
     @property

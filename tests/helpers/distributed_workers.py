@@ -271,6 +271,35 @@ def new_shapes_recompile() -> dict:
     return {n: p.grad.clone() for n, p in pipe.named_parameters()}
 
 
+# the sequence lengths of `variable_lengths`'s steps: the second compiles shape-generically, the rest run on it
+VARIABLE_LENGTHS = (8, 12, 8, 16, 5, 20, 11)
+
+
+def variable_lengths(lengths: tuple[int, ...] = VARIABLE_LENGTHS) -> dict:
+    """The Llama-style case at every length of `lengths`, one step each (gradients zeroed between),
+    with default options; each rank passes only what its stages read (the inputs on the first,
+    the target on the last). Returns per step this rank's loss and gradients, and whether the step
+    ran on the shape-generic compile."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    case = build("llama")
+    pipe = zbcompile.pipeline(case.model, stages=2, microbatches=2, loss_fn=case.loss_fn, timeout=120)
+    steps = []
+    for length in lengths:
+        tokens, target = variable_length_batch(length)
+        loss = pipe.step(tokens if rank == 0 else None, target=target if rank == world - 1 else None)
+        grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+        steps.append({"loss": loss, "grads": grads, "generic": pipe.compiled.traced.symbols is not None})
+        pipe.zero_grad()
+    return {"steps": steps}
+
+
+def variable_length_batch(length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The llama case's batch at `length` tokens per row (tokens and next-token targets)."""
+    generator = torch.Generator().manual_seed(length)
+    tokens = torch.randint(0, 64, (batch_for(2), length), generator=generator)
+    return tokens, tokens.roll(-1, 1)
+
+
 def partial_batches(runs: list[tuple[str, str, int]], steps: int = 2) -> dict:
     """For each (model, schedule, stages): `steps` steps in which each rank passes only what its
     stages read (the inputs on the first stage's rank, the target on the last stage's rank,

@@ -186,6 +186,7 @@ def two_rank_calls(out: str) -> Calls:
         ("meta_init", distributed_workers.meta_init, (2,)),
         ("profiled", distributed_workers.profiled_runs, (list(PROFILED.values()),)),
         ("new_shapes", distributed_workers.new_shapes_recompile, ()),
+        ("variable_lengths", distributed_workers.variable_lengths, ()),
         ("recut", recut_workers.recut_runs, (TWO_RANK_RECUTS,)),
         ("partial", distributed_workers.partial_batches, (PARTIAL_RUNS,)),
         ("late", distributed_workers.late_messages, (0.1, LATE_STEPS)),

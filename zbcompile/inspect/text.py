@@ -404,6 +404,7 @@ def summary_text(dump: Dump) -> str:
         f"{record['model']}: {record['stages']} stages, {record['microbatches']} microbatches, "
         f"schedule {version['name']} on {len(version['actions'])} ranks ({where})",
         format_phases(record["phase_seconds"]),
+        *([f"symbolic sizes: {record['symbolic']}"] if record.get("symbolic") else []),
         "",
         format_stages(record["stage_rows"], record["tied"]),
         *record.get("recompute", []),

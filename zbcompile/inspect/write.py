@@ -89,6 +89,7 @@ def compile_record(compiled: "CompiledPipeline", options: PipelineOptions, world
             "memory_unit": compiled.memory_unit(),
             "recompute": compiled.recompute_choice(),
             "cut": compiled.cut_record,
+            "symbolic": compiled.traced.symbols.describe() if compiled.traced.symbols is not None else None,
             "world": world,
         }
     )

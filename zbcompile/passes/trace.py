@@ -36,7 +36,7 @@ from zbcompile.passes import _fx, tensor_parallel
 from zbcompile.passes.autograd_in_forward import detach_no_grad_results, watching_autograd
 from zbcompile.passes.causal_mask import fold_causal_masks
 from zbcompile.passes.loss_parts import ItemCount, OutputStructure, cut_out_count, sum_and_count
-from zbcompile.passes.shape_symbols import ShapeSymbols, introduce_size_placeholders, symbolic_tracing
+from zbcompile.passes.shape_symbols import NotGeneric, ShapeSymbols, introduce_size_placeholders, symbolic_tracing
 from zbcompile.passes.trace_errors import NameStack, raised_here, traced_error
 
 # meta["zb_role"] of placeholders (what the placeholder is; not the value names of value_names.py)
@@ -190,6 +190,8 @@ def trace_model(
     for node, (role, name) in zip(placeholders, roles, strict=True):
         node.meta["zb_role"], node.meta["zb_name"] = role, name
     symbols = introduce_size_placeholders(graph_module.graph, fake_mode) if dynamic else None
+    if symbols is not None and not symbols.names:
+        raise NotGeneric(f"the trace fixes {symbols.describe()} (guards {', '.join(map(str, symbols.guards()[:3]))})")
     roles = {n: n.meta["zb_role"] for n in graph_module.graph.find_nodes(op="placeholder")}
     item_count = None if count[0] is None else cut_out_count(graph_module, count[0], roles)
     results = len(graph_module.graph.output_node().args[0]) if outputs else 1

@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from zbcompile.compiler import CompiledPipeline, compile_forward_only, compile_pipeline
 from zbcompile.inspect.write import CompileDump, start_dump
 from zbcompile.options import PipelineOptions
-from zbcompile.runtime.compile_cache import CompileCache, first_line
+from zbcompile.runtime.compile_cache import CompileCache, first_line, sizes_text
 from zbcompile.runtime.parallel import batch, batch_loss, sharding, tensor_parallel
 from zbcompile.runtime.parallel.layout import Layout, device_for, make_layout
 from zbcompile.runtime.state import placement, state_transfer
@@ -139,7 +139,8 @@ class Builder:
         absent: tuple[str, ...] = ()
         if self.distributed:
             group = self.layout().pp_group
-            inputs, kwargs, target, absent = self._batch.of(inputs, kwargs, target, group, self.device())
+            every_step = self.cache.shape_generic()  # sizes change without a compile: agreed every step
+            inputs, kwargs, target, absent = self._batch.of(inputs, kwargs, target, group, self.device(), every_step)
         if not loss:  # nothing reads a target
             target, absent = None, tuple(part for part in absent if part != "target")
         micro_inputs, micro_targets, key = batch.split(inputs, kwargs, target, self.options.microbatches)
@@ -158,6 +159,7 @@ class Builder:
             self.cache.compile(key, leaves, lambda dims: build(dynamic=dims))
             served = key
         self._last_key = served
+        self._sizes = sizes_text(self.builds[served].compiled.traced.symbols, leaves)
         self.ownership.set_grad_dtype()
         return self.builds[served], micro_inputs, micro_targets, absent
 
@@ -166,6 +168,7 @@ class Builder:
         the hooks `before`) and records it (`Build.after_step`). Returns the step's loss."""
         built, micro_inputs, micro_targets, absent = self.prepare(inputs, kwargs, target)
         loss = built.runner.train(micro_inputs, micro_targets, absent, self.ownership, before)
+        self.cache.ran(self._sizes, schedule_label(built.runner.schedule))
         self.measured_costs = built.after_step(self.measured_costs)
         return loss
 

@@ -34,10 +34,32 @@ class CompileCache:
         self.served: dict[Any, Any] = {}  # a batch's key -> the key of the compile serving it
         self.seen: dict[Any, dict[str, torch.Size]] = {}  # a batch's key -> its microbatch's tensor shapes
         self.per_shape: set[tuple[str, int]] = set()  # dimensions a trace could not keep symbolic
+        self.steps: dict[str, dict[str, int]] = {}  # the sizes of the steps run -> schedule -> steps
 
     def clear(self) -> None:
         self.builds.clear()
         self.served.clear()
+
+    def ran(self, sizes: str, schedule: str) -> None:
+        """A step ran at `sizes` (`sizes_text`) under `schedule`."""
+        by_schedule = self.steps.setdefault(sizes, {})
+        by_schedule[schedule] = by_schedule.get(schedule, 0) + 1
+
+    def lines(self) -> list[str]:
+        """For `explain()`: which dimensions a compile keeps symbolic, and the steps by size and schedule."""
+        generic = [b.compiled.traced.symbols for b in self.builds.values() if b.compiled.traced.symbols is not None]
+        if not generic:
+            return []
+        runs = ", ".join(f"{sizes}: {s} x{n}" for sizes, by in self.steps.items() for s, n in by.items())
+        return [
+            *(f"symbolic sizes: {symbols.describe()}, one compile for every size its guards allow" for symbols in
+              generic),
+            f"{len(self.builds)} compiles; steps by size and schedule: {runs}",
+        ]
+
+    def shape_generic(self) -> bool:
+        """Whether a compile here serves sizes it was not traced with."""
+        return any(built.compiled.traced.symbols is not None for built in self.builds.values())
 
     def serving(self, key: Any, leaves: Mapping[str, torch.Tensor]) -> Any | None:
         """The key of the compile that serves a batch of `key` whose first microbatch's tensors
@@ -95,10 +117,12 @@ class CompileCache:
         self.builds[key] = built
         self.served[key] = key
         symbols = built.compiled.traced.symbols
-        if dims and symbols is not None:
-            fixed = [d for d in symbols.dims if not d.size.free_symbols]
-            if fixed:
-                self.compiles_per_shape([(d.leaf, d.dim) for d in fixed], f"the trace fixed {symbols.describe()}")
+        if symbols is None:  # asked for none, or the compile fell back to this shape (and said so)
+            return
+        kept = {(d.leaf, d.dim) for d in symbols.symbolic()}
+        fixed = [(n, d) for n, ds in (dims or {}).items() for d in ds if (n, d) not in kept]
+        if fixed:
+            self.compiles_per_shape(fixed, f"the trace fixes it: {symbols.describe()}")
 
     def compiles_per_shape(self, dims: list[tuple[str, int]], why: str) -> None:
         """From now on, `dims` compile per shape; the first time, a warning says why."""
@@ -138,3 +162,11 @@ def _static_sizes(shapes: Mapping[str, torch.Size], symbols: Any) -> dict[str, t
     """Each tensor's sizes with the symbolic dimensions of `symbols` left out."""
     symbolic = {(d.leaf, d.dim) for d in symbols.dims}
     return {n: tuple(s if (n, d) not in symbolic else None for d, s in enumerate(shape)) for n, shape in shapes.items()}
+
+
+def sizes_text(symbols: Any, leaves: Mapping[str, torch.Tensor]) -> str:
+    """A batch's sizes as a shape-generic compile sees them (`s0=48`), or its tensors' shapes."""
+    values = symbols.bind(leaves) if symbols is not None else None
+    if values:
+        return " ".join(f"{symbol}={value}" for symbol, value in values.items())
+    return " ".join(f"{name}{list(t.shape)}" for name, t in leaves.items())

@@ -189,14 +189,17 @@ class LocalBatch:
         self._placeholders: dict[str, tuple[Part, Any]] = {}
 
     def of(
-        self, args: tuple, kwargs: dict, target: Any, group: Any, device: torch.device
+        self, args: tuple, kwargs: dict, target: Any, group: Any, device: torch.device, every_step: bool = False
     ) -> tuple[tuple, dict, Any, tuple[str, ...]]:
         """(args, kwargs, target, the parts not given: "inputs", "target"); `group` is the
-        pipeline's process group (the ranks agree over it when a batch's shapes are new)."""
+        pipeline's process group (the ranks agree over it when a batch's shapes are new, or with
+        `every_step` on every step: a shape-generic compile's sizes change without a compile)."""
         mine = BatchDescription.of(args, kwargs, target)
         agreed = mine.filled_from(self.agreed[-1]) if self.agreed else None
-        if agreed not in self.agreed:
+        if every_step or agreed not in self.agreed:
             agreed = agree(mine, group)
+            if agreed in self.agreed:
+                self.agreed.remove(agreed)
             self.agreed.append(agreed)
         absent = []
         if mine.inputs is None:

@@ -1,0 +1,138 @@
+"""Sequence lengths that change step to step: by default the second length compiles once more with
+symbolic sizes, and every later length runs on that compile; gradients equal eager's at every
+length, under every schedule, in one process and on two gloo ranks (`runtime/compile_cache.py`,
+`passes/shape_symbols.py`)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import zbcompile
+from helpers import launches
+from helpers.distributed_workers import VARIABLE_LENGTHS, variable_length_batch
+from helpers.grads import FP32, assert_grads_close, grads_of
+from helpers.models import build
+from zbcompile.models.gpt import lm_loss
+
+
+def eager_step(model: nn.Module, tokens: torch.Tensor, target: torch.Tensor, microbatches: int):
+    """The mean of the microbatch losses and its gradients, on `model` (its gradients zeroed first)."""
+    model.zero_grad()
+    pairs = zip(tokens.chunk(microbatches), target.chunk(microbatches))
+    loss = sum(lm_loss(model(t), y) for t, y in pairs) / microbatches
+    loss.backward()
+    return loss.detach(), grads_of(model)
+
+
+def test_one_shape_generic_compile_serves_every_later_length():
+    """The first length compiles for its shape, the second shape-generically (the sequence
+    dimension symbolic), and every later length, shorter or longer, runs on that compile with
+    eager's loss and gradients."""
+    case = build("llama")
+    eager = copy.deepcopy(case.model)
+    pipe = zbcompile.pipeline(case.model, stages=2, microbatches=2, loss_fn=lm_loss, schedule="zb-h1")
+    compiles = []
+    for length in VARIABLE_LENGTHS:
+        tokens, target = variable_length_batch(length)
+        loss = pipe.step(tokens, target=target)
+        expected_loss, expected = eager_step(eager, tokens, target, 2)
+        torch.testing.assert_close(loss, expected_loss, **FP32)
+        assert_grads_close(grads_of(pipe), expected, f"length {length}", **FP32)
+        pipe.zero_grad()
+        compiles.append(pipe.compiled)
+    assert compiles[0].traced.symbols is None
+    generic = compiles[1]
+    assert [d.leaf for d in generic.traced.symbols.symbolic()] == ["input_0", "target_0"]
+    first_length = VARIABLE_LENGTHS[0]
+    for length, compiled in zip(VARIABLE_LENGTHS[1:], compiles[1:]):  # the first length keeps its own
+        assert compiled is (compiles[0] if length == first_length else generic), f"length {length} compiled again"
+    assert "input_0[1]" in pipe.explain()
+
+
+def test_gradients_bitwise_equal_across_schedules_at_every_length():
+    """`dynamic=1`: symbolic from the first compile; each schedule computes the same bits at every
+    length (the schedule changes when work runs, never what it computes)."""
+    grads: dict[str, list] = {}
+    for schedule in ("1f1b", "zb-h1", "zb-h2", "zb-auto"):
+        case = build("llama")
+        pipe = zbcompile.pipeline(case.model, stages=2, microbatches=4, loss_fn=lm_loss, schedule=schedule, dynamic=1)
+        grads[schedule] = []
+        for length in (6, 11, 17):
+            tokens, target = variable_length_batch(length)
+            pipe.step(torch.cat([tokens, tokens]), target=torch.cat([target, target]))
+            grads[schedule].append(grads_of(pipe))
+            pipe.zero_grad()
+        assert pipe.compiled.traced.symbols is not None
+    reference = grads.pop("1f1b")
+    for schedule, per_length in grads.items():
+        for expected, actual in zip(reference, per_length):
+            for fqn, grad in expected.items():
+                assert torch.equal(actual[fqn], grad), f"{schedule}: {fqn}"
+
+
+class StepByStep(nn.Module):
+    """A recurrence over positions in a Python loop: its trace unrolls one iteration per position,
+    so the sequence length cannot stay a symbol."""
+
+    def __init__(self, vocab: int = 64, hidden: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.cell = nn.Linear(2 * hidden, hidden)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        state, outputs = torch.zeros_like(x[:, 0]), []
+        for position in range(x.shape[1]):
+            state = torch.tanh(self.cell(torch.cat([x[:, position], state], dim=-1)))
+            outputs.append(state)
+        return self.head(torch.stack(outputs, dim=1))
+
+
+def test_a_length_the_trace_must_fix_compiles_per_shape_with_one_warning():
+    torch.manual_seed(0)
+    model = StepByStep()
+    eager = copy.deepcopy(model)
+    pipe = zbcompile.pipeline(model, stages=2, microbatches=2, loss_fn=lm_loss, schedule="1f1b")
+    caught = []
+    for length in (4, 6, 5):
+        tokens, target = variable_length_batch(length)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            loss = pipe.step(tokens, target=target)
+        caught += [str(w.message) for w in seen if "zbcompile" in str(w.message)]
+        expected_loss, expected = eager_step(eager, tokens, target, 2)
+        torch.testing.assert_close(loss, expected_loss, **FP32)
+        assert_grads_close(grads_of(pipe), expected, f"length {length}", **FP32)
+        pipe.zero_grad()
+        assert pipe.compiled.traced.symbols is None
+    assert len(caught) == 1, caught
+    assert "input_0[1]" in caught[0] and "dynamic=False" in caught[0], caught[0]
+
+
+def test_the_dynamic_option_is_checked():
+    with pytest.raises(ValueError, match="dynamic must be None"):
+        zbcompile.pipeline(nn.Linear(2, 2), stages=1, dynamic="sequence")
+
+
+@launches.READS_TWO_RANKS
+def test_two_ranks_run_every_length_on_one_compile_with_eager_gradients():
+    """Default options (zb-auto measuring its costs and racing its cut) on two gloo ranks, each
+    passing only what its stages read: every length after the second on the shape-generic compile,
+    each step's loss and gradients eager's."""
+    per_rank = launches.two_rank_results("variable_lengths")
+    eager = build("llama").model
+    for index, length in enumerate(VARIABLE_LENGTHS):
+        steps = [r["steps"][index] for r in per_rank]
+        assert all(s["generic"] == (index >= 1) for s in steps), (length, [s["generic"] for s in steps])
+        tokens, target = variable_length_batch(length)
+        expected_loss, expected = eager_step(eager, tokens, target, 2)
+        torch.testing.assert_close(steps[-1]["loss"], expected_loss, **FP32)
+        assert steps[0]["loss"] is None
+        grads = {fqn: g for s in steps for fqn, g in s["grads"].items()}
+        assert_grads_close({n: grads.get(n) for n in expected}, expected, f"length {length}", **FP32)
