@@ -13,15 +13,13 @@ each its own pipeline, in one launch, step i of each one after the other (the or
 - bucket padding: every batch right-padded to the top of its bucket (`buckets`) with `dynamic=False`, a compile
   per bucket, as users do today.
 
-Right padding with its targets ignored leaves a causal model's loss over the real tokens as it is: the three
-losses agree step by step up to float rounding (the "max loss diff vs variable" column: against variable's).
-
 Each step (the optimizer's included) is timed between barriers, the slower rank's time kept; the first step also
 counts the `compile()` the optimizer is built after. Printed per mode: steps, real and padded tokens, compiles
-(the library's count, and the steps slower than 5x the mode's median step, that median scaled up to the step's
-padded tokens where it is larger), total seconds over every step, the steady-state rate in real tokens per
-second over the steps that did not compile (the first step of each new shape in the padded modes, of each of the
-first two distinct lengths in variable) and its ratio to the two padded modes'.
+(the library's count, and the steps slower than 5x the mode's median step, scaled up to the step's padded tokens
+where that is more), total seconds over every step, the steady rate in real tokens/s over the steps that did not
+compile (the first of each new shape in the padded modes, of each of the first two lengths in variable), its
+ratio to the padded modes', and the largest difference of a step's loss from variable's: right padding with its
+targets ignored leaves a causal model's loss over the real tokens as it is, so only float rounding differs.
 
     python benchmarks/variable_lengths.py              # 3-6 minutes on 2 quiet cores
     python benchmarks/variable_lengths.py --quick      # a smoke run, writes nothing
@@ -32,9 +30,10 @@ steps' time against the batch's length).
 
 from __future__ import annotations
 
+import json
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import _launch
 
@@ -45,11 +44,11 @@ SLOW = 5.0  # a step slower than this many times its expected time counts as a c
 @dataclass(frozen=True)
 class Settings(_launch.Settings):
     seq_len: int = 512  # the model's positions: at least max_len
-    hidden: int = 64
+    hidden: int = 128
     layers: int = 4
     rows: int = 2  # sequences per microbatch
     microbatches: int = 4
-    batches: int = 48  # steps per mode
+    batches: int = 160  # steps per mode
     median_len: int = 96
     sigma: float = 0.8
     min_len: int = 32
@@ -86,8 +85,7 @@ def batch(settings: Settings, i: int, length: int, width: int):
     return tokens, targets
 
 
-def loss_fn(logits, targets):
-    """Mean cross-entropy over the microbatch's real targets."""
+def loss_fn(logits, targets):  # the mean over the microbatch's real targets
     import torch.nn.functional as F
 
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
@@ -101,10 +99,8 @@ def rank_main(settings: Settings) -> dict:
 
     length = lengths(settings)
     width = widths(settings, length)
-    pipes, optimizers = {}, {}
-    times, compile_s = {mode: [] for mode in MODES}, {}
-    losses = {mode: [] for mode in MODES}
-    builds = {mode: [] for mode in MODES}  # the library's compiles so far, after each step
+    pipes, optimizers, compile_s = {}, {}, {}
+    times, losses, builds = ({mode: [] for mode in MODES} for _ in range(3))  # builds: the compiles after each step
 
     def timed(run):
         dist.barrier()
@@ -138,15 +134,14 @@ def rank_main(settings: Settings) -> dict:
             times[mode].append(seconds + (compile_s[mode] if i == 0 else 0.0))
             losses[mode].append(loss)
             builds[mode].append(len(pipes[mode]._builder.builds))  # private: the compiles this pipeline made
-        if (i + 1) % 8 == 0:
+        if (i + 1) % 16 == 0:
             _launch.say(f"step {i + 1}/{settings.batches} of each mode, {time.perf_counter() - started:.0f} s")
     return {"times": times, "losses": losses, "builds": builds, "lengths": length, "widths": width}
 
 
 def compile_steps(mode: str, width: list[int]) -> set[int]:
     """The steps that compiled: the first of each new shape; in variable, the first of the first two lengths."""
-    firsts = {w: i for i, w in reversed(list(enumerate(width)))}
-    firsts = sorted(firsts.values())
+    firsts = sorted(width.index(w) for w in set(width))
     return set(firsts[:2] if mode == "variable" else firsts)
 
 
@@ -162,12 +157,13 @@ def analyse(per_rank: list[dict], settings: Settings) -> dict:
         padded = [rows * w for w in first["widths"][mode]]
         per_token = _launch.median([t / p for t, p in zip(times, padded)])
         slow = [i for i, t in enumerate(times) if t > SLOW * max(_launch.median(times), per_token * padded[i])]
-        compiled = compile_steps(mode, first["widths"][mode])
+        compiled, builds = compile_steps(mode, first["widths"][mode]), [0, *first["builds"][mode]]
         steady = [i for i in range(settings.batches) if i not in compiled]
         modes[mode] = {
             "step_s": times, "real_tokens": sum(real), "padded_tokens": sum(padded), "slow_steps": slow,
             "compile_steps": sorted(compiled), "library_compiles": first["builds"][mode][-1],
-            "builds_after_step": first["builds"][mode], "total_s": sum(times),
+            "library_compile_steps": [i for i in range(settings.batches) if builds[i + 1] > builds[i]],
+            "total_s": sum(times),
             "steady_tokens_per_s": sum(real[i] for i in steady) / sum(times[i] for i in steady),
             "max_loss_diff": max(abs(a - b) for a, b in zip(losses[mode], losses["variable"])),
         }
@@ -204,13 +200,14 @@ def report(data: dict) -> str:
         f"Total seconds, compiles included: variable {total['variable'] / total['pad to global max']:.2f}x pad to "
         f"global max's, {total['variable'] / total['bucket padding']:.2f}x bucket padding's. Steps left out of the "
         "steady rate (they compiled): " + "; ".join(f"{mode} {m['compile_steps']}" for mode, m in modes.items())
+        + ". Steps in which the library compiled: "
+        + "; ".join(f"{mode} {m['library_compile_steps']}" for mode, m in modes.items())
         + ". Slow steps (> 5x expected): " + "; ".join(f"{mode} {m['slow_steps']}" for mode, m in modes.items()) + ".",
     ])
 
 
 def plot(data: dict, path) -> None:
-    """Real tokens against seconds (compiles show as flat stretches), and each steady step's time against its
-    batch's length."""
+    """Real tokens against seconds (compiles: flat stretches); each steady step's time against its length."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -243,17 +240,10 @@ def main() -> None:
     settings = Settings(batches=options.batches)
     if options.quick:
         settings = Settings(batches=10, layers=2, hidden=32, max_len=256, seq_len=256, buckets=(64, 128, 256))
-    before = _launch.machine()
-    print(f"machine: {_launch.load_line(before)}", flush=True)
-    started = time.perf_counter()
-    per_rank = _launch.run_ranks(2, rank_main, settings, timeout_s=settings.timeout_s)
-    data = {"settings": asdict(settings), "machine_before": before, "machine_after": _launch.machine(),
-            "wall_s": time.perf_counter() - started}
-    data.update(analyse(per_rank, settings))
-    _launch.print_and_write("variable_lengths", data, report(data), _launch.writes(options))
-    if _launch.writes(options):
+    _launch.run_and_report("variable_lengths", 2, rank_main, settings, analyse, report, _launch.writes(options))
+    if _launch.writes(options):  # the plot, from the results just written
         png = _launch.RESULTS / "variable_lengths.png"
-        plot(data, png)
+        plot(json.loads((_launch.RESULTS / "variable_lengths.json").read_text()), png)
         print(f"wrote {png}")
 
 

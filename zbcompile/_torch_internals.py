@@ -322,15 +322,16 @@ def has_flop_formula(target: Any) -> bool:
     return packet in flop_counter.flop_registry or packet in _EXTRA_FLOP_FORMULAS
 
 
-def count_flops(target: Any, args: tuple, kwargs: dict, out: Any) -> int:
+def count_flops(target: Any, args: tuple, kwargs: dict, out: Any, symbolic: bool = False) -> Any:
     """FLOPs of one call of an aten overload, with (fake) tensors as arguments; 0 for ops that
-    have no formula in `torch.utils.flop_counter` (elementwise ops, views)."""
+    have no formula in `torch.utils.flop_counter` (elementwise ops, views). Of symbolic sizes:
+    the count at the example traced, or with `symbolic` its sympy expression."""
     packet = getattr(target, "overloadpacket", target)
     formula = flop_counter.flop_registry.get(packet) or _EXTRA_FLOP_FORMULAS.get(packet)
-    if not formula:
-        return 0
-    flops = formula(*args, out_val=out, **kwargs)
-    return int(flops.node.hint) if isinstance(flops, torch.SymInt) else int(flops)  # symbolic: at the example
+    flops = formula(*args, out_val=out, **kwargs) if formula else 0
+    if isinstance(flops, torch.SymInt):
+        return flops.node.expr if symbolic else int(flops.node.hint)
+    return int(flops)
 
 
 class LocalFlopCounter(TorchDispatchMode):

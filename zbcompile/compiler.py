@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from torch import nn
 
 from zbcompile import _torch_internals as ti
 from zbcompile.passes.forward_only import forward_program
+from zbcompile.passes.graph_cost import cost_formula
 from zbcompile.passes.held_cuts import held_cuts
 from zbcompile.passes.joint import StageJoint, export_stage_joint, export_stage_joints
 from zbcompile.passes.partition import Stage, StagePartition, partition_stages
@@ -89,6 +91,37 @@ class CompiledPipeline:
             mem_b=[c.mem_b / unit for c in costs],
             mem_w=[c.mem_w / unit for c in costs],
         )
+
+    @functools.cached_property
+    def cost_formulas(self) -> tuple[dict[str, Any], ...]:
+        """Per stage, the static time estimate of each action (F, I, W, B) as a sympy expression
+        of a shape-generic compile's symbols (`graph_cost.cost_formula`)."""
+        formulas = []
+        for program in self.programs:
+            parts = (program.forward, program.input_backward, program.weight_backward)
+            f, i, w = (cost_formula(part.graph) for part in parts)
+            formulas.append({"F": f, "I": i, "W": w, "B": i + w})
+        return tuple(formulas)
+
+    def work_scales(self, values: Mapping[Any, int]) -> dict[tuple[int, str], float]:
+        """Per (stage, action kind), its static time estimate at symbol `values` over its estimate
+        at the example traced: how much more work a microbatch of these sizes is (empty for a
+        compile of one shape)."""
+        symbols = self.traced.symbols
+        if symbols is None or not values:
+            return {}
+        return {
+            (stage, kind): symbols.scale(formula, values)
+            for stage, formulas in enumerate(self.cost_formulas) for kind, formula in formulas.items()
+        }
+
+    def step_scale(self, values: Mapping[Any, int]) -> float:
+        """A step's static time estimate (every stage's F, I and W) at symbol `values` over its
+        estimate at the example traced (1.0 for a compile of one shape)."""
+        symbols = self.traced.symbols
+        if symbols is None or not values:
+            return 1.0
+        return symbols.scale(sum(f["F"] + f["B"] for f in self.cost_formulas), values)
 
     def checkpointed(self) -> bool:
         """Whether the model has `torch.utils.checkpoint` regions: some stage recomputes forward

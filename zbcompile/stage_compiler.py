@@ -80,24 +80,43 @@ def each_graph(program: StageProgram, make: Callable[[Program, int, str], Progra
     )
 
 
+RECORDED_SIZES = 8
+"""A shape-generic graph (one that takes sizes, `passes/shape_symbols.py`) is recorded or
+compiled once per distinct sizes it runs at, for at most this many; at other sizes it runs op by op."""
+
+
+def sizes_key(inputs: list[Any]) -> tuple[int, ...]:
+    """The sizes a shape-generic graph takes (its int inputs); () for a graph of one shape."""
+    return tuple(x for x in inputs if isinstance(x, int))
+
+
 @dataclass(frozen=True)
 class TracedProgram(Program):
     """A Program whose graph's ops, recorded on its first run, run from C++ (see the module
-    docstring); one the tracer cannot record runs op by op."""
+    docstring); one the tracer cannot record runs op by op. A shape-generic graph is recorded
+    per sizes the second time it runs at them (a length seen once is not worth a recording), for
+    `RECORDED_SIZES` sizes at most."""
 
-    _traced: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    _traced: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def run(
         self, env: dict[str, torch.Tensor], state: Mapping[str, torch.Tensor], consumed: Collection[str] = ()
     ) -> None:
-        if self._traced.get("fn") is False or ti.dispatch_mode_active():
+        if self._traced.get("refused") or ti.dispatch_mode_active():
             return super().run(env, state, consumed)  # op by op, each input freed at its last use
         inputs = self._inputs(env, state, consumed)
+        key = sizes_key(inputs)
+        seen = self._traced.setdefault("seen", {})
+        seen[key] = seen.get(key, 0) + 1
+        if key not in self._traced and (key == () or (seen[key] >= 2 and len(seen) <= RECORDED_SIZES)):
+            graph, tensors = at_sizes(self.graph, inputs)
+            with torch.no_grad(), torch.jit.optimized_execution(False):
+                self._traced[key] = ti.traced(graph, tensors) or False
+            self._traced["refused"] = self._traced[key] is False
+        recorded = self._traced.get(key)
         with torch.no_grad(), torch.jit.optimized_execution(False):  # the recorded ops as they are
-            if "fn" not in self._traced:
-                self._traced["fn"] = ti.traced(self.graph, inputs) or False
             try:
-                results = (self._traced["fn"] or self.graph)(*inputs)
+                results = recorded(*(x for x in inputs if not isinstance(x, int))) if recorded else self.graph(*inputs)
             except Exception:  # noqa: BLE001 - run op by op again: the error then names its node
                 results = self.graph(*inputs)
         env.update(zip(self.signature.outputs, results))
@@ -122,9 +141,15 @@ class InductorProgram(Program):
         env.update(zip(self.signature.outputs, results))
 
     def _compiled_for(self, inputs: list[Any]) -> Callable:
-        if "fn" not in self._compiled:
+        """The graph compiled for these inputs' sizes (one compile for a graph of one shape; per
+        sizes, at most `RECORDED_SIZES`, for a shape-generic one: op by op beyond)."""
+        key = sizes_key(inputs)
+        if key not in self._compiled and len(self._compiled) >= RECORDED_SIZES:
+            return lambda args: self.graph(*args)
+        if key not in self._compiled:
+            graph, tensors = at_sizes(self.graph, inputs)
             try:
-                fn = ti.inductor_compile(self.graph, inputs)
+                fn = ti.inductor_compile(graph, tensors)
             except Exception as error:  # noqa: BLE001 - the default's fallback; re-raised when asked for inductor
                 if not self.fallback:
                     raise
@@ -133,6 +158,23 @@ class InductorProgram(Program):
                     "Pass compiler='eager' to pipeline() to skip Inductor, or compiler='inductor' to see the error",
                     stacklevel=2,
                 )
-                fn = self.graph
-            self._compiled["fn"] = lambda args: fn(*args)
-        return self._compiled["fn"]
+                fn = graph
+            self._compiled[key] = lambda args: fn(*(a for a in args if not isinstance(a, int)))
+        return self._compiled[key]
+
+
+def at_sizes(graph_module: torch.fx.GraphModule, inputs: list[Any]) -> tuple[torch.fx.GraphModule, list[Any]]:
+    """A copy of `graph_module` whose int inputs are constants of their values in `inputs`, and
+    the tensors it takes (`graph_module` and `inputs` themselves for a graph of one shape)."""
+    if not sizes_key(inputs):
+        return graph_module, inputs
+    graph = torch.fx.Graph()
+    values = {}
+    for node, value in zip(graph_module.graph.find_nodes(op="placeholder"), inputs):
+        if isinstance(value, int):
+            values[node] = value
+    env: dict[Any, Any] = dict(values)
+    for node in graph_module.graph.nodes:
+        if node not in values:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    return torch.fx.GraphModule(graph_module, graph), [x for x in inputs if not isinstance(x, int)]

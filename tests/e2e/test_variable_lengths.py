@@ -123,16 +123,18 @@ def test_the_dynamic_option_is_checked():
 @launches.READS_TWO_RANKS
 def test_two_ranks_run_every_length_on_one_compile_with_eager_gradients():
     """Default options (zb-auto measuring its costs and racing its cut) on two gloo ranks, each
-    passing only what its stages read: every length after the second on the shape-generic compile,
-    each step's loss and gradients eager's."""
+    passing only what its stages read after the first step: every new length after the first on
+    the shape-generic compile, each step's loss and gradients eager's."""
     per_rank = launches.two_rank_results("variable_lengths")
     eager = build("llama").model
     for index, length in enumerate(VARIABLE_LENGTHS):
         steps = [r["steps"][index] for r in per_rank]
-        assert all(s["generic"] == (index >= 1) for s in steps), (length, [s["generic"] for s in steps])
+        generic = index >= 1 and length != VARIABLE_LENGTHS[0]  # the first length keeps its own compile
+        assert all(s["generic"] == generic for s in steps), (length, [s["generic"] for s in steps])
         tokens, target = variable_length_batch(length)
         expected_loss, expected = eager_step(eager, tokens, target, 2)
-        torch.testing.assert_close(steps[-1]["loss"], expected_loss, **FP32)
-        assert steps[0]["loss"] is None
+        losses = [s["loss"] for s in steps if s["loss"] is not None]
+        assert len(losses) == 1, length
+        torch.testing.assert_close(losses[0], expected_loss, **FP32)
         grads = {fqn: g for s in steps for fqn, g in s["grads"].items()}
         assert_grads_close({n: grads.get(n) for n in expected}, expected, f"length {length}", **FP32)

@@ -277,16 +277,19 @@ VARIABLE_LENGTHS = (8, 12, 8, 16, 5, 20, 11)
 
 def variable_lengths(lengths: tuple[int, ...] = VARIABLE_LENGTHS) -> dict:
     """The Llama-style case at every length of `lengths`, one step each (gradients zeroed between),
-    with default options; each rank passes only what its stages read (the inputs on the first,
-    the target on the last). Returns per step this rank's loss and gradients, and whether the step
-    ran on the shape-generic compile."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    with default options; after the first step each rank passes only what its stages read (the
+    inputs where it holds the first stage, the target where it holds the last: zb-auto may choose
+    a V). Returns per step this rank's loss and gradients, and whether the step ran on the
+    shape-generic compile."""
+    rank = dist.get_rank()
     case = build("llama")
     pipe = zbcompile.pipeline(case.model, stages=2, microbatches=2, loss_fn=case.loss_fn, timeout=120)
     steps = []
-    for length in lengths:
+    for step, length in enumerate(lengths):
         tokens, target = variable_length_batch(length)
-        loss = pipe.step(tokens if rank == 0 else None, target=target if rank == world - 1 else None)
+        holds = [s for s, r in enumerate(pipe.schedule.stage_to_rank) if r == rank] if step else None
+        first, last = holds is None or 0 in holds, holds is None or len(pipe.schedule.stage_to_rank) - 1 in holds
+        loss = pipe.step(tokens if first else None, target=target if last else None)
         grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
         steps.append({"loss": loss, "grads": grads, "generic": pipe.compiled.traced.symbols is not None})
         pipe.zero_grad()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import operator
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ import zbcompile
 from helpers.models import GPT_CONFIG, build
 from zbcompile import stage_compiler
 from zbcompile.models.gpt import GPT
+from zbcompile.program import Signature
 from zbcompile.stage_compiler import InductorProgram, TracedProgram, compile_stage_programs
 
 
@@ -135,14 +137,31 @@ def test_traced_programs_record_once_and_a_graph_of_other_ops_runs_op_by_op(monk
         got = dict(env)
         program.run(got, {})
         assert all(torch.equal(got[n], expected[n]) for n in program.signature.outputs)
-    assert isinstance(program._traced["fn"], torch.jit.ScriptFunction)  # recorded on the first run, kept
+    assert isinstance(program._traced[()], torch.jit.ScriptFunction)  # recorded on the first run, kept
 
     refused = TracedProgram(program.graph, program.signature)
     monkeypatch.setattr(stage_compiler.ti, "traced", lambda gm, inputs: None)
     got = dict(env)
     refused.run(got, {}, consumed=[program.signature.inputs[-1]])  # op by op: the consumed input freed
-    assert refused._traced["fn"] is False and program.signature.inputs[-1] not in got
+    assert refused._traced[()] is False and program.signature.inputs[-1] not in got
     assert all(torch.equal(got[n], expected[n]) for n in program.signature.outputs)
+
+
+def test_a_shape_generic_graph_is_recorded_per_size_the_second_time_it_runs_there():
+    """A graph of symbolic sizes (its sizes are int inputs) runs op by op at a size seen once, is
+    recorded at sizes it runs at twice (for RECORDED_SIZES sizes at most), and computes what the
+    graph computes at every size."""
+    graph = torch.fx.Graph()
+    x, size = graph.placeholder("x"), graph.placeholder("size")
+    doubled = graph.call_function(operator.mul, (size, 2))
+    graph.output((graph.call_function(torch.ops.aten.repeat.default, (x, [doubled])),))
+    program = TracedProgram(torch.fx.GraphModule({}, graph), Signature(("in:x", "in:size"), ("out:y",)))
+    runs = [3, 3, 5, 3, 5, 7]
+    for length in runs:
+        env = {"in:x": torch.arange(2.0), "in:size": length}
+        program.run(env, {})
+        assert torch.equal(env["out:y"], torch.arange(2.0).repeat(2 * length))
+    assert sorted(k for k in program._traced if isinstance(k, tuple)) == [(3,), (5,)]  # 7 ran once
 
 
 def test_only_graphs_of_aten_ops_are_recorded():

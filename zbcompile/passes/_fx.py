@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 from torch import fx
@@ -23,6 +23,16 @@ def tensor_bytes(value: object) -> int:
         return size_hint(value.numel()) * value.element_size()
     if isinstance(value, (tuple, list)):
         return sum(tensor_bytes(v) for v in value)
+    return 0
+
+
+def symbolic_bytes(value: object) -> Any:
+    """`tensor_bytes` as a sympy expression of a value's symbolic sizes (an int where it has none)."""
+    if isinstance(value, torch.Tensor):
+        numel = value.numel()
+        return (numel.node.expr if isinstance(numel, torch.SymInt) else int(numel)) * value.element_size()
+    if isinstance(value, (tuple, list)):
+        return sum((symbolic_bytes(v) for v in value), 0)
     return 0
 
 

@@ -9,8 +9,9 @@ import operator
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Collection, Mapping
+from typing import Any, Collection, Mapping
 
+import sympy
 import torch
 from torch import fx
 
@@ -30,15 +31,16 @@ def _meta_value(argument: object) -> object:
     return argument.meta.get("val") if isinstance(argument, fx.Node) else argument
 
 
-def node_flops(node: fx.Node) -> int:
+def node_flops(node: fx.Node, symbolic: bool = False) -> Any:
     """FLOPs of one call_function node (0 for ops without a formula; a tensor-parallel module's
-    call, the FLOPs of its local ops)."""
+    call, the FLOPs of its local ops); of symbolic sizes, at the example traced, or with
+    `symbolic` as an expression of the sizes (`passes/shape_symbols.py`)."""
     if tensor_parallel.is_call(node):
         return tensor_parallel.call_of(node).flops
     if node.op != "call_function" or not ti.has_flop_formula(node.target):
         return 0
     args, kwargs = pytree.tree_map(_meta_value, (node.args, node.kwargs))
-    flops = ti.count_flops(node.target, args, kwargs, node.meta.get("val"))
+    flops = ti.count_flops(node.target, args, kwargs, node.meta.get("val"), symbolic)
     share = node.meta.get("custom", {}).get(_fx.TP_FLOPS)  # a plan's tensor-parallel share
     return flops if share is None else int(flops * share)
 
@@ -64,6 +66,19 @@ class GraphCost:
     @property
     def time_estimate(self) -> float:
         return self.flops + FLOPS_PER_BYTE * self.written_bytes
+
+
+def cost_formula(graph_module: fx.GraphModule) -> Any:
+    """The graph's `GraphCost.time_estimate` as a sympy expression of its symbolic sizes (a
+    number for a graph of one shape): FLOPs and written bytes, each node's as its shape says."""
+    total = sympy.Integer(0)
+    for node in graph_module.graph.nodes:
+        if node.op != "call_function":
+            continue
+        total += node_flops(node, symbolic=True)
+        if not is_view_op(node):
+            total += FLOPS_PER_BYTE * _fx.symbolic_bytes(node.meta.get("val"))
+    return total
 
 
 def graph_cost(graph_module: fx.GraphModule) -> GraphCost:

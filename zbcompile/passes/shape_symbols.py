@@ -64,6 +64,7 @@ class ShapeSymbols:
     dims: tuple[SymbolicDim, ...]
     names: dict[Any, str]
     fake_mode: Any = field(compare=False, repr=False)
+    example: dict[Any, int] = field(default_factory=dict)  # each symbol's value in the example traced
     _guards: list = field(default_factory=list, compare=False, repr=False)  # read so far, simplified
 
     def guards(self) -> list:
@@ -118,6 +119,12 @@ class ShapeSymbols:
             return int(size)
         return _evaluate(self.fake_mode.shape_env.replace(size.node.expr), tuple(sorted(values.items(), key=str)))
 
+    def scale(self, formula: Any, values: Mapping[Any, int]) -> float:
+        """`formula` (a sympy expression of the symbols, a cost) at `values` over its value at the example."""
+        at = functools.partial(_evaluate_float, formula)
+        reference = at(tuple(sorted(self.example.items(), key=str)))
+        return at(tuple(sorted(values.items(), key=str))) / reference if reference else 1.0
+
     def shape(self, shape: Any, values: Mapping[Any, int]) -> torch.Size:
         """A shape (or strides) the compile recorded, at `values`."""
         return torch.Size(self.evaluate(s, values) for s in shape)
@@ -134,6 +141,14 @@ def sizes_of(feed: Mapping[str, Any]) -> dict[str, int]:
 
 def is_symbolic(shape: Any) -> bool:
     return any(isinstance(s, torch.SymInt) for s in shape)
+
+
+@functools.lru_cache(maxsize=4096)
+def _evaluate_float(expr: Any, values: tuple) -> float:
+    result = sympy.sympify(expr).xreplace({s: sympy.Integer(v) for s, v in values})
+    if not result.is_number:
+        raise KeyError(f"the cost {expr} depends on symbols not bound in {dict(values)}")
+    return float(result)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -158,7 +173,7 @@ def introduce_size_placeholders(graph: fx.Graph, fake_mode: Any) -> ShapeSymbols
     graph computes from those placeholders (see the module docstring). Raises NotGeneric where a
     size is not arithmetic of the symbols."""
     env = fake_mode.shape_env
-    dims, names, placeholders = [], {}, {}
+    dims, names, placeholders, example = [], {}, {}, {}
     inputs = [n for n in graph.find_nodes(op="placeholder") if n.meta.get("zb_role") in ("input", "target")]
     last = list(graph.find_nodes(op="placeholder"))[-1]
     for node in inputs:
@@ -168,7 +183,7 @@ def introduce_size_placeholders(graph: fx.Graph, fake_mode: Any) -> ShapeSymbols
             expr = env.replace(size.node.expr)
             dims.append(SymbolicDim(node.meta["zb_name"], dim, expr))
             if isinstance(expr, sympy.Symbol) and expr not in names:
-                names[expr] = size_placeholder_name(node.meta["zb_name"], dim)
+                names[expr], example[expr] = size_placeholder_name(node.meta["zb_name"], dim), int(size.node.hint)
                 with graph.inserting_after(last):
                     last = placeholders[expr] = graph.placeholder(names[expr])
                 last.meta = {"val": size, "zb_role": ROLE_SIZE, "zb_name": names[expr]}
@@ -191,7 +206,7 @@ def introduce_size_placeholders(graph: fx.Graph, fake_mode: Any) -> ShapeSymbols
     for node in reversed(list(graph.nodes)):
         if node.op == "call_function" and not node.users and isinstance(node.meta.get("val"), torch.SymInt):
             graph.erase_node(node)
-    return ShapeSymbols(tuple(dims), names, fake_mode)
+    return ShapeSymbols(tuple(dims), names, fake_mode, example)
 
 
 _OPS = {sympy.Add: operator.add, sympy.Mul: operator.mul}

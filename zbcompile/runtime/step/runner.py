@@ -11,6 +11,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from zbcompile.compiler import CompiledPipeline
+from zbcompile.passes.shape_symbols import sizes_of
 from zbcompile.runtime.parallel import batch, batch_loss
 from zbcompile.runtime.step.action_clock import ActionClock
 from zbcompile.runtime.step.dispatch import Interpreter
@@ -47,6 +48,7 @@ class Runner(ABC):
         self.follow_readiness = follow_readiness
         self.interpreter = Interpreter(executors, transport, receive_device, follow_readiness, clock, copies)
         self.interpreter.mail.symbols = compiled.traced.symbols
+        self.sizes: dict[Any, int] = {}  # a shape-generic compile's: the latest step's symbol values
         self._load(schedule)
 
     @property
@@ -115,6 +117,8 @@ class Runner(ABC):
         (`batch_loss`; None where this process does not hold the last stage)."""
         stages = self.schedule.stages
         feeds, targets = batch.fed(self, micro_inputs, micro_targets, absent, ownership, stages)
+        symbols = self.compiled.traced.symbols
+        self.sizes = symbols.values(sizes_of(feeds[0])) if symbols is not None else {}
         reduction = batch_loss.reduction(
             self.compiled.traced, micro_inputs, feeds, targets, ownership.module, self.executors, stages, self.layout
         )

@@ -211,7 +211,7 @@ class CostTuner:
                     self.static = runner.compiled.schedule_costs()
                 self._use(step, *kept)
             return schedule
-        self._window.append([*runner.timeline, *filter(_is_reduction, runner.comm_timeline)])
+        self._window.append([*at_traced_sizes(runner), *filter(_is_reduction, runner.comm_timeline)])
         window = (
             self.profile_steps if self.measured is None else min(DRIFT_WINDOW << self.drift_resolves, MAX_DRIFT_WINDOW)
         )
@@ -257,6 +257,21 @@ def _window_costs(window: list[Timeline], runner: DistributedRunner, static: Cos
     gathered = from_first_rank(gather_objects(local, runner.layout.pp_group), runner.layout)
     measured = costs_of([g[0] for g in gathered], max(g[2] for g in gathered), runner.schedule.stages, static)
     return with_reduction(measured, reduction), max(g[1] for g in gathered)
+
+
+def at_traced_sizes(runner: DistributedRunner) -> Timeline:
+    """The step's compute timeline, each action's time divided by how much more work its sizes
+    are than the example its compile was traced with (`CompiledPipeline.work_scales`): a
+    shape-generic compile's steps of every length measure costs at one length, the one its
+    static costs and schedule are for."""
+    scales = runner.compiled.work_scales(runner.sizes)
+    if not scales:
+        return runner.timeline
+    timeline = []
+    for text, start, end in runner.timeline:
+        action = Action.parse(text)
+        timeline.append((text, start, start + (end - start) / scales.get((action.stage, action.kind.name), 1.0)))
+    return timeline
 
 
 def _is_reduction(entry: tuple[Any, float, float]) -> bool:

@@ -65,11 +65,13 @@ class ScheduleTrial:
     def running(self) -> Entrant:
         return self.entrants[(self._turn + self.rounds_run) % len(self.entrants)]
 
-    def after_step(self, layout: Any) -> Entrant | None:
-        """Record the step just run; returns the entrant to run from the next step on where it
-        changes (None: keep the running one). `finished` tells when the trial has ended."""
+    def after_step(self, layout: Any, scale: float = 1.0) -> Entrant | None:
+        """Record the step just run (`scale`: how much more work its sizes are than the compile's
+        example, `CompiledPipeline.step_scale`; its time counts divided by it); returns the entrant
+        to run from the next step on where it changes (None: keep the running one). `finished`
+        tells when the trial has ended."""
         now = perf_counter()
-        seconds, self._last = now - self._last, now
+        seconds, self._last = (now - self._last) / scale, now
         self._step += 1
         if self._step < BLOCK_STEPS:
             return None
@@ -135,7 +137,7 @@ class _TrialUnderWay:
     def after_step(self, runner: DistributedRunner, recompute: Any) -> tuple[Schedule | None, tuple | None]:
         """A step of the trial: as `ScheduleSwitch.after_step`, the winner kept at its end."""
         trial = self.trial
-        entrant = trial.after_step(runner.layout)
+        entrant = trial.after_step(runner.layout, runner.compiled.step_scale(runner.sizes))
         if entrant is not None:
             programs = trial.programs.get(entrant.label)
             if programs is not None and programs is not runner.compiled:
