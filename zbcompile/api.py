@@ -101,8 +101,7 @@ class ModuleView:
         self.module.zero_grad(set_to_none)
 
     def train(self: _View, mode: bool = True) -> _View:
-        self.module.train(mode)
-        self._builder.forget_compiles()  # dropout and friends trace differently
+        self.module.train(mode)  # a step in another mode compiles again: dropout and friends trace differently
         return self
 
     def eval(self: _View) -> _View:

@@ -379,13 +379,14 @@ class CompiledForward:
 def compile_forward_only(
     model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None, args: tuple, kwargs: dict[str, Any], target: Any,
     held: Sequence[frozenset[str]], device: torch.device | None = None, outputs: bool = False,
+    dynamic: Mapping[str, Sequence[int]] | None = None,
 ) -> CompiledForward:
     """Compile one microbatch's forward (with its loss, or with `outputs` the model's output) in
     the module's current mode (eval mode: dropout off, BatchNorm's running statistics), cut into
     `len(held)` stages of which stage k reads only the parameters and buffers in `held[k]` (what
-    its rank holds, `held_cuts`)."""
+    its rank holds, `held_cuts`); `dynamic` as for `compile_pipeline`."""
     with ti.quiet_torch_logs():
-        traced = trace_model(model, loss_fn, args, kwargs, target, device, outputs=outputs)
+        traced = trace_model(model, loss_fn, args, kwargs, target, device, outputs=outputs, dynamic=dynamic)
     with ti.quiet_torch_logs(warnings_too=True):
         partition = partition_stages(traced, len(held), cuts=held_cuts(traced, held))
         last = len(partition.stages) - 1

@@ -54,6 +54,24 @@ def test_one_shape_generic_compile_serves_every_later_length():
     assert "input_0[1]" in pipe.explain()
 
 
+def test_evaluation_serves_every_later_length_from_one_forward_compile():
+    case = build("llama")
+    eager = copy.deepcopy(case.model).eval()
+    pipe = zbcompile.pipeline(case.model, stages=2, microbatches=2, loss_fn=lm_loss, schedule="1f1b")
+    pipe.step(*variable_length_batch(8)[:1], target=variable_length_batch(8)[1])
+    pipe.eval()
+    runners = []
+    for length in (9, 14, 6, 21):
+        tokens, target = variable_length_batch(length)
+        with torch.no_grad():
+            expected = sum(lm_loss(eager(t), y) for t, y in zip(tokens.chunk(2), target.chunk(2))) / 2
+        torch.testing.assert_close(pipe.evaluate(tokens, target=target), expected, **FP32)
+        runners.append(pipe.forward_runner)
+    assert runners[0].compiled.traced.symbols is None
+    assert runners[1].compiled.traced.symbols is not None
+    assert all(r is runners[1] for r in runners[2:]), "a later length compiled its forward again"
+
+
 def test_gradients_bitwise_equal_across_schedules_at_every_length():
     """`dynamic=1`: symbolic from the first compile; each schedule computes the same bits at every
     length (the schedule changes when work runs, never what it computes)."""

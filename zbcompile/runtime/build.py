@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from zbcompile.compiler import CompiledPipeline, compile_forward_only, compile_pipeline
 from zbcompile.inspect.write import CompileDump, start_dump
 from zbcompile.options import PipelineOptions
-from zbcompile.runtime.compile_cache import CompileCache, first_line, sizes_text
+from zbcompile.runtime.compile_cache import CompileCache, sizes_text
 from zbcompile.runtime.parallel import batch, batch_loss, sharding, tensor_parallel
 from zbcompile.runtime.parallel.layout import Layout, device_for, make_layout
 from zbcompile.runtime.state import placement, state_transfer
@@ -92,6 +92,7 @@ class Builder:
         self.cut_choice: recut.CutChoice | None = None  # the cut chosen by measurement, kept by later compiles
         self._batch = batch.LocalBatch()
         self._last_key = self._layout = self._device = None  # the layout: made on the first distributed step
+        self._training = module.training  # the module's mode the compiles were made in
         if options.distributed:
             _DISTRIBUTED.add(self)
 
@@ -110,7 +111,7 @@ class Builder:
         return self.cache.builds
 
     def forget_compiles(self) -> None:
-        """Drop every compile (the module's mode changed: dropout and friends trace differently)."""
+        """Drop every compile."""
         self.cache.clear()
         self.evaluation = Evaluation(self)
 
@@ -152,6 +153,9 @@ class Builder:
         """The compile for this batch (made if its shapes are new), its microbatches and targets,
         and the parts of the batch this rank was not given (`split`)."""
         micro_inputs, micro_targets, key, absent = self.split(inputs, kwargs, target)
+        if self.builds and self._training != self.module.training:
+            self.cache.clear()  # the module's mode changed: dropout and friends trace differently
+        self._training = self.module.training
         leaves = batch.leaf_tensors(*micro_inputs[0], micro_targets[0])
         served = self.cache.serving(key, leaves)
         if served is None:
@@ -303,14 +307,9 @@ class Assembly:
             b.device() if b.distributed else None, recompute_alternatives=o.recompute == "auto", cuts=cuts,
             stage_params=stage_params,
         )
-        try:
-            compiled = compile_in(dynamic=self._dynamic)
-        except Exception as error:  # noqa: BLE001 - compiled for this shape instead, the reason said once
-            if self._dynamic is None:
-                raise
-            b.cache.compiles_per_shape([(n, d) for n, dims in self._dynamic.items() for d in dims], first_line(error))
+        compiled = b.cache.compile_or_fall_back(self._dynamic, lambda dims: compile_in(dynamic=dims))
+        if compiled.traced.symbols is None:  # the build's other cuts compile for this shape too
             self._dynamic = None
-            compiled = compile_in(dynamic=None)
         if memory_unit_bytes is not None:
             compiled = replace(compiled, memory_unit_bytes=memory_unit_bytes)
         if o.recompute == "auto":
@@ -385,7 +384,7 @@ class Evaluation:
 
     def __init__(self, builder: Builder) -> None:
         self.builder = builder
-        self.runners: dict[Any, ForwardRunner] = {}  # by compile key, results, placement and mode
+        self.caches: dict[Any, CompileCache] = {}  # runners by results, placement and mode, then batch shape
         self.latest: ForwardRunner | None = None
 
     def prepare(
@@ -395,15 +394,23 @@ class Evaluation:
         or with `outputs` the model's outputs), its microbatches and targets, the parts absent."""
         train = self.builder.latest()
         micro_inputs, micro_targets, key, absent = self.builder.split(inputs, kwargs, target, loss=not outputs)
-        full_key = (key, outputs, train.runner.schedule.stage_to_rank, self.builder.module.training)
-        if full_key not in self.runners:
-            self.runners[full_key] = self._runner(train, micro_inputs[0], micro_targets[0], outputs)
-        self.latest = self.runners[full_key]
+        context = (outputs, train.runner.schedule.stage_to_rank, self.builder.module.training)
+        cache = self.caches.setdefault(context, CompileCache(self.builder.options.dynamic))
+        leaves = batch.leaf_tensors(*micro_inputs[0], micro_targets[0])
+        served = cache.serving(key, leaves)
+        if served is None:
+            runner = functools.partial(self._runner, train, micro_inputs[0], micro_targets[0], outputs)
+            cache.compile(key, leaves, lambda dims: cache.compile_or_fall_back(dims, runner))
+            served = key
+        self.latest = cache.builds[served]
         return self.latest, micro_inputs, micro_targets, absent
 
-    def _runner(self, train: Build, example: tuple, example_target: Any, outputs: bool) -> ForwardRunner:
-        """Compile the forward alone for microbatches like `example`, each stage reading only what
-        its rank holds under `train`'s placement, and the runner of its forward-only schedule."""
+    def _runner(
+        self, train: Build, example: tuple, example_target: Any, outputs: bool, dynamic: Any = None
+    ) -> ForwardRunner:
+        """Compile the forward alone for microbatches like `example` (`dynamic`: the dimensions
+        of each input leaf traced as symbols), each stage reading only what its rank holds under
+        `train`'s placement, and the runner of its forward-only schedule."""
         b, schedule = self.builder, train.runner.schedule
         stages = train.compiled.partition.stages
         readers = state_transfer.holders(train.compiled, schedule)
@@ -411,7 +418,9 @@ class Evaluation:
         args, kwargs = example
         loss_fn = None if outputs else b.options.loss_fn
         device = b.device() if b.distributed else None
-        compiled = compile_forward_only(b.module, loss_fn, args, kwargs, example_target, held, device, outputs)
+        compiled = compile_forward_only(
+            b.module, loss_fn, args, kwargs, example_target, held, device, outputs, dynamic=dynamic
+        )
         to_rank, microbatches, state = schedule.stage_to_rank, b.options.microbatches, b.ownership.state()
         if not b.distributed:
             return ForwardRunner(compiled, to_rank, microbatches, range(len(stages)), state, InProcessTransport(), None)

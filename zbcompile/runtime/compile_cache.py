@@ -144,6 +144,18 @@ class CompileCache:
         return built
 
 
+    def compile_or_fall_back(self, dims: Dims | None, compile: Callable[[Dims | None], Any]) -> Any:
+        """`compile(dims)`; where that fails with dimensions to make symbolic, `compile(None)` for
+        this shape, the reason said once (`compiles_per_shape`)."""
+        if dims is None:
+            return compile(None)
+        try:
+            return compile(dims)
+        except Exception as error:  # noqa: BLE001 - compiled for this shape instead (a user's error recurs there)
+            self.compiles_per_shape([(n, d) for n, ds in dims.items() for d in ds], first_line(error))
+            return compile(None)
+
+
 def first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
 

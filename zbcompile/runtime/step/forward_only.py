@@ -85,11 +85,12 @@ class ForwardRunner:
         self.schedule = forward_only(stage_to_rank, microbatches)
         self.executors = {s: ForwardStage(compiled.programs[s], compiled.partition.stages[s], state) for s in held}
         self.interpreter = Interpreter(self.executors, transport, receive_device, False, None)
+        self.interpreter.mail.symbols = compiled.traced.symbols  # a shape-generic compile's message shapes
         names = lambda carries, stage: compiled.partition.stages[stage].inputs  # noqa: E731 - activations only
 
-        def layout(name: str) -> tuple[torch.Size, torch.dtype]:
+        def layout(name: str) -> tuple[tuple, torch.dtype]:
             value = compiled.partition.values[name]
-            return torch.Size(value.shape), value.dtype
+            return tuple(value.shape), value.dtype
 
         if position is None:
             program = single_process_program(self.schedule, names, layout)
