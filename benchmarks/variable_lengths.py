@@ -21,7 +21,7 @@ compile (the first of each new shape in the padded modes, of each of the first t
 ratio to the padded modes', and the largest difference of a step's loss from variable's: right padding with its
 targets ignored leaves a causal model's loss over the real tokens as it is, so only float rounding differs.
 
-    python benchmarks/variable_lengths.py              # 3-6 minutes on 2 quiet cores
+    python benchmarks/variable_lengths.py              # about 3 minutes on 2 quiet cores
     python benchmarks/variable_lengths.py --quick      # a smoke run, writes nothing
 
 Writes benchmarks/results/variable_lengths.{json,md,png} (the plot: real tokens against seconds, and the steady
@@ -48,7 +48,7 @@ class Settings(_launch.Settings):
     layers: int = 4
     rows: int = 2  # sequences per microbatch
     microbatches: int = 4
-    batches: int = 160  # steps per mode
+    batches: int = 320  # steps per mode
     median_len: int = 96
     sigma: float = 0.8
     min_len: int = 32
@@ -134,7 +134,7 @@ def rank_main(settings: Settings) -> dict:
             times[mode].append(seconds + (compile_s[mode] if i == 0 else 0.0))
             losses[mode].append(loss)
             builds[mode].append(len(pipes[mode]._builder.builds))  # private: the compiles this pipeline made
-        if (i + 1) % 16 == 0:
+        if (i + 1) % 32 == 0:
             _launch.say(f"step {i + 1}/{settings.batches} of each mode, {time.perf_counter() - started:.0f} s")
     return {"times": times, "losses": losses, "builds": builds, "lengths": length, "widths": width}
 

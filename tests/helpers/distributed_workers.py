@@ -277,7 +277,8 @@ VARIABLE_LENGTHS = (8, 12, 8, 16, 5, 20, 11)
 
 def variable_lengths(lengths: tuple[int, ...] = VARIABLE_LENGTHS) -> dict:
     """The Llama-style case at every length of `lengths`, one step each (gradients zeroed between),
-    with default options; after the first step each rank passes only what its stages read (the
+    with default options; once the shape-generic compile is made (the second length: a step that
+    compiles needs the batch on every rank), each rank passes only what its stages read (the
     inputs where it holds the first stage, the target where it holds the last: zb-auto may choose
     a V). Returns per step this rank's loss and gradients, and whether the step ran on the
     shape-generic compile."""
@@ -287,7 +288,7 @@ def variable_lengths(lengths: tuple[int, ...] = VARIABLE_LENGTHS) -> dict:
     steps = []
     for step, length in enumerate(lengths):
         tokens, target = variable_length_batch(length)
-        holds = [s for s, r in enumerate(pipe.schedule.stage_to_rank) if r == rank] if step else None
+        holds = [s for s, r in enumerate(pipe.schedule.stage_to_rank) if r == rank] if step >= 2 else None
         first, last = holds is None or 0 in holds, holds is None or len(pipe.schedule.stage_to_rank) - 1 in holds
         loss = pipe.step(tokens if first else None, target=target if last else None)
         grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
