@@ -75,6 +75,10 @@ class Build:
         return measured
 
 
+# symbolic sizes through DTensor's tensor-parallel ops recurse without end in AOTAutograd's trace (torch 2.13)
+_NOT_SHAPE_GENERIC = "tensor parallelism compiles per shape: its DTensor ops do not trace with symbolic sizes"
+
+
 class Builder:
     """Keeps the compiles of `module` under `options` (`options.PipelineOptions`), one per batch
     shape (`prepare`; made by `assembly`, evaluation's in `evaluation`), with this process's layout
@@ -87,7 +91,7 @@ class Builder:
         self.ownership = StateOwnership(module, options)
         self.assembly = Assembly(self)
         self.evaluation = Evaluation(self)
-        self.cache = CompileCache(options.dynamic)  # the compiles, and which serves each batch's shapes
+        self.cache = CompileCache(options.dynamic, _NOT_SHAPE_GENERIC if options.tensor_parallel else None)
         self.measured_costs: Costs | None = None  # measured costs the running schedule is checked against
         self.cut_choice: recut.CutChoice | None = None  # the cut chosen by measurement, kept by later compiles
         self._batch = batch.LocalBatch()
@@ -395,7 +399,8 @@ class Evaluation:
         train = self.builder.latest()
         micro_inputs, micro_targets, key, absent = self.builder.split(inputs, kwargs, target, loss=not outputs)
         context = (outputs, train.runner.schedule.stage_to_rank, self.builder.module.training)
-        cache = self.caches.setdefault(context, CompileCache(self.builder.options.dynamic))
+        made = self.builder.cache
+        cache = self.caches.setdefault(context, CompileCache(made.dynamic, made.unsupported))
         leaves = batch.leaf_tensors(*micro_inputs[0], micro_targets[0])
         served = cache.serving(key, leaves)
         if served is None:

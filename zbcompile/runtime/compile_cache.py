@@ -28,8 +28,9 @@ Dims = dict[str, tuple[int, ...]]  # by leaf name (`input_<i>`, `target_<i>`): t
 class CompileCache:
     """The compiles of one pipeline by the key of a batch (`batch.split`) and what each serves."""
 
-    def __init__(self, dynamic: Any) -> None:
+    def __init__(self, dynamic: Any, unsupported: str | None = None) -> None:
         self.dynamic = dynamic
+        self.unsupported = unsupported  # why no compile here can be shape-generic (None: it can)
         self.builds: dict[Any, Any] = {}  # by the key of the batch each was compiled for
         self.served: dict[Any, Any] = {}  # a batch's key -> the key of the compile serving it
         self.seen: dict[Any, dict[str, torch.Size]] = {}  # a batch's key -> its microbatch's tensor shapes
@@ -91,6 +92,9 @@ class CompileCache:
             dims = self._varying(key, leaves)
         dims = {n: tuple(d for d in ds if (n, d) not in self.per_shape) for n, ds in dims.items()}
         dims = {n: ds for n, ds in dims.items() if ds}
+        if dims and self.unsupported is not None:
+            self.compiles_per_shape([(n, d) for n, ds in dims.items() for d in ds], self.unsupported)
+            return None
         return dims or None
 
     def _varying(self, key: Any, leaves: Mapping[str, torch.Tensor]) -> Dims:
