@@ -59,6 +59,7 @@ __all__ = [
     "graph_break",
     "inductor_compile",
     "traced",
+    "scripted",
     "dispatch_mode_active",
     "default_store",
     "register_dynamo_backend",
@@ -434,6 +435,24 @@ def traced(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable | No
             warnings.filterwarnings("ignore", message=".*torch.jit.* is deprecated", category=DeprecationWarning)
             return torch.jit.trace(lambda *inputs: gm(*inputs), tuple(example_inputs), check_trace=False)
     except Exception:  # noqa: BLE001 - whatever the tracer refuses runs op by op
+        return None
+
+
+def scripted(gm: torch.fx.GraphModule) -> Callable | None:
+    """`gm` compiled by TorchScript's scripting (run with `torch.jit.optimized_execution(False)`:
+    its aten ops as they are, one C++ call for the graph): a graph whose sizes are int inputs
+    runs at every size from one compile. None where TorchScript refuses it."""
+    graph = gm.graph.__deepcopy__()
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            node.type = torch.Tensor if isinstance(node.meta.get("val"), torch.Tensor) else int
+        elif node.op == "call_function" and isinstance(node.target, OpOverload):
+            node.target = node.target.overloadpacket  # TorchScript resolves the overload by its schema
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.jit.script(torch.fx.GraphModule(gm, graph))
+    except Exception:  # noqa: BLE001 - whatever TorchScript refuses runs op by op
         return None
 
 

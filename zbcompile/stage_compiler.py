@@ -81,8 +81,8 @@ def each_graph(program: StageProgram, make: Callable[[Program, int, str], Progra
 
 
 RECORDED_SIZES = 8
-"""A shape-generic graph (one that takes sizes, `passes/shape_symbols.py`) is recorded or
-compiled once per distinct sizes it runs at, for at most this many; at other sizes it runs op by op."""
+"""Inductor compiles a shape-generic graph (one that takes sizes, `passes/shape_symbols.py`) once
+per distinct sizes it runs at, for at most this many; at other sizes it runs op by op."""
 
 
 def sizes_key(inputs: list[Any]) -> tuple[int, ...]:
@@ -93,30 +93,24 @@ def sizes_key(inputs: list[Any]) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class TracedProgram(Program):
     """A Program whose graph's ops, recorded on its first run, run from C++ (see the module
-    docstring); one the tracer cannot record runs op by op. A shape-generic graph is recorded
-    per sizes the second time it runs at them (a length seen once is not worth a recording), for
-    `RECORDED_SIZES` sizes at most."""
+    docstring); one the tracer cannot record runs op by op. A shape-generic graph (its sizes are
+    int inputs, `passes/shape_symbols.py`) is scripted by TorchScript instead, once, and runs at
+    every size from C++."""
 
-    _traced: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+    _traced: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def run(
         self, env: dict[str, torch.Tensor], state: Mapping[str, torch.Tensor], consumed: Collection[str] = ()
     ) -> None:
-        if self._traced.get("refused") or ti.dispatch_mode_active():
+        if self._traced.get("fn") is False or ti.dispatch_mode_active():
             return super().run(env, state, consumed)  # op by op, each input freed at its last use
         inputs = self._inputs(env, state, consumed)
-        key = sizes_key(inputs)
-        seen = self._traced.setdefault("seen", {})
-        seen[key] = seen.get(key, 0) + 1
-        if key not in self._traced and (key == () or (seen[key] >= 2 and len(seen) <= RECORDED_SIZES)):
-            graph, tensors = at_sizes(self.graph, inputs)
-            with torch.no_grad(), torch.jit.optimized_execution(False):
-                self._traced[key] = ti.traced(graph, tensors) or False
-            self._traced["refused"] = self._traced[key] is False
-        recorded = self._traced.get(key)
         with torch.no_grad(), torch.jit.optimized_execution(False):  # the recorded ops as they are
+            if "fn" not in self._traced:
+                generic = bool(sizes_key(inputs))
+                self._traced["fn"] = (ti.scripted(self.graph) if generic else ti.traced(self.graph, inputs)) or False
             try:
-                results = recorded(*(x for x in inputs if not isinstance(x, int))) if recorded else self.graph(*inputs)
+                results = (self._traced["fn"] or self.graph)(*inputs)
             except Exception:  # noqa: BLE001 - run op by op again: the error then names its node
                 results = self.graph(*inputs)
         env.update(zip(self.signature.outputs, results))

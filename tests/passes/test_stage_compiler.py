@@ -137,31 +137,34 @@ def test_traced_programs_record_once_and_a_graph_of_other_ops_runs_op_by_op(monk
         got = dict(env)
         program.run(got, {})
         assert all(torch.equal(got[n], expected[n]) for n in program.signature.outputs)
-    assert isinstance(program._traced[()], torch.jit.ScriptFunction)  # recorded on the first run, kept
+    assert isinstance(program._traced["fn"], torch.jit.ScriptFunction)  # recorded on the first run, kept
 
     refused = TracedProgram(program.graph, program.signature)
     monkeypatch.setattr(stage_compiler.ti, "traced", lambda gm, inputs: None)
     got = dict(env)
     refused.run(got, {}, consumed=[program.signature.inputs[-1]])  # op by op: the consumed input freed
-    assert refused._traced[()] is False and program.signature.inputs[-1] not in got
+    assert refused._traced["fn"] is False and program.signature.inputs[-1] not in got
     assert all(torch.equal(got[n], expected[n]) for n in program.signature.outputs)
 
 
-def test_a_shape_generic_graph_is_recorded_per_size_the_second_time_it_runs_there():
-    """A graph of symbolic sizes (its sizes are int inputs) runs op by op at a size seen once, is
-    recorded at sizes it runs at twice (for RECORDED_SIZES sizes at most), and computes what the
-    graph computes at every size."""
+def test_a_shape_generic_graph_is_scripted_once_and_runs_every_size():
+    """A graph of symbolic sizes (its sizes are int inputs) is compiled by TorchScript on its first
+    run and computes, at every size, the bits the graph computes op by op."""
     graph = torch.fx.Graph()
     x, size = graph.placeholder("x"), graph.placeholder("size")
+    x.meta["val"], size.meta["val"] = torch.empty(0), 0  # what the trace records: a tensor, a size
     doubled = graph.call_function(operator.mul, (size, 2))
-    graph.output((graph.call_function(torch.ops.aten.repeat.default, (x, [doubled])),))
-    program = TracedProgram(torch.fx.GraphModule({}, graph), Signature(("in:x", "in:size"), ("out:y",)))
-    runs = [3, 3, 5, 3, 5, 7]
-    for length in runs:
-        env = {"in:x": torch.arange(2.0), "in:size": length}
+    flat = graph.call_function(torch.ops.aten.view.default, (x, [doubled, -1]))
+    graph.output((graph.call_function(torch.ops.aten.softmax.int, (flat, -1)), doubled))
+    graph_module = torch.fx.GraphModule({}, graph)
+    program = TracedProgram(graph_module, Signature(("in:x", "in:size"), ("out:y", "out:rows")))
+    for length in (3, 5, 3, 7):
+        x = torch.randn(length, 2, 4)
+        env = {"in:x": x, "in:size": length}
         program.run(env, {})
-        assert torch.equal(env["out:y"], torch.arange(2.0).repeat(2 * length))
-    assert sorted(k for k in program._traced if isinstance(k, tuple)) == [(3,), (5,)]  # 7 ran once
+        y, rows = graph_module(x, length)
+        assert torch.equal(env["out:y"], y) and env["out:rows"] == rows == 2 * length
+    assert isinstance(program._traced["fn"], torch.jit.ScriptModule)
 
 
 def test_only_graphs_of_aten_ops_are_recorded():

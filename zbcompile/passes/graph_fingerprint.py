@@ -18,10 +18,15 @@ from zbcompile.passes import _fx
 from zbcompile.passes.trace import ROLE_BUFFER, ROLE_PARAM
 
 
+def _sizes_form(sizes: Any) -> tuple:
+    """Sizes or strides, a symbolic one by its expression (`passes/shape_symbols.py`)."""
+    return tuple(str(s.node.expr) if isinstance(s, torch.SymInt) else s for s in sizes)
+
+
 def _value_form(value: Any) -> Hashable:
     """Shape, strides and dtype of a traced value (tuples of them for multi-output ops)."""
     if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), tuple(value.stride()), str(value.dtype), value.requires_grad)
+        return ("tensor", _sizes_form(value.shape), _sizes_form(value.stride()), str(value.dtype), value.requires_grad)
     if isinstance(value, (tuple, list)):
         return tuple(_value_form(v) for v in value)
     return repr(value)
