@@ -60,13 +60,18 @@ def block_of(node: fx.Node) -> str | None:
     return None
 
 
+def _is_size(node: fx.Node) -> bool:
+    """Arithmetic on symbolic sizes (`shape_symbols.py`): each segment that reads it computes it."""
+    return node.op == "call_function" and isinstance(node.meta.get("val"), torch.SymInt)
+
+
 def segments(stage: Stage) -> list[list[fx.Node]]:
     """The stage's ops (call_function nodes, in graph order) cut into maximal runs made by one
-    block, and runs between blocks."""
+    block, and runs between blocks; arithmetic on sizes belongs to no run (`_segment`)."""
     runs: list[list[fx.Node]] = []
     current: str | None = None
     for node in stage.module.graph.nodes:
-        if node.op != "call_function":
+        if node.op != "call_function" or _is_size(node):
             continue
         block = block_of(node)
         if not runs or block != current:
@@ -189,6 +194,7 @@ def _export_last_first(
         if first is None:
             examples = tuple(
                 ti.fake_strided(fake_mode, v.shape, v.stride(), v.dtype, v.device).requires_grad_(d)
+                if isinstance(v, torch.Tensor) else v  # a symbolic size (`shape_symbols.py`)
                 for v, d in ((n.meta["val"], d) for n, d in zip(part.inputs, part.differentiable))
             )
             part.joint = ti.export_joint(part.module, examples)
@@ -211,6 +217,15 @@ def _export_last_first(
 
 
 def _segment(run: list[fx.Node], segment_of: dict[fx.Node, int], k: int, returned: list[fx.Node]) -> Segment:
+    sizes: dict[fx.Node, None] = {}  # the arithmetic on sizes the run reads, and what that reads of it
+    frontier = [a for n in run for a in n.all_input_nodes if _is_size(a)]
+    while frontier:
+        node = frontier.pop()
+        if node not in sizes:
+            sizes[node] = None
+            frontier.extend(a for a in node.all_input_nodes if _is_size(a))
+    order = {n: i for i, n in enumerate(run[0].graph.nodes)}
+    run = sorted(sizes, key=order.__getitem__) + run
     own = set(run)
     inputs: dict[fx.Node, None] = {}
     attributes: dict[fx.Node, None] = {}
@@ -219,7 +234,9 @@ def _segment(run: list[fx.Node], segment_of: dict[fx.Node, int], k: int, returne
             if a in own:
                 continue
             (attributes if a.op == "get_attr" else inputs)[a] = None
-    outputs = [n for n in run if n in returned or any(segment_of.get(u, k) != k for u in n.users)]
+    outputs = [
+        n for n in run if not _is_size(n) and (n in returned or any(segment_of.get(u, k) != k for u in n.users))
+    ]
     return Segment(run, list(inputs), list(attributes), outputs)
 
 
