@@ -59,7 +59,6 @@ __all__ = [
     "graph_break",
     "inductor_compile",
     "traced",
-    "scripted",
     "dispatch_mode_active",
     "default_store",
     "register_dynamo_backend",
@@ -80,8 +79,6 @@ __all__ = [
     "symbolic_fake_mode",
     "fake_with_symbolic_dims",
     "python_dispatcher",
-    "shape_guards",
-    "symbol_range",
 ]
 
 aten = torch.ops.aten
@@ -438,24 +435,6 @@ def traced(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable | No
         return None
 
 
-def scripted(gm: torch.fx.GraphModule) -> Callable | None:
-    """`gm` compiled by TorchScript's scripting (run with `torch.jit.optimized_execution(False)`:
-    its aten ops as they are, one C++ call for the graph): a graph whose sizes are int inputs
-    runs at every size from one compile. None where TorchScript refuses it."""
-    graph = gm.graph.__deepcopy__()
-    for node in graph.nodes:
-        if node.op == "placeholder":
-            node.type = torch.Tensor if isinstance(node.meta.get("val"), torch.Tensor) else int
-        elif node.op == "call_function" and isinstance(node.target, OpOverload):
-            node.target = node.target.overloadpacket  # TorchScript resolves the overload by its schema
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return torch.jit.script(torch.fx.GraphModule(gm, graph))
-    except Exception:  # noqa: BLE001 - whatever TorchScript refuses runs op by op
-        return None
-
-
 def strided_shard(dim: int, split_factor: int):
     """DTensor's placement for a shard of a shard: dimension `dim` cut into `split_factor` pieces
     first (by a later mesh dimension), each piece then cut over this one (`_StridedShard`, as
@@ -503,18 +482,3 @@ def python_dispatcher() -> contextlib.AbstractContextManager:
     from torch._dispatch.python import enable_python_dispatcher
 
     return enable_python_dispatcher()
-
-
-def shape_guards(mode: FakeTensorMode, start: int = 0) -> tuple[Any, ...]:
-    """The sympy expressions the guards recorded in `mode`'s shape environment state, from the
-    `start`-th on."""
-    return tuple(mode.shape_env.simplify(g.expr) for g in mode.shape_env.guards[start:])
-
-
-def symbol_range(mode: FakeTensorMode, symbol: Any) -> tuple[int, int | None]:
-    """The least and greatest value (None: unbounded) the trace assumed for `symbol`."""
-    bounds = mode.shape_env.var_to_range.get(symbol)
-    if bounds is None:
-        return 0, None
-    lower, upper = bounds.lower, bounds.upper  # sympy Integers, or torch's integer infinities
-    return (int(lower) if lower.is_Integer else 0), (int(upper) if upper.is_Integer else None)

@@ -108,7 +108,7 @@ class TracedProgram(Program):
         with torch.no_grad(), torch.jit.optimized_execution(False):  # the recorded ops as they are
             if "fn" not in self._traced:
                 generic = bool(sizes_key(inputs))
-                self._traced["fn"] = (ti.scripted(self.graph) if generic else ti.traced(self.graph, inputs)) or False
+                self._traced["fn"] = (scripted(self.graph) if generic else ti.traced(self.graph, inputs)) or False
             try:
                 results = (self._traced["fn"] or self.graph)(*inputs)
             except Exception:  # noqa: BLE001 - run op by op again: the error then names its node
@@ -155,6 +155,24 @@ class InductorProgram(Program):
                 fn = graph
             self._compiled[key] = lambda args: fn(*(a for a in args if not isinstance(a, int)))
         return self._compiled[key]
+
+
+def scripted(gm: torch.fx.GraphModule) -> Callable | None:
+    """`gm` compiled by TorchScript's scripting (run with `torch.jit.optimized_execution(False)`:
+    its aten ops as they are, one C++ call for the graph): a graph whose sizes are int inputs
+    runs at every size from one compile. None where TorchScript refuses it."""
+    graph = gm.graph.__deepcopy__()
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            node.type = torch.Tensor if isinstance(node.meta.get("val"), torch.Tensor) else int
+        elif node.op == "call_function" and isinstance(node.target, ti.OpOverload):
+            node.target = node.target.overloadpacket  # TorchScript resolves the overload by its schema
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.jit.script(torch.fx.GraphModule(gm, graph))
+    except Exception:  # noqa: BLE001 - whatever TorchScript refuses runs op by op
+        return None
 
 
 def at_sizes(graph_module: torch.fx.GraphModule, inputs: list[Any]) -> tuple[torch.fx.GraphModule, list[Any]]:

@@ -36,7 +36,7 @@ def _runner(schedule):
     compiled = SimpleNamespace(partition=SimpleNamespace(values={"x": torch.zeros(4)}))
     runner = SimpleNamespace(
         schedule=schedule, layout=layout, compiled=compiled, device=torch.device("cpu"), follow_readiness=True,
-        transport=SimpleNamespace(timeout=timedelta(seconds=60)), timeline=[], comm_timeline=[],
+        transport=SimpleNamespace(timeout=timedelta(seconds=60)), timeline=[], comm_timeline=[], sizes={},
     )
     runner.follow = lambda readiness: setattr(runner, "follow_readiness", readiness)
     return runner
@@ -194,6 +194,7 @@ class _OneRank:
         self.transport = SimpleNamespace(timeout=timedelta(seconds=60))
         self.timeline: list = []
         self.comm_timeline: list = []
+        self.sizes: dict = {}  # a compile of one shape
         self.schedule = runner.schedule
 
     @property

@@ -69,7 +69,8 @@ class ShapeSymbols:
 
     def guards(self) -> list:
         """Every guard recorded on the symbols so far (later passes may add some), as sympy."""
-        self._guards.extend(ti.shape_guards(self.fake_mode, len(self._guards)))
+        env = self.fake_mode.shape_env
+        self._guards.extend(env.simplify(g.expr) for g in env.guards[len(self._guards):])
         return self._guards
 
     def describe(self) -> str:
@@ -96,8 +97,8 @@ class ShapeSymbols:
             elif int(d.size) != size:
                 return None
         for symbol, value in values.items():
-            low, high = ti.symbol_range(self.fake_mode, symbol)
-            if value < low or (high is not None and value > high):
+            bounds = self.fake_mode.shape_env.var_to_range.get(symbol)  # what the trace assumed
+            if bounds is not None and not bounds.lower <= value <= bounds.upper:
                 return None
         substitution = {s: sympy.Integer(v) for s, v in values.items()}
         for guard in self.guards():

@@ -253,16 +253,20 @@ class Assembly:
         return replace(built, dump=start_dump(o.dump_dir, built.compiled, built.runner.schedule, o, built.runner))
 
     def _at_chosen_cut(self, compile_in: Callable[..., CompiledPipeline]) -> tuple[CompiledPipeline, Schedule] | None:
-        """A later compile (new batch shapes) at the cut the pipeline runs (the cut chosen by
-        measurement, which the first compile then runs), each stage reading the parameters it
-        reads there, where its graph cuts so; None for the first compile or where it does not."""
-        earlier = next(iter(self.builder.builds.values()), None)
-        if earlier is None:
+        """A later compile (new batch shapes) at the cut the pipeline runs, each stage reading the
+        parameters it reads there; a first compile at the cut chosen by measurement where one was
+        given; None where neither is, or where the graph does not cut there."""
+        earlier, choice = next(iter(self.builder.builds.values()), None), self.builder.cut_choice
+        if earlier is not None:
+            partition = earlier.compiled.partition
+            stage_params = tuple(frozenset(stage.param_fqns) for stage in partition.stages)
+            stages, cuts = len(stage_params), partition.cuts
+        elif choice is not None:
+            stage_params, stages, cuts = None, choice.cut.stages, choice.cut.positions
+        else:
             return None
-        partition = earlier.compiled.partition
-        stage_params = tuple(frozenset(stage.param_fqns) for stage in partition.stages)
         try:
-            compiled = compile_in(len(stage_params), None, partition.cuts, stage_params)
+            compiled = compile_in(stages, None, cuts, stage_params)
         except ValueError:
             return None
         return compiled, self.builder.choice.schedule(compiled)

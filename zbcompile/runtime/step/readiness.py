@@ -211,8 +211,9 @@ class Mailbox:
 
     def activations(self, stage: int, microbatch: int, text: str) -> Values:
         """What F (`text`) of `stage` takes for `microbatch`."""
-        inputs = self.inputs[microbatch]
-        feed = dict(inputs) if stage == 0 else {**self.take((ACTIVATIONS, stage, microbatch), text), **sizes_of(inputs)}
+        feed = dict(self.inputs[microbatch]) if stage == 0 else self.take((ACTIVATIONS, stage, microbatch), text)
+        if stage and self.symbols is not None:  # a shape-generic compile: every stage reads the sizes
+            feed.update(sizes_of(self.inputs[microbatch]))
         if stage == self.last:
             feed.update(self.targets[microbatch])
         return feed

@@ -264,9 +264,9 @@ def at_traced_sizes(runner: DistributedRunner) -> Timeline:
     are than the example its compile was traced with (`CompiledPipeline.work_scales`): a
     shape-generic compile's steps of every length measure costs at one length, the one its
     static costs and schedule are for."""
-    scales = runner.compiled.work_scales(runner.sizes)
-    if not scales:
+    if not runner.sizes:  # a compile of one shape
         return runner.timeline
+    scales = runner.compiled.work_scales(runner.sizes)
     timeline = []
     for text, start, end in runner.timeline:
         action = Action.parse(text)

@@ -137,7 +137,7 @@ class _TrialUnderWay:
     def after_step(self, runner: DistributedRunner, recompute: Any) -> tuple[Schedule | None, tuple | None]:
         """A step of the trial: as `ScheduleSwitch.after_step`, the winner kept at its end."""
         trial = self.trial
-        entrant = trial.after_step(runner.layout, runner.compiled.step_scale(runner.sizes))
+        entrant = trial.after_step(runner.layout, runner.compiled.step_scale(runner.sizes) if runner.sizes else 1.0)
         if entrant is not None:
             programs = trial.programs.get(entrant.label)
             if programs is not None and programs is not runner.compiled:
