@@ -165,6 +165,28 @@ def test_a_length_the_trace_must_fix_compiles_per_shape_with_one_warning():
     assert "input_0[1]" in caught[0] and "dynamic=False" in caught[0], caught[0]
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_dynamic_false_compiles_per_shape_and_true_symbolic_from_the_first(dynamic):
+    """`dynamic=False`: a compile per shape, none symbolic; `dynamic=True`: every dimension of the
+    inputs and targets symbolic from the first compile, a new batch size and length included."""
+    torch.manual_seed(0)
+    model = Decoder(layers=2)
+    eager = copy.deepcopy(model)
+    pipe = zbcompile.pipeline(model, stages=2, microbatches=2, loss_fn=lm_loss, schedule="1f1b", dynamic=dynamic)
+    compiles = []
+    for rows, length in ((4, 8), (4, 12), (8, 10)):
+        tokens, target = variable_length_batch(length)
+        tokens, target = tokens[:rows], target[:rows]
+        torch.testing.assert_close(pipe.step(tokens, target=target), eager_step(eager, tokens, target, 2)[0], **FP32)
+        compiles.append(pipe.compiled)
+    if dynamic:
+        assert all(c is compiles[0] for c in compiles)
+        symbolic = {(d.leaf, d.dim) for d in compiles[0].traced.symbols.symbolic()}
+        assert {("input_0", 0), ("input_0", 1)} <= symbolic, symbolic
+    else:
+        assert len({id(c) for c in compiles}) == 3 and all(c.traced.symbols is None for c in compiles)
+
+
 def test_the_dynamic_option_is_checked():
     with pytest.raises(ValueError, match="dynamic must be None"):
         zbcompile.pipeline(nn.Linear(2, 2), stages=1, dynamic="sequence")
