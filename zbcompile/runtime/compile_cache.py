@@ -12,7 +12,8 @@ A compile serves a batch when the batch has its structure, dtypes, devices and s
 dimension it did not make symbolic, and its trace's guards hold for the batch's sizes
 (`ShapeSymbols.bind`). A dimension the trace could not keep symbolic (a guard on its size, or a
 size the graph computes otherwise than by arithmetic) compiles per shape from then on, said once
-in a warning that names the guard. Evaluation's forward-only compiles stay per shape.
+in a warning that names the guard. Evaluation keeps its forward-only compiles the same way, in a
+cache of its own per results, placement and mode.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+SHOWN_SIZES = 12  # explain() lists the steps of this many sizes at most
 Dims = dict[str, tuple[int, ...]]  # by leaf name (`input_<i>`, `target_<i>`): the symbolic dimensions
 
 
@@ -51,7 +53,9 @@ class CompileCache:
         generic = [b.compiled.traced.symbols for b in self.builds.values() if b.compiled.traced.symbols is not None]
         if not generic:
             return []
-        runs = ", ".join(f"{sizes}: {s} x{n}" for sizes, by in self.steps.items() for s, n in by.items())
+        runs = [f"{sizes}: {s} x{n}" for sizes, by in self.steps.items() for s, n in by.items()]
+        more = f" and {len(runs) - SHOWN_SIZES} more" if len(runs) > SHOWN_SIZES else ""
+        runs = ", ".join(runs[:SHOWN_SIZES]) + more
         return [
             *(f"symbolic sizes: {symbols.describe()}, one compile for every size its guards allow" for symbols in
               generic),
