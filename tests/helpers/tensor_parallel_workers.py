@@ -345,6 +345,11 @@ def eight_ranks() -> dict:
 # --- comparison with eager --------------------------------------------------------------------
 
 CLOSE = dict(rtol=1e-5, atol=1e-6)
+# parameters after the AdamW steps: a sequence-parallel embedding's gradient is summed over "tp" in
+# another order than eager's, and Adam's normalised update turns that rounding into up to 1.4e-6 on
+# some CPUs' kernels (sp-gpt's tok_emb, the same at 6f882b2); a wrong gradient moves a parameter by
+# about the learning rate, 1e-2
+PARAMS_CLOSE = dict(rtol=1e-5, atol=5e-6)
 
 
 @functools.cache
@@ -378,4 +383,4 @@ def check_equals_eager(per_rank: list[dict], names: tuple[str, ...]) -> None:
             whole_params = merged(per_rank, name, schedule, "params")
             assert whole_params.keys() == params.keys(), (name, schedule)
             for fqn, value in params.items():
-                torch.testing.assert_close(whole_params[fqn], value, **CLOSE, msg=f"{name} {schedule} {fqn}")
+                torch.testing.assert_close(whole_params[fqn], value, **PARAMS_CLOSE, msg=f"{name} {schedule} {fqn}")
