@@ -24,7 +24,13 @@ from zbcompile.passes.joint import StageJoint, export_stage_joint, export_stage_
 from zbcompile.passes.partition import Stage, StagePartition, partition_stages
 from zbcompile.passes.recompute import RECOMPUTE_LEVELS
 from zbcompile.passes.split_backward import MIN_DEFERRAL_INTENSITY, StageIWPrograms, split_backward
-from zbcompile.passes.stage_cost import StageGraphCost, forward_peak, peak_memory_with_transients, stage_cost
+from zbcompile.passes.stage_cost import (
+    StageGraphCost,
+    forward_peak,
+    kept_bytes_formula,
+    peak_memory_with_transients,
+    stage_cost,
+)
 from zbcompile.passes.stage_reuse import renamed_joint, renamed_split, stage_fingerprint, stage_name_map
 from zbcompile.passes.trace import TracedModel, trace_model
 from zbcompile.program import Program
@@ -100,8 +106,16 @@ class CompiledPipeline:
         for program in self.programs:
             parts = (program.forward, program.input_backward, program.weight_backward)
             f, i, w = (cost_formula(part.graph) for part in parts)
-            formulas.append({"F": f, "I": i, "W": w, "B": i + w})
+            formulas.append({"F": f, "I": i, "W": w, "B": i + w, "M": kept_bytes_formula(program.joint)})
         return tuple(formulas)
+
+    def memory_scale(self, values: Mapping[Any, int]) -> float:
+        """How much more activation memory a microbatch at symbol `values` keeps than one at the
+        example traced (the most of any stage's M_B; 1.0 for a compile of one shape)."""
+        symbols = self.traced.symbols
+        if symbols is None or not values:
+            return 1.0
+        return max(symbols.scale(f["M"], values) for f in self.cost_formulas)
 
     def work_scales(self, values: Mapping[Any, int]) -> dict[tuple[int, str], float]:
         """Per (stage, action kind), its static time estimate at symbol `values` over its estimate

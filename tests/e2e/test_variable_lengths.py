@@ -18,6 +18,7 @@ from helpers.distributed_workers import VARIABLE_LENGTHS, variable_length_batch
 from helpers.grads import FP32, assert_grads_close, grads_of
 from helpers.models import build
 from zbcompile.models.gpt import lm_loss
+from zbcompile.schedules import simulate
 
 
 def eager_step(model: nn.Module, tokens: torch.Tensor, target: torch.Tensor, microbatches: int):
@@ -185,6 +186,34 @@ def test_dynamic_false_compiles_per_shape_and_true_symbolic_from_the_first(dynam
         assert {("input_0", 0), ("input_0", 1)} <= symbolic, symbolic
     else:
         assert len({id(c) for c in compiles}) == 3 and all(c.traced.symbols is None for c in compiles)
+
+
+def test_a_longer_length_runs_a_schedule_within_a_memory_limit_in_bytes():
+    """zb-auto's schedule fits `memory_limit` (bytes) at the traced length; at twice that length
+    each microbatch keeps over twice the activations, and the step runs a schedule
+    solved to fit the same bytes there (the loss still eager's); at the traced length the first
+    schedule runs again. At eight times the length nothing fits, even one microbatch at a time: a
+    ValueError says so."""
+    torch.manual_seed(0)
+    model = Decoder(layers=2)
+    eager = copy.deepcopy(model)
+    probe = zbcompile.pipeline(copy.deepcopy(model), stages=2, microbatches=4, loss_fn=lm_loss, dynamic=1)
+    probe.compile(*variable_length_batch(8)[:1], target=variable_length_batch(8)[1])
+    limit = 6 * probe.compiled.memory_unit()  # bytes: room for 6 microbatches' activations at length 8
+    pipe = zbcompile.pipeline(model, stages=2, microbatches=4, loss_fn=lm_loss, dynamic=1, memory_limit=f"{limit:.0f}B")
+    for length in (8, 16, 8):
+        tokens, target = variable_length_batch(length)
+        torch.testing.assert_close(pipe.step(tokens, target=target), eager_step(eager, tokens, target, 4)[0], **FP32)
+    steps = pipe._builder.cache.steps  # the labels of the schedules run, by the step's sizes ("s3=16")
+    short, long = (next(by for sizes, by in steps.items() if sizes.endswith(f"={n}")) for n in (8, 16))
+    assert list(short.values()) == [2] and not any("fits" in label for label in short), steps
+    assert any("x the activations" in label for label in long), steps
+    compiled = pipe.compiled
+    for power, schedule in pipe._builder._fitting[pipe._builder._last_key].items():
+        peaks = simulate(schedule, compiled.schedule_costs()).peak_memory  # at the traced length
+        assert max(peaks) * compiled.memory_unit() * power <= limit, (power, peaks)
+    with pytest.raises(ValueError, match="no schedule fits memory_limit"):
+        pipe.step(*variable_length_batch(64)[:1], target=variable_length_batch(64)[1])
 
 
 def test_the_dynamic_option_is_checked():

@@ -6,8 +6,9 @@ simulator's peak memory with those peaks in place of the M_B/M_W model's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
+from zbcompile.passes import _fx
 from zbcompile.passes.graph_cost import GraphCost, graph_cost, peak_bytes
 from zbcompile.passes.joint import StageJoint
 from zbcompile.passes.partition import Stage, StagePartition
@@ -48,6 +49,14 @@ def forward_peak(program: Program, stage: Stage, partition: StagePartition) -> i
     passing = sum(partition.values[v].nbytes for v in stage.relays if f"{INPUT}{v}" not in inputs)
     return peak_bytes(program, kept, passing)
 
+
+
+def kept_bytes_formula(joint: StageJoint) -> Any:
+    """M_B's bytes as a sympy expression of symbolic sizes: what the backward reads of what F
+    kept, each value counted whole (views of one storage each: a formula's ratio is what is read)."""
+    names = dict(zip(joint.backward.graph.graph.find_nodes(op="placeholder"), joint.backward.signature.inputs))
+    kept = [node for node, name in names.items() if name.startswith((SAVED, INPUT, UPDATE))]
+    return sum((_fx.symbolic_bytes(node.meta.get("val")) for node in kept), 0)
 
 
 def stage_cost(joint: StageJoint, split: StageIWPrograms) -> StageGraphCost:

@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from zbcompile.compiler import CompiledPipeline, compile_forward_only, compile_pipeline
 from zbcompile.inspect.write import CompileDump, start_dump
 from zbcompile.options import PipelineOptions
-from zbcompile.runtime.compile_cache import CompileCache, sizes_text
+from zbcompile.runtime.compile_cache import CompileCache, fitting_schedule, sizes_text, step_label
 from zbcompile.runtime.parallel import batch, batch_loss, sharding, tensor_parallel
 from zbcompile.runtime.parallel.layout import Layout, device_for, make_layout
 from zbcompile.runtime.state import placement, state_transfer
@@ -97,6 +97,8 @@ class Builder:
         self._batch = batch.LocalBatch()
         self._last_key = self._layout = self._device = None  # the layout: made on the first distributed step
         self._training = module.training  # the module's mode the compiles were made in
+        self._values: dict | None = None  # the latest step's symbol values (a shape-generic compile's)
+        self._fitting: dict[Any, dict[float, Schedule]] = {}  # per compile, schedules for longer sizes' memory
         if options.distributed:
             _DISTRIBUTED.add(self)
 
@@ -167,7 +169,9 @@ class Builder:
             self.cache.compile(key, leaves, lambda dims: build(dynamic=dims))
             served = key
         self._last_key = served
-        self._sizes = sizes_text(self.builds[served].compiled.traced.symbols, leaves)
+        symbols = self.builds[served].compiled.traced.symbols
+        self._values = symbols.bind(leaves) if symbols is not None else None  # the step's symbol values
+        self._sizes = sizes_text(symbols, leaves)
         self.ownership.set_grad_dtype()
         return self.builds[served], micro_inputs, micro_targets, absent
 
@@ -175,8 +179,20 @@ class Builder:
         """One training step on this batch: its compile (`prepare`) runs it (`Runner.train`, after
         the hooks `before`) and records it (`Build.after_step`). Returns the step's loss."""
         built, micro_inputs, micro_targets, absent = self.prepare(inputs, kwargs, target)
-        loss = built.runner.train(micro_inputs, micro_targets, absent, self.ownership, before)
-        self.cache.ran(self._sizes, schedule_label(built.runner.schedule))
+        runner, running = built.runner, built.runner.schedule
+        fitting = None if not self._values else fitting_schedule(
+            built.compiled, running, self._values, self.options.memory_limit,
+            self._fitting.setdefault(self._last_key, {}),
+            lambda costs: self.choice.schedule(built.compiled, costs=costs),
+        )
+        if fitting is not None:  # these sizes' activations need a schedule of less memory: this step runs it
+            runner.reschedule(fitting)
+        try:
+            loss = runner.train(micro_inputs, micro_targets, absent, self.ownership, before)
+        finally:
+            if fitting is not None:
+                runner.reschedule(running)
+        self.cache.ran(self._sizes, step_label(fitting or running))
         self.measured_costs = built.after_step(self.measured_costs)
         return loss
 

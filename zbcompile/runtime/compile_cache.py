@@ -18,10 +18,15 @@ cache of its own per results, placement and mode.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import warnings
 from typing import Any, Callable, Mapping
 
 import torch
+
+from zbcompile.schedules import simulate
+from zbcompile.schedules.memory_limit import in_schedule_units, is_bytes
 
 SHOWN_SIZES = 12  # explain() lists the steps of this many sizes at most
 Dims = dict[str, tuple[int, ...]]  # by leaf name (`input_<i>`, `target_<i>`): the symbolic dimensions
@@ -184,9 +189,50 @@ def _static_sizes(shapes: Mapping[str, torch.Size], symbols: Any) -> dict[str, t
     return {n: tuple(s if (n, d) not in symbolic else None for d, s in enumerate(shape)) for n, shape in shapes.items()}
 
 
+def step_label(schedule: Any) -> str:
+    """A schedule as `explain()`'s steps by size name it (one solved for longer sizes' memory says so)."""
+    power = schedule.info.get("memory_scale")
+    return schedule.name if power is None else f"{schedule.name} (fits {power:g}x the activations)"
+
+
 def sizes_text(symbols: Any, leaves: Mapping[str, torch.Tensor]) -> str:
     """A batch's sizes as a shape-generic compile sees them (`s0=48`), or its tensors' shapes."""
     values = symbols.bind(leaves) if symbols is not None else None
     if values:
         return " ".join(f"{symbol}={value}" for symbol, value in values.items())
     return " ".join(f"{name}{list(t.shape)}" for name, t in leaves.items())
+
+
+def fitting_schedule(
+    compiled: Any, running: Any, values: Mapping[Any, int], limit: Any, solved: dict[float, Any],
+    solve: Callable[[Any], Any],
+) -> Any | None:
+    """For a step at symbol `values` of a shape-generic compile under a memory `limit` in bytes:
+    None where the `running` schedule's peak activation memory fits the limit at these sizes;
+    else a schedule solved under the limit with each microbatch's memory the next power of 2^(1/4)
+    of these sizes' (`CompiledPipeline.memory_scale`), kept in `solved` by that power (`solve(costs)`:
+    the pipeline's solve with these costs, on one rank for all). A length at which nothing fits
+    is a ValueError that says so."""
+    scale = compiled.memory_scale(values)
+    if scale <= 1 or limit is None or not is_bytes(limit):
+        return None
+    static = compiled.schedule_costs()
+    peaks = simulate(running, static).peak_memory
+    allowed = in_schedule_units(limit, compiled.memory_unit())
+    allowed = allowed if isinstance(allowed, list) else [allowed] * len(peaks)
+    if all(peak * scale <= room for peak, room in zip(peaks, allowed)):
+        return None
+    power = round(2 ** (math.ceil(4 * math.log2(scale)) / 4), 3)  # steps of 2^(1/4): 19% more memory each
+    if power not in solved:
+        scaled = dataclasses.replace(
+            static, mem_b=[m * power for m in static.mem_b], mem_w=[m * power for m in static.mem_w]
+        )
+        try:
+            solved[power] = solve(scaled).with_info(memory_scale=power)
+        except ValueError as error:
+            raise ValueError(
+                f"at sizes {', '.join(f'{s}={v}' for s, v in values.items())} a microbatch keeps {scale:.2f}x the "
+                f"activations of the compile's example, and no schedule fits memory_limit={limit!r} there ({error}); "
+                "pass a larger limit or shorter sequences"
+            ) from error
+    return solved[power]
