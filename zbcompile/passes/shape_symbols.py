@@ -66,6 +66,7 @@ class ShapeSymbols:
     fake_mode: Any = field(compare=False, repr=False)
     example: dict[Any, int] = field(default_factory=dict)  # each symbol's value in the example traced
     _guards: list = field(default_factory=list, compare=False, repr=False)  # read so far, simplified
+    _bound: dict = field(default_factory=dict, compare=False, repr=False)  # `bind`'s answers by sizes
 
     def guards(self) -> list:
         """Every guard recorded on the symbols so far (later passes may add some), as sympy."""
@@ -85,12 +86,20 @@ class ShapeSymbols:
         """Each symbol's value in a microbatch whose tensors are `leaves` (by leaf name), or None
         where this compile does not cover them: two dimensions of one symbol differ, a
         specialised dimension changed, a value lies outside the trace's range, or a guard fails."""
+        sizes = tuple(
+            int(leaves[d.leaf].shape[d.dim]) if d.leaf in leaves and leaves[d.leaf].dim() > d.dim else None
+            for d in self.dims
+        )
+        key = (sizes, len(self.fake_mode.shape_env.guards))  # a guard added since: asked again
+        if key not in self._bound:
+            self._bound[key] = self._bind(sizes)
+        return self._bound[key]
+
+    def _bind(self, sizes: tuple[int | None, ...]) -> dict[Any, int] | None:
         values: dict[Any, int] = {}
-        for d in self.dims:
-            tensor = leaves.get(d.leaf)
-            if tensor is None or tensor.dim() <= d.dim:
+        for d, size in zip(self.dims, sizes):
+            if size is None:
                 return None
-            size = int(tensor.shape[d.dim])
             if isinstance(d.size, sympy.Symbol):
                 if values.setdefault(d.size, size) != size:
                     return None
