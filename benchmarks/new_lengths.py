@@ -14,7 +14,10 @@ pipeline returns (on the last stage's rank) is compared with the replica's on th
 - A: LlamaForCausalLM (hidden 128, intermediate 256, 4 layers, 4 heads, 2 kv heads, vocab 256), labels=input_ids
   (the model's own loss), 2-stage pipeline on 2 gloo ranks;
 - B: Qwen2ForCausalLM of the same shape, input_ids + attention_mask (all ones) + labels, 2 gloo ranks;
-- C: A in one process (no torch.distributed).
+- C: A in one process (no torch.distributed);
+- D: A on 4 gloo ranks, 2 data-parallel replicas of 2 stages, `data_parallel="shard"` (each replica passes its own
+  half of a batch of twice the rows; the eager replica trains on the whole batch, whose mean loss, the
+  replicas' mean, is what `step()` returns on each replica's last stage).
 
     python benchmarks/new_lengths.py            # a few minutes on 2 quiet cores
     python benchmarks/new_lengths.py --quick    # config C only, 6 steps; writes nothing
@@ -32,7 +35,8 @@ import _launch
 
 # 9 distinct lengths over 16 steps; the 7 repeats span the new lengths' range (both medians 112)
 LENGTHS = (64, 128, 64, 96, 128, 48, 176, 96, 112, 144, 48, 160, 112, 80, 176, 144)
-CONFIGS = {"A": ("llama", 2), "B": ("qwen2", 2), "C": ("llama", None)}  # name -> (model, ranks; None: one process)
+# name -> (model, ranks (None: one process), data-parallel replicas sharding their state over "dp")
+CONFIGS = {"A": ("llama", 2, 1), "B": ("qwen2", 2, 1), "C": ("llama", None, 1), "D": ("llama", 4, 2)}
 LIMIT = 1.5  # a new length's median step at most this many times a repeated length's
 TOLERANCE = 1e-5  # every loss within this of eager's
 
@@ -67,11 +71,12 @@ def decoder(settings: Settings, kind: str):
     ))
 
 
-def batch(settings: Settings, kind: str, i: int) -> dict:
-    """Step `i`'s keyword arguments: random input_ids at LENGTHS[i], labels=input_ids (qwen2: an all-ones mask)."""
+def batch(settings: Settings, kind: str, i: int, replicas: int = 1) -> dict:
+    """Step `i`'s keyword arguments: random input_ids at LENGTHS[i] (`replicas` times the rows),
+    labels=input_ids (qwen2: an all-ones mask)."""
     import torch
 
-    shape = (settings.rows * settings.microbatches, LENGTHS[i])
+    shape = (settings.rows * settings.microbatches * replicas, LENGTHS[i])
     tokens = torch.randint(0, settings.vocab, shape, generator=torch.Generator().manual_seed(settings.seed + i))
     kwargs = {"input_ids": tokens, "labels": tokens}
     if kind == "qwen2":
@@ -79,7 +84,7 @@ def batch(settings: Settings, kind: str, i: int) -> dict:
     return kwargs
 
 
-def rank_main(settings: Settings, kind: str) -> dict:
+def rank_main(settings: Settings, kind: str, replicas: int = 1) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -89,7 +94,21 @@ def rank_main(settings: Settings, kind: str) -> dict:
     model = decoder(settings, kind)
     replica = copy.deepcopy(model)  # eager, trained in lockstep
     replica_optimizer = torch.optim.SGD(replica.parameters(), lr=settings.lr)
-    pipe = zbcompile.pipeline(model, stages=2, microbatches=settings.microbatches, timeout=settings.timeout_s)
+    options, mine = {}, 0  # mine: this rank's replica
+    if replicas > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (replicas, dist.get_world_size() // replicas), mesh_dim_names=("dp", "pp"))
+        options, mine = {"process_group": mesh, "data_parallel": "shard"}, mesh.get_local_rank("dp")
+
+    def batch_of(i: int) -> tuple[dict, dict]:
+        """Step `i`'s whole batch and this replica's part of it."""
+        whole = batch(settings, kind, i, replicas)
+        return whole, {k: v.chunk(replicas)[mine] for k, v in whole.items()}
+
+    pipe = zbcompile.pipeline(
+        model, stages=2, microbatches=settings.microbatches, timeout=settings.timeout_s, **options
+    )
 
     def timed(run):
         if distributed:
@@ -100,7 +119,7 @@ def rank_main(settings: Settings, kind: str) -> dict:
             dist.barrier()
         return time.perf_counter() - started, result
 
-    compile_s, _ = timed(lambda: pipe.compile(**batch(settings, kind, 0)))  # counted in the first step
+    compile_s, _ = timed(lambda: pipe.compile(**batch_of(0)[1]))  # counted in the first step
     optimizer = torch.optim.SGD(pipe.parameters(), lr=settings.lr)
 
     def step(kwargs: dict):
@@ -111,17 +130,18 @@ def rank_main(settings: Settings, kind: str) -> dict:
 
     times, losses, eager, builds, symbolic = [], [], [], [], []
     for i in range(settings.steps):
-        kwargs = batch(settings, kind, i)
+        whole, kwargs = batch_of(i)
         seconds, loss = timed(lambda: step(kwargs))
         times.append(seconds + (compile_s if i == 0 else 0.0))
         losses.append(loss)
         builds.append(len(pipe._builder.builds))  # private: the compiles this pipeline made so far
         symbolic.append(pipe.compiled.traced.symbols is not None)
-        reference = replica(**kwargs).loss
-        reference.backward()
+        parts = [{k: v.chunk(replicas)[r] for k, v in whole.items()} for r in range(replicas)]
+        part_losses = [replica(**part).loss for part in parts]  # the whole batch's mean: the replicas' mean
+        (sum(part_losses) / replicas).backward()
         replica_optimizer.step()
         replica_optimizer.zero_grad(set_to_none=True)
-        eager.append(float(reference.detach()))
+        eager.append(float(sum(part_losses).detach()) / replicas)  # step() returns the replicas' mean
         _launch.say(f"{kind} step {i + 1}/{settings.steps} L={LENGTHS[i]}: {1e3 * times[-1]:.0f} ms, {builds[-1]} made")
     return {"times": times, "losses": losses, "eager": eager, "builds": builds, "symbolic": symbolic}
 
@@ -139,7 +159,8 @@ def analyse(name: str, per_rank: list[dict], settings: Settings) -> dict:
     repeated_ms = 1e3 * _launch.median([times[i] for i in repeated])
     new_steady = [times[i] for i in new if i not in compiled]
     return {
-        "config": name, "model": CONFIGS[name][0], "ranks": CONFIGS[name][1] or 1, "step_s": times,
+        "config": name, "model": CONFIGS[name][0], "ranks": CONFIGS[name][1] or 1, "replicas": CONFIGS[name][2],
+        "step_s": times,
         "new_steps": new, "repeated_steps": repeated, "compile_steps": compiled, "symbolic": first["symbolic"],
         "losses": [next((r["losses"][i] for r in per_rank if r["losses"][i] is not None), None) for i in steps],
         "eager_losses": first["eager"], "new_median_ms": new_ms, "repeated_median_ms": repeated_ms,
@@ -154,7 +175,8 @@ def report(data: dict) -> str:
     for c in data["configs"]:
         steady = c["new_uncompiled_median_ms"]
         rows.append([
-            f"{c['config']} ({c['model']}, {c['ranks']} rank{'s' * (c['ranks'] > 1)})", len(c["step_s"]),
+            f"{c['config']} ({c['model']}, {c['ranks']} rank{'s' * (c['ranks'] > 1)}"
+            f"{', dp=2 shard' if c.get('replicas', 1) > 1 else ''})", len(c["step_s"]),
             len(set(LENGTHS[: len(c["step_s"])])), f"{c['new_median_ms']:.0f}", f"{c['repeated_median_ms']:.0f}",
             f"{c['ratio']:.2f}x", "yes" if c["passed"] else "NO", len(c["compile_steps"]), f"{c['max_loss_diff']:.1e}",
             "-" if steady is None else f"{steady:.0f} ({steady / c['repeated_median_ms']:.2f}x)",
@@ -191,11 +213,11 @@ def main() -> None:
     print(f"machine: {_launch.load_line(before)}", flush=True)
     started, configs = time.perf_counter(), []
     for name in names:
-        kind, world = CONFIGS[name]
+        kind, world, replicas = CONFIGS[name]
         if world is None:
             per_rank = [rank_main(settings, kind)]
         else:
-            per_rank = _launch.run_ranks(world, rank_main, settings, kind, timeout_s=settings.timeout_s)
+            per_rank = _launch.run_ranks(world, rank_main, settings, kind, replicas, timeout_s=settings.timeout_s)
         configs.append(analyse(name, per_rank, settings))
     data = {
         "settings": asdict(settings), "lengths": LENGTHS[: settings.steps], "machine_before": before,
