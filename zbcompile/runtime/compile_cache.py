@@ -213,8 +213,10 @@ def fitting_schedule(
     of these sizes' (`CompiledPipeline.memory_scale`), kept in `solved` by that power (`solve(costs)`:
     the pipeline's solve with these costs, on one rank for all). A length at which nothing fits
     is a ValueError that says so."""
+    if limit is None or not is_bytes(limit):  # a limit in microbatches' activations holds at every size
+        return None
     scale = compiled.memory_scale(values)
-    if scale <= 1 or limit is None or not is_bytes(limit):
+    if scale <= 1:
         return None
     static = compiled.schedule_costs()
     peaks = simulate(running, static).peak_memory
