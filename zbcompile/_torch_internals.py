@@ -454,7 +454,7 @@ def default_store():
 # --- symbolic sizes (one compile for every length) ----------------------------------------------
 def symbolic_fake_mode() -> FakeTensorMode:
     """A fake-tensor mode with a ShapeEnv: dimensions made symbolic in it trace as symbols, and
-    every guard the trace puts on them is recorded (`shape_guards`). Equal sizes are not taken
+    every guard the trace puts on them is recorded (`shape_symbols.ShapeSymbols.guards`). Equal sizes are not taken
     for one symbol (no duck sizing): only the trace's own guards tie two dimensions."""
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 

@@ -11,9 +11,11 @@ a dispatch mode watches (the runtime's memory measurement counts the storages al
 
 "inductor" compiles each graph with Inductor (on CPU it generates C++ and needs the C++
 toolchain) the first time it runs, for the inputs it runs on then (later calls must match their
-shapes, strides and dtypes, which they do: every microbatch of a compiled pipeline is shaped
-alike). Graphs the schedule never runs (the fused backward under a split schedule) are never
-compiled. `compiler=None` (the default) means "inductor" on CUDA, where it pays for itself
+shapes, strides and dtypes, which they do: every microbatch of a compile of one shape is shaped
+alike; a shape-generic graph, whose sizes are int inputs, is compiled per sizes, for
+`RECORDED_SIZES` at most, and "traced" scripts it once with TorchScript instead of recording it).
+Graphs the schedule never runs (the fused backward under a split schedule) are never compiled.
+`compiler=None` (the default) means "inductor" on CUDA, where it pays for itself
 (benchmarks/results/gpu_throughput.md: a 1B Llama's step 1.33x faster, the paper's GPT no slower;
 the first step some 30-40 s longer), with a graph Inductor cannot compile run op by op instead
 (a warning names it), and "traced" elsewhere.
