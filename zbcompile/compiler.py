@@ -135,7 +135,12 @@ class CompiledPipeline:
         symbols = self.traced.symbols
         if symbols is None or not values:
             return 1.0
-        return symbols.scale(sum(f["F"] + f["B"] for f in self.cost_formulas), values)
+        return symbols.scale(self._step_formula, values)
+
+    @functools.cached_property
+    def _step_formula(self) -> Any:
+        """Every stage's F, I and W estimates summed (`cost_formulas`), built once."""
+        return sum(f["F"] + f["B"] for f in self.cost_formulas)
 
     def checkpointed(self) -> bool:
         """Whether the model has `torch.utils.checkpoint` regions: some stage recomputes forward

@@ -171,7 +171,7 @@ class Builder:
         self._last_key = served
         symbols = self.builds[served].compiled.traced.symbols
         self._values = symbols.bind(leaves) if symbols is not None else None  # the step's symbol values
-        self._sizes = sizes_text(symbols, leaves)
+        self._sizes = sizes_text(self._values, leaves)
         self.ownership.set_grad_dtype()
         return self.builds[served], micro_inputs, micro_targets, absent
 

@@ -195,9 +195,8 @@ def step_label(schedule: Any) -> str:
     return schedule.name if power is None else f"{schedule.name} (fits {power:g}x the activations)"
 
 
-def sizes_text(symbols: Any, leaves: Mapping[str, torch.Tensor]) -> str:
-    """A batch's sizes as a shape-generic compile sees them (`s0=48`), or its tensors' shapes."""
-    values = symbols.bind(leaves) if symbols is not None else None
+def sizes_text(values: Mapping[Any, int] | None, leaves: Mapping[str, torch.Tensor]) -> str:
+    """A batch's sizes as a shape-generic compile sees them (`values`, `s0=48`), or its tensors' shapes."""
     if values:
         return " ".join(f"{symbol}={value}" for symbol, value in values.items())
     return " ".join(f"{name}{list(t.shape)}" for name, t in leaves.items())

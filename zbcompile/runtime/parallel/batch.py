@@ -292,28 +292,32 @@ def fed(
 
 def leaf_tensors(args: tuple, kwargs: dict, target: Any) -> dict[str, torch.Tensor]:
     """A microbatch's tensors by the trace's leaf names (`input_<i>`, `target_<i>`)."""
+    inputs, targets = _named_leaves(args, kwargs, target)
+    return {**inputs, **targets}
+
+
+def _named_leaves(args: tuple, kwargs: dict, target: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     inputs = [x for x in pytree.tree_leaves((tuple(args), dict(kwargs))) if isinstance(x, torch.Tensor)]
     targets = [t for t in pytree.tree_leaves(target) if isinstance(t, torch.Tensor)]
-    return {**{f"input_{i}": t for i, t in enumerate(inputs)}, **{f"target_{i}": t for i, t in enumerate(targets)}}
+    return {f"input_{i}": t for i, t in enumerate(inputs)}, {f"target_{i}": t for i, t in enumerate(targets)}
 
 
 def feed(compiled: CompiledPipeline, args: tuple, kwargs: dict, target: Any) -> tuple[Feed, Feed]:
-    """One microbatch as the graph's inputs (`input_<i>`) and targets (`target_<i>`)."""
+    """One microbatch as the graph's inputs (`input_<i>`, then a shape-generic compile's sizes)
+    and targets (`target_<i>`)."""
     traced = compiled.traced
-    leaves = pytree.tree_leaves((tuple(args), dict(kwargs)))
-    # the graphs were traced on contiguous tensors
-    tensors = [x.contiguous() for x in leaves if isinstance(x, torch.Tensor)]
-    inputs = {f"input_{i}": t for i, t in enumerate(tensors)}
     # no target leaves without a loss_fn or with a None target (the graph has no target inputs)
-    target_tensors = [t.contiguous() for t in pytree.tree_leaves(target)] if traced.target_spec is not None else []
-    targets = {f"target_{i}": t for i, t in enumerate(target_tensors)}
+    inputs, targets = _named_leaves(args, kwargs, target if traced.target_spec is not None else None)
+    # the graphs were traced on contiguous tensors
+    inputs = {name: t.contiguous() for name, t in inputs.items()}
+    targets = {name: t.contiguous() for name, t in targets.items()}
     symbols = traced.symbols
     if symbols is not None:  # a shape-generic compile: this microbatch's sizes feed every stage
         values = symbols.bind({**inputs, **targets})
         if values is None:
             raise ValueError(
                 f"this compile serves {symbols.describe()} within its guards, and this microbatch's shapes "
-                f"{[tuple(t.shape) for t in [*tensors, *target_tensors]]} fall outside them"
+                f"{[tuple(t.shape) for t in [*inputs.values(), *targets.values()]]} fall outside them"
             )
         inputs.update(symbols.sizes(values))
     return inputs, targets
