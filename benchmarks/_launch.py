@@ -13,9 +13,9 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
-from zbcompile import local_ranks
-from zbcompile.local_ranks import free_port  # noqa: F401 (the benchmarks use it from here)
 from zbcompile.measure import median  # noqa: F401 (the benchmarks use it from here)
+from zbcompile.runtime.parallel import local_ranks
+from zbcompile.runtime.parallel.local_ranks import free_port  # noqa: F401 (the benchmarks use it from here)
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
@@ -61,7 +61,7 @@ def batch(settings: Any, microbatches: int, seed: int) -> tuple[Any, Any]:
 
 
 def run_ranks(world: int, fn: Callable, *args: Any, timeout_s: float = 120.0) -> list[Any]:
-    """`fn(*args)` on `world` local gloo ranks (`zbcompile.local_ranks.run_ranks`), every wait on
+    """`fn(*args)` on `world` local gloo ranks (`zbcompile.runtime.parallel.local_ranks.run_ranks`), every wait on
     a peer bounded by `timeout_s`; rank r's result at index r; raises if any rank fails."""
     return local_ranks.run_ranks(world, fn, *args, timeout_s=max(timeout_s, 3600.0), group_timeout_s=timeout_s)
 

@@ -19,7 +19,7 @@ from torch import nn
 
 import _launch
 from zbcompile import measure
-from zbcompile.rehearsal_torch import MULTI_CHUNK, chunk_ranks, torch_step
+from zbcompile.rehearsal.torch_schedules import MULTI_CHUNK, chunk_ranks, torch_step
 
 MAX_SWITCH_STEPS = 400  # warm-up steps zb-auto may take to switch to its measured schedule
 

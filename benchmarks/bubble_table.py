@@ -17,7 +17,7 @@ import json
 import os
 import time
 
-from zbcompile.rehearsal import PAPER_TIMES
+from zbcompile.rehearsal.rehearse import PAPER_TIMES
 from zbcompile.schedules import Costs, make_schedule, simulate
 
 # Table 5 (the paper's stage bubble rates), from reference/paper.md; Table 9's profiles are PAPER_TIMES

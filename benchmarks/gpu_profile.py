@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, replace
 import _launch
 import _pairing
 from bubble_table import COLUMNS, PAPER
-from zbcompile.rehearsal import PAPER_TIMES
+from zbcompile.rehearsal.rehearse import PAPER_TIMES
 
 PAPER_TABLE9 = dict(zip(("T_F", "T_B", "T_W", "T_comm"), PAPER_TIMES["1.5B"][1:5]))  # ms, A100 80GB, 1.5B
 PAPER_TABLE5 = {m: PAPER[("1.5B", m)] for m in (24, 32, 64)}  # the paper's stage bubble rates for 1.5B, by m

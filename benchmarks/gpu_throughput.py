@@ -278,7 +278,7 @@ def _peak_flops(device) -> float | None:
     989 TFLOP/s), None where no profile names it."""
     import torch
 
-    from zbcompile.hardware import NAMED
+    from zbcompile.planner.hardware import NAMED
 
     if device.type != "cuda":
         return None

@@ -1,4 +1,4 @@
-"""The plan's cut where memory binds or the ranks differ (`zbcompile/plan_cut.py`): each config
+"""The plan's cut where memory binds or the ranks differ (`zbcompile/planner/cut.py`): each config
 planned with the compiler's cut (balanced by FLOPs) and with the cut the plan chooses by
 predicted step time under each rank's memory, zb-auto's peak per rank and steady step for both.
 
@@ -29,13 +29,13 @@ CASES = [
 def plan_case(config: str, stages: int, dp: int, hardware) -> dict:
     import torch
 
-    from zbcompile import planning_cli
     from zbcompile.compiler import compile_costs
-    from zbcompile.planning import PlanOptions, plan, plan_compiled
+    from zbcompile.planner import cli as planner_cli
+    from zbcompile.planner.plan import PlanOptions, plan, plan_compiled
     from zbcompile.runtime.parallel.batch import split
 
     args = argparse.Namespace(model=str(CONFIGS / config), batch=None, microbatches=32, seq_len=4096, dtype="bfloat16")
-    model, inputs, kwargs, target, loss_fn = planning_cli.build(args)
+    model, inputs, kwargs, target, loss_fn = planner_cli.build(args)
     started = time.perf_counter()
     chosen = plan(model, *inputs, stages=stages, microbatches=32, dp=dp, hardware=hardware, **kwargs)
     seconds = time.perf_counter() - started

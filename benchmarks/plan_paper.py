@@ -22,9 +22,9 @@ import torch
 
 import _launch
 import zbcompile
-from zbcompile.hardware import Hardware
 from zbcompile.models import GPT, GPTConfig
 from zbcompile.models.gpt import lm_loss
+from zbcompile.planner.hardware import Hardware
 from zbcompile.schedules import Costs, make_schedule, simulate
 
 # name: (layers, hidden, heads, p, microbatch size, smallest m, (T_F, T_B, T_W, T_comm) ms, Table 4 (ZB-2p,

@@ -1,6 +1,6 @@
 """The paper's runs rehearsed: the real runtime at p = 8, 16 and 32 on this machine, each action
 taking the paper's measured time (Table 9), beside torch.distributed.pipelining's schedules under
-the same times (`zbcompile rehearse`, zbcompile/rehearsal.py).
+the same times (`zbcompile rehearse`, zbcompile/rehearsal/rehearse.py).
 
 Per setting (the paper's smallest m): our 1F1B, ZB-H1, ZB-H2, zb-auto under 1F1B's memory and
 twice it (the paper's ZB-1p and ZB-2p) and zb-auto as a pipeline makes it by default; at p = 8 and
@@ -30,9 +30,9 @@ import argparse
 import time
 
 import _launch
-from zbcompile.inspect.rehearsal_report import report_text, write_timeline_png
 from zbcompile.measure import paired_ratio
-from zbcompile.rehearsal import PAPER_GAINS, PAPER_TIMES, paper_times, rehearse
+from zbcompile.rehearsal.rehearse import PAPER_GAINS, PAPER_TIMES, paper_times, rehearse
+from zbcompile.rehearsal.report import report_text, write_timeline_png
 
 OURS = ("1f1b", "zb-h1", "zb-h2", "zb-1p", "zb-2p", "zb-auto")
 TORCH = (

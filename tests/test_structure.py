@@ -250,6 +250,22 @@ def test_the_runtime_is_in_rooms_layered_top_first():
     ]
 
 
+MAX_TOP_LEVEL_MODULES = 12  # zbcompile/'s own modules: the API, the options, what every room shares
+ROOMS = ["planner/", "rehearsal/", "runtime/", "passes/", "schedules/", "inspect/"]
+
+
+def test_the_top_level_keeps_the_api_and_what_rooms_share():
+    """zbcompile/ holds at most MAX_TOP_LEVEL_MODULES modules; the planner and the rehearsal are rooms
+    (subpackages) of their own, each with its command, and api.py stays under 250 lines."""
+    sources = repository_sources(PACKAGE)
+    top = [path for path in sources if path.count("/") == 1]
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, sorted(top)
+    for room in ROOMS:
+        assert f"{PACKAGE}/{room}__init__.py" in sources, f"{room} is not a package"
+    assert {f"{PACKAGE}/planner/cli.py", f"{PACKAGE}/rehearsal/cli.py"} <= set(sources)
+    assert sources["zbcompile/api.py"].count("\n") < 250
+
+
 def test_private_torch_modules_only_through_the_adapter():
     uses = private_torch_uses(repository_sources(PACKAGE, "benchmarks", "tests", "examples"))
     users = {use.split(":")[0] for use in uses}

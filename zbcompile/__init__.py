@@ -15,9 +15,9 @@ from typing import Any
 # public name -> the module that defines it, imported on first use
 _MODULE_OF = {
     "pipeline": "zbcompile.api",
-    "plan": "zbcompile.planning",
-    "Plan": "zbcompile.planning",
-    "Hardware": "zbcompile.hardware",
+    "plan": "zbcompile.planner.plan",
+    "Plan": "zbcompile.planner.plan",
+    "Hardware": "zbcompile.planner.hardware",
     "PipelinedModule": "zbcompile.api",
     "PostValidatedOptimizer": "zbcompile.runtime.state.optimizer",
     "SynchronousClipOptimizer": "zbcompile.runtime.state.optimizer",

@@ -218,10 +218,8 @@ class PipelinedModule(ModuleView):
 
     def __repr__(self) -> str:
         o = self.options
-        return (
-            f"PipelinedModule(stages={o.stages}, microbatches={o.microbatches}, "
-            f"schedule={schedule_label(o.schedule)}, module={self.module!r})"
-        )
+        fields = f"stages={o.stages}, microbatches={o.microbatches}, schedule={schedule_label(o.schedule)}"
+        return f"PipelinedModule({fields}, module={self.module!r})"
 
 
 @contextlib.contextmanager

@@ -28,8 +28,8 @@ from torch import fx, nn
 
 from zbcompile import _torch_internals as ti
 from zbcompile.passes import _fx
+from zbcompile.passes.program import Program, Signature
 from zbcompile.passes.split_backward import MIN_DEFERRAL_INTENSITY, IWPrograms, split_backward_program
-from zbcompile.program import Program, Signature
 from zbcompile.value_names import (
     fqn_of,
     grad_name,

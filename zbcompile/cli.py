@@ -11,8 +11,8 @@ SUBCOMMANDS = {
     "schedule": "zbcompile.schedules.cli",
     "demo": "zbcompile.demo",
     "inspect": "zbcompile.inspect.cli",
-    "plan": "zbcompile.planning_cli",
-    "rehearse": "zbcompile.rehearsal_cli",
+    "plan": "zbcompile.planner.cli",
+    "rehearse": "zbcompile.rehearsal.cli",
 }
 
 

@@ -22,6 +22,7 @@ from zbcompile.passes.graph_cost import cost_formula
 from zbcompile.passes.held_cuts import held_cuts
 from zbcompile.passes.joint import StageJoint, export_stage_joint, export_stage_joints
 from zbcompile.passes.partition import Stage, StagePartition, partition_stages
+from zbcompile.passes.program import Program
 from zbcompile.passes.recompute import RECOMPUTE_LEVELS
 from zbcompile.passes.split_backward import MIN_DEFERRAL_INTENSITY, StageIWPrograms, split_backward
 from zbcompile.passes.stage_cost import (
@@ -33,7 +34,6 @@ from zbcompile.passes.stage_cost import (
 )
 from zbcompile.passes.stage_reuse import renamed_joint, renamed_split, stage_fingerprint, stage_name_map
 from zbcompile.passes.trace import TracedModel, trace_model
-from zbcompile.program import Program
 from zbcompile.schedules import Costs, Schedule
 
 

@@ -36,9 +36,9 @@ import torch.multiprocessing as mp
 
 import zbcompile
 from zbcompile import measure
-from zbcompile.local_ranks import free_port
 from zbcompile.models import GPT, GPTConfig
 from zbcompile.models.gpt import Block, lm_loss
+from zbcompile.runtime.parallel.local_ranks import free_port
 from zbcompile.runtime.tuning import profile
 from zbcompile.schedules import DEFAULT_SCHEDULE, REFERENCE_SCHEDULE, Costs
 

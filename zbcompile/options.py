@@ -15,11 +15,18 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from zbcompile.schedules import DEFAULT_SCHEDULE, SCHEDULE_NAMES, Costs, Schedule, check_schedule_sizes
 from zbcompile.schedules.costs import EmulatedTimes
-from zbcompile.schedules.memory_limit import check_memory_limit
-from zbcompile.stage_compiler import check_compiler
+from zbcompile.schedules.memory_limit import DATA_PARALLEL_MODES, check_memory_limit
 
-DATA_PARALLEL_MODES = ("replicate", "shard")
 DEFAULT_TIMEOUT = timedelta(seconds=300)
+STAGE_COMPILERS = ("eager", "traced", "inductor")
+
+
+def check_compiler(compiler: str | None) -> None:
+    if compiler is not None and compiler not in STAGE_COMPILERS:
+        raise ValueError(
+            f"pipeline(): unknown compiler {compiler!r}; choose one of {', '.join(STAGE_COMPILERS)} (or None: "
+            "inductor on CUDA, traced elsewhere)"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,7 +61,8 @@ class PipelineOptions:
     costs: Costs | None = None  # solve with these instead of the static estimates (any one time unit)
     follow_readiness: bool = True  # W run in waits and past sends, in order (runtime/step/dispatch.py)
     grad_dtype: torch.dtype | None = None  # dtype `.grad` accumulates in (torch's param.grad_dtype); None: as set
-    recompute: str | None = None  # "auto": recompute forward values per stage to fit memory_limit (auto_recompute.py)
+    # "auto": recompute forward values per stage to fit memory_limit (runtime/tuning/auto_recompute.py)
+    recompute: str | None = None
     # "replicate": replicas keep parameters whole, or "shard": DTensors over "dp" (runtime/parallel/sharding.py)
     data_parallel: str = "replicate"
     # {module-FQN pattern: torch ParallelStyle}, applied on the process_group mesh's "tp" dimension

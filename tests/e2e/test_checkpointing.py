@@ -289,8 +289,8 @@ def test_auto_recompute_keeps_recomputing_where_that_is_faster_within_the_limit(
     """A schedule solved under the limit (zb-auto) may fit with no recomputation only by giving up
     overlap: the choice goes on to the fitting levels of least simulated time (levels (2, 1)
     here; (2, 2) would be faster still but exceeds the limit)."""
-    from zbcompile.auto_recompute import Evaluation, choose_recomputation
     from zbcompile.compiler import CompiledPipeline
+    from zbcompile.runtime.tuning.auto_recompute import Evaluation, choose_recomputation
 
     def evaluate(candidate: CompiledPipeline) -> Evaluation:
         first, second = candidate.recompute_levels

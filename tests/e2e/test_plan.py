@@ -17,14 +17,14 @@ import torch
 
 import zbcompile
 from zbcompile.cli import main
-from zbcompile.hardware import NAMED, Hardware
-from zbcompile.inspect.plan_report import zb_auto_line
-from zbcompile.inspect.text import state_bytes
 from zbcompile.models import GPT, GPTConfig
 from zbcompile.models.gpt import lm_loss
 from zbcompile.passes.graph_cost import GraphCost
-from zbcompile.planning import PlanOptions, _zb_auto_choice, plan_compiled
+from zbcompile.planner.hardware import NAMED, Hardware
+from zbcompile.planner.plan import PlanOptions, _zb_auto_choice, plan_compiled
+from zbcompile.planner.report import zb_auto_line
 from zbcompile.schedules import Costs, simulate
+from zbcompile.schedules.memory_limit import state_bytes
 
 
 class HardwareTest(unittest.TestCase):

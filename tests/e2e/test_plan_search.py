@@ -18,16 +18,16 @@ import torch
 import zbcompile
 from zbcompile.cli import main
 from zbcompile.compiler import compile_costs
-from zbcompile.hardware import NAMED
-from zbcompile.inspect.text import state_bytes
-from zbcompile.layout_search import MENU, Layout, SearchSettings, _Pricer, menu, search
 from zbcompile.passes.tensor_parallel_shares import annotate_shares, model_plan
-from zbcompile.plan_units import LEVEL_NAMES, _costed_units, compiled_units, for_ranks, model_units
-from zbcompile.rehearsal import plan_times
+from zbcompile.planner.hardware import NAMED
+from zbcompile.planner.search import MENU, Layout, SearchSettings, _Pricer, menu, search
+from zbcompile.planner.units import LEVEL_NAMES, _costed_units, compiled_units, for_ranks, model_units
+from zbcompile.rehearsal.rehearse import plan_times
 from zbcompile.schedules import make_schedule, simulate
 from zbcompile.schedules.cut_choice import CutSettings, stage_costs
 from zbcompile.schedules.cut_search import Cut, bottleneck_cut
 from zbcompile.schedules.cut_units import segments_of
+from zbcompile.schedules.memory_limit import state_bytes
 
 H100 = NAMED["H100-80GB"]
 SEQ = 64

@@ -18,9 +18,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import zbcompile
 from zbcompile.cli import main
-from zbcompile.hardware import NAMED, Hardware
 from zbcompile.models import GPT, GPTConfig
 from zbcompile.models.gpt import lm_loss
+from zbcompile.planner.hardware import NAMED, Hardware
 
 PLAN = {
     "blocks.*.attn.qkv": ColwiseParallel(), "blocks.*.attn.proj": RowwiseParallel(),

@@ -14,11 +14,11 @@ import torch
 import zbcompile
 from helpers.grads import FP32, assert_grads_close, grads_of
 from helpers.models import NAMES, build
-from zbcompile.auto_recompute import with_levels
 from zbcompile.compiler import compile_pipeline
 from zbcompile.passes.recompute import RECOMPUTE_LEVELS
 from zbcompile.runtime.parallel import batch
 from zbcompile.runtime.step.local import LocalRunner
+from zbcompile.runtime.tuning.auto_recompute import with_levels
 from zbcompile.schedules import make_schedule
 from zbcompile.value_names import buffer_name, param_name
 

@@ -7,8 +7,8 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from zbcompile import local_ranks
-from zbcompile.local_ranks import Failed, free_port  # noqa: F401 (the tests take them from here)
+from zbcompile.runtime.parallel import local_ranks
+from zbcompile.runtime.parallel.local_ranks import Failed, free_port  # noqa: F401 (the tests take them from here)
 
 
 def replica_of(ranks_per_pipeline: int) -> tuple[int, int]:
@@ -18,5 +18,5 @@ def replica_of(ranks_per_pipeline: int) -> tuple[int, int]:
 
 
 def run_ranks(world: int, fn: Callable, *args: Any, allow_failures: bool = False, timeout: float = 600) -> list[Any]:
-    """`fn(*args)` on `world` processes; rank r's result at index r (`zbcompile.local_ranks.run_ranks`)."""
+    """`fn(*args)` on `world` processes; rank r's result at index r (`local_ranks.run_ranks`)."""
     return local_ranks.run_ranks(world, fn, *args, timeout_s=timeout, group_timeout_s=60, allow_failures=allow_failures)

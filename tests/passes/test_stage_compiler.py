@@ -15,10 +15,10 @@ from torch import nn
 
 import zbcompile
 from helpers.models import GPT_CONFIG, build
-from zbcompile import stage_compiler
 from zbcompile.models.gpt import GPT
-from zbcompile.program import Signature
-from zbcompile.stage_compiler import InductorProgram, TracedProgram, compile_stage_programs
+from zbcompile.passes.program import Signature
+from zbcompile.runtime.step import stage_compiler
+from zbcompile.runtime.step.stage_compiler import InductorProgram, TracedProgram, compile_stage_programs
 
 
 def test_inductor_stage_programs_match_eager():

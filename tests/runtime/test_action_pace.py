@@ -1,5 +1,5 @@
 """Emulated action and link times (`runtime/step/action_pace.py`), the rehearsal's schedules
-(`rehearsal.prepare`, the paper's settings) and torch's emulated chunk (`rehearsal_torch.py`):
+(`rehearse.prepare`, the paper's settings) and torch's emulated chunk (`rehearsal/torch_schedules.py`):
 each sleep on the path it stands for, and only there."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from zbcompile.rehearsal import Rehearsal, paper_times, prepare
-from zbcompile.rehearsal_torch import EmulatedChunk
+from zbcompile.rehearsal.rehearse import Rehearsal, paper_times, prepare
+from zbcompile.rehearsal.torch_schedules import EmulatedChunk
 from zbcompile.runtime.step.action_pace import Emulated, Slowed
 from zbcompile.runtime.step.transport import Pending, _Poster
 from zbcompile.schedules import Action, Costs, simulate

@@ -17,11 +17,16 @@ import torch
 
 import zbcompile
 from helpers.models import build
-from zbcompile.auto_recompute import MeasuredRecomputation, calibrated_costs, evaluate_memory, with_levels
 from zbcompile.inspect.decisions_text import tuner_lines
 from zbcompile.inspect.write import schedule_costs_used
 from zbcompile.runtime.parallel.layout import Layout
 from zbcompile.runtime.tuning import profile, schedule_trial
+from zbcompile.runtime.tuning.auto_recompute import (
+    MeasuredRecomputation,
+    calibrated_costs,
+    evaluate_memory,
+    with_levels,
+)
 from zbcompile.runtime.tuning.schedule_race import MIN_ROUNDS, Entrant
 from zbcompile.schedules import Costs, make_schedule, simulate
 

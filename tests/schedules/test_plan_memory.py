@@ -1,10 +1,10 @@
-"""The planner's cut with recomputation per stage (`zbcompile/plan_memory.py`) on fixed
+"""The planner's cut with recomputation per stage (`zbcompile/planner/memory.py`) on fixed
 per-position costs: the cut and levels it finds are those of the least bottleneck that pricing
 every cut and every stage's level finds, each stage within its memory."""
 
 import itertools
 
-from zbcompile.plan_memory import flights, recompute_cut
+from zbcompile.planner.memory import flights, recompute_cut
 from zbcompile.schedules.cut_choice import CutSettings, memory_rule
 from zbcompile.schedules.cut_units import CutUnits, Segments, v_rank
 

@@ -15,7 +15,7 @@ from zbcompile.inspect.decisions_text import cut_lines
 from zbcompile.inspect.read import Dump
 from zbcompile.inspect.timelines import MOVED, median, median_step, steady_steps, step_stats
 from zbcompile.inspect.units import seconds_text, si
-from zbcompile.options import DATA_PARALLEL_MODES
+from zbcompile.schedules.memory_limit import state_bytes
 
 if TYPE_CHECKING:
     from zbcompile.compiler import CompiledPipeline
@@ -203,32 +203,6 @@ def format_state_memory(rows: Sequence[dict[str, int]], mode: str, replicas: int
 
 def format_phases(seconds: dict[str, float]) -> str:
     return "compile: " + ", ".join(f"{k} {v:.2f}s" for k, v in seconds.items())
-
-
-# --- state memory per rank (shared with the plan's report, inspect/plan_report.py) ---------------
-
-
-def state_bytes(
-    param_bytes: float, dp: int, mode: str, grad_factor: float = 1.0, optimizer_factor: float = 2.0
-) -> dict[str, float]:
-    """Bytes one rank holds for a stage's `param_bytes` (P) of parameters during a step: "params",
-    "grads", "optimizer" and their "total". AdamW by default: two moments per parameter in its
-    dtype (`optimizer_factor=2`), gradients in the parameters' dtype (`grad_factor=1`).
-
-        replicate  parameters P, gradients P x grad_factor, optimizer state P x optimizer_factor
-        shard      parameters, gradients and optimizer state stored divided over the dp ranks (a
-                   DTensor shard each, as FSDP2 keeps them), plus the stage's whole parameters
-                   gathered and its whole gradients accumulated while the step runs"""
-    if mode not in DATA_PARALLEL_MODES:
-        raise ValueError(f"data_parallel must be one of {DATA_PARALLEL_MODES}, got {mode!r}")
-    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
-        raise ValueError(f"dp must be a positive int, got {dp!r}")
-    grads, optimizer = param_bytes * grad_factor, param_bytes * optimizer_factor
-    if mode == "replicate":
-        held = {"params": param_bytes, "grads": grads, "optimizer": optimizer}
-    else:
-        held = {"params": param_bytes + param_bytes / dp, "grads": grads + grads / dp, "optimizer": optimizer / dp}
-    return {**held, "total": sum(held.values())}
 
 
 def format_state_table(rows: Sequence[dict[str, Any]], dp: int, mode: str) -> str:

@@ -46,7 +46,7 @@ from zbcompile.schedules.validate import rank_limits
 
 if TYPE_CHECKING:
     from zbcompile.compiler import CompiledPipeline
-    from zbcompile.program import Program
+    from zbcompile.passes.program import Program
 
 DUMP_ENV = "ZBCOMPILE_DUMP"
 GRAPH_TITLES = {

@@ -16,7 +16,7 @@ from torch import fx
 
 from zbcompile.passes.joint import extract_program
 from zbcompile.passes.partition import Stage
-from zbcompile.program import Program
+from zbcompile.passes.program import Program
 from zbcompile.value_names import buffer_name, input_name, output_name, param_name, update_name
 
 

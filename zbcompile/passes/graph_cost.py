@@ -19,7 +19,7 @@ from zbcompile import _torch_internals as ti
 from zbcompile._torch_internals import pytree
 from zbcompile.passes import _fx, tensor_parallel
 from zbcompile.passes._fx import is_view_op, node_bytes
-from zbcompile.program import Program
+from zbcompile.passes.program import Program
 from zbcompile.value_names import is_state
 
 # Weight of one written byte against one FLOP when balancing stages: elementwise work is

@@ -22,9 +22,9 @@ from zbcompile import _torch_internals as ti
 from zbcompile.passes import _fx, tensor_parallel
 from zbcompile.passes.block_joint import stitched_joint
 from zbcompile.passes.partition import Stage, StagePartition
+from zbcompile.passes.program import Program, Signature
 from zbcompile.passes.recompute import checkpointed_nodes, recompute_closure, recompute_when_needed
 from zbcompile.passes.trace_errors import first_line, node_location, same_kind
-from zbcompile.program import Program, Signature
 from zbcompile.value_names import (
     GRAD,
     INPUT,

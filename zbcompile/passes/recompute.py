@@ -3,7 +3,7 @@ reading them saved from F.
 
 A forward node is *recomputable* when it was traced inside a `torch.utils.checkpoint` region
 (`trace.CHECKPOINT` in its `meta["custom"]`) or was chosen by `recompute="auto"` (see
-`auto_recompute.py`), and is not random (a dropout mask is drawn once, in F, and saved).
+`runtime/tuning/auto_recompute.py`), and is not random (a dropout mask is drawn once, in F, and saved).
 `recompute_closure` adds to the backward every recomputable value it would otherwise read
 from F, then every recomputable value those need, and so on: F then saves only what the
 recomputation starts from (a checkpoint region's inputs), as eager checkpointing does. The

@@ -34,7 +34,7 @@ from torch import fx
 
 from zbcompile.passes import _fx, graph_cost
 from zbcompile.passes.joint import StageJoint, extract_program
-from zbcompile.program import Program
+from zbcompile.passes.program import Program
 from zbcompile.value_names import INPUT, SAVED, TANGENT, fqn_of, is_param_grad, is_stash, is_state, stash_name
 
 # Weight-gradient work is deferred to W only when it is worth the memory W must hold for it

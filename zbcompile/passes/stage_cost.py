@@ -12,8 +12,8 @@ from zbcompile.passes import _fx
 from zbcompile.passes.graph_cost import GraphCost, graph_cost, peak_bytes
 from zbcompile.passes.joint import StageJoint
 from zbcompile.passes.partition import Stage, StagePartition
+from zbcompile.passes.program import Program
 from zbcompile.passes.split_backward import StageIWPrograms, held_until_weight
-from zbcompile.program import Program
 from zbcompile.schedules import Costs, Schedule
 from zbcompile.schedules.costs import ResolvedCosts, resolve_costs
 from zbcompile.schedules.simulate import peak_memory

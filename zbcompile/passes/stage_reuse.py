@@ -19,8 +19,8 @@ from typing import Any, Hashable
 from zbcompile.passes.graph_fingerprint import graph_fingerprint
 from zbcompile.passes.joint import StageJoint
 from zbcompile.passes.partition import Stage, StagePartition
+from zbcompile.passes.program import Program, Signature
 from zbcompile.passes.split_backward import StageIWPrograms
-from zbcompile.program import Program, Signature
 from zbcompile.value_names import BUFFER, GRAD, INPUT, OUTPUT, PARAM, PARAM_GRAD, TANGENT, UPDATE
 
 

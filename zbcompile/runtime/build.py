@@ -39,11 +39,11 @@ from zbcompile.runtime.step.distributed import DistributedRunner
 from zbcompile.runtime.step.forward_only import ForwardRunner
 from zbcompile.runtime.step.local import InProcessTransport, LocalRunner
 from zbcompile.runtime.step.runner import Runner
+from zbcompile.runtime.step.stage_compiler import compile_stage_programs
 from zbcompile.runtime.step.transport import stop_helper_threads
 from zbcompile.runtime.tuning import calibration, profile, recut
 from zbcompile.runtime.tuning.schedule_choice import ScheduleChoice
 from zbcompile.schedules import Costs, Schedule, pipeline_ranks, schedule_label, schedule_spec
-from zbcompile.stage_compiler import compile_stage_programs
 
 
 @dataclass(frozen=True)

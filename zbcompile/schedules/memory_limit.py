@@ -4,7 +4,10 @@ compiler's own M_B per stage). Numbers are already in that unit and pass through
 
 Where none is given, ``default_limit`` is the rule: no limit, except for a model with
 checkpointed regions under a solved schedule of one stage per rank (zb-auto), which gets 1F1B's
-peak on each rank (see there)."""
+peak on each rank (see there).
+
+`state_bytes`: what one rank holds for its parameters (gradients, optimizer state) under each
+data-parallel mode, which the runtime's report and the planner both price."""
 
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ from .costs import Costs
 from .ir import Schedule
 from .registry import make_schedule, schedule_spec
 from .simulate import simulate
+
+DATA_PARALLEL_MODES = ("replicate", "shard")  # how data-parallel replicas keep their state
 
 Limit = Union[None, float, str, Sequence[Union[float, str]]]
 
@@ -105,3 +110,26 @@ def default_limit(
     if not checkpointed or not spec.solved or spec.chunks_per_rank != 1:
         return None
     return list(simulate(make_schedule("1f1b", stages, microbatches), costs).peak_memory)
+
+
+def state_bytes(
+    param_bytes: float, dp: int, mode: str, grad_factor: float = 1.0, optimizer_factor: float = 2.0
+) -> dict[str, float]:
+    """Bytes one rank holds for a stage's `param_bytes` (P) of parameters during a step: "params",
+    "grads", "optimizer" and their "total". AdamW by default: two moments per parameter in its
+    dtype (`optimizer_factor=2`), gradients in the parameters' dtype (`grad_factor=1`).
+
+        replicate  parameters P, gradients P x grad_factor, optimizer state P x optimizer_factor
+        shard      parameters, gradients and optimizer state stored divided over the dp ranks (a
+                   DTensor shard each, as FSDP2 keeps them), plus the stage's whole parameters
+                   gathered and its whole gradients accumulated while the step runs"""
+    if mode not in DATA_PARALLEL_MODES:
+        raise ValueError(f"data_parallel must be one of {DATA_PARALLEL_MODES}, got {mode!r}")
+    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
+        raise ValueError(f"dp must be a positive int, got {dp!r}")
+    grads, optimizer = param_bytes * grad_factor, param_bytes * optimizer_factor
+    if mode == "replicate":
+        held = {"params": param_bytes, "grads": grads, "optimizer": optimizer}
+    else:
+        held = {"params": param_bytes + param_bytes / dp, "grads": grads + grads / dp, "optimizer": optimizer / dp}
+    return {**held, "total": sum(held.values())}

@@ -1,5 +1,5 @@
 """How long a rank's actions and messages take beyond their own work: testing and rehearsal aids
-(`PipelineOptions._slowdown`, `PipelineOptions._emulate`; `zbcompile/rehearsal.py`).
+(`PipelineOptions._slowdown`, `PipelineOptions._emulate`; `zbcompile/rehearsal/rehearse.py`).
 
 - `Slowed(factor)`: every F, I, W and B sleeps `factor - 1` times its own time after it ran, as a
   slower or shared device would.

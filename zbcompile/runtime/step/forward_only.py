@@ -16,7 +16,7 @@ import torch
 
 from zbcompile.compiler import CompiledForward
 from zbcompile.passes.partition import Stage
-from zbcompile.program import Program
+from zbcompile.passes.program import Program
 from zbcompile.runtime.step.dispatch import Interpreter, Values
 from zbcompile.runtime.step.live_memory import TransientTracker
 from zbcompile.runtime.step.rank_program import rank_program, single_process_program

@@ -12,9 +12,9 @@ from torch.distributed.tensor import DTensor
 from zbcompile.compiler import StageProgram
 from zbcompile.passes._fx import size_hint
 from zbcompile.passes.partition import Stage
+from zbcompile.passes.program import Program
 from zbcompile.passes.shape_symbols import is_symbolic
 from zbcompile.passes.trace_errors import first_line, node_location, same_kind
-from zbcompile.program import Program
 from zbcompile.runtime.step.live_memory import held_bytes, peak_inside
 from zbcompile.value_names import (
     OUTPUT,

@@ -29,9 +29,9 @@ from torch import fx
 
 from zbcompile.compiler import CompiledPipeline
 from zbcompile.passes.cut_profile import unit_key
-from zbcompile.program import Program
+from zbcompile.passes.program import Program
 from zbcompile.runtime.step.action_clock import cuda_event, wait_for_event
-from zbcompile.stage_compiler import each_graph
+from zbcompile.runtime.step.stage_compiler import each_graph
 
 UnitKey = tuple[int, str, str]  # (stage, action kind, unit)
 

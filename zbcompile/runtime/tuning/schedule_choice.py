@@ -11,13 +11,13 @@ from typing import Any, Callable
 
 import torch
 
-from zbcompile import auto_recompute
 from zbcompile.compiler import CompiledPipeline
 from zbcompile.options import PipelineOptions
 from zbcompile.passes.graph_cost import FLOPS_PER_BYTE
 from zbcompile.runtime.parallel import grad_reduction
 from zbcompile.runtime.parallel.layout import Layout, from_first_rank
-from zbcompile.runtime.tuning import profile
+from zbcompile.runtime.step.stage_compiler import compile_stage_programs
+from zbcompile.runtime.tuning import auto_recompute, profile
 from zbcompile.schedules import Costs, Schedule, make_schedule, schedule_spec
 from zbcompile.schedules.costs import ResolvedCosts, resolve_costs, with_reduction
 from zbcompile.schedules.memory_limit import (
@@ -28,7 +28,6 @@ from zbcompile.schedules.memory_limit import (
     limit_in_words,
 )
 from zbcompile.schedules.v_choice import PLACEMENTS
-from zbcompile.stage_compiler import compile_stage_programs
 
 CompileIn = Callable[[int, "int | None"], CompiledPipeline]  # (stages, memory_unit_bytes) -> the model compiled
 

@@ -4,10 +4,10 @@ parallel ranks tp inside a node, data-parallel replicas dp keeping their state "
 fastest predicted step that fits each rank's memory.
 
 A layout's option (schedule, placement, recompute level) is priced on the model's per-position
-costs (`plan_units.ModelUnits`, compiled once for all layouts): its stages cut where the slowest
+costs (`units.ModelUnits`, compiled once for all layouts): its stages cut where the slowest
 stage is least (`cut_search.bottleneck_cut`), and, where it differs, where each stage also holds
 its state and 1F1B's microbatches in flight (one given layout's `menu` also on the cuts where each
-stage's recomputation is chosen with it: `plan_memory.recompute_cut`); each stage's costs, each
+stage's recomputation is chosen with it: `memory.recompute_cut`); each stage's costs, each
 rank's state (parameters, gradients, optimizer state by data-parallel mode) and the schedule made
 and simulated on them (zb-auto and ZBV solved under each rank's memory left after its state).
 Branch and bound: options are priced in the order of a bound no schedule can beat (the busiest
@@ -26,12 +26,13 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, Sequence
 
-from zbcompile.inspect.text import DATA_PARALLEL_MODES, si, state_bytes
-from zbcompile.plan_memory import flights, memory_bound, recompute_cut
+from zbcompile.inspect.units import si
+from zbcompile.planner.memory import flights, memory_bound, recompute_cut
 from zbcompile.schedules.costs import resolve_costs
 from zbcompile.schedules.cut_choice import CutSettings, cut_schedule, memory_rule, stage_costs
 from zbcompile.schedules.cut_search import Cut, bottleneck_cut
 from zbcompile.schedules.cut_units import CutUnits, Segments, candidate_positions
+from zbcompile.schedules.memory_limit import DATA_PARALLEL_MODES, state_bytes
 from zbcompile.schedules.simulate import simulate
 
 # (schedule, placement): every schedule the runtime runs that trades memory for bubble
@@ -43,7 +44,7 @@ SOLVED = ("zb-auto", "zbv")  # made under each rank's memory left after its stat
 
 
 class Units(Protocol):
-    """What the search reads of a model (`plan_units.ModelUnits`)."""
+    """What the search reads of a model (`units.ModelUnits`)."""
 
     tps: tuple[int, ...]
     flops_per_sample: float
@@ -75,7 +76,7 @@ class Option:
     or `stage_levels` (one per stage; `level`: their highest); `cut`: "time" (the slowest stage
     least), "memory" (each stage's state and 1F1B's microbatches within its rank's memory too) or
     "recompute" (the cut and each stage's level chosen together for `flight` microbatches in
-    flight, packed from the front or `from_back`: `plan_memory`; `_Pricer.candidate` fills in the
+    flight, packed from the front or `from_back`: `planner/memory.py`; `_Pricer.candidate` fills in the
     levels)."""
 
     schedule: str
@@ -255,7 +256,7 @@ class _Pricer:
 
     def bound(self, layout: Layout, option: Option) -> tuple[float, Cut | None]:
         """A step no schedule of `option` that fits can beat, and its cut: the busiest rank's
-        summed action time, or, where longer, what memory allows (`plan_memory.memory_bound`); inf
+        summed action time, or, where longer, what memory allows (`memory.memory_bound`); inf
         where some rank's state alone passes the limit."""
         cut = self.cut(layout, option)
         if cut is None:
@@ -400,7 +401,7 @@ def layouts(model: Units, settings: SearchSettings, positions: int) -> tuple[lis
 def options_of(settings: SearchSettings, levels: int, pp: int, recompute_cuts: bool = False) -> list[Option]:
     """Every option of the menu at every recompute level, each on both cuts, and with
     `recompute_cuts` where the units have recompute levels, on the recompute cuts too (each count
-    in flight of `plan_memory.flights`, packed from either end)."""
+    in flight of `memory.flights`, packed from either end)."""
     chosen = settings.levels if settings.levels is not None else tuple(range(levels))
     uniform = [Option(name, placement, level, cut) for name, placement in settings.menu for level in chosen
                for cut in ("time", "memory")]
@@ -462,7 +463,7 @@ def menu(model: Units, settings: SearchSettings, layout: Layout, refined: bool =
     """Every option of the menu priced on one `layout`: per schedule and placement, on the cut where
     it is faster, at level 0 and each recompute level worth pricing (`_Pricer.worth_recomputing`);
     `refined` also per stage where faster (`_Pricer.mixed_levels`) and on the recompute cuts
-    (`plan_memory`) in the order of their bound, each where it beats its schedule's fastest fit
+    (`planner/memory.py`) in the order of their bound, each where it beats its schedule's fastest fit
     (most of a menu's time: without them a menu prices the uniform levels only)."""
     pricer = _Pricer(model, settings)
     levels = len(model.units(layout.tp, layout.microbatch_size))

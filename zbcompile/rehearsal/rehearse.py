@@ -9,8 +9,8 @@ readiness, the host time of each action, the messages a V adds.
 The times come from a `Costs` (any unit; `unit_s` seconds each), from the paper's Table 9
 (`paper_times`), or from a `zbcompile plan` record (`plan_times`). Each schedule runs `steps`
 steps back to back per round, rounds interleaved; torch.distributed.pipelining's schedules can
-run beside them under the same times (`rehearsal_torch.py`). What comes back
-(`inspect/rehearsal_report.py`): per schedule the measured steady step, both bubble rates, the
+run beside them under the same times (`rehearsal/torch_schedules.py`). What comes back
+(`rehearsal/report.py`): per schedule the measured steady step, both bubble rates, the
 simulator's prediction for the same times, the host time per action, and the timelines."""
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 from zbcompile import measure
-from zbcompile.local_ranks import run_ranks
-from zbcompile.rehearsal_torch import TORCH_SCHEDULES, TorchRun, mse
+from zbcompile.rehearsal.torch_schedules import TORCH_SCHEDULES, TorchRun, mse
+from zbcompile.runtime.parallel.local_ranks import run_ranks
 from zbcompile.schedules import Costs, Schedule, make_schedule, schedule_spec
 from zbcompile.schedules.costs import EmulatedTimes, ResolvedCosts, resolve_costs
 
@@ -245,8 +245,8 @@ def _rank_main(settings: Rehearsal, prepared: Sequence[Prepared]) -> dict[str, A
 
 def rehearse(settings: Rehearsal) -> dict[str, Any]:
     """Run the rehearsal on `settings.ranks` local processes; its record
-    (`inspect/rehearsal_report.analyse` over every rank's measurements)."""
-    from zbcompile.inspect.rehearsal_report import analyse
+    (`rehearsal/report.analyse` over every rank's measurements)."""
+    from zbcompile.rehearsal.report import analyse
 
     started = time.perf_counter()
     prepared = prepare(settings)

@@ -1,4 +1,4 @@
-"""torch.distributed.pipelining's schedules under a rehearsal's emulated times (`rehearsal.py`),
+"""torch.distributed.pipelining's schedules under a rehearsal's emulated times (`rehearsal/rehearse.py`),
 for a comparison in the same run: each chunk is a module whose forward lasts the chunk's F, whose
 input-gradient path (what torch's `stage_backward_input` runs) sleeps I, and whose weight path
 (what `stage_backward_weight` runs from the saved intermediates) sleeps W; a fused backward runs

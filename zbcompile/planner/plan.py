@@ -7,8 +7,8 @@
 The model may live on the meta device and the batch may be meta tensors: the compiler traces
 with fake tensors and never materialises a parameter. Stages whose programs are identical are
 compiled once (`compiler.compile_costs`). Per-pass times come from a `Hardware` profile
-(`hardware.py`), memory from the compiled graphs (M_B, M_W and each action's own peak) plus the
-state each rank holds (`inspect/plan_report.state_bytes`).
+(`planner/hardware.py`), memory from the compiled graphs (M_B, M_W and each action's own peak) plus the
+state each rank holds (`planner/report.state_bytes`).
 """
 
 from __future__ import annotations
@@ -23,18 +23,19 @@ from torch import nn
 
 from zbcompile._torch_internals import pytree
 from zbcompile.compiler import CostedPipeline, compile_costs
-from zbcompile.hardware import Hardware, resolve_rank_hardware
-from zbcompile.inspect.plan_report import plan_text
-from zbcompile.inspect.text import DATA_PARALLEL_MODES, si, stage_rows_of, state_bytes
-from zbcompile.layout_search import Layout
+from zbcompile.inspect.text import stage_rows_of
+from zbcompile.inspect.units import si
 from zbcompile.passes.stage_cost import peak_memory_with_transients
 from zbcompile.passes.tensor_parallel_shares import annotate_shares, model_plan
-from zbcompile.plan_cut import binds, cut_decision, decision_record, one_f_one_b_peaks
-from zbcompile.plan_search import LayoutPlan, menu_record, plan_layouts
+from zbcompile.planner.cut import binds, cut_decision, decision_record, one_f_one_b_peaks
+from zbcompile.planner.hardware import Hardware, resolve_rank_hardware
+from zbcompile.planner.layouts import LayoutPlan, menu_record, plan_layouts
+from zbcompile.planner.report import plan_text
+from zbcompile.planner.search import Layout
 from zbcompile.runtime.parallel.batch import split
 from zbcompile.schedules import Costs, Schedule, ScheduleError, make_schedule, simulate
 from zbcompile.schedules.costs import resolve_costs
-from zbcompile.schedules.memory_limit import parse_bytes
+from zbcompile.schedules.memory_limit import DATA_PARALLEL_MODES, parse_bytes, state_bytes
 from zbcompile.schedules.render import layout, to_svg
 
 PLANNED_SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "gpipe", "zb-auto")
@@ -110,22 +111,22 @@ def plan(
     `kwargs`, `target` (one data-parallel replica's, as `step()` takes it; meta tensors welcome)
     on `hardware` (a `Hardware`, a name from `hardware.NAMED` or a JSON file; or a list of them,
     one per rank: ranks of different kinds), with `dp` data-parallel replicas keeping their state
-    as `data_parallel` says ("replicate" or "shard", see `inspect/plan_report.py`), against
+    as `data_parallel` says ("replicate" or "shard", see `planner/report.py`), against
     `memory_limit` bytes per rank (default: each rank's device memory). `optimizer_factor` and
     `grad_factor`: bytes of optimizer state and of gradients per byte of parameters (AdamW in the
     parameters' dtype: 2 and 1). `schedules`: which to plan (schedules of one stage per rank);
     zb-auto is solved under each rank's memory left after its state. The model is cut where the
     compiler balances its FLOPs, unless (without `split_points`) the memory limit binds or the
-    ranks differ: then where the predicted step time is least (`plan_cut.py`). `tp`
+    ranks differ: then where the predicted step time is least (`planner/cut.py`). `tp`
     tensor-parallel ranks per stage (inside a node) split the modules `tensor_parallel` names
     ({module-FQN pattern: ColwiseParallel() / RowwiseParallel() or "colwise" / "rowwise"}; default:
     a transformers model's own plan), with `sequence_parallel` the rest of the activations too
     (`passes/tensor_parallel_shares.py`: each rank's FLOPs, bytes and state, and the collectives'
     time on the hardware's `intra_node_bandwidth`). Where no schedule of the menu fits, the
-    record also names the nearest layouts of as many GPUs that do (`plan_search.py`).
+    record also names the nearest layouts of as many GPUs that do (`planner/layouts.py`).
 
     With `gpus` (no `stages`, `microbatches`, `dp`, `tp`), the batch is the global batch and the
-    answer the fastest layouts of `gpus` GPUs that fit (`plan_search.plan_layouts`)."""
+    answer the fastest layouts of `gpus` GPUs that fit (`layouts.plan_layouts`)."""
     search_options = dict(
         hardware=hardware, memory_limit=memory_limit, loss_fn=loss_fn, optimizer_factor=optimizer_factor,
         grad_factor=grad_factor, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
@@ -188,7 +189,7 @@ def _nearest(model: nn.Module, batch: tuple, stages: int, o: PlanOptions, search
 
 def _cut_by_time(planned: Plan, compiled: Callable[[Sequence[int]], CostedPipeline]) -> Plan:
     """`planned`, or where its memory limit binds or its ranks differ the plan of the model cut
-    where the predicted step time is least (`plan_cut.cut_decision`), if that plan's zb-auto fits
+    where the predicted step time is least (`cut.cut_decision`), if that plan's zb-auto fits
     where the compiler's cut did not, or is faster."""
     alike = all(h == planned.rank_hardware[0] for h in planned.rank_hardware)
     if len(planned.state) < 2 or (alike and not binds(one_f_one_b_peaks(planned), planned.limits)):

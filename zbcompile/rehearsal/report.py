@@ -1,4 +1,4 @@
-"""A rehearsal's measurements (`zbcompile/rehearsal.py`) turned into its record, its text and its
+"""A rehearsal's measurements (`zbcompile/rehearsal/rehearse.py`) turned into its record, its text and its
 timeline picture. Pure Python; no torch.
 
 Per schedule: the measured steady step (the slowest rank's seconds between step ends, steps back

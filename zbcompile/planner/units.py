@@ -1,5 +1,5 @@
 """A model's costs per position, compiled once for every layout the planner's search weighs
-(`layout_search.py`): one trace per microbatch size, three compiles in all.
+(`planner/search.py`): one trace per microbatch size, three compiles in all.
 
 `ModelUnits.units(tp, b)` is the model as the cut decision sees it (`schedules/cut_units.CutUnits`:
 per position its F, I and W seconds on the hardware, its M_B, M_W and transient bytes, the bytes a
@@ -31,13 +31,13 @@ import torch
 from torch import nn
 
 from zbcompile.compiler import CostedPipeline, compile_costs
-from zbcompile.hardware import Hardware
 from zbcompile.passes import cut_profile
 from zbcompile.passes.cut_positions import anchored_nodes
 from zbcompile.passes.recompute import RECOMPUTE_LEVELS
 from zbcompile.passes.tensor_parallel_shares import annotate_shares
 from zbcompile.passes.trace import trace_model
-from zbcompile.plan_cut import pass_timer
+from zbcompile.planner.cut import pass_timer
+from zbcompile.planner.hardware import Hardware
 from zbcompile.schedules.cut_units import CutUnits
 
 LEVEL_NAMES = ("none", *(level.name for level in RECOMPUTE_LEVELS))
@@ -239,7 +239,7 @@ def _relative(level0: CutUnits, base0: CutUnits, base_level: CutUnits) -> CutUni
 @dataclass
 class CompiledUnits:
     """One compile's units (`compiler.compile_costs` with its recompute alternatives) for the
-    one tp and microbatch size it was compiled at: the menu of a given layout (`planning.py`)."""
+    one tp and microbatch size it was compiled at: the menu of a given layout (`planner/plan.py`)."""
 
     tp: int
     microbatch_size: int

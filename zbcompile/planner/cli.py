@@ -22,8 +22,8 @@ import os
 import sys
 from typing import Any
 
-from zbcompile.hardware import NAMED
-from zbcompile.inspect.text import DATA_PARALLEL_MODES
+from zbcompile.planner.hardware import NAMED
+from zbcompile.schedules.memory_limit import DATA_PARALLEL_MODES
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -65,7 +65,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from zbcompile.planning import PLANNED_SCHEDULES, plan
+    from zbcompile.planner.plan import PLANNED_SCHEDULES, plan
 
     try:
         _check_layout_arguments(args)

@@ -1,4 +1,4 @@
-"""The `zbcompile rehearse` command (`zbcompile/rehearsal.py`):
+"""The `zbcompile rehearse` command (`zbcompile/rehearsal/rehearse.py`):
 
     zbcompile rehearse --paper 1.5B [--microbatches 32] [--time-scale 4]   # the paper's Table 9 times
     zbcompile rehearse plan.json [--time-scale 0.1]               # a `zbcompile plan --json` record
@@ -14,8 +14,8 @@ import argparse
 import json
 import os
 
-from zbcompile.inspect.rehearsal_report import report_text, timeline_svg
-from zbcompile.rehearsal import OURS, PAPER_TIMES, Rehearsal, paper_times, plan_times, rehearse
+from zbcompile.rehearsal.rehearse import OURS, PAPER_TIMES, Rehearsal, paper_times, plan_times, rehearse
+from zbcompile.rehearsal.report import report_text, timeline_svg
 from zbcompile.schedules import Costs
 
 

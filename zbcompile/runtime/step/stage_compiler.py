@@ -32,17 +32,8 @@ import torch
 
 from zbcompile import _torch_internals as ti
 from zbcompile.compiler import CompiledPipeline, StageProgram
-from zbcompile.program import Program
-
-STAGE_COMPILERS = ("eager", "traced", "inductor")
-
-
-def check_compiler(compiler: str | None) -> None:
-    if compiler is not None and compiler not in STAGE_COMPILERS:
-        raise ValueError(
-            f"pipeline(): unknown compiler {compiler!r}; choose one of {', '.join(STAGE_COMPILERS)} (or None: "
-            "inductor on CUDA, traced elsewhere)"
-        )
+from zbcompile.options import check_compiler
+from zbcompile.passes.program import Program
 
 
 def compile_stage_programs(

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from zbcompile.compiler import CostedPipeline
-from zbcompile.hardware import Hardware
-from zbcompile.layout_search import replica_cut_settings
 from zbcompile.passes.cut_profile import cut_layout, static_units
+from zbcompile.planner.hardware import Hardware
+from zbcompile.planner.search import replica_cut_settings
 from zbcompile.schedules import make_schedule
 from zbcompile.schedules.cut_choice import Cut, CutDecision, choose_cut
 

@@ -1,5 +1,5 @@
 """`zbcompile.plan(model, *batch, gpus=N)`: how to lay the model out over N GPUs for this global
-batch (`layout_search.py` searches; `plan_units.py` compiles the model once for it).
+batch (`planner/search.py` searches; `planner/units.py` compiles the model once for it).
 
     found = zbcompile.plan(model, tokens, labels=tokens, gpus=64, hardware="H100-80GB")
     print(found)                # the best layouts: step, tokens/s, MFU, memory; why others were dropped
@@ -20,9 +20,10 @@ from torch import nn
 
 from zbcompile._torch_internals import pytree
 from zbcompile.compiler import CostedPipeline
-from zbcompile.hardware import Hardware, resolve_hardware
-from zbcompile.inspect.plan_report import search_text
-from zbcompile.layout_search import (
+from zbcompile.passes.tensor_parallel_shares import model_plan, split_mismatch
+from zbcompile.planner.hardware import Hardware, resolve_hardware
+from zbcompile.planner.report import search_text
+from zbcompile.planner.search import (
     MENU,
     Layout,
     Option,
@@ -34,8 +35,7 @@ from zbcompile.layout_search import (
     search,
     worth_recomputing,
 )
-from zbcompile.passes.tensor_parallel_shares import model_plan, split_mismatch
-from zbcompile.plan_units import LEVEL_NAMES, compiled_units, model_units
+from zbcompile.planner.units import LEVEL_NAMES, compiled_units, model_units
 from zbcompile.schedules.memory_limit import parse_bytes
 
 TP_DEGREES = (1, 2, 4, 8)
@@ -43,7 +43,7 @@ TP_DEGREES = (1, 2, 4, 8)
 
 @dataclass(frozen=True)
 class LayoutPlan:
-    """The search's answer: `result` (`layout_search.SearchResult`) and its JSON-able `record`,
+    """The search's answer: `result` (`search.SearchResult`) and its JSON-able `record`,
     which `str()` prints."""
 
     result: SearchResult
@@ -135,7 +135,7 @@ def outcome_record(result: SearchResult, outcome: Outcome) -> dict[str, Any]:
 def search_record(
     result: SearchResult, hardware: Hardware, near: Layout | None = None, units: Any = None
 ) -> dict[str, Any]:
-    """The JSON-able record `inspect/plan_report.search_text` prints."""
+    """The JSON-able record `planner/report.search_text` prints."""
     s = result.settings
     reasons: dict[str, list[str]] = {}
     for what, why in result.dropped:
@@ -154,11 +154,11 @@ def search_record(
 
 
 def menu_record(costed: CostedPipeline, hardware: Hardware, o: Any, limit: float) -> dict[str, Any]:
-    """What a given layout's plan (`planning.plan`, its `PlanOptions` `o`) says of the menu:
-    "menu" (`layout_search.MENU`, each schedule without recomputation and, where `costed` has its
+    """What a given layout's plan (`plan.plan`, its `PlanOptions` `o`) says of the menu:
+    "menu" (`search.MENU`, each schedule without recomputation and, where `costed` has its
     recompute alternatives, with the fastest level that fits), "menu_choice", the fastest that
     fits (None: nothing does), "menu_binds": whether, without the alternatives, some recompute
-    level would be priced (`layout_search.worth_recomputing`), and with dp > 1 "other_mode": the
+    level would be priced (`search.worth_recomputing`), and with dp > 1 "other_mode": the
     fastest that fits keeping the state the other data-parallel way."""
     stages = len(costed.costs)
     given = Layout(stages, o.tp, o.dp, o.data_parallel, 1, o.microbatches)

@@ -3,10 +3,10 @@ it holds, the bytes of parameters, gradients and optimizer state per rank (by da
 and size), M_B and M_W, and predicted F/I/W times; per schedule, the peak memory of every rank
 (state + activations), whether it fits, the predicted step time and bubble; zb-auto's choice.
 
-Records are plain JSON-able dicts (`zbcompile.planning.Plan.record`); everything here formats
+Records are plain JSON-able dicts (`zbcompile.planner.plan.Plan.record`); everything here formats
 them. Pure Python; no torch.
 
-State per rank: `text.state_bytes` (which `pipe.explain()` prints too) says what each data-parallel
+State per rank: `schedules/memory_limit.state_bytes` (which `pipe.explain()` prints too) says what each data-parallel
 mode holds.
 """
 
@@ -15,20 +15,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from zbcompile.inspect.text import (
-    DATA_PARALLEL_MODES,
-    format_stages,
-    format_state_table,
-    format_table,
-    seconds_text,
-    si,
-    state_bytes,
-)
-
-__all__ = [
-    "DATA_PARALLEL_MODES", "cut_line", "format_schedules", "menu_text", "plan_text", "search_text", "state_bytes",
-    "zb_auto_line",
-]
+from zbcompile.inspect.text import format_stages, format_state_table, format_table
+from zbcompile.inspect.units import seconds_text, si
 
 
 def format_schedules(record: dict[str, Any]) -> str:
