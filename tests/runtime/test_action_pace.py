@@ -1,34 +1,58 @@
 """Emulated action and link times (`runtime/step/action_pace.py`), the rehearsal's schedules
 (`rehearse.prepare`, the paper's settings) and torch's emulated chunk (`rehearsal/torch_schedules.py`):
-each sleep on the path it stands for, and only there."""
+each sleep on the path it stands for, and only there, read from a recorded clock (no test here
+times anything)."""
 
 from __future__ import annotations
-
-import time
 
 import pytest
 import torch
 
+from zbcompile.rehearsal import torch_schedules
 from zbcompile.rehearsal.rehearse import Rehearsal, paper_times, prepare
 from zbcompile.rehearsal.torch_schedules import EmulatedChunk
+from zbcompile.runtime.step import action_pace, transport
 from zbcompile.runtime.step.action_pace import Emulated, Slowed
 from zbcompile.runtime.step.transport import Pending, _Poster
 from zbcompile.schedules import Action, Costs, simulate
 from zbcompile.schedules.costs import EmulatedTimes
 
 
-def test_an_emulated_action_lasts_its_time_whatever_its_own_work_took():
+class RecordedClock:
+    """A clock whose sleeps pass at once and are recorded: what a pace asks to wait, read without timing."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.slept: list[float] = []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(round(seconds, 9))
+        self.now += seconds
+
+    def sleep_until(self, deadline: float) -> None:
+        if deadline > self.now:
+            self.sleep(deadline - self.now)
+
+
+def test_an_emulated_action_waits_out_its_time_whatever_its_own_work_took(monkeypatch):
+    clock = RecordedClock()
+    monkeypatch.setattr(action_pace, "time", clock)
     pace = Emulated(EmulatedTimes.of(Costs(f=30, i=20, w=10), 2))
     for kind, want in (("F", 0.030), ("I", 0.020), ("W", 0.010), ("B", 0.030)):
-        started = time.perf_counter()
-        time.sleep(0.004)  # the stand-in's own work
-        pace.wait(Action.parse(f"1{kind}0"), time.perf_counter() - started)
-        took = time.perf_counter() - started
-        assert took >= want - 1.5e-3, (kind, took)  # cut short by at most the running lateness (<= 1 ms)
-    assert 0.0 <= pace.late_s <= 1e-3
-    slow = time.perf_counter()
+        clock.slept.clear()
+        pace.wait(Action.parse(f"1{kind}0"), 0.004)  # the stand-in's own work took 4 ms
+        assert clock.slept == [round(want - 0.004, 9)], kind
+    clock.slept.clear()
+    pace.wait(Action.parse("1F0"), 0.050)  # longer than its time: it keeps its own
+    assert clock.slept == []
+    pace.late_s = 0.5e-3  # a sleep is cut short by the lateness seen so far
+    pace.wait(Action.parse("1W0"), 0.0)
+    assert clock.slept == [round(0.010 - 0.5e-3, 9)]
     Slowed(2.0).wait(Action.parse("0F0"), 0.01)
-    assert time.perf_counter() - slow >= 0.01
+    assert clock.slept[-1] == 0.01
 
 
 def test_emulated_times_name_the_stages_they_are_for():
@@ -38,41 +62,37 @@ def test_emulated_times_name_the_stages_they_are_for():
         EmulatedTimes.of(Costs(), 2, unit_s=0)
 
 
-def test_a_send_is_posted_no_sooner_than_the_link_time_after_it_was_given():
+def test_a_send_is_posted_no_sooner_than_the_link_time_after_it_was_given(monkeypatch):
+    waited: list[float] = []  # the deadlines the send thread waits for, in order
+    monkeypatch.setattr(transport, "sleep_until", waited.append)
     poster = _Poster("test-poster")
-    posted: list[float] = []
-    try:
-        given = time.perf_counter()
-        for k in range(3):
-            post = lambda: posted.append(time.perf_counter()) or []  # noqa: E731
-            poster.post(Pending([], [], 1, f"0SEND_F{k}"), post, given + 0.05)
-        assert not posted  # the caller goes on meanwhile
-        deadline = time.perf_counter() + 5
-        while len(posted) < 3 and time.perf_counter() < deadline:
-            time.sleep(0.01)
-    finally:
-        poster.stop()
-    assert len(posted) == 3 and all(t >= given + 0.05 for t in posted) and posted == sorted(posted)
+    posted: list[str] = []
+    for k in range(3):
+        poster.post(Pending([], [], 1, f"0SEND_F{k}"), lambda k=k: posted.append(f"0SEND_F{k}") or [], 10.0 + k)
+    poster.stop()
+    poster.thread.join(timeout=30)
+    assert waited == [10.0, 11.0, 12.0]  # each waits for its own time, after the ones given before it
+    assert posted == ["0SEND_F0", "0SEND_F1", "0SEND_F2"]
 
 
-def test_torch_chunk_sleeps_i_on_the_input_path_and_w_on_the_weight_path():
-    warm = torch.ones(1, requires_grad=True)  # the first grad given output gradients imports torch's
-    torch.autograd.grad(warm * 2, [warm], torch.ones(1))  # symbolic shapes (a few 100 ms): not in the times
+def test_torch_chunk_sleeps_i_on_the_input_path_and_w_on_the_weight_path(monkeypatch):
+    clock = RecordedClock()
+    monkeypatch.setattr(torch_schedules, "time", clock)
+    monkeypatch.setattr(torch_schedules, "sleep_until", clock.sleep_until)
     chunk = EmulatedChunk(4, f_s=0.02, i_s=0.03, w_s=0.3, link_s=0.0, last=True)
     x = torch.cat([torch.randn(2, 4), torch.zeros(2, 1)], dim=-1).requires_grad_()
-    started = time.perf_counter()
     y = chunk(x)
-    assert time.perf_counter() - started >= 0.02
+    assert clock.slept == [0.02]  # F: its time (the clock stands still while it computes)
     grad = torch.ones_like(y)
 
-    def timed(fn):
-        started = time.perf_counter()
+    def slept(fn) -> list[float]:
+        clock.slept.clear()
         fn()
-        return time.perf_counter() - started
+        return sorted(clock.slept)
 
-    assert 0.03 <= timed(lambda: torch.autograd.grad(y, [x], grad, retain_graph=True)) < 0.3  # I alone
-    assert 0.3 <= timed(lambda: torch.autograd.grad(y, [chunk.b], grad, retain_graph=True)) < 0.33  # W alone
-    assert timed(lambda: y.backward(grad)) >= 0.33  # a fused backward: both
+    assert slept(lambda: torch.autograd.grad(y, [x], grad, retain_graph=True)) == [0.03]  # I alone
+    assert slept(lambda: torch.autograd.grad(y, [chunk.b], grad, retain_graph=True)) == [0.3]  # W alone
+    assert slept(lambda: y.backward(grad)) == [0.03, 0.3]  # a fused backward: both
 
 
 def test_the_rehearsal_runs_zb_1p_and_zb_2p_in_1f1b_memory_and_twice_it_and_a_v_in_chunks():
