@@ -36,7 +36,7 @@ that ran elsewhere than the plan put them.
 RMSNorm, rotary embeddings computed in each attention's forward, SwiGLU, an untied head; 8 layers,
 hidden 256, vocab 512, seq 128; m = 4 and 8), a model no test contains; the report adds what
 zb-auto's first compile measured, which cut it chose (in-line or a V, `runtime/tuning/recut.py`) and
-how its schedule race went (`runtime/tuning/schedule_race.py`).
+how its schedule race went (`runtime/tuning/contest.py`).
 
 Targets, for both models and every m ("never behind", `NEVER_BEHIND`): zb-auto at least 1.00x
 torch's best and 0.98x our best fixed schedule (1f1b, zb-h1, zb-h2, zbv), its step within 5% of

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 import zbcompile
 from helpers.models import build
 from zbcompile.passes.partition import partition_stages
-from zbcompile.runtime.tuning import recut, schedule_race
+from zbcompile.runtime.tuning import contest, recut
 from zbcompile.schedules import Costs
 from zbcompile.schedules.cut_search import Cut
 
@@ -39,7 +39,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 @contextlib.contextmanager
 def forced(force: str) -> Iterator[None]:
     """The cut decision replaced (`force`: see the module docstring)."""
-    original, run_as = recut.decide, schedule_race.run_as
+    original, run_as = recut.decide, contest.run_as
     slowed = []  # the positions of the cuts whose race steps sleep
 
     def decide(compiled, schedule, gathered, options, reduction):
@@ -69,11 +69,11 @@ def forced(force: str) -> Iterator[None]:
 
     recut.decide = decide
     if force in ("slower", "rival"):
-        schedule_race.run_as = slower_at_the_slowed_cuts
+        contest.run_as = slower_at_the_slowed_cuts
     try:
         yield
     finally:
-        recut.decide, schedule_race.run_as = original, run_as
+        recut.decide, contest.run_as = original, run_as
 
 
 def _train(pipe, case) -> dict:

@@ -20,14 +20,14 @@ from helpers.models import build
 from zbcompile.inspect.decisions_text import tuner_lines
 from zbcompile.inspect.write import schedule_costs_used
 from zbcompile.runtime.parallel.layout import Layout
-from zbcompile.runtime.tuning import profile, schedule_trial
+from zbcompile.runtime.tuning import contest, profile, schedule_trial
 from zbcompile.runtime.tuning.auto_recompute import (
     MeasuredRecomputation,
     calibrated_costs,
     evaluate_memory,
     with_levels,
 )
-from zbcompile.runtime.tuning.schedule_race import MIN_ROUNDS, Entrant
+from zbcompile.runtime.tuning.contest import MIN_ROUNDS, Entrant
 from zbcompile.schedules import Costs, make_schedule, simulate
 
 ONE_RANK = Layout(
@@ -257,14 +257,14 @@ def test_the_tuner_chooses_recomputation_again_with_measured_costs_and_the_runne
         assert torch.equal(grads[fqn], p.grad), fqn
 
 
-# --- each solve tried against the running schedule before it is kept (runtime/tuning/schedule_trial.py) ---
+# --- each solve tried against the running schedule before it is kept (runtime/tuning/contest.py) ---
 
 
 @pytest.fixture
 def clock(monkeypatch):
     """The trial's logical clock: the test advances `clock[0]`."""
     now = [0.0]
-    monkeypatch.setattr(schedule_trial, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(contest, "perf_counter", lambda: now[0])
     return now
 
 

@@ -11,7 +11,7 @@ from helpers import distributed_workers as workers
 from helpers import launches
 from helpers.models import NAMES, batch_for, build
 from helpers.multiprocess import Failed, run_ranks
-from zbcompile.runtime.tuning.schedule_race import MIN_ROUNDS
+from zbcompile.runtime.tuning.contest import MIN_ROUNDS
 from zbcompile.schedules import Action, make_schedule, schedule_spec
 
 SINGLE_CHUNK, TWO_CHUNK, MORE_TWO_CHUNK, MIRRORED, SMALLEST = (

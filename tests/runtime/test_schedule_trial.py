@@ -1,7 +1,7 @@
-"""Schedules tried on training steps before one is kept (`runtime/tuning/schedule_trial.py`; the tuner's
-side in test_cost_tuner.py), in one process on a logical clock: a re-solved schedule against the
-running one, and three of a race's finalists: the blocks alternate, the trial stops as the race
-does, the fastest is kept and the incumbent on a tie."""
+"""The contest on training steps (`contest.ScheduleTrial`; the tuner's side in test_cost_tuner.py), in
+one process on a logical clock: a re-solved schedule against the running one, and three of a
+race's finalists: the blocks alternate, the trial stops as the race does, the least median step is
+kept and the incumbent on a tie."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from zbcompile.runtime.tuning import schedule_trial
-from zbcompile.runtime.tuning.schedule_race import MIN_ROUNDS, Entrant
-from zbcompile.runtime.tuning.schedule_trial import ScheduleTrial
+from zbcompile.runtime.tuning import contest
+from zbcompile.runtime.tuning.contest import MIN_ROUNDS, Entrant, ScheduleTrial
 from zbcompile.schedules import Costs, make_schedule
 
 COSTS = Costs(f=[1.0, 1.0], i=[1.0, 1.0], w=[1.0, 1.0])
@@ -23,7 +22,7 @@ ONE_RANK = SimpleNamespace(pp_group=None, decision_groups=())  # a pipeline of o
 def clock(monkeypatch):
     """A logical clock for the trial: the test advances `clock[0]`."""
     now = [0.0]
-    monkeypatch.setattr(schedule_trial, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(contest, "perf_counter", lambda: now[0])
     return now
 
 
@@ -53,7 +52,7 @@ def test_blocks_alternate_and_a_clear_winner_ends_the_trial_after_the_minimum_ro
     assert ran == ["solved", "solved", "running", "running", "running", "running", "solved", "solved"]
     assert trial.finished and trial.rounds_run == MIN_ROUNDS and trial.winner.label == "solved"
     record = trial.record()
-    assert record["chosen"] == "solved" and record["why"] == "faster than running in each of 2 round(s)"
+    assert record["chosen"] == "solved" and record["why"].startswith("faster than every other with 95% confidence")
     assert [e["measured_step_s"] for e in record["entrants"]] == [9.0, 10.0]
 
 
@@ -62,7 +61,7 @@ def test_overlapping_steps_run_every_round_and_a_tie_keeps_the_incumbent(clock):
     trial = _trial(rounds=4)
     _steps(trial, clock, lambda label, step: 10.0 + next(noise), 100)
     assert trial.rounds_run == 4 and trial.winner.label == "running"
-    assert trial.record()["why"] == "no other was faster than it in each of 4 round(s)"
+    assert trial.record()["why"] == "the least median step over 4 round(s), undecided on paired rounds"
 
 
 def _rounds(trial: ScheduleTrial, clock, seconds: dict[str, list[float]]) -> None:
@@ -76,22 +75,22 @@ def _rounds(trial: ScheduleTrial, clock, seconds: dict[str, list[float]]) -> Non
         trial.after_step(ONE_RANK)
 
 
-def test_a_lead_by_the_median_but_not_in_every_round_keeps_the_incumbent(clock):
-    """One step's time varies by more than schedules differ: the solved schedule's median is
-    faster, but it lost the second round, so the running one stays."""
+def test_undecided_after_its_rounds_the_least_median_is_kept_not_the_incumbent(clock):
+    """One step's time varies by more than schedules differ: the solved schedule lost the second
+    round, so no round-by-round confidence; its median is less, so it is kept all the same."""
     trial = _trial(rounds=3)
     _rounds(trial, clock, {"solved": [9.0, 10.5, 9.0], "running": [10.0, 10.0, 10.0]})
     assert trial.rounds_run == 3
-    assert trial.entrants[0].median_s < trial.incumbent.median_s
-    assert trial.winner.label == "running"
+    assert trial.winner.label == "solved" and "undecided" in trial.record()["why"]
+    assert trial.record()["ratio_to_incumbent"]["solved"] == pytest.approx(0.9)
 
 
-def test_a_lead_in_every_round_wins_through_the_machines_drift(clock):
+def test_a_steady_lead_through_the_machines_drift_decides_early(clock):
     """The machine slows down round by round (both entrants alike): the solved schedule's steps
-    overlap the running one's across rounds, yet it was faster within each round: it is kept."""
-    trial = _trial(rounds=3)
-    _rounds(trial, clock, {"solved": [9.5, 11.4, 13.3], "running": [10.0, 12.0, 14.0]})
-    assert trial.rounds_run == 3 and trial.winner.label == "solved"
+    overlap the running one's across rounds, yet it was 5% faster within each round: decided."""
+    trial = _trial(rounds=5)
+    _rounds(trial, clock, {"solved": [9.5, 11.4, 13.3, 15.2, 17.1], "running": [10.0, 12.0, 14.0, 16.0, 18.0]})
+    assert trial.rounds_run == MIN_ROUNDS and trial.winner.label == "solved"
 
 
 def test_the_trials_end_switches_back_where_the_incumbent_won(clock):

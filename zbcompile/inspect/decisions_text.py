@@ -1,5 +1,5 @@
 """What a pipeline decided by measurement, as text for people: the cut (`runtime/tuning/recut.py`), the
-schedule race of its first compile (`runtime/tuning/schedule_race.py`) and the measured-cost tuner's
+schedule race of its first compile (`runtime/tuning/contest.py`) and the measured-cost tuner's
 decisions with their trials (`runtime/tuning/profile.py`, `runtime/tuning/schedule_trial.py`)."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def cut_lines(cut: dict[str, Any] | None) -> list[str]:
 
 
 def race_lines(race: dict[str, Any] | None, title: str = "schedule raced on real steps") -> list[str]:
-    """The schedule race of the compile (`runtime/tuning/schedule_race.py`) or a trial of the tuner's
+    """The schedule race of the compile (`runtime/tuning/contest.py`) or a trial of the tuner's
     (`runtime/tuning/schedule_trial.py`): each entrant's predicted and measured step (median, spread,
     steps timed), which was kept and why."""
     if not race:

@@ -1,44 +1,77 @@
 """The first compile's choices, made on calibration steps of its batch and checked on real steps:
-the cut (`runtime/tuning/recut.py` measures and predicts) and the schedule (`runtime/tuning/schedule_race.py`).
+the cut (`runtime/tuning/recut.py` measures and predicts) and the schedule (`contest.py`).
 
 A cut decision is a prediction from one short calibration, and on a shared machine such a
 prediction can be off by more than the gain it promises, or than the few percent between one
-stage per rank and a V. So up to three cuts race on real steps: the chosen one with its
-schedules (zb-auto's solves and the handcrafted ones of its placement); where it moved, the
-compiler's cut (zb-auto solved on its measured costs and its safe incumbent, 1F1B, or ZBV where
-it is a V); and the decision's rival (`CutChoice.rival`: the best-predicted cut of the placement
-neither of those has, with zb-auto and its incumbent). When the race switches between cuts, the
-parameters, gradients and buffers move between the ranks (`state_transfer.py`, the moves a
-re-cut makes); they are the same tensors either way (no optimizer exists yet, and `untouched`
-puts gradients and buffers back), so which cut runs a step changes when work runs, not what it
-computes. The cut of the fastest entrant stays where it is the compiler's cut or leads that
-cut's fastest entrant beyond the spread (every timed step faster: a step's time varies by more
-than the few percent between cuts, and moving the state is not worth a lead the noise can
-explain): a re-cut not measured faster so is undone, a rival measured faster so is taken, and
-`explain()` says so.
+stage per rank and a V. So up to three cuts go through one contest on real steps: the chosen one
+with its schedules (zb-auto's solves and the handcrafted ones of its placement); where it moved,
+the compiler's cut (zb-auto solved on its measured costs and its safe incumbent, 1F1B, or ZBV
+where it is a V); and the decision's rival (`CutChoice.rival`: the best-predicted cut of the
+placement neither of those has, with zb-auto and its incumbent). When the contest switches
+between cuts, the parameters, gradients and buffers move between the ranks (`state_transfer.py`,
+the moves a re-cut makes); they are the same tensors either way (no optimizer exists yet, and
+`untouched` puts gradients and buffers back), so which cut runs a step changes when work runs, not
+what it computes. The contest's winner keeps its cut, whichever it is: decided on paired rounds
+with confidence, or, where its rounds run out undecided, by the least median step (never the
+compiler's cut by default); `explain()` says which.
 
-The race times few steps of one batch, without the optimizer's step between them; so up to
-`FINALISTS` of its finalists on the winning cut (the entrants still in at its end) are tried
-again on the training's own steps (`CostTuner.calibrated`, `schedule_trial.py`), where no state
-moves: another replaces the race's winner only where it was faster in every round there.
+The race times few steps of one batch, without the optimizer's step between them; where it ends
+undecided, up to `FINALISTS` of its finalists on the winning cut (the entrants still in at its end)
+go on through the same contest on the training's own steps (`CostTuner.calibrated`,
+`contest.ScheduleTrial`), where no state moves.
 
 The cost: the race's steps (2 per entrant still in the race per round, `race_rounds` rounds), a
 compile per cut raced, and up to two moves of the state per cut and round; then the finalists'
-trial, up to 2 x `race_rounds` training steps each, some on a slower schedule. `race_rounds=0`
-trusts the prediction (no race, no rival, no trial).
+trial, up to 2 x `race_rounds` training steps each. `race_rounds=0` trusts the prediction (no race,
+no rival, no trial).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
-from zbcompile.runtime.parallel.layout import from_first_rank
-from zbcompile.runtime.tuning import recut, schedule_race
+import torch
+
+from zbcompile.options import PipelineOptions
+from zbcompile.runtime.parallel.layout import Layout, from_first_rank
+from zbcompile.runtime.state.state_ownership import StateOwnership
+from zbcompile.runtime.tuning import contest, recut
+from zbcompile.runtime.tuning.schedule_choice import ScheduleChoice
 from zbcompile.schedules import Costs
 
-Builder = Any  # runtime/build.py's Builder (it calls this module): its layout, options, choice, state, assembly
-Build = Any  # runtime/build.py's Build: one compile's runner and tuner
+
+class Build(Protocol):
+    """One compile (`runtime/build.Build`): its runner (schedule, compiled stages) and cost tuner."""
+
+    runner: Any
+    tuner: Any
+
+    @property
+    def compiled(self) -> Any: ...
+
+
+class Assembly(Protocol):
+    """What makes compiles at other cuts (`runtime/build.Assembly`)."""
+
+    def compile_at(self, built: Build, choice: recut.CutChoice, example: tuple) -> Build: ...
+
+    def move_state(self, source: Build, target: Build) -> None: ...
+
+
+class Builder(Protocol):
+    """What the first compile's choices read and set of the pipeline (`runtime/build.Builder`)."""
+
+    module: torch.nn.Module
+    options: PipelineOptions
+    ownership: StateOwnership
+    choice: ScheduleChoice
+    assembly: Assembly
+    cut_choice: recut.CutChoice | None
+    measured_costs: Costs | None
+
+    def layout(self) -> Layout: ...
+
 
 COMPILER_CUT = "compiler's cut"  # how the compiler's cut's entrants are labelled beside a re-cut
 INCUMBENTS = ("zb-auto", "1f1b", "zbv")  # the entrants of a cut raced beside the chosen one
@@ -107,7 +140,7 @@ def calibrated(builder: Builder, built: Build, micro_inputs: list, micro_targets
             pass
         else:
             others.append(holding)
-    return _raced(builder, chosen, others, holding, compiler, static if chosen is compiler else None, batch)
+    return _raced(builder, chosen, others, holding, static if chosen is compiler else None, batch)
 
 
 def _compiled_at(
@@ -119,13 +152,11 @@ def _compiled_at(
 
 
 def _raced(
-    builder: Builder, chosen: _Contender, others: list[_Contender], holding: _Contender, compiler: _Contender,
-    static: Any, batch: tuple,
+    builder: Builder, chosen: _Contender, others: list[_Contender], holding: _Contender, static: Any, batch: tuple
 ) -> Build:
-    """The compile whose schedule measured fastest: `chosen`'s entrants (with its solve on
-    `static` costs where given) against the incumbents of each of `others` (`holding` holds the
-    state now), the state moved to the winner's cut; another cut than the `compiler`'s only
-    where it leads beyond the spread (`_moved_only_beyond_the_spread`)."""
+    """The compile whose schedule won the contest: `chosen`'s entrants (with its solve on `static`
+    costs where given) against the incumbents of each of `others` (`holding` holds the state now),
+    the state moved to the winner's cut."""
     field = _entrants(builder, chosen, static)
     homes = dict.fromkeys([e.label for e in field], chosen)
     for other in others:
@@ -133,9 +164,8 @@ def _raced(
             field.append(entrant)
             homes[entrant.label] = other
     winner, race, finalists = _race(builder, field, homes, holding, batch)
-    winner = _moved_only_beyond_the_spread(winner, field, homes, compiler, race)
     won = homes[winner.label]
-    schedule_race.run_as(won.build.runner, winner)
+    contest.run_as(won.build.runner, winner)
     if won is not holding:
         builder.assembly.move_state(holding.build, won.build)
     build, choice = won.build, won.choice
@@ -143,32 +173,15 @@ def _raced(
         build.tuner.history.append({"step": 0, "event": f"re-cut at compile: {choice.cut} (raced on real steps)"})
     builder.cut_choice, builder.measured_costs = choice, won.costs
     build.runner.compiled = replace(build.runner.compiled, cut_record={**choice.record, "race": race})
-    # the one running first (the trial's incumbent), also where the compiler's cut was kept on a narrow lead
+    # the one running first (the trial's incumbent); a decided race leaves no other finalist
     finalists = _distinct([winner, *(e for e in finalists if homes[e.label] is won and e is not winner)])[:FINALISTS]
     build.tuner.calibrated(won.costs, winner.schedule, f"raced at compile: {race['chosen']} kept", finalists)
     return build
 
 
-def _moved_only_beyond_the_spread(
-    winner: schedule_race.Entrant, field: list, homes: dict[str, _Contender], compiler: _Contender, race: dict
-) -> schedule_race.Entrant:
-    """`winner`, where it runs at the compiler's cut or every one of its timed steps beat every one
-    of the compiler's cut's fastest entrant (a cut moves, its state with it, only on a lead the
-    step-to-step noise cannot explain); else that entrant, `race`'s record saying so."""
-    if homes[winner.label] is compiler:
-        return winner
-    at_home = [e for e in field if homes[e.label] is compiler and e.samples]
-    best = min(at_home, key=lambda e: e.median_s, default=None)
-    if best is None or max(winner.samples) < min(best.samples):
-        return winner
-    race["why"] += f"; {winner.label} led {best.label} by less than their spread: the compiler's cut kept"
-    race["chosen"] = best.label
-    return best
-
-
-def _distinct(entrants: list[schedule_race.Entrant]) -> list[schedule_race.Entrant]:
+def _distinct(entrants: list[contest.Entrant]) -> list[contest.Entrant]:
     """`entrants` less those that run as an earlier one does (the same actions, readiness alike)."""
-    by_run: dict[tuple, schedule_race.Entrant] = {}
+    by_run: dict[tuple, contest.Entrant] = {}
     for entrant in entrants:
         by_run.setdefault((entrant.schedule.actions, entrant.follow_readiness), entrant)
     return list(by_run.values())
@@ -176,11 +189,11 @@ def _distinct(entrants: list[schedule_race.Entrant]) -> list[schedule_race.Entra
 
 def _entrants(
     builder: Builder, contender: _Contender, static: Any = None, only: tuple[str, ...] | None = None
-) -> list[schedule_race.Entrant]:
-    """`contender`'s entrants (`schedule_race.entrants`, those labelled as in `only` where given)
+) -> list[contest.Entrant]:
+    """`contender`'s entrants (`contest.entrants`, those labelled as in `only` where given)
     around the schedule its compile runs, solved on its costs, labelled with its tag."""
     solved = contender.build.runner.schedule
-    found = schedule_race.entrants(
+    found = contest.entrants(
         solved, contender.costs, solved.info.get("memory_limit"), static, builder.options.follow_readiness
     )
     found = [e for e in found if only is None or e.label in only]
@@ -191,23 +204,23 @@ def _entrants(
 
 def _race(
     builder: Builder, field: list, homes: dict[str, _Contender], holding: _Contender, batch: tuple
-) -> tuple[schedule_race.Entrant, dict, list[schedule_race.Entrant]]:
+) -> tuple[contest.Entrant, dict, list[contest.Entrant]]:
     """Race `field` on steps of `batch` (microbatch inputs, targets, the parts absent here), each
     entrant on its cut's compile (`homes`; `holding` holds the state now), inside `untouched`,
-    the state back in `holding` at the end. Returns `schedule_race.race`'s winner, record and
+    the state back in `holding` at the end. Returns `contest.race`'s winner, record and
     finalists."""
     where = [holding.build]
 
-    def run_step(entrant: schedule_race.Entrant) -> None:
+    def run_step(entrant: contest.Entrant) -> None:
         home = homes[entrant.label].build
         if home is not where[0]:
             builder.assembly.move_state(where[0], home)
             where[0] = home
-        schedule_race.run_as(home.runner, entrant)
+        contest.run_as(home.runner, entrant)
         home.runner.train(*batch, builder.ownership)
 
     with recut.untouched(builder.module, holding.build.runner.device):
-        winner, race, finalists = schedule_race.race(field, run_step, builder.layout(), builder.options.race_rounds)
+        winner, race, finalists = contest.race(field, run_step, builder.layout(), builder.options.race_rounds)
         if where[0] is not holding.build:  # what `untouched` puts back is what `holding` holds
             builder.assembly.move_state(where[0], holding.build)
     return winner, race, finalists

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from zbcompile.runtime.parallel.grad_reduction import REDUCE
 from zbcompile.runtime.parallel.layout import from_first_rank, gather_objects
 from zbcompile.runtime.step.distributed import DistributedRunner
-from zbcompile.runtime.tuning.schedule_race import Entrant
+from zbcompile.runtime.tuning.contest import Entrant
 from zbcompile.runtime.tuning.schedule_trial import ScheduleSwitch
 from zbcompile.schedules import Action, Costs, Schedule, simulate
 from zbcompile.schedules.costs import with_reduction
