@@ -30,7 +30,7 @@ demo: setup
 
 test: setup browser
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -n 2 --dist loadgroup
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=20
 
 lint: setup
 	$(VENV)/bin/ruff check .
