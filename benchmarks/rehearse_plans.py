@@ -5,8 +5,9 @@ tuned on, a Llama-style 34B, a Qwen2-style 14B and a small Mixtral-style MoE) ar
 m=32 with data parallelism (`zbcompile plan --json`, one CPU process each; a record already in
 `--plans` is reused), then rehearsed on this machine: every schedule the plan made and the menu's
 choice on 8 local ranks, each action at the plan's time, each stage's gradient reduction over the
-replicas emulated at the plan's time after its last W (`zbcompile rehearse`), all times scaled by
-the config's time scale (a step of 2-5 s: 8 ranks' host work on two cores stays a small share).
+replicas emulated at the plan's time after its last W (`zbcompile rehearse`), all times scaled as
+`zbcompile rehearse` scales a plan by default (`plan_time_scale`: a mean action of 12-30 ms, so
+8 ranks' host work on two cores stays a small share).
 
 Printed per config and schedule: the plan's predicted step, the rehearsal's simulator on the same
 times, the measured step, measured / plan and whether it is within 5%; then every pair of
@@ -31,23 +32,19 @@ import sys
 import time
 
 import _launch
-from zbcompile.rehearsal.rehearse import plan_times, rehearse
+from zbcompile.rehearsal.rehearse import plan_time_scale, plan_times, rehearse
 from zbcompile.rehearsal.report import plan_text
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "rehearse_plans"
-# config -> (data-parallel replicas, mode, time scale): a step of 2-5 s rehearsed
-CONFIGS = {
-    "llama-34b": (4, "replicate", 0.25),
-    "qwen2-14b": (8, "shard", 0.5),
-    "moe-small": (2, "replicate", 4.0),
-}
+# config -> (data-parallel replicas, mode)
+CONFIGS = {"llama-34b": (4, "replicate"), "qwen2-14b": (8, "shard"), "moe-small": (2, "replicate")}
 WITHIN = 0.05  # measured step within this fraction of the plan's
 APART = 0.03  # pairs the plan puts further apart than this must be ordered the same way
 
 
 def plan_record(name: str, plans: pathlib.Path, replan: bool) -> dict:
     """The plan record of config `name` at pp=8, m=32 (made here unless `plans` has it)."""
-    dp, mode, _ = CONFIGS[name]
+    dp, mode = CONFIGS[name]
     path = plans / f"{name}.plan.json"
     if replan or not path.exists():
         plans.mkdir(parents=True, exist_ok=True)
@@ -106,7 +103,7 @@ def main() -> None:
     records = {name: plan_record(name, pathlib.Path(args.plans), args.replan) for name in names}
     runs, sections = [], []
     for run, name in itertools.product(range(1, args.repeat + 1), names):
-        _, _, scale = CONFIGS[name]
+        scale = plan_time_scale(records[name])
         before = _launch.machine()
         started = time.perf_counter()
         record = rehearse(plan_times(records[name], scale, steps=args.steps, rounds=args.rounds, timeout_s=1800))

@@ -48,6 +48,8 @@ PAPER_GAINS: Mapping[str, tuple[float, float]] = {
 # first rank) and twice that, in-line, as the paper's ZB-1p and ZB-2p.
 MEMORY_NAMED = {"zb-1p": 1, "zb-2p": 2}
 OURS = ("1f1b", "zb-h1", "zb-h2", "zb-1p", "zb-2p")
+# a plan rehearsed at its own times where its mean action lasts this long (seconds), else scaled into it
+PLAN_ACTION_S = (0.012, 0.03)
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,19 @@ def paper_times(model: str, microbatches: int | None = None, time_scale: float =
     m = counts[0] if microbatches is None else microbatches
     label = f"{model}, m={m}" + (f", times x{time_scale:g}" if time_scale != 1 else "")
     return Rehearsal(ranks, m, Costs(f=f, i=i, w=w, comm=comm), unit_s=1e-3 * time_scale, label=label, **options)
+
+
+def plan_time_scale(record: Mapping[str, Any], window: tuple[float, float] = PLAN_ACTION_S) -> float:
+    """The time scale `zbcompile rehearse plan.json` runs a plan at unless told: 1 where the mean
+    of its stages' F, I and W seconds lies in `window`, else the scale (two significant digits)
+    that brings it to the window's middle. Every time scales alike, so the predicted bubbles and
+    orderings stay; what it sets is the share of the runtime's own host time per action (0.1-0.3
+    ms, more where the ranks share few cores) and how long the rehearsal takes."""
+    rows = record["stage_rows"]
+    mean = sum(r["seconds"][k] for r in rows for k in "FIW") / (3 * len(rows))
+    if mean <= 0 or window[0] <= mean <= window[1]:
+        return 1.0
+    return float(f"{sum(window) / 2 / mean:.2g}")
 
 
 def plan_times(record: Mapping[str, Any], time_scale: float = 1.0, **options: Any) -> Rehearsal:

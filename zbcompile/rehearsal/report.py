@@ -80,7 +80,7 @@ def _ours(prepared: Any, unit_s: float, timelines: Sequence[Mapping[str, list]])
         "overshoot_per_action_s": overshoot,
         "schedule_stages": prepared.schedule.stages,
         "reduces": prepared.costs.reduces,
-        "reduce_tail_s": (sim.span - _without_reduction(prepared).span) * unit_s,
+        "reduce_tail_s": (sim.span - _without_reduction(prepared).span) * unit_s if prepared.costs.reduces else 0.0,
         **prepared.extra,
     }
 

@@ -86,8 +86,9 @@ class ReductionPlan:
         """Raise where a stage's reduction was not posted by the step's end (`posted` of `order`)."""
         if posted < len(self.order):
             stage = self.order[posted]
+            rank = f"rank {dist.get_rank()}: " if dist.is_initialized() else ""
             raise RuntimeError(
-                f"rank {dist.get_rank()}: stage {stage} ran {ran.get(stage, 0)} of its "
+                f"{rank}stage {stage} ran {ran.get(stage, 0)} of its "
                 f"{self.expected[stage]} gradient actions in the step; its gradients were never reduced"
             )
 
