@@ -17,6 +17,7 @@ The load average before and after each rehearsal is printed beside it.
     python benchmarks/rehearse_plans.py                     # plan (about 5 min) and rehearse (about 12 min)
     python benchmarks/rehearse_plans.py --only moe-small    # one config
     python benchmarks/rehearse_plans.py --repeat 2          # every config twice, each run reported
+    python benchmarks/rehearse_plans.py --append            # these runs added to the results kept
 
 Writes benchmarks/results/rehearse_plans.{json,md} (with --only, the names say which)."""
 
@@ -97,12 +98,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=1, help="rehearse every config this many times")
+    parser.add_argument("--append", action="store_true", help="add this invocation's runs to the results kept")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     names = args.only or list(CONFIGS)
+    results = "_".join(["rehearse_plans", *(args.only or ())])
+    kept = _launch.RESULTS / f"{results}.json"
+    runs = json.loads(kept.read_text())["runs"] if args.append and kept.exists() else []
+    first = 1 + max((r["run"] for r in runs), default=0)
     records = {name: plan_record(name, pathlib.Path(args.plans), args.replan) for name in names}
-    runs, sections = [], []
-    for run, name in itertools.product(range(1, args.repeat + 1), names):
+    for run, name in itertools.product(range(first, first + args.repeat), names):
         scale = plan_time_scale(records[name])
         before = _launch.machine()
         started = time.perf_counter()
@@ -113,9 +118,8 @@ def main() -> None:
         text = (f"{name}, run {run}: {record['label']}; {time.perf_counter() - started:.0f} s; {load}\n\n"
                 f"{text_of(rows, pairs)}\n\n{plan_text(record).strip()}")
         print(text + "\n", flush=True)
-        sections.append(f"## {text}\n")
         runs.append({"config": name, "run": run, "label": record["label"], "time_scale": scale, "rows": rows,
-                     "pairs": pairs, "machine": [before, after]})
+                     "pairs": pairs, "machine": [before, after], "text": text})
     misses = [f"{r['config']} run {r['run']}: {row['name']} {row['ratio']:.3f}"
               for r in runs for row in r["rows"] if not row["within"]]
     swaps = [f"{r['config']} run {r['run']}: {p['faster']} / {p['slower']}"
@@ -124,9 +128,9 @@ def main() -> None:
                f"Ordered unlike the plan: {', '.join(swaps) or 'none'}.")
     print(summary)
     if not args.no_write:
-        name = "_".join(["rehearse_plans", *(args.only or ())])
-        markdown = "# Plans rehearsed (`benchmarks/rehearse_plans.py`)\n\n" + summary + "\n\n" + "\n".join(sections)
-        paths = _launch.write_results(name, {"runs": runs, "summary": summary}, markdown)
+        sections = "\n".join(f"## {r['text']}\n" for r in runs)
+        markdown = "# Plans rehearsed (`benchmarks/rehearse_plans.py`)\n\n" + summary + "\n\n" + sections
+        paths = _launch.write_results(results, {"runs": runs, "summary": summary}, markdown)
         print("wrote " + ", ".join(str(p) for p in paths))
 
 
