@@ -23,6 +23,7 @@ from zbcompile.passes.graph_cost import GraphCost
 from zbcompile.planner.hardware import NAMED, Hardware
 from zbcompile.planner.plan import PlanOptions, _zb_auto_choice, plan_compiled
 from zbcompile.planner.report import zb_auto_line
+from zbcompile.rehearsal.rehearse import plan_times
 from zbcompile.schedules import Costs, simulate
 from zbcompile.schedules.memory_limit import state_bytes
 
@@ -141,6 +142,11 @@ class PlanTest(unittest.TestCase):
             without = simulate(schedule, dataclasses.replace(self.plan.costs, reduce=0.0))
             self.assertEqual(entry["span"], with_tail.span)
             self.assertGreater(with_tail.span, without.span)  # rank 0's last W ends its compute
+            self.assertEqual(entry["reduce_seconds"], expected)  # what `zbcompile rehearse` emulates
+        # the rehearsal of the record runs each schedule on the plan's costs, reductions included
+        for prepared in plan_times(json.loads(json.dumps(self.plan.record, default=str))).given:
+            span = simulate(prepared.schedule, prepared.costs).span
+            self.assertAlmostEqual(span, prepared.extra["plan_s"], delta=1e-12)
         self.assertIn("counted in the times above, after the stage's last W", str(self.plan))
         shard = plan_compiled(
             self.plan.costed, hw, PlanOptions(microbatches=4, dp=2, data_parallel="shard", schedules=("1f1b",))

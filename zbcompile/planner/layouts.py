@@ -210,8 +210,9 @@ def _menu_entries(priced: list[Outcome]) -> list[dict[str, Any]]:
 
 
 def _menu_entry(outcome: Outcome) -> dict[str, Any]:
-    """A menu row; where the option was made, also its actions and per-stage (chunk) seconds, which
-    `zbcompile rehearse plan.json` runs."""
+    """A menu row; where the option was made, also its actions and per-stage (chunk) seconds (F, I,
+    W, the message, each chunk's gradient reduction over the replicas), which `zbcompile rehearse
+    plan.json` runs."""
     entry = {
         "schedule": outcome.option.name, "recompute": recompute_name(outcome.option), "step": outcome.step,
         "peak_bytes": max(outcome.peaks) if outcome.peaks else None, "peaks": list(outcome.peaks),
@@ -221,7 +222,10 @@ def _menu_entry(outcome: Outcome) -> dict[str, Any]:
         schedule, costs, cut = outcome.made
         entry["cut"] = {"placement": cut.placement, "positions": list(cut.positions)}
         entry["actions"] = schedule.compute_only().rows_as_text()
-        entry["seconds"] = {"f": list(costs.f), "i": list(costs.i), "w": list(costs.w), "comm": costs.comm}
+        entry["seconds"] = {
+            "f": list(costs.f), "i": list(costs.i), "w": list(costs.w), "comm": costs.comm,
+            "reduce": list(costs.reduce) or [0.0] * len(costs.f),  # each chunk's gradient reduction, after its last W
+        }
     return entry
 
 

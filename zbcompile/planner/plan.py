@@ -368,6 +368,8 @@ def _plan_schedule(
         "name": name, "peak_bytes": peaks, "fits": fits, "makespan": sim.makespan, "span": sim.span,
         "bubble_rate": sim.bubble_rate, "stage_bubble_rate": sim.stage_bubble_rate, "error": None,
         "actions": schedule.compute_only().rows_as_text(),  # what `zbcompile rehearse plan.json` runs
+        # each stage's gradient reduction over the replicas (seconds, after its last W), priced in "span"
+        "reduce_seconds": list(resolve_costs(plan_.costs, schedule.stages).reduce),
     }
     return entry, schedule
 

@@ -1,7 +1,7 @@
 """The `zbcompile rehearse` command (`zbcompile/rehearsal/rehearse.py`):
 
     zbcompile rehearse --paper 1.5B [--microbatches 32] [--time-scale 4]   # the paper's Table 9 times
-    zbcompile rehearse plan.json [--time-scale 0.1]               # a `zbcompile plan --json` record
+    zbcompile rehearse plan.json [--time-scale 0.1]     # a `zbcompile plan --json` record (scale: see --help)
     zbcompile rehearse --ranks 8 --microbatches 24 --times 18.5,18.1,9.3,0.6   # F, I, W, link (ms)
 
 Each prints the measured steady step of every schedule beside the simulator's prediction, both
@@ -14,7 +14,15 @@ import argparse
 import json
 import os
 
-from zbcompile.rehearsal.rehearse import OURS, PAPER_TIMES, Rehearsal, paper_times, plan_times, rehearse
+from zbcompile.rehearsal.rehearse import (
+    OURS,
+    PAPER_TIMES,
+    Rehearsal,
+    paper_times,
+    plan_time_scale,
+    plan_times,
+    rehearse,
+)
 from zbcompile.rehearsal.report import report_text, timeline_svg
 from zbcompile.schedules import Costs
 
@@ -32,9 +40,11 @@ def settings_of(args: argparse.Namespace) -> Rehearsal:
         options["schedules"] = _names(args.schedules)
     if args.plan is not None:
         with open(args.plan) as file:
-            return plan_times(json.load(file), args.time_scale, **options)
+            record = json.load(file)
+        scale = plan_time_scale(record) if args.time_scale is None else args.time_scale
+        return plan_times(record, scale, **options)
     if args.paper is not None:
-        return paper_times(args.paper, args.microbatches, args.time_scale, **options)
+        return paper_times(args.paper, args.microbatches, args.time_scale or 1.0, **options)
     if args.times is None or args.ranks is None or args.microbatches is None:
         raise SystemExit(
             "zbcompile rehearse: give a plan record, --paper MODEL, or --ranks, --microbatches and --times"
@@ -68,8 +78,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--ranks", type=int, help="pipeline ranks (with --times)")
     parser.add_argument("--microbatches", type=int, help="microbatches (default for --paper: the paper's smallest)")
     parser.add_argument("--times", help="F,I,W[,LINK] per stage in ms")
-    parser.add_argument("--time-scale", type=float, default=1.0,
-                        help="a plan's or the paper's times scaled by this (default 1)")
+    parser.add_argument("--time-scale", type=float, default=None,
+                        help="a plan's or the paper's times scaled by this (default: the paper's 1; a plan's 1 "
+                        "where its mean action lasts 12-30 ms, else the scale that brings it to 21 ms)")
     parser.add_argument("--schedules", help=f"ours, comma-separated (default {','.join(OURS)}; zb-1p/zb-2p: "
                         "zb-auto under 1F1B's memory and twice it)")
     parser.add_argument("--torch", help="torch.distributed.pipelining's schedule classes beside them, e.g. "

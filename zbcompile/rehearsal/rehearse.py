@@ -16,7 +16,7 @@ simulator's prediction for the same times, the host time per action, and the tim
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -48,6 +48,8 @@ PAPER_GAINS: Mapping[str, tuple[float, float]] = {
 # first rank) and twice that, in-line, as the paper's ZB-1p and ZB-2p.
 MEMORY_NAMED = {"zb-1p": 1, "zb-2p": 2}
 OURS = ("1f1b", "zb-h1", "zb-h2", "zb-1p", "zb-2p")
+# a plan rehearsed at its own times where its mean action lasts this long (seconds), else scaled into it
+PLAN_ACTION_S = (0.012, 0.03)
 
 
 @dataclass(frozen=True)
@@ -113,14 +115,29 @@ def paper_times(model: str, microbatches: int | None = None, time_scale: float =
     return Rehearsal(ranks, m, Costs(f=f, i=i, w=w, comm=comm), unit_s=1e-3 * time_scale, label=label, **options)
 
 
+def plan_time_scale(record: Mapping[str, Any], window: tuple[float, float] = PLAN_ACTION_S) -> float:
+    """The time scale `zbcompile rehearse plan.json` runs a plan at unless told: 1 where the mean
+    of its stages' F, I and W seconds lies in `window`, else the scale (two significant digits)
+    that brings it to the window's middle. Every time scales alike, so the predicted bubbles and
+    orderings stay; what it sets is the share of the runtime's own host time per action (0.1-0.3
+    ms, more where the ranks share few cores) and how long the rehearsal takes."""
+    rows = record["stage_rows"]
+    mean = sum(r["seconds"][k] for r in rows for k in "FIW") / (3 * len(rows))
+    if mean <= 0 or window[0] <= mean <= window[1]:
+        return 1.0
+    return float(f"{sum(window) / 2 / mean:.2g}")
+
+
 def plan_times(record: Mapping[str, Any], time_scale: float = 1.0, **options: Any) -> Rehearsal:
     """A `zbcompile plan` record's pipeline and the schedules it made, as they are: its stages'
-    predicted F, I and W seconds and its message time, each `time_scale` times as long (a
-    70B-class step of many seconds rehearsed at a tenth); a V's chunks take half a stage's time;
-    the menu's choice (its recomputation and chunks) runs on its own times, as "menu: ...";
-    `schedules` (an option) picks some of the plan's by name ("menu": the menu's choice).
-    Each schedule keeps the plan's predicted step (`extra["plan_s"]`; with replicas it includes
-    the gradient reduction's tail, which the rehearsal, one pipeline, does not run)."""
+    predicted F, I and W seconds, its message time and, with replicas, each stage's gradient
+    reduction (run by emulated replicas, `runtime/step/action_pace.EmulatedReduction`), each
+    `time_scale` times as long (a 70B-class step of many seconds rehearsed at a tenth); a V's
+    chunks take half a stage's time; the menu's choice (its recomputation and chunks) runs on its
+    own times, as "menu: ..."; `schedules` (an option) picks some of the plan's by name ("menu":
+    the menu's choice). Each schedule keeps the plan's predicted step (`extra["plan_s"]`) and
+    what the plan priced that the rehearsal leaves out (`extra["left_out"]`: the reduction where
+    the record predates its per-stage times)."""
     rows = record["stage_rows"]
     stages = len(rows)
     per_stage = resolve_costs(
@@ -136,23 +153,39 @@ def plan_times(record: Mapping[str, Any], time_scale: float = 1.0, **options: An
         if entry.get("actions") and (wanted is None or entry["name"] in wanted):
             schedule = Schedule.from_rows(entry["actions"], entry["name"], microbatches=record["microbatches"])
             costs = per_stage if schedule.stages == stages else per_stage.chunked(schedule.stages // stages)
-            given.append(Prepared(entry["name"], schedule, costs, {"plan_s": entry["span"] * time_scale}))
+            costs, extra = _with_plan_reduction(record, costs, entry.get("reduce_seconds"))
+            given.append(Prepared(entry["name"], schedule, costs, {"plan_s": entry["span"] * time_scale, **extra}))
     choice = record.get("menu_choice")
     if choice and choice.get("actions") and (wanted is None or "menu" in wanted):
         name = f"menu: {choice['schedule']}"
         schedule = Schedule.from_rows(choice["actions"], name, microbatches=record["microbatches"])
         seconds = choice["seconds"]
         costs = Costs(f=seconds["f"], i=seconds["i"], w=seconds["w"], comm=seconds["comm"]).resolve(schedule.stages)
+        costs, extra = _with_plan_reduction(record, costs, seconds.get("reduce"))
         given.append(Prepared(name, schedule, costs, {"plan_s": choice["step"] * time_scale,
-                                                     "recompute": choice["recompute"]}))
+                                                     "recompute": choice["recompute"], **extra}))
     if not given:
         raise ValueError(f"rehearse: the plan record has no schedule {'of ' + ', '.join(wanted) if wanted else ''} "
                          "to rehearse (a record of `zbcompile plan --json` lists each schedule's actions)")
     label = f"{record.get('model', 'plan')}, pp={stages}, m={record['microbatches']}, times x{time_scale:g}"
+    if record.get("dp", 1) > 1:
+        label += f", dp={record['dp']} ({record.get('data_parallel', 'replicate')}) emulated"
     return Rehearsal(
         stages, int(record["microbatches"]), per_stage, unit_s=time_scale, label=label, schedules=(),
         given=tuple(given), **options,
     )
+
+
+def _with_plan_reduction(
+    record: Mapping[str, Any], costs: ResolvedCosts, reduce: Sequence[float] | None
+) -> tuple[ResolvedCosts, dict[str, Any]]:
+    """`costs` with the plan's per-stage (chunk) reduction seconds `reduce` where the record has
+    them; else, where the plan had replicas, unchanged and the reduction named as left out."""
+    if reduce is not None:
+        return replace(costs, reduce=resolve_costs(Costs(reduce=list(reduce)), costs.stages).reduce), {}
+    if record.get("dp", 1) > 1:
+        return costs, {"left_out": ["the gradient reduction (the record predates its per-stage times)"]}
+    return costs, {}
 
 
 def prepare(settings: Rehearsal) -> list[Prepared]:

@@ -18,6 +18,7 @@ from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
 from zbcompile.inspect.text import format_table
+from zbcompile.inspect.timelines import REDUCE
 from zbcompile.measure import median, paired_ratio
 from zbcompile.schedules import Action, simulate
 from zbcompile.schedules.costs import resolve_costs
@@ -31,8 +32,9 @@ def _rank_timing(timeline: Mapping[str, list], costs: Any, unit_s: float) -> dic
     and the actions' overshoot over their emulated time."""
     compute, comm = timeline["compute"], timeline["comm"]
     if not compute:
-        return {"span": 0.0, "actions": 0, "host": 0.0, "overshoot": 0.0, "start": 0.0, "end": 0.0}
+        return {"span": 0.0, "actions": 0, "host": 0.0, "overshoot": 0.0, "start": 0.0, "end": 0.0, "reduced": 0.0}
     start, end = min(s for _, s, _ in compute), max(e for _, _, e in compute)
+    reduced = max([end, *(e for text, _, e in comm if text.startswith(REDUCE))])
     ran = sum(e - s for _, s, e in compute)
     waits = sum(e - s for text, s, e in comm if "RECV" in text and start <= s and e <= end)
     emulated = 0.0
@@ -46,6 +48,7 @@ def _rank_timing(timeline: Mapping[str, list], costs: Any, unit_s: float) -> dic
         "overshoot": ran - emulated,
         "start": start,
         "end": end,
+        "reduced": reduced,  # the end of its last gradient reduction (emulated replicas), else of its last action
     }
 
 
@@ -61,7 +64,7 @@ def _ours(prepared: Any, unit_s: float, timelines: Sequence[Mapping[str, list]])
     sim = simulate(prepared.schedule, prepared.costs)
     ranks = [_rank_timing(t, prepared.costs, unit_s) for t in timelines]
     actions = sum(r["actions"] for r in ranks)
-    makespan = max(r["end"] for r in ranks) - min(r["start"] for r in ranks)
+    makespan = max(r["reduced"] for r in ranks) - min(r["start"] for r in ranks)
     host = sum(r["host"] for r in ranks) / max(actions, 1)
     overshoot = sum(r["overshoot"] for r in ranks) / max(actions, 1)
     as_ran = simulate(prepared.schedule, _as_ran(prepared.costs, (host + max(overshoot, 0.0)) / unit_s))
@@ -76,8 +79,15 @@ def _ours(prepared: Any, unit_s: float, timelines: Sequence[Mapping[str, list]])
         "predicted_as_ran_s": as_ran.span * unit_s,
         "overshoot_per_action_s": overshoot,
         "schedule_stages": prepared.schedule.stages,
+        "reduces": prepared.costs.reduces,
+        "reduce_tail_s": (sim.span - _without_reduction(prepared).span) * unit_s if prepared.costs.reduces else 0.0,
         **prepared.extra,
     }
+
+
+def _without_reduction(prepared: Any) -> Any:
+    """The simulator's result for `prepared` with no gradient reduction."""
+    return simulate(prepared.schedule, replace(prepared.costs, reduce=()))
 
 
 def _torch_busy(settings: Any, name: str) -> list[float]:
@@ -164,14 +174,40 @@ def report_text(record: Mapping[str, Any]) -> str:
         "measured; host: a rank's time between its actions and waits, per action; overshoot: how much longer "
         "than emulated the actions ran."
     )
-    planned = [
-        f"  {r['name']}: the plan predicted {_ms(r['plan_s'])} ms, the rehearsal measured {_ms(r['measured_s'])} ms "
-        f"({r['measured_s'] / r['plan_s']:.3f}x)"
-        for r in record["rows"]
-        if r.get("plan_s")
+    return title + "\n" + format_table(header, lines) + "\n" + notes + plan_text(record)
+
+
+def plan_text(record: Mapping[str, Any]) -> str:
+    """Where the rehearsal runs a plan's schedules: per schedule the plan's predicted step, the
+    rehearsal's simulator on the same times, the measured step, measured over planned; and what
+    the plan's step and the rehearsal contain (empty for other rehearsals)."""
+    rows = [r for r in record["rows"] if r.get("plan_s")]
+    if not rows:
+        return ""
+    header = ["schedule", "plan ms", "simulator ms", "measured ms", "measured / plan", "reduction tail ms"]
+    lines = [
+        [r["name"], _ms(r["plan_s"]), _ms(r["predicted_s"]), _ms(r["measured_s"]),
+         f"{r['measured_s'] / r['plan_s']:.3f}", _ms(r["reduce_tail_s"]) if r["reduces"] else "-"]
+        for r in rows
     ]
-    plan = "\nThe plan's schedules:\n" + "\n".join(planned) if planned else ""
-    return title + "\n" + format_table(header, lines) + "\n" + notes + plan
+    reduced = any(r["reduces"] for r in rows)
+    both = (
+        "F, I, W at the plan's times (its recomputation in them), the messages at its link time, the stages' "
+        "(chunks') placement"
+    )
+    if reduced:
+        both += (
+            ", each stage's gradient reduction over the replicas at the plan's time (emulated: a timed wait on the "
+            "rank's own link from the stage's last W, in that order, the step ending when the last has; the "
+            "replicas taken to run in step, as the plan assumes)"
+        )
+    left_out = sorted({what for r in rows for what in r.get("left_out", ())})
+    return (
+        "\nThe plan's schedules (plan: its predicted step; simulator: the rehearsal's prediction on the same times; "
+        "reduction tail: how much the reductions add to the simulated step):\n" + format_table(header, lines)
+        + f"\nIn both: {both}.\nIn neither: the optimizer step (the plan prices none)."
+        + (f"\nIn the plan only: {'; '.join(left_out)}." if left_out else "")
+    )
 
 
 def timeline_panels(record: Mapping[str, Any], names: Sequence[str] | None = None) -> list[tuple[str, list[Box]]]:

@@ -360,7 +360,7 @@ def _distributed_runner(
         made = DistributedRunner(
             compiled, schedule, layout, ownership.state(), device, o.timeout, o.follow_readiness, o.data_parallel
         )
-        action_pace.install(made.interpreter, made.rank, schedule.stages, o._slowdown, o._emulate)
+        action_pace.install(made, made.rank, schedule.stages, o._slowdown, o._emulate)
         return made
 
     if ownership.held is not None:

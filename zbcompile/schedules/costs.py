@@ -234,7 +234,7 @@ class EmulatedTimes:
     """Every action's time where a pipeline emulates them (`runtime/step/action_pace.py`): `costs` (per
     stage, or per chunk for a multi-chunk schedule; a fused B takes I + W) times `unit_s` seconds
     per unit (1e-3 for costs in ms, as the paper's); a message between ranks takes at least
-    `costs.comm` units."""
+    `costs.comm` units, a stage's gradient reduction `costs.reduce` units."""
 
     costs: ResolvedCosts
     unit_s: float = 1e-3
@@ -256,3 +256,7 @@ class EmulatedTimes:
 
     def seconds(self, stage: int, kind: str) -> float:
         return self.costs.duration(stage, kind) * self.unit_s
+
+    def reduce_s(self, stage: int) -> float:
+        """Seconds of `stage`'s gradient reduction over the replicas (0 without)."""
+        return self.costs.reduction(stage) * self.unit_s

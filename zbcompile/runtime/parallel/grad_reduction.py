@@ -72,6 +72,26 @@ class ReductionPlan:
         }
         return ReductionPlan(expected, tuple(sorted(last, key=last.__getitem__)), overlapped)
 
+    def ready(self, ran: Mapping[int, int], posted: int) -> list[int]:
+        """The stages of `order` from position `posted` on whose gradients are final, given how
+        many W and B of each stage have run (`ran`), up to the first that is not: what to post now."""
+        found = []
+        for stage in self.order[posted:]:
+            if ran.get(stage, 0) != self.expected[stage]:
+                break
+            found.append(stage)
+        return found
+
+    def check_posted(self, ran: Mapping[int, int], posted: int) -> None:
+        """Raise where a stage's reduction was not posted by the step's end (`posted` of `order`)."""
+        if posted < len(self.order):
+            stage = self.order[posted]
+            rank = f"rank {dist.get_rank()}: " if dist.is_initialized() else ""
+            raise RuntimeError(
+                f"{rank}stage {stage} ran {ran.get(stage, 0)} of its "
+                f"{self.expected[stage]} gradient actions in the step; its gradients were never reduced"
+            )
+
 
 @dataclass
 class _Bucket:
@@ -113,9 +133,7 @@ class GradReduction:
     def ran(self, stage: int) -> None:
         """A W or B of `stage` ran: post the stages whose gradients are now final, in plan order."""
         self._ran[stage] = self._ran.get(stage, 0) + 1
-        order, expected = self.plan.order, self.plan.expected
-        while self._next < len(order) and self._ran.get(order[self._next], 0) == expected[order[self._next]]:
-            stage = order[self._next]
+        for stage in self.plan.ready(self._ran, self._next):
             grads = self.grads_of(stage)
             fqns = [f for f in sorted(self.plan.overlapped[stage]) if f in grads]
             self._post(fqns, grads, f"{REDUCE} {stage}")
@@ -124,12 +142,7 @@ class GradReduction:
 
     def finish(self) -> dict[str, torch.Tensor]:
         """The overlapped gradients averaged over the replicas, by FQN, once their buckets arrived."""
-        if self._next < len(self.plan.order):
-            stage = self.plan.order[self._next]
-            raise RuntimeError(
-                f"rank {dist.get_rank()}: stage {stage} ran {self._ran.get(stage, 0)} of its "
-                f"{self.plan.expected[stage]} gradient actions in the step; its gradients were never reduced"
-            )
+        self.plan.check_posted(self._ran, self._next)
         return self._wait()
 
     def reduce_now(

@@ -35,6 +35,7 @@ from zbcompile.runtime.parallel.grad_reduction import REDUCE, GradReduction, Red
 from zbcompile.runtime.parallel.layout import Layout
 from zbcompile.runtime.parallel.sharding import Gathered
 from zbcompile.runtime.step.action_clock import EventClock, HostClock
+from zbcompile.runtime.step.action_pace import EmulatedReduction
 from zbcompile.runtime.step.rank_program import RankProgram, rank_program
 from zbcompile.runtime.step.runner import Runner
 from zbcompile.runtime.step.stage import StageExecutor
@@ -84,6 +85,10 @@ class DistributedRunner(Runner):
         self.rank = dist.get_rank()
         self.data_parallel = data_parallel
         self.overlap_reduction = True  # False: every gradient reduced after the drain (for measurements)
+        # a rehearsal aid (`runtime/step/action_pace.py`): per stage, the seconds of a gradient reduction over
+        # emulated replicas, where the pipeline has none; () or zeros: none
+        self.emulated_reduction: tuple[float, ...] = ()
+        self._reduction: GradReduction | EmulatedReduction | None = None
         self._state: Mapping[str, torch.Tensor] = state
         executors = {s: StageExecutor(compiled.programs[s], state) for s in schedule.stages_on(layout.pp_rank)}
         clock = EventClock() if device.type == "cuda" else HostClock()
@@ -134,6 +139,9 @@ class DistributedRunner(Runner):
                 super().set_state(gathered)
             self._reduction = self._grad_reduction(gathered)
             self.interpreter.grads_accumulated = self._reduction.ran
+        elif any(self.emulated_reduction):
+            self._reduction = EmulatedReduction(self._reduction_plan(), self.emulated_reduction)
+            self.interpreter.grads_accumulated = self._reduction.ran
         losses = super().step(inputs, targets, loss_tangent)
         schedule = self.schedule
         if schedule.mirrored_from is None:
@@ -169,6 +177,11 @@ class DistributedRunner(Runner):
             grads.update(reduced)
             self.interpreter.comm_timeline = [*self.interpreter.comm_timeline, *reduction.timeline]
             super().set_state(self._state)  # sharded: the gathered parameters are freed
+        elif self._reduction is not None:  # emulated replicas: the step ends when their reductions have
+            reduction, self._reduction = self._reduction, None
+            self.interpreter.grads_accumulated = lambda stage: None
+            reduction.finish()
+            self.interpreter.comm_timeline = [*self.interpreter.comm_timeline, *reduction.timeline]
         partial = [f for s in self.local_stages for f in self.compiled.programs[s].joint.partial_grads]
         tensor_parallel.reduce_partial_grads(grads, partial, self.layout.tp_group, self.transport.timeout)
         return grads
@@ -176,11 +189,7 @@ class DistributedRunner(Runner):
     def _grad_reduction(self, gathered: Gathered | None) -> GradReduction:
         """This step's reduction over the replicas, following this rank's program (reduce-scatter
         into DTensor shards, releasing the gathered parameters, where `gathered`)."""
-        partition = self.compiled.partition
-        plan = ReductionPlan.of(
-            self.program.actions, {s: partition.stages[s].param_fqns for s in self.local_stages},
-            [t.fqn for t in self.tied_weights],
-        )
+        plan = self._reduction_plan()
         if not self.overlap_reduction:
             plan = replace(plan, overlapped={s: frozenset() for s in plan.overlapped})
         grads_of = lambda stage: self.executors[stage].grads  # noqa: E731
@@ -188,6 +197,14 @@ class DistributedRunner(Runner):
         if gathered is not None:
             reduction.mesh, reduction.released = self.layout.mesh["dp"], gathered.release
         return reduction
+
+    def _reduction_plan(self) -> ReductionPlan:
+        """When and in what order this rank's program makes each stage's gradients final."""
+        partition = self.compiled.partition
+        return ReductionPlan.of(
+            self.program.actions, {s: partition.stages[s].param_fqns for s in self.local_stages},
+            [t.fqn for t in self.tied_weights],
+        )
 
     def _stage_params(self) -> dict[int, list[str]]:
         """This rank's stages' parameters (runtime names), stages in the order they first act."""
