@@ -121,24 +121,27 @@ def test_the_papers_settings_predict_table_5s_bubbles():
         Rehearsal(2, 2, Costs(), torch_schedules=("Schedule2F2B",))
 
 
-def test_emulated_replicas_reduce_each_stage_after_its_last_w_one_at_a_time_on_the_link():
+def test_emulated_replicas_reduce_each_stage_after_its_last_w_one_at_a_time_on_the_link(monkeypatch):
     """Two chunks on a rank (a V's 0 and 3): each stage's reduction is posted when its last W has
     run, in the order of the last W, waits for the one before it on the link, lasts its seconds,
     and the step's gradients come back only once the last has ended."""
     from zbcompile.runtime.parallel.grad_reduction import ReductionPlan
     from zbcompile.runtime.step.action_pace import EmulatedReduction
 
+    clock = RecordedClock()
+    monkeypatch.setattr(action_pace, "time", clock)
     actions = [Action.parse(t) for t in ("0F0", "3F0", "3I0", "3W0", "0I0", "0W0")]
     plan = ReductionPlan.of(actions, {0: ["a"], 3: ["b"]}, [])
     reduction = EmulatedReduction(plan, [0.02, 0, 0, 0.03])
     reduction.ran(3)
-    posted_3 = time.perf_counter()
+    posted_3 = clock.perf_counter()
     reduction.ran(0)  # while 3's is still on the link
     assert [label for label, _, _ in reduction.timeline] == ["REDUCE 3", "REDUCE 0"]
     (_, start_3, end_3), (_, start_0, end_0) = reduction.timeline
-    assert start_3 <= posted_3 and end_3 - start_3 == pytest.approx(0.03)
+    assert start_3 == posted_3 and end_3 - start_3 == pytest.approx(0.03)
     assert start_0 == end_3 and end_0 - start_0 == pytest.approx(0.02)
-    assert reduction.finish() == {} and time.perf_counter() >= end_0
+    assert clock.slept == []  # posting waits for nothing: the link runs beside the computations
+    assert reduction.finish() == {} and clock.slept == [pytest.approx(0.05)]  # the step waits for the last
     unfinished = EmulatedReduction(plan, [0.02, 0, 0, 0.03])
     unfinished.ran(3)
     with pytest.raises(RuntimeError, match="stage 0 ran 0 of its 1 gradient actions"):
