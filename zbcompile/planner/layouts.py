@@ -30,6 +30,7 @@ from zbcompile.planner.search import (
     Outcome,
     SearchResult,
     SearchSettings,
+    Solves,
     Units,
     menu,
     search,
@@ -63,13 +64,13 @@ def plan_layouts(
     memory_limit: float | str | None = None, loss_fn: Callable[..., torch.Tensor] | None = None,
     optimizer_factor: float = 2.0, grad_factor: float = 1.0, tensor_parallel: Mapping[str, Any] | None = None,
     sequence_parallel: bool = False, data_parallel: Sequence[str] = ("replicate", "shard"), keep: int = 5,
-    near: Layout | None = None,
+    near: Layout | None = None, solves: Solves | None = None,
 ) -> LayoutPlan:
     """The `keep` fastest layouts of `model` over `gpus` GPUs (`gpus_per_node` to a node) for the
     global batch `inputs`, `kwargs`, `target` that fit `memory_limit` bytes per GPU (default:
     the device's memory); tp > 1 where the model has a tensor-parallel plan (`tensor_parallel`,
     or a transformers model's own) that splits it. With `near`, the record also names the
-    fitting layouts closest to it."""
+    fitting layouts closest to it. `solves`: the plan's schedules made so far (`search.Solves`)."""
     device = resolve_hardware(hardware)
     limit = device.memory if memory_limit is None else (
         parse_bytes(memory_limit) if isinstance(memory_limit, str) else float(memory_limit)
@@ -90,10 +91,11 @@ def plan_layouts(
         device, gpus=gpus, global_batch=global_batch, memory_limit=limit, gpus_per_node=gpus_per_node,
         optimizer_factor=optimizer_factor, grad_factor=grad_factor, data_parallel=tuple(data_parallel), keep=keep,
     )
-    result = search(units, settings)
+    solves = solves or Solves()
+    result = search(units, settings, solves=solves)
     result.peak_flops = device.flops
     result.dropped[:0] = [(f"tp={t}", why) for t, why in refused.items()]
-    return LayoutPlan(result, search_record(result, device, near, units))
+    return LayoutPlan(result, search_record(result, device, near, units, solves))
 
 
 def settings_on(hardware: Hardware, **fields: Any) -> SearchSettings:
@@ -133,7 +135,8 @@ def outcome_record(result: SearchResult, outcome: Outcome) -> dict[str, Any]:
 
 
 def search_record(
-    result: SearchResult, hardware: Hardware, near: Layout | None = None, units: Any = None
+    result: SearchResult, hardware: Hardware, near: Layout | None = None, units: Any = None,
+    solves: Solves | None = None,
 ) -> dict[str, Any]:
     """The JSON-able record `planner/report.search_text` prints."""
     s = result.settings
@@ -149,17 +152,21 @@ def search_record(
     }
     if near is not None:
         record["near"] = str(near)
-        record["nearest"] = [outcome_record(result, o) for o in nearest(units, result, near)]
+        record["nearest"] = [outcome_record(result, o) for o in nearest(units, result, near, solves=solves)]
     return record
 
 
-def menu_record(costed: CostedPipeline, hardware: Hardware, o: Any, limit: float) -> dict[str, Any]:
+def menu_record(
+    costed: CostedPipeline, hardware: Hardware, o: Any, limit: float, solves: Solves | None = None
+) -> dict[str, Any]:
     """What a given layout's plan (`plan.plan`, its `PlanOptions` `o`) says of the menu:
     "menu" (`search.MENU`, each schedule without recomputation and, where `costed` has its
     recompute alternatives, with the fastest level that fits), "menu_choice", the fastest that
     fits (None: nothing does), "menu_binds": whether, without the alternatives, some recompute
     level would be priced (`search.worth_recomputing`), and with dp > 1 "other_mode": the
-    fastest that fits keeping the state the other data-parallel way."""
+    fastest that fits keeping the state the other data-parallel way. `solves`: the plan's schedules
+    made so far (`search.Solves`)."""
+    solves = solves or Solves()
     stages = len(costed.costs)
     given = Layout(stages, o.tp, o.dp, o.data_parallel, 1, o.microbatches)
     settings = settings_on(
@@ -168,15 +175,16 @@ def menu_record(costed: CostedPipeline, hardware: Hardware, o: Any, limit: float
         time_budget=o.time_budget,
     )
     units = compiled_units(costed, hardware, o.tp, 1)
-    entries = _menu_entries(menu(units, settings, given))
+    entries = _menu_entries(menu(units, settings, given, solves=solves))
     fitting = [e for e in entries if e["fits"]]
     record = {
         "menu": entries, "menu_choice": min(fitting, key=lambda e: e["step"]) if fitting else None,
-        "menu_binds": not costed.alternatives and worth_recomputing(units, settings, given),
+        "menu_binds": not costed.alternatives and worth_recomputing(units, settings, given, solves=solves),
     }
     if o.dp > 1:
         other = "shard" if o.data_parallel == "replicate" else "replicate"
-        fitting = [e for e in _menu_entries(menu(units, settings, replace(given, data_parallel=other))) if e["fits"]]
+        other_menu = menu(units, settings, replace(given, data_parallel=other), solves=solves)
+        fitting = [e for e in _menu_entries(other_menu) if e["fits"]]
         record["other_mode"] = {"data_parallel": other, **min(fitting, key=lambda e: e["step"])} if fitting else None
     return record
 
@@ -225,7 +233,9 @@ def _menu_entry(outcome: Outcome) -> dict[str, Any]:
     return entry
 
 
-def nearest(model: Units, result: SearchResult, layout: Layout, count: int = 3) -> list[Outcome]:
+def nearest(
+    model: Units, result: SearchResult, layout: Layout, count: int = 3, solves: Solves | None = None
+) -> list[Outcome]:
     """The fitting layouts of `result` closest to `layout`: fewest knobs changed, then fastest,
     each at the best of its menu's uniform recompute levels (`menu`, not refined: the search may
     have spared some of its options; the per-stage levels and recompute cuts, which can only make a
@@ -239,8 +249,9 @@ def nearest(model: Units, result: SearchResult, layout: Layout, count: int = 3) 
         if o.fits and (o.layout not in fitting or o.key() < fitting[o.layout].key()):
             fitting[o.layout] = o
     closest = sorted(fitting.values(), key=lambda o: (changed(o.layout), o.key()))[: 2 * count]
-    best = [min((o for o in menu(model, result.settings, c.layout, refined=False) if o.fits), key=Outcome.key)
-            for c in closest]
+    solves = solves or Solves()
+    best = [min((o for o in menu(model, result.settings, c.layout, False, solves, keep_made=False) if o.fits),
+                key=Outcome.key) for c in closest]
     return sorted(best, key=lambda o: (changed(o.layout), o.key()))[:count]
 
 
