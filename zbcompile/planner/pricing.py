@@ -162,6 +162,7 @@ class Pricer:
     _segments: dict = field(default_factory=dict)
     _cuts: dict = field(default_factory=dict)  # -> Cut, or for a recompute cut (Cut, stage levels); None: none packs
     _plain: dict = field(default_factory=dict)  # (layout, option at level 0) -> its outcome
+    _stage_costs: dict = field(default_factory=dict)  # (tp, b, level, cut, cut settings) -> stage_costs
     solves: "Solves" = field(default_factory=lambda: Solves())
 
     def segments(self, tp: int, b: int, level: int) -> _OneKind:
@@ -272,8 +273,11 @@ class Pricer:
         levels = option.stage_levels or (option.level,) * cut.stages
         by_level = {}
         for level in set(levels):
-            segments = self.segments(layout.tp, layout.microbatch_size, level)
-            by_level[level] = stage_costs(segments.units, cut, settings, segments)
+            key = (layout.tp, layout.microbatch_size, level, cut, settings)
+            if key not in self._stage_costs:
+                segments = self.segments(layout.tp, layout.microbatch_size, level)
+                self._stage_costs[key] = stage_costs(segments.units, cut, settings, segments)
+            by_level[level] = self._stage_costs[key]
         if len(by_level) == 1:
             return by_level[levels[0]]
 
