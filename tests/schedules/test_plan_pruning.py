@@ -48,7 +48,7 @@ def fastest(outcomes):
 
 def test_the_pruned_menu_chooses_what_pricing_every_option_chooses():
     units, checked, spared = TinyUnits(), 0, 0
-    for limit in (16 * GB, 22 * GB, 30 * GB, 60 * GB):
+    for limit in (22 * GB, 26 * GB, 28 * GB, 34 * GB, 40 * GB, 60 * GB):
         for layout in (Layout(4, 1, 2, "replicate", 1, 8), Layout(2, 2, 2, "shard", 2, 4)):
             solves = Solves()
             pruned = menu(units, settings(limit), layout, solves=solves)
@@ -61,7 +61,7 @@ def test_the_pruned_menu_chooses_what_pricing_every_option_chooses():
             checked += want is not None
             again = menu(units, settings(limit), layout, solves=solves)
             assert [o.step for o in again] == [o.step for o in pruned]
-    assert checked >= 4 and spared > 0
+    assert checked >= 8 and spared > 0
 
 
 def test_the_pruned_search_ranks_what_pricing_every_option_ranks():
@@ -80,3 +80,19 @@ def test_one_solves_makes_each_schedule_once():
     made = solves.solved
     menu(units, settings(22 * GB), layout, solves=solves)
     assert solves.solved == made and solves.reused >= made
+
+
+def test_the_nearest_layouts_are_those_pricing_every_layout_finds_and_a_budget_says_what_it_left():
+    """Fewest knobs changed, then fastest, each at its menu's fastest uniform level: as pricing
+    every layout's menu finds them; with no time, the search says it stopped and skipped."""
+    from zbcompile.planner.search import knobs_changed, layouts, nearest_search
+
+    units, near = TinyUnits(), Layout(4, 1, 2, "replicate", 1, 8)
+    for limit in (30 * GB, 60 * GB):
+        found, budget = nearest_search(units, settings(limit), near)
+        every = [fastest(menu(units, settings(limit), layout, refined=False))
+                 for layout in layouts(units, settings(limit), N)[0]]
+        want = sorted((o for o in every if o), key=lambda o: (knobs_changed(o.layout, near), o.key()))[:3]
+        assert [o.key() for o in found] == [o.key() for o in want] and not budget["stopped"]
+    found, budget = nearest_search(units, settings(30 * GB), near, seconds=0.0)
+    assert budget["stopped"] and budget["layouts_skipped"] > 0

@@ -29,7 +29,7 @@ from zbcompile.passes.stage_cost import peak_memory_with_transients
 from zbcompile.passes.tensor_parallel_shares import annotate_shares, model_plan
 from zbcompile.planner.cut import binds, cut_decision, decision_record, one_f_one_b_peaks
 from zbcompile.planner.hardware import Hardware, resolve_rank_hardware
-from zbcompile.planner.layouts import LayoutPlan, menu_record, plan_layouts
+from zbcompile.planner.layouts import LayoutPlan, menu_record, nearest_layouts, plan_layouts
 from zbcompile.planner.report import plan_text
 from zbcompile.planner.search import Layout, Solves
 from zbcompile.runtime.parallel.batch import split
@@ -39,6 +39,7 @@ from zbcompile.schedules.memory_limit import DATA_PARALLEL_MODES, parse_bytes, s
 from zbcompile.schedules.render import layout, to_svg
 
 PLANNED_SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "gpipe", "zb-auto")
+NEAREST_SECONDS = 20.0  # the search for the nearest layouts that fit, past their compile
 
 
 @dataclass(frozen=True)
@@ -175,22 +176,21 @@ def _priced_menu(
         again = compiled(planned.costed.partition.cuts, planned.costed.traced)
         planned.record.update(menu_record(again, planned.hardware, planned.options, min(planned.limits), solves))
     if "menu" in planned.record and planned.record["menu_choice"] is None:
-        planned.record["nearest"] = _nearest(model, batch, len(planned.state), planned.options, search_options,
-                                             solves)
+        planned.record.update(_nearest(model, batch, len(planned.state), planned.options, search_options, solves))
     return planned
 
 
 def _nearest(
     model: nn.Module, batch: tuple, stages: int, o: PlanOptions, search_options: dict, solves: Solves
-) -> list[dict[str, Any]]:
-    """The layouts of as many GPUs nearest to `stages` x `o`'s that fit (`plan_search`), for one
-    replica's `batch` (inputs, kwargs, target) repeated over `o.dp` replicas."""
+) -> dict[str, Any]:
+    """The layouts of as many GPUs nearest to `stages` x `o`'s that fit, for one replica's `batch`
+    (inputs, kwargs, target) repeated over `o.dp` replicas: `layouts.nearest_layouts`' record,
+    searched for at most `NEAREST_SECONDS` past the compile."""
     whole = pytree.tree_map(lambda x: torch.cat([x] * o.dp) if isinstance(x, torch.Tensor) else x, batch)
     samples = next(x.shape[0] for x in pytree.tree_leaves(batch) if isinstance(x, torch.Tensor))
     near = Layout(stages, o.tp, o.dp, o.data_parallel, samples // o.microbatches, o.microbatches)
-    found = plan_layouts(model, *whole, gpus=stages * o.tp * o.dp, gpus_per_node=max(8, o.tp), near=near,
-                         solves=solves, **search_options)
-    return found.record["nearest"]
+    return nearest_layouts(model, *whole, near, gpus=stages * o.tp * o.dp, gpus_per_node=max(8, o.tp),
+                           solves=solves, seconds=NEAREST_SECONDS, **search_options)
 
 
 def _cut_by_time(planned: Plan, compiled: Callable[[Sequence[int]], CostedPipeline], solves: Solves) -> Plan:

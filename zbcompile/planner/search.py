@@ -24,6 +24,7 @@ import heapq
 import math
 import time
 from dataclasses import dataclass, replace
+from typing import Any
 
 from tqdm import tqdm
 
@@ -42,14 +43,15 @@ from zbcompile.planner.pricing import (
 from zbcompile.schedules.cut_search import Cut
 
 __all__ = ["MENU", "Layout", "Option", "Outcome", "Pricer", "SearchResult", "SearchSettings", "Solves", "Units",
-           "layouts", "menu", "options_of", "replica_cut_settings", "search", "worth_recomputing"]
+           "knobs_changed", "layouts", "menu", "nearest_search", "options_of", "replica_cut_settings", "search",
+           "worth_recomputing"]
 
 PROGRESS_AFTER = 3.0  # seconds of a search or menu before it prints a progress line (stderr)
 
 
-def progress(total: int, what: str) -> tqdm:
-    """A progress line on stderr for `total` options priced, shown once `PROGRESS_AFTER` seconds
-    have passed (none for a short search)."""
+def progress(total: int | None, what: str) -> tqdm:
+    """A progress line on stderr counting options priced (of `total` where known), shown once
+    `PROGRESS_AFTER` seconds have passed (none for a short search)."""
     return tqdm(total=total, desc=what, unit="option", delay=PROGRESS_AFTER, leave=False)
 
 
@@ -125,40 +127,10 @@ def search(model: Units, settings: SearchSettings, exhaustive: bool = False, sol
     schedules made so far (`pricing.Solves`), read and added to."""
     started = time.perf_counter()
     pricer = Pricer(model, settings, keep_made=False, solves=solves or Solves())
-    sample = model.units(min(model.tps), 1)
-    found, dropped = layouts(model, settings, sample[0].positions)
-    heap: list[tuple[float, int, Layout, Option, Cut]] = []
-    count = 0
-    for layout in found:
-        seen: set[tuple] = set()
-        for option in options_of(settings, len(sample), layout.pp):
-            made = pricer.candidate(layout, option)
-            if made is None or made[1] == math.inf or made[3] in seen:
-                continue  # no cut packs, the state alone passes the limit, or the memory cut is the time cut
-            seen.add(made[3])
-            heap.append((made[1], count, layout, made[0], made[2]))
-            count += 1
-        if not seen:
-            dropped.append((str(layout), "some rank's state alone passes the memory limit under every option"))
-    heapq.heapify(heap)
-    priced: list[Outcome] = []
-    best: dict[Layout, Outcome] = {}
-    spared = 0  # recompute levels not worth pricing
-    with progress(count, f"layouts of {settings.gpus} GPUs") as shown:
-        while heap:
-            bound, _, layout, option, cut = heap[0]
-            if not exhaustive and len(best) >= settings.keep:
-                if bound >= sorted(o.step for o in best.values())[settings.keep - 1]:
-                    break
-            heapq.heappop(heap)
-            shown.update()
-            if not pricer.worth_recomputing(layout, option):
-                spared += 1
-                continue
-            outcome = pricer.price(layout, option, cut, bound)
-            priced.append(outcome)
-            if outcome.fits and (layout not in best or outcome.key() < best[layout].key()):
-                best[layout] = outcome
+    found, dropped = layouts(model, settings, model.units(min(model.tps), 1)[0].positions)
+    heap, count = _candidates(pricer, found, dropped)
+    with progress(None, f"layouts of {settings.gpus} GPUs") as shown:
+        priced, best, spared, _ = _bound_and_price(pricer, heap, settings.keep, exhaustive, math.inf, shown)
     ranked = sorted(best.values(), key=Outcome.key)[: settings.keep]
     for layout in found:
         mine = [o for o in priced if o.layout == layout]
@@ -171,18 +143,109 @@ def search(model: Units, settings: SearchSettings, exhaustive: bool = False, sol
     )
 
 
+Candidate = tuple[float, int, Layout, Option, Cut]  # bound, order, layout, option, cut
+
+
+def _candidates(pricer: Pricer, found: list[Layout], dropped: list[tuple[str, str]]) -> tuple[list[Candidate], int]:
+    """The options of the layouts `found` with their bounds, a heap (least bound first), and their
+    count; a layout no option of which packs is added to `dropped`."""
+    levels = len(pricer.model.units(min(pricer.model.tps), 1))
+    heap: list[Candidate] = []
+    for layout in found:
+        seen: set[tuple] = set()
+        for option in options_of(pricer.settings, levels, layout.pp):
+            made = pricer.candidate(layout, option)
+            if made is None or made[1] == math.inf or made[3] in seen:
+                continue  # no cut packs, the state alone passes the limit, or the memory cut is the time cut
+            seen.add(made[3])
+            heap.append((made[1], len(heap), layout, made[0], made[2]))
+        if not seen:
+            dropped.append((str(layout), "some rank's state alone passes the memory limit under every option"))
+    heapq.heapify(heap)
+    return heap, len(heap)
+
+
+def _bound_and_price(
+    pricer: Pricer, heap: list[Candidate], keep: int, exhaustive: bool, deadline: float, shown: Any
+) -> tuple[list[Outcome], dict[Layout, Outcome], int, bool]:
+    """Branch and bound: the `heap`'s options priced, least bound first, until `keep` layouts fit
+    and the bound reaches the `keep`-th's step (or the heap is empty, or, where not `exhaustive`,
+    the clock passes `deadline`): the outcomes priced, each layout's fastest fit, how many recompute
+    levels were not worth pricing, and whether the deadline stopped it (the heap keeps the rest)."""
+    priced: list[Outcome] = []
+    best: dict[Layout, Outcome] = {}
+    spared = 0
+    while heap:
+        bound, _, layout, option, cut = heap[0]
+        if not exhaustive and len(best) >= keep:
+            if bound >= sorted(o.step for o in best.values())[keep - 1]:
+                return priced, best, spared, False
+        if not exhaustive and time.perf_counter() > deadline:
+            return priced, best, spared, True
+        heapq.heappop(heap)
+        shown.update()
+        if not pricer.worth_recomputing(layout, option):
+            spared += 1
+            continue
+        outcome = pricer.price(layout, option, cut, bound)
+        priced.append(outcome)
+        if outcome.fits and (layout not in best or outcome.key() < best[layout].key()):
+            best[layout] = outcome
+    return priced, best, spared, False
+
+
+KNOBS = ("pp", "tp", "dp", "data_parallel", "microbatch_size")
+
+
+def knobs_changed(layout: Layout, near: Layout) -> int:
+    """How many of `KNOBS` `layout` sets otherwise than `near`."""
+    return sum(getattr(layout, k) != getattr(near, k) for k in KNOBS)
+
+
+def nearest_search(
+    model: Units, settings: SearchSettings, near: Layout, count: int = 3, solves: Solves | None = None,
+    seconds: float = math.inf,
+) -> tuple[list[Outcome], dict[str, Any]]:
+    """The `count` fitting layouts of `settings.gpus` GPUs closest to `near`: fewest `KNOBS`
+    changed, then fastest, each at its fastest option of the menu's uniform recompute levels. Tier
+    by tier (knobs changed), each by branch and bound, until `count` fit; within `seconds`. With
+    them, what the time budget left: {"seconds", "stopped": whether it stopped the search,
+    "layouts_skipped": layouts of the tiers not reached or left unpriced}."""
+    deadline = time.perf_counter() + seconds
+    pricer = Pricer(model, settings, keep_made=False, solves=solves or Solves())
+    found, dropped = layouts(model, settings, model.units(min(model.tps), 1)[0].positions)
+    tiers: dict[int, list[Layout]] = {}
+    for layout in found:
+        tiers.setdefault(knobs_changed(layout, near), []).append(layout)
+    chosen: list[Outcome] = []
+    timed_out, skipped = False, 0
+    with progress(None, f"layouts of {settings.gpus} GPUs near {near}") as shown:
+        for knobs in sorted(tiers):
+            if len(chosen) >= count:
+                break
+            if timed_out:
+                skipped += len(tiers[knobs])
+                continue
+            heap, _ = _candidates(pricer, tiers[knobs], dropped)
+            _, best, _, timed_out = _bound_and_price(pricer, heap, count - len(chosen), False, deadline, shown)
+            skipped += len({c[2] for c in heap} - set(best)) if timed_out else 0
+            chosen += sorted(best.values(), key=Outcome.key)[: count - len(chosen)]
+    return chosen, {"seconds": seconds, "stopped": timed_out, "layouts_skipped": skipped}
+
+
 def menu(
     model: Units, settings: SearchSettings, layout: Layout, refined: bool = True, solves: Solves | None = None,
-    *, keep_made: bool = True, exhaustive: bool = False,
+    *, keep_made: bool = True, exhaustive: bool = False, rows: bool = True,
 ) -> list[Outcome]:
     """Every option of the menu that can win, priced on one `layout`: per schedule and placement,
     on the cut where it is faster, at level 0 and each recompute level worth pricing
     (`Pricer.worth_recomputing`); `refined` also per stage where faster (`Pricer.mixed_levels`)
     and on the recompute cuts (`planner/memory.py`). Level 0 is priced for every schedule; the
     rest in the order of their bound (`Pricer.floor`), skipping those whose bound reaches the
-    fastest fitting step found (`exhaustive`: none skipped, the recompute cuts all priced).
-    `solves`: the plan's schedules made so far, read and added to; `keep_made`: outcomes keep
-    their schedules (a menu's rows)."""
+    fastest fitting step found (`exhaustive`: none skipped, the recompute cuts all priced;
+    without `rows`, where only the fastest fit matters, level 0 is skipped alike). `solves`: the
+    plan's schedules made so far, read and added to; `keep_made`: outcomes keep their schedules
+    (a menu's rows)."""
     pricer = Pricer(model, settings, keep_made=keep_made, solves=solves or Solves())
     levels = len(model.units(layout.tp, layout.microbatch_size))
     candidates: list[tuple[float, Option, float, Cut]] = []
@@ -191,8 +254,8 @@ def menu(
         if (made := pricer.candidate(layout, option)) is not None and made[3] not in seen:
             seen.add(made[3])
             option, busy, cut = made[:3]
-            plain = option.level == 0 and option.cut != "recompute"
-            candidates.append((-math.inf if plain else pricer.floor(layout, option, busy, refined), option, busy, cut))
+            first = rows and option.level == 0 and option.cut != "recompute"  # every schedule's row
+            candidates.append((-math.inf if first else pricer.floor(layout, option, busy, refined), option, busy, cut))
     priced: dict[tuple, Outcome] = {}
     fastest = math.inf  # the fastest fitting step priced
     with progress(len(candidates), f"menu of {layout}") as shown:
