@@ -101,6 +101,7 @@ class _ListScheduler:
         # Memory kept free on a rank for one F (and its I's increase) of each deeper stage it holds (V
         # shapes), so that the oldest microbatch can always continue down the pipeline and back, and
         # for the increase of this stage's own I (mem_w > mem_b).
+        self.memory_delta = {kind: [costs.memory_delta(s, kind) for s in range(S)] for kind in "FIW"}
         self.reserve = [
             costs.excess(s)
             + sum(max(costs.mem_b[d], costs.mem_w[d]) for d in self.stages_of[stage_to_rank[s]] if d > s)
@@ -150,8 +151,9 @@ class _ListScheduler:
             self.nw[s] += 1
             end = now + costs.w[s]
         self.rows[r].append(Action(s, kind, k))
-        self.first_start[r] = min(self.first_start[r], now)
-        self.mem[r] += costs.memory_delta(s, kind)
+        if now < self.first_start[r]:
+            self.first_start[r] = now
+        self.mem[r] += self.memory_delta[kind][s]
         self.free_at[r] = end
         self.remaining[r] -= 1
         heapq.heappush(events, (end, r))
@@ -170,8 +172,13 @@ class _ListScheduler:
         returned = self.returned_gradient(group, now)
         if returned is not None:
             return self.backward(r, group, returned)
-        ready_f = [s for s in group if self.forward_allowed(s) and self.f_avail(s) <= now + _EPS]
-        fits = [s for s in ready_f if self.forward_fits(r, s)]
+        nf, ni, cap, M, f_end, f_delay = self.nf, self.ni, self.inflight_cap, self.M, self.f_end, self.f_delay
+        soon = now + _EPS
+        ready_f = [  # forward_allowed(s) and f_avail(s) <= soon, inline: the list scheduler's hottest line
+            s for s in group
+            if nf[s] < M and nf[s] - ni[s] < cap[s] and (s == 0 or f_end[s - 1][nf[s]] + f_delay[s] <= soon)
+        ]
+        fits = [s for s in ready_f if self.forward_fits(r, s)] if ready_f else ready_f
         if fits and self.policy.f_gate == "eager":
             return fits[0], "F"
         if fits:
@@ -188,10 +195,16 @@ class _ListScheduler:
     def returned_gradient(self, group: list[int], now: float) -> int | None:
         """Step 1: the stage whose I has its inputs, oldest microbatch first, deeper stage on ties."""
         best = None
-        ni, M = self.ni, self.M
+        ni, nf, M, last = self.ni, self.nf, self.M, self.S - 1
+        f_end, i_end, i_delay = self.f_end, self.i_end, self.i_delay
+        soon = now + _EPS
         for s in group:
-            if ni[s] < M and self.i_avail(s) <= now + _EPS:
-                key = (ni[s], -s)
+            k = ni[s]
+            if k >= M or k >= nf[s]:  # i_avail(s) is inf
+                continue
+            avail = f_end[s][k] if s == last else max(f_end[s][k], i_end[s + 1][k] + i_delay[s])
+            if avail <= soon:
+                key = (k, -s)
                 if best is None or key < best[0]:
                     best = (key, s)
         return None if best is None else best[1]
