@@ -9,10 +9,13 @@ stage is least (`cut_search.bottleneck_cut`), and, where it differs, where each 
 its state and 1F1B's microbatches in flight (one given layout's `menu` also on the cuts where each
 stage's recomputation is chosen with it: `memory.recompute_cut`); each stage's costs, each
 rank's state (parameters, gradients, optimizer state by data-parallel mode) and the schedule made
-and simulated on them (zb-auto and ZBV solved under each rank's memory left after its state).
-Branch and bound: options are priced in the order of a bound no schedule can beat (the busiest
-rank's summed action time per step) and the search stops where that bound reaches the `keep`-th
-best layout found; `exhaustive=True` prices everything (the same answer, for tests).
+and simulated on them (zb-auto and ZBV solved under each rank's memory left after its state;
+`pricing.py`). Branch and bound: options are priced in the order of a bound no schedule can beat
+(the busiest rank's summed action time per step, or what memory allows) and the search stops
+where that bound reaches the `keep`-th best layout found; `exhaustive=True` prices everything
+(the same answer, for tests). A given layout's `menu` prunes alike past each schedule's row
+without recomputation; `nearest_search` looks tier by tier (knobs changed) within a time budget.
+One `Solves` per plan makes each schedule once for all of them.
 
 Assumptions, stated where the report prints: pipeline neighbours talk over the inter-node link;
 tp's collectives over the node's; a pipeline has at least two stages and no fewer microbatches
