@@ -96,3 +96,22 @@ def test_the_nearest_layouts_are_those_pricing_every_layout_finds_and_a_budget_s
         assert [o.key() for o in found] == [o.key() for o in want] and not budget["stopped"]
     found, budget = nearest_search(units, settings(30 * GB), near, seconds=0.0)
     assert budget["stopped"] and budget["layouts_skipped"] > 0
+
+
+def test_zbv_read_from_zb_auto_over_the_same_v_is_zbv_solved():
+    """Where zb-auto over a V chose ZBV's schedule, ZBV on the same V is read from it, as solved."""
+    from zbcompile.schedules import Costs
+    from zbcompile.schedules.cut_search import Cut
+
+    cut, read = Cut("v", tuple(range(1, 8))), 0
+    for room in ([3.0] * 4, [5.0] * 4, [8.0] * 4, [2.5, 3.0, 4.0, 6.0]):
+        costs = Costs(f=[1.0, 1.1, 0.9, 1.0, 1.2, 1.0, 0.8, 1.0], i=[1.6] * 8, w=[0.9] * 8, comm=0.05,
+                      mem_b=[1.0] * 8, mem_w=[0.4] * 8, reduce=[2.0] * 8)
+        shared, alone = Solves(), Solves()
+        v = shared.solve("zb-auto", cut, costs, 12, room, 0.0)
+        zbv = shared.solve("zbv", cut, costs, 12, room, 0.0)
+        want = alone.solve("zbv", cut, costs, 12, room, 0.0)
+        assert (zbv.span, zbv.peak_memory) == (want.span, want.peak_memory)
+        assert zbv.schedule.rows_as_text() == want.schedule.rows_as_text()
+        read += v.v_source == "zbv" and shared.solved == 1
+    assert read

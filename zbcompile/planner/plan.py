@@ -147,13 +147,14 @@ def plan(
         parallel_plan = model_plan(model, tensor_parallel)
         annotate = lambda traced: annotate_shares(traced, parallel_plan, tp, sequence_parallel)  # noqa: E731
 
-    def compiled(cuts: Sequence[int] | None = None, traced: Any = None) -> CostedPipeline:
+    def compiled(cuts: Sequence[int] | None = None, traced: Any = None, alternatives: bool = False) -> CostedPipeline:
         # traced as on a CPU (fake tensors, nothing allocated): its attention kernel saves what a GPU's
         # flash attention saves (no sequence x sequence scores); the meta device's would keep them.
-        # Given the trace: compiled again at every recompute level too, for the menu
+        # Given the trace (the first compile's), not traced again; with `alternatives` compiled again at
+        # every recompute level too, for the menu
         return compile_costs(
             model, loss_fn, args, call_kwargs, micro_target, stages, split_points, device=torch.device("cpu"),
-            annotate=annotate, cuts=cuts, traced=traced, recompute_alternatives=traced is not None,
+            annotate=annotate, cuts=cuts, traced=traced, recompute_alternatives=alternatives,
         )
 
     options = PlanOptions(
@@ -170,10 +171,10 @@ def _priced_menu(
     planned: Plan, compiled: Callable, model: nn.Module, batch: tuple, search_options: dict, solves: Solves
 ) -> Plan:
     """`planned` with its menu priced at every recompute level where some level is worth it
-    (`compiled(cuts, traced)` compiles them), and the nearest layouts that fit where nothing on
+    (`compiled(cuts, traced, alternatives=True)` compiles them), and the nearest layouts that fit where nothing on
     the menu does; `solves`: the schedules this plan made so far."""
     if planned.record.get("menu_binds"):
-        again = compiled(planned.costed.partition.cuts, planned.costed.traced)
+        again = compiled(planned.costed.partition.cuts, planned.costed.traced, alternatives=True)
         planned.record.update(menu_record(again, planned.hardware, planned.options, min(planned.limits), solves))
     if "menu" in planned.record and planned.record["menu_choice"] is None:
         planned.record.update(_nearest(model, batch, len(planned.state), planned.options, search_options, solves))
@@ -193,7 +194,7 @@ def _nearest(
                            solves=solves, seconds=NEAREST_SECONDS, **search_options)
 
 
-def _cut_by_time(planned: Plan, compiled: Callable[[Sequence[int]], CostedPipeline], solves: Solves) -> Plan:
+def _cut_by_time(planned: Plan, compiled: Callable[..., CostedPipeline], solves: Solves) -> Plan:
     """`planned`, or where its memory limit binds or its ranks differ the plan of the model cut
     where the predicted step time is least (`cut.cut_decision`), if that plan's zb-auto fits
     where the compiler's cut did not, or is faster."""
@@ -204,8 +205,8 @@ def _cut_by_time(planned: Plan, compiled: Callable[[Sequence[int]], CostedPipeli
     if not decision.changes:
         planned.record["cut"] = decision_record(decision, "kept the compiler's cut")
         return planned
-    moved = plan_compiled(compiled(decision.chosen.cut.positions), planned.rank_hardware, planned.options,
-                          planned.microbatch, solves)
+    recompiled = compiled(decision.chosen.cut.positions, planned.costed.traced)
+    moved = plan_compiled(recompiled, planned.rank_hardware, planned.options, planned.microbatch, solves)
     before, after = (_zb_auto_span(p) for p in (planned, moved))
     if after < before:
         moved.record["cut"] = decision_record(decision, "moved: the step predicted on the new cut is shorter")

@@ -360,6 +360,7 @@ class Solved:
     peak_memory: tuple[float, ...]
     schedule: Schedule | None = None
     costs: ResolvedCosts | None = None
+    v_source: str = ""  # zb-auto over a V: the V schedule it chose
 
 
 class Solves:
@@ -382,6 +383,8 @@ class Solves:
         key = (name, cut.placement, cut.stages, resolved, microbatches, None if room is None else tuple(room),
                time_budget)
         found = self._made.get(key)
+        if found is None and name == "zbv" and (found := self._zbv_of_zb_auto(key, keep)) is not None:
+            self._made[key] = found
         if found is None or (keep and isinstance(found, Solved) and found.schedule is None):
             self.solved += 1
             try:
@@ -392,10 +395,20 @@ class Solves:
             else:
                 made_costs = resolve_costs(costs, schedule.stages)
                 result = simulate(schedule, made_costs)
-                found = Solved(result.span, tuple(result.peak_memory), *((schedule, made_costs) if keep else ()))
+                kept = (schedule, made_costs) if keep else (None, None)
+                found = Solved(result.span, tuple(result.peak_memory), *kept, schedule.info.get("v_source", ""))
             self._made[key] = found
         else:
             self.reused += 1
         if isinstance(found, str):
             raise ValueError(found)
         return found
+
+    def _zbv_of_zb_auto(self, key: tuple, keep: bool) -> Solved | None:
+        """ZBV on a V where zb-auto over the same V, costs and room chose ZBV's schedule (zb-auto's V
+        is the best of its candidates, ZBV solved under the same limit among them:
+        `v_choice.best_v_schedule`): that schedule, not solved again; None where not known."""
+        made = self._made.get(("zb-auto", *key[1:]))
+        if not isinstance(made, Solved) or made.v_source != "zbv" or (keep and made.schedule is None):
+            return None
+        return replace(made, schedule=made.schedule and replace(made.schedule, name="zbv"), v_source="")
