@@ -182,7 +182,7 @@ class LayoutSearchTest(unittest.TestCase):
         same = replace(mixed.option, stage_levels=(mixed.option.level,) * cut.stages)
         plain = replace(mixed.option, stage_levels=())
         self.assertEqual(pricer.price(layout, same, cut, 0.0).step, pricer.price(layout, plain, cut, 0.0).step)
-        # not refined (the nearest layouts' menus): the uniform levels alone, each priced as in the whole menu
+        # not refined (what the layout search prices): the uniform levels alone, each priced as in the whole menu
         coarse = menu(self.units, settings(limit), layout, refined=False)
         uniform = {(o.option, o.step) for o in priced if not o.option.stage_levels and o.option.cut != "recompute"}
         self.assertEqual({(o.option, o.step) for o in coarse}, uniform)
