@@ -115,3 +115,12 @@ def test_zbv_read_from_zb_auto_over_the_same_v_is_zbv_solved():
         assert zbv.schedule.rows_as_text() == want.schedule.rows_as_text()
         read += v.v_source == "zbv" and shared.solved == 1
     assert read
+
+
+def test_the_report_says_where_the_budget_stopped_the_nearest_layouts():
+    from zbcompile.planner.report import budget_lines
+
+    stopped = {"nearest_budget": {"seconds": 20.0, "stopped": True, "layouts_skipped": 7}}
+    assert "time budget, 20 s: 7 layouts not priced" in budget_lines(stopped)[0]
+    assert budget_lines({"nearest_budget": {"seconds": 20.0, "stopped": False, "layouts_skipped": 0}}) == []
+    assert budget_lines({}) == []
