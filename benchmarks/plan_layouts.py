@@ -4,10 +4,11 @@ its own process (wall time and peak memory of that process recorded):
 - Mixtral-8x7B at pp=8, dp=4 (replicate), m=32, 4096 tokens, H100-80GB: the whole menu (V-Half,
   V-Min, ZBV, zb-auto in-line and over a V, ZB-H1, ZB-H2, 1F1B, each with and without
   recomputation) with memory and fit, and the fastest that fits;
-- Qwen2-72B at pp=8, dp=8 (replicate), m=32: nothing fits; the plan names the nearest layouts;
+- Qwen2-72B and Llama-3-70B at pp=8, dp=8 (replicate), m=32: nothing fits; the plan names the
+  nearest layouts (searched within its time budget);
 - Qwen2-72B and Llama-3-70B over 64 GPUs, global batch 256 x 4096 tokens: the layout searched.
 
-    python benchmarks/plan_layouts.py            # ~20 minutes of CPU on 2 cores
+    python benchmarks/plan_layouts.py            # ~8 minutes of CPU
     python benchmarks/plan_layouts.py --quick    # the Mixtral menu only
 
 Writes benchmarks/results/plan_layouts.{json,md}. Predictions, not timings: the plans do not
@@ -33,6 +34,8 @@ CASES = [
     ("Mixtral-8x7B, pp=8 dp=4 replicate, m=32", "mixtral-8x7b.json", ["--stages", "8", "--dp", "4",
                                                                        "--microbatches", "32"]),
     ("Qwen2-72B, pp=8 dp=8 replicate, m=32", "qwen2-72b.json", ["--stages", "8", "--dp", "8", "--microbatches", "32"]),
+    ("Llama-3-70B, pp=8 dp=8 replicate, m=32", "llama3-70b.json", ["--stages", "8", "--dp", "8",
+                                                                    "--microbatches", "32"]),
     ("Qwen2-72B over 64 GPUs, global batch 256", "qwen2-72b.json", ["--gpus", "64", "--global-batch", "256"]),
     ("Llama-3-70B over 64 GPUs, global batch 256", "llama3-70b.json", ["--gpus", "64", "--global-batch", "256"]),
 ]
@@ -50,13 +53,15 @@ def run_case(config: str, arguments: list[str]) -> dict:
         _, status, usage = os.wait4(child.pid, 0)
         seconds = time.perf_counter() - started
         record = json.load(open(record_path)) if os.path.exists(record_path) else {}
-    return {"exit": os.waitstatus_to_exitcode(status), "seconds": seconds, "peak_rss_bytes": usage.ru_maxrss * 1024,
+    return {"exit": os.waitstatus_to_exitcode(status), "seconds": seconds,
+            "cpu_seconds": usage.ru_utime + usage.ru_stime, "peak_rss_bytes": usage.ru_maxrss * 1024,
             "record": record, "output": output}
 
 
 def summary(label: str, result: dict) -> list[str]:
     record = result["record"]
-    head = f"### {label}\n\nplanned in {result['seconds']:.0f} s, peak {result['peak_rss_bytes'] / 1e9:.2f} GB"
+    head = (f"### {label}\n\nplanned in {result['seconds']:.0f} s ({result['cpu_seconds']:.0f} s of CPU), "
+            f"peak {result['peak_rss_bytes'] / 1e9:.2f} GB")
     lines = [head, ""]
     if "menu" in record:
         choice = record["menu_choice"]
@@ -70,6 +75,9 @@ def summary(label: str, result: dict) -> list[str]:
             lines.append(f"- nearest that fits: pp={near['pp']} tp={near['tp']} dp={near['dp']} "
                          f"({near['data_parallel']}), {near['microbatches']} x {near['microbatch_size']}, "
                          f"{near['schedule']} (recompute {near['recompute']}): {near['step']:.3f} s")
+        if (record.get("nearest_budget") or {}).get("stopped"):
+            lines.append(f"- the nearest layouts' search stopped at its time budget: "
+                         f"{record['nearest_budget']['layouts_skipped']} layouts not priced")
     if "layouts" in record:
         rows = [[o["pp"], o["tp"], o["dp"], o["data_parallel"], f"{o['microbatches']} x {o['microbatch_size']}",
                  o["schedule"], o["recompute"], f"{o['step']:.3f}", f"{o['tokens_per_s']:.0f}", f"{o['mfu']:.1%}",

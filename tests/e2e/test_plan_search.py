@@ -20,7 +20,7 @@ from zbcompile.cli import main
 from zbcompile.compiler import compile_costs
 from zbcompile.passes.tensor_parallel_shares import annotate_shares, model_plan
 from zbcompile.planner.hardware import NAMED
-from zbcompile.planner.search import MENU, Layout, SearchSettings, _Pricer, menu, search
+from zbcompile.planner.search import MENU, Layout, Pricer, SearchSettings, menu, search
 from zbcompile.planner.units import LEVEL_NAMES, _costed_units, compiled_units, for_ranks, model_units
 from zbcompile.rehearsal.rehearse import plan_times
 from zbcompile.schedules import make_schedule, simulate
@@ -156,7 +156,7 @@ class LayoutSearchTest(unittest.TestCase):
 
     def test_a_solved_schedule_recomputes_per_stage_where_that_is_faster(self):
         """Under a limit where zb-auto fits only with recomputation, the menu also prices it with
-        each stage's level lowered where memory allows (`_Pricer.mixed_levels`): it fits, beats
+        each stage's level lowered where memory allows (`Pricer.mixed_levels`): it fits, beats
         every level for all stages, recomputes less somewhere, and each stage costs what its own
         level's stage costs say (all stages at one level: exactly the uniform option's price)."""
         layout = Layout(4, 1, 1, "replicate", 1, 8)
@@ -172,7 +172,7 @@ class LayoutSearchTest(unittest.TestCase):
         levels = mixed.option.stage_levels
         self.assertEqual(max(levels), mixed.option.level)
         self.assertLess(min(levels), mixed.option.level)
-        pricer = _Pricer(self.units, settings(limit))
+        pricer = Pricer(self.units, settings(limit))
         cut = pricer.cut(layout, mixed.option)
         costs, _ = pricer.stage_costs(layout, mixed.option, cut)
         for stage, level in enumerate(levels):
@@ -182,7 +182,7 @@ class LayoutSearchTest(unittest.TestCase):
         same = replace(mixed.option, stage_levels=(mixed.option.level,) * cut.stages)
         plain = replace(mixed.option, stage_levels=())
         self.assertEqual(pricer.price(layout, same, cut, 0.0).step, pricer.price(layout, plain, cut, 0.0).step)
-        # not refined (the nearest layouts' menus): the uniform levels alone, each priced as in the whole menu
+        # not refined (what the layout search prices): the uniform levels alone, each priced as in the whole menu
         coarse = menu(self.units, settings(limit), layout, refined=False)
         uniform = {(o.option, o.step) for o in priced if not o.option.stage_levels and o.option.cut != "recompute"}
         self.assertEqual({(o.option, o.step) for o in coarse}, uniform)

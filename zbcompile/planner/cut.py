@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 from zbcompile.compiler import CostedPipeline
 from zbcompile.passes.cut_profile import cut_layout, static_units
 from zbcompile.planner.hardware import Hardware
-from zbcompile.planner.search import replica_cut_settings
+from zbcompile.planner.pricing import replica_cut_settings
 from zbcompile.schedules import make_schedule
 from zbcompile.schedules.cut_choice import Cut, CutDecision, choose_cut
 

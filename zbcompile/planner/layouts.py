@@ -30,8 +30,10 @@ from zbcompile.planner.search import (
     Outcome,
     SearchResult,
     SearchSettings,
+    Solves,
     Units,
     menu,
+    nearest_search,
     search,
     worth_recomputing,
 )
@@ -63,13 +65,54 @@ def plan_layouts(
     memory_limit: float | str | None = None, loss_fn: Callable[..., torch.Tensor] | None = None,
     optimizer_factor: float = 2.0, grad_factor: float = 1.0, tensor_parallel: Mapping[str, Any] | None = None,
     sequence_parallel: bool = False, data_parallel: Sequence[str] = ("replicate", "shard"), keep: int = 5,
-    near: Layout | None = None,
+    near: Layout | None = None, solves: Solves | None = None, near_seconds: float = math.inf,
 ) -> LayoutPlan:
     """The `keep` fastest layouts of `model` over `gpus` GPUs (`gpus_per_node` to a node) for the
     global batch `inputs`, `kwargs`, `target` that fit `memory_limit` bytes per GPU (default:
     the device's memory); tp > 1 where the model has a tensor-parallel plan (`tensor_parallel`,
     or a transformers model's own) that splits it. With `near`, the record also names the
-    fitting layouts closest to it."""
+    fitting layouts closest to it (`search.nearest_search`, within `near_seconds`). `solves`: the
+    plan's schedules made so far (`search.Solves`)."""
+    units, settings, device, refused = _searched_units(
+        model, inputs, kwargs, target, gpus, gpus_per_node, hardware, memory_limit, loss_fn, optimizer_factor,
+        grad_factor, tensor_parallel, sequence_parallel, tuple(data_parallel), keep,
+    )
+    solves = solves or Solves()
+    result = search(units, settings, solves=solves)
+    result.peak_flops = device.flops
+    result.dropped[:0] = [(f"tp={t}", why) for t, why in refused.items()]
+    record = search_record(result, device)
+    if near is not None:
+        record.update(nearest_record(units, result, near, solves, near_seconds))
+    return LayoutPlan(result, record)
+
+
+def nearest_layouts(
+    model: nn.Module, inputs: tuple, kwargs: dict, target: Any, near: Layout, *, gpus: int, gpus_per_node: int = 8,
+    hardware: Hardware | str = "H100-80GB", memory_limit: float | str | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None, optimizer_factor: float = 2.0, grad_factor: float = 1.0,
+    tensor_parallel: Mapping[str, Any] | None = None, sequence_parallel: bool = False, solves: Solves | None = None,
+    seconds: float = math.inf,
+) -> dict[str, Any]:
+    """`plan_layouts`' "near", "nearest" and "nearest_budget" for `near` without searching the
+    fastest layouts (`search.nearest_search`, within `seconds`)."""
+    units, settings, device, _ = _searched_units(
+        model, inputs, kwargs, target, gpus, gpus_per_node, hardware, memory_limit, loss_fn, optimizer_factor,
+        grad_factor, tensor_parallel, sequence_parallel, ("replicate", "shard"), 5,
+    )
+    result = SearchResult(settings, [], [], [], 0, 0, 0.0, units.flops_per_sample, units.tokens_per_sample,
+                          device.flops)
+    return nearest_record(units, result, near, solves or Solves(), seconds)
+
+
+def _searched_units(
+    model: nn.Module, inputs: tuple, kwargs: dict, target: Any, gpus: int, gpus_per_node: int,
+    hardware: Hardware | str, memory_limit: float | str | None, loss_fn: Callable[..., torch.Tensor] | None,
+    optimizer_factor: float, grad_factor: float, tensor_parallel: Mapping[str, Any] | None,
+    sequence_parallel: bool, data_parallel: tuple[str, ...], keep: int,
+) -> tuple[Any, SearchSettings, Hardware, dict[int, str]]:
+    """The model's units compiled for the search (`units.model_units`), the search's settings, the
+    hardware and the tp degrees refused, with why (`plan_layouts`' arguments)."""
     device = resolve_hardware(hardware)
     limit = device.memory if memory_limit is None else (
         parse_bytes(memory_limit) if isinstance(memory_limit, str) else float(memory_limit)
@@ -88,12 +131,9 @@ def plan_layouts(
     units = model_units(model, batch_of, device, tps, parallel_plan, sequence_parallel, loss_fn)
     settings = settings_on(
         device, gpus=gpus, global_batch=global_batch, memory_limit=limit, gpus_per_node=gpus_per_node,
-        optimizer_factor=optimizer_factor, grad_factor=grad_factor, data_parallel=tuple(data_parallel), keep=keep,
+        optimizer_factor=optimizer_factor, grad_factor=grad_factor, data_parallel=data_parallel, keep=keep,
     )
-    result = search(units, settings)
-    result.peak_flops = device.flops
-    result.dropped[:0] = [(f"tp={t}", why) for t, why in refused.items()]
-    return LayoutPlan(result, search_record(result, device, near, units))
+    return units, settings, device, refused
 
 
 def settings_on(hardware: Hardware, **fields: Any) -> SearchSettings:
@@ -132,34 +172,42 @@ def outcome_record(result: SearchResult, outcome: Outcome) -> dict[str, Any]:
     }
 
 
-def search_record(
-    result: SearchResult, hardware: Hardware, near: Layout | None = None, units: Any = None
-) -> dict[str, Any]:
+def search_record(result: SearchResult, hardware: Hardware) -> dict[str, Any]:
     """The JSON-able record `planner/report.search_text` prints."""
     s = result.settings
     reasons: dict[str, list[str]] = {}
     for what, why in result.dropped:
         reasons.setdefault(why, []).append(what)
-    record = {
+    return {
         "gpus": s.gpus, "gpus_per_node": s.gpus_per_node, "global_batch": s.global_batch,
         "tokens_per_sample": result.tokens_per_sample, "hardware": hardware.name, "memory_limit_bytes": s.memory_limit,
         "seconds": result.seconds, "options": result.options, "priced": len(result.priced), "pruned": result.pruned,
         "layouts": [outcome_record(result, o) for o in result.ranked],
         "dropped": [{"why": why, "count": len(what), "examples": what[:2]} for why, what in reasons.items()],
     }
-    if near is not None:
-        record["near"] = str(near)
-        record["nearest"] = [outcome_record(result, o) for o in nearest(units, result, near)]
-    return record
 
 
-def menu_record(costed: CostedPipeline, hardware: Hardware, o: Any, limit: float) -> dict[str, Any]:
+def nearest_record(
+    units: Units, result: SearchResult, near: Layout, solves: Solves, seconds: float = math.inf
+) -> dict[str, Any]:
+    """"near", "nearest": the fitting layouts closest to `near` (`search.nearest_search`; rates on
+    `result`'s model and hardware) and "nearest_budget": what `seconds` left unpriced."""
+    found, budget = nearest_search(units, result.settings, near, solves=solves, seconds=seconds)
+    return {"near": str(near), "nearest": [outcome_record(result, o) for o in found],
+            "nearest_budget": {**budget, "seconds": None if budget["seconds"] == math.inf else budget["seconds"]}}
+
+
+def menu_record(
+    costed: CostedPipeline, hardware: Hardware, o: Any, limit: float, solves: Solves | None = None
+) -> dict[str, Any]:
     """What a given layout's plan (`plan.plan`, its `PlanOptions` `o`) says of the menu:
     "menu" (`search.MENU`, each schedule without recomputation and, where `costed` has its
     recompute alternatives, with the fastest level that fits), "menu_choice", the fastest that
     fits (None: nothing does), "menu_binds": whether, without the alternatives, some recompute
     level would be priced (`search.worth_recomputing`), and with dp > 1 "other_mode": the
-    fastest that fits keeping the state the other data-parallel way."""
+    fastest that fits keeping the state the other data-parallel way. `solves`: the plan's schedules
+    made so far (`search.Solves`)."""
+    solves = solves or Solves()
     stages = len(costed.costs)
     given = Layout(stages, o.tp, o.dp, o.data_parallel, 1, o.microbatches)
     settings = settings_on(
@@ -168,15 +216,16 @@ def menu_record(costed: CostedPipeline, hardware: Hardware, o: Any, limit: float
         time_budget=o.time_budget,
     )
     units = compiled_units(costed, hardware, o.tp, 1)
-    entries = _menu_entries(menu(units, settings, given))
+    entries = _menu_entries(menu(units, settings, given, solves=solves))
     fitting = [e for e in entries if e["fits"]]
     record = {
         "menu": entries, "menu_choice": min(fitting, key=lambda e: e["step"]) if fitting else None,
-        "menu_binds": not costed.alternatives and worth_recomputing(units, settings, given),
+        "menu_binds": not costed.alternatives and worth_recomputing(units, settings, given, solves=solves),
     }
     if o.dp > 1:
         other = "shard" if o.data_parallel == "replicate" else "replicate"
-        fitting = [e for e in _menu_entries(menu(units, settings, replace(given, data_parallel=other))) if e["fits"]]
+        other_menu = menu(units, settings, replace(given, data_parallel=other), solves=solves, rows=False)
+        fitting = [e for e in _menu_entries(other_menu) if e["fits"]]
         record["other_mode"] = {"data_parallel": other, **min(fitting, key=lambda e: e["step"])} if fitting else None
     return record
 
@@ -227,25 +276,6 @@ def _menu_entry(outcome: Outcome) -> dict[str, Any]:
             "reduce": list(costs.reduce) or [0.0] * len(costs.f),  # each chunk's gradient reduction, after its last W
         }
     return entry
-
-
-def nearest(model: Units, result: SearchResult, layout: Layout, count: int = 3) -> list[Outcome]:
-    """The fitting layouts of `result` closest to `layout`: fewest knobs changed, then fastest,
-    each at the best of its menu's uniform recompute levels (`menu`, not refined: the search may
-    have spared some of its options; the per-stage levels and recompute cuts, which can only make a
-    layout faster, are left to the named layout's own plan, whose menu prices them)."""
-    def changed(other: Layout) -> int:
-        knobs = ("pp", "tp", "dp", "data_parallel", "microbatch_size")
-        return sum(getattr(other, k) != getattr(layout, k) for k in knobs)
-
-    fitting: dict[Layout, Outcome] = {}
-    for o in result.priced:
-        if o.fits and (o.layout not in fitting or o.key() < fitting[o.layout].key()):
-            fitting[o.layout] = o
-    closest = sorted(fitting.values(), key=lambda o: (changed(o.layout), o.key()))[: 2 * count]
-    best = [min((o for o in menu(model, result.settings, c.layout, refined=False) if o.fits), key=Outcome.key)
-            for c in closest]
-    return sorted(best, key=lambda o: (changed(o.layout), o.key()))[:count]
 
 
 def step_rates(result: SearchResult, outcome: Outcome) -> dict[str, float]:

@@ -29,9 +29,9 @@ from zbcompile.passes.stage_cost import peak_memory_with_transients
 from zbcompile.passes.tensor_parallel_shares import annotate_shares, model_plan
 from zbcompile.planner.cut import binds, cut_decision, decision_record, one_f_one_b_peaks
 from zbcompile.planner.hardware import Hardware, resolve_rank_hardware
-from zbcompile.planner.layouts import LayoutPlan, menu_record, plan_layouts
+from zbcompile.planner.layouts import LayoutPlan, menu_record, nearest_layouts, plan_layouts
 from zbcompile.planner.report import plan_text
-from zbcompile.planner.search import Layout
+from zbcompile.planner.search import Layout, Solves
 from zbcompile.runtime.parallel.batch import split
 from zbcompile.schedules import Costs, Schedule, ScheduleError, make_schedule, simulate
 from zbcompile.schedules.costs import resolve_costs
@@ -39,6 +39,7 @@ from zbcompile.schedules.memory_limit import DATA_PARALLEL_MODES, parse_bytes, s
 from zbcompile.schedules.render import layout, to_svg
 
 PLANNED_SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "gpipe", "zb-auto")
+NEAREST_SECONDS = 20.0  # the search for the nearest layouts that fit, past their compile
 
 
 @dataclass(frozen=True)
@@ -146,48 +147,54 @@ def plan(
         parallel_plan = model_plan(model, tensor_parallel)
         annotate = lambda traced: annotate_shares(traced, parallel_plan, tp, sequence_parallel)  # noqa: E731
 
-    def compiled(cuts: Sequence[int] | None = None, traced: Any = None) -> CostedPipeline:
+    def compiled(cuts: Sequence[int] | None = None, traced: Any = None, alternatives: bool = False) -> CostedPipeline:
         # traced as on a CPU (fake tensors, nothing allocated): its attention kernel saves what a GPU's
         # flash attention saves (no sequence x sequence scores); the meta device's would keep them.
-        # Given the trace: compiled again at every recompute level too, for the menu
+        # Given the trace (the first compile's), not traced again; with `alternatives` compiled again at
+        # every recompute level too, for the menu
         return compile_costs(
             model, loss_fn, args, call_kwargs, micro_target, stages, split_points, device=torch.device("cpu"),
-            annotate=annotate, cuts=cuts, traced=traced, recompute_alternatives=traced is not None,
+            annotate=annotate, cuts=cuts, traced=traced, recompute_alternatives=alternatives,
         )
 
     options = PlanOptions(
         microbatches, dp, data_parallel, memory_limit, tuple(schedules), optimizer_factor, grad_factor, time_budget,
         tp,
     )
-    planned = plan_compiled(compiled(), rank_hardware, options, _shapes(args, call_kwargs))
-    planned = planned if split_points is not None else _cut_by_time(planned, compiled)
-    return _priced_menu(planned, compiled, model, (inputs, kwargs, target), search_options)
+    solves = Solves()  # every schedule this plan makes, made once
+    planned = plan_compiled(compiled(), rank_hardware, options, _shapes(args, call_kwargs), solves)
+    planned = planned if split_points is not None else _cut_by_time(planned, compiled, solves)
+    return _priced_menu(planned, compiled, model, (inputs, kwargs, target), search_options, solves)
 
 
-def _priced_menu(planned: Plan, compiled: Callable, model: nn.Module, batch: tuple, search_options: dict) -> Plan:
+def _priced_menu(
+    planned: Plan, compiled: Callable, model: nn.Module, batch: tuple, search_options: dict, solves: Solves
+) -> Plan:
     """`planned` with its menu priced at every recompute level where some level is worth it
-    (`compiled(cuts, traced)` compiles them), and the nearest layouts that fit where nothing on
-    the menu does."""
+    (`compiled(cuts, traced, alternatives=True)` compiles them), and the nearest layouts that fit where nothing on
+    the menu does; `solves`: the schedules this plan made so far."""
     if planned.record.get("menu_binds"):
-        again = compiled(planned.costed.partition.cuts, planned.costed.traced)
-        planned.record.update(menu_record(again, planned.hardware, planned.options, min(planned.limits)))
+        again = compiled(planned.costed.partition.cuts, planned.costed.traced, alternatives=True)
+        planned.record.update(menu_record(again, planned.hardware, planned.options, min(planned.limits), solves))
     if "menu" in planned.record and planned.record["menu_choice"] is None:
-        planned.record["nearest"] = _nearest(model, batch, len(planned.state), planned.options, search_options)
+        planned.record.update(_nearest(model, batch, len(planned.state), planned.options, search_options, solves))
     return planned
 
 
-def _nearest(model: nn.Module, batch: tuple, stages: int, o: PlanOptions, search_options: dict) -> list[dict[str, Any]]:
-    """The layouts of as many GPUs nearest to `stages` x `o`'s that fit (`plan_search`), for one
-    replica's `batch` (inputs, kwargs, target) repeated over `o.dp` replicas."""
+def _nearest(
+    model: nn.Module, batch: tuple, stages: int, o: PlanOptions, search_options: dict, solves: Solves
+) -> dict[str, Any]:
+    """The layouts of as many GPUs nearest to `stages` x `o`'s that fit, for one replica's `batch`
+    (inputs, kwargs, target) repeated over `o.dp` replicas: `layouts.nearest_layouts`' record,
+    searched for at most `NEAREST_SECONDS` past the compile."""
     whole = pytree.tree_map(lambda x: torch.cat([x] * o.dp) if isinstance(x, torch.Tensor) else x, batch)
     samples = next(x.shape[0] for x in pytree.tree_leaves(batch) if isinstance(x, torch.Tensor))
     near = Layout(stages, o.tp, o.dp, o.data_parallel, samples // o.microbatches, o.microbatches)
-    found = plan_layouts(model, *whole, gpus=stages * o.tp * o.dp, gpus_per_node=max(8, o.tp), near=near,
-                         **search_options)
-    return found.record["nearest"]
+    return nearest_layouts(model, *whole, near, gpus=stages * o.tp * o.dp, gpus_per_node=max(8, o.tp),
+                           solves=solves, seconds=NEAREST_SECONDS, **search_options)
 
 
-def _cut_by_time(planned: Plan, compiled: Callable[[Sequence[int]], CostedPipeline]) -> Plan:
+def _cut_by_time(planned: Plan, compiled: Callable[..., CostedPipeline], solves: Solves) -> Plan:
     """`planned`, or where its memory limit binds or its ranks differ the plan of the model cut
     where the predicted step time is least (`cut.cut_decision`), if that plan's zb-auto fits
     where the compiler's cut did not, or is faster."""
@@ -198,8 +205,8 @@ def _cut_by_time(planned: Plan, compiled: Callable[[Sequence[int]], CostedPipeli
     if not decision.changes:
         planned.record["cut"] = decision_record(decision, "kept the compiler's cut")
         return planned
-    moved = plan_compiled(compiled(decision.chosen.cut.positions), planned.rank_hardware, planned.options,
-                          planned.microbatch)
+    recompiled = compiled(decision.chosen.cut.positions, planned.costed.traced)
+    moved = plan_compiled(recompiled, planned.rank_hardware, planned.options, planned.microbatch, solves)
     before, after = (_zb_auto_span(p) for p in (planned, moved))
     if after < before:
         moved.record["cut"] = decision_record(decision, "moved: the step predicted on the new cut is shorter")
@@ -242,10 +249,12 @@ def plan_compiled(
     hardware: Hardware | str | Sequence[Hardware | str],
     options: PlanOptions,
     microbatch: str = "",
+    solves: Solves | None = None,
 ) -> Plan:
     """The plan of a compile (`compiler.compile_costs`) on `hardware` (one for every rank, or one
     per rank): per-stage times and state, every schedule of `options.schedules` simulated; no
-    compiling (`Plan.on` re-plans on other hardware)."""
+    compiling (`Plan.on` re-plans on other hardware). `solves`: the schedules its plan made so far
+    (`search.Solves`), read by its menu."""
     o = options
     _check_options(o.dp, o.data_parallel)
     ranks = resolve_rank_hardware(hardware, len(costed.costs))
@@ -307,7 +316,7 @@ def plan_compiled(
         "zb_auto": _zb_auto_choice([e for e, _ in entries], limits),
     }
     if alike:
-        record.update(menu_record(costed, ranks[0], o, min(limits)))
+        record.update(menu_record(costed, ranks[0], o, min(limits), solves))
     schedules = {e["name"]: s for e, s in entries if s is not None}
     return Plan(costed, ranks[0], costs, unit, state, schedules, record, o, microbatch, ranks, limits)
 

@@ -117,9 +117,19 @@ def plan_text(record: dict[str, Any]) -> str:
     if record.get("menu"):
         lines += ["", menu_text(record)]
     if record.get("nearest") is not None:
-        lines += ["nearest layouts of as many GPUs that fit:",
-                  layout_rows(record["nearest"]) if record["nearest"] else "  none"]
+        lines += ["nearest layouts of as many GPUs that fit (fewest of pp, tp, dp, data-parallel mode and "
+                  "microbatch size changed, then fastest):",
+                  layout_rows(record["nearest"]) if record["nearest"] else "  none", *budget_lines(record)]
     return "\n".join(lines)
+
+
+def budget_lines(record: dict[str, Any]) -> list[str]:
+    """Where the time budget stopped the search for the nearest layouts: what it left unpriced."""
+    budget = record.get("nearest_budget") or {}
+    if not budget.get("stopped"):
+        return []
+    return [f"  (the search stopped at its time budget, {budget['seconds']:.0f} s: {budget['layouts_skipped']} "
+            "layouts not priced; a nearer or faster one may fit: `zbcompile plan --gpus` searches them all)"]
 
 
 def tensor_parallel_lines(record: dict[str, Any]) -> list[str]:
@@ -212,5 +222,5 @@ def search_text(record: dict[str, Any]) -> str:
     ]
     if record.get("nearest") is not None:
         lines += [f"nearest layouts to {record['near']} that fit:",
-                  layout_rows(record["nearest"]) if record["nearest"] else "  none"]
+                  layout_rows(record["nearest"]) if record["nearest"] else "  none", *budget_lines(record)]
     return "\n".join(lines)

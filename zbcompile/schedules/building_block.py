@@ -27,12 +27,14 @@ order (slot order) cannot deadlock.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Sequence
 
 from .handcrafted import v_placement
 from .ir import Action, Schedule
 
 INTERVAL = 6  # slots per microbatch and rank: F, F, I, I, W, W
+BUILT_KEPT = 32  # schedules of a shape kept (they depend on stages and microbatches alone; immutable)
 Block = Sequence[tuple[int, int, int, int]]  # per rank: slots of F chunk 0, F chunk 1, I chunk 1, I chunk 0
 
 
@@ -159,16 +161,19 @@ def building_block_schedule(name: str, stages: int, microbatches: int, block: Bl
     return Schedule(name, stages, microbatches, v_placement(stages), rows, {"building_block": [list(b) for b in block]})
 
 
+@lru_cache(maxsize=BUILT_KEPT)
 def v_min(stages: int, microbatches: int) -> Schedule:
     """V-Min: about a third of 1F1B's activation memory."""
     return building_block_schedule("v-min", stages, microbatches, v_min_block(stages // 2))
 
 
+@lru_cache(maxsize=BUILT_KEPT)
 def v_half(stages: int, microbatches: int) -> Schedule:
     """V-Half: about half of 1F1B's activation memory."""
     return building_block_schedule("v-half", stages, microbatches, v_half_block(stages // 2))
 
 
+@lru_cache(maxsize=BUILT_KEPT)
 def v_zb(stages: int, microbatches: int) -> Schedule:
     """V-ZB: 1F1B's memory and no bubble in the steady state."""
     return building_block_schedule("v-zb", stages, microbatches, v_zb_block(stages // 2))

@@ -10,6 +10,7 @@ it from its graphs (`passes/cut_profile.py`), the runtime from measured times.
 from __future__ import annotations
 
 import bisect
+import collections
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -82,6 +83,7 @@ class Segments:
     _time: list[list[list[float]]] = field(default_factory=list)  # rank -> kind -> prefix
     _mem: list[list[float]] = field(default_factory=list)  # mem_b, mem_w prefixes
     param_ids: list[frozenset[int]] = field(default_factory=list)
+    _params: dict[tuple[int, int], frozenset[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         u = self.units
@@ -110,8 +112,17 @@ class Segments:
         return sum(self.units.params[i][0] for i in ids)
 
     def params_of(self, start: int, end: int) -> frozenset[int]:
-        """Parameters read by positions [start, end)."""
-        return frozenset(i for i, (_, positions) in enumerate(self.units.params) if _reads(positions, start, end))
+        """Parameters read by positions [start, end) (remembered per range; from the segments'
+        `param_ids` where both ends are segment bounds)."""
+        key = (start, end)
+        if key not in self._params:
+            lo, hi = bisect.bisect_left(self.bounds, start), bisect.bisect_left(self.bounds, end)
+            if lo < len(self.bounds) and hi < len(self.bounds) and self.bounds[lo] == start and self.bounds[hi] == end:
+                read = sorted(frozenset().union(*self.param_ids[lo:hi]))
+            else:
+                read = [i for i, (_, positions) in enumerate(self.units.params) if _reads(positions, start, end)]
+            self._params[key] = frozenset(read)  # built in index order, as every caller's sums expect
+        return self._params[key]
 
 
 def _reads(positions: tuple[int, ...], start: int, end: int) -> bool:
@@ -129,12 +140,18 @@ def candidate_positions(units: CutUnits) -> list[int]:
     window = CHEAP_WINDOW * total
     kept = set(units.preferred) & set(allowed)
     lo = hi = 0
+    window_min: collections.deque[int] = collections.deque([0])  # indices into allowed, crossing increasing
     for a in allowed:
         while times[allowed[lo]] < times[a] - window:
             lo += 1
         while hi + 1 < len(allowed) and times[allowed[hi + 1]] <= times[a] + window:
             hi += 1
-        cheapest = min(units.crossing[b] for b in allowed[lo : hi + 1])
+            while window_min and units.crossing[allowed[window_min[-1]]] >= units.crossing[allowed[hi]]:
+                window_min.pop()
+            window_min.append(hi)
+        while window_min[0] < lo:
+            window_min.popleft()
+        cheapest = units.crossing[allowed[window_min[0]]]  # the least crossing of allowed[lo : hi + 1]
         if units.crossing[a] <= (1 + CHEAP_SLACK) * cheapest:
             kept.add(a)
     return sorted(kept)

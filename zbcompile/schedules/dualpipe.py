@@ -40,6 +40,9 @@ addition is not associative), only equal to it within rounding.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
+from .building_block import BUILT_KEPT
 from .handcrafted import in_line, v_placement
 from .ir import Action, Schedule
 
@@ -114,6 +117,7 @@ def _rank_actions(ranks: int, microbatches: int, rank: int) -> tuple[list[Action
     return prog.actions + prog.pending_w, prog.overlapped
 
 
+@lru_cache(maxsize=BUILT_KEPT)
 def dualpipev(stages: int, microbatches: int) -> Schedule:
     """DualPipeV on ``stages`` // 2 ranks (see the module docstring)."""
     if stages < 2 or stages % 2:

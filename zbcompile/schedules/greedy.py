@@ -83,6 +83,7 @@ class _ListScheduler:
         # F of deeper stages and I of deeper stages first (they are further along their chains).
         for group in self.stages_of:
             group.sort(reverse=True)
+        self.shallow_first = [sorted(group) for group in self.stages_of]
         self.limit = list(memory_limit) if memory_limit is not None else [math.inf] * ranks
         self.ceiling = [memory_ceiling(l) for l in self.limit]
         self.f_end = [[math.inf] * M for _ in range(S)]
@@ -100,6 +101,7 @@ class _ListScheduler:
         # Memory kept free on a rank for one F (and its I's increase) of each deeper stage it holds (V
         # shapes), so that the oldest microbatch can always continue down the pipeline and back, and
         # for the increase of this stage's own I (mem_w > mem_b).
+        self.memory_delta = {kind: [costs.memory_delta(s, kind) for s in range(S)] for kind in "FIW"}
         self.reserve = [
             costs.excess(s)
             + sum(max(costs.mem_b[d], costs.mem_w[d]) for d in self.stages_of[stage_to_rank[s]] if d > s)
@@ -149,8 +151,9 @@ class _ListScheduler:
             self.nw[s] += 1
             end = now + costs.w[s]
         self.rows[r].append(Action(s, kind, k))
-        self.first_start[r] = min(self.first_start[r], now)
-        self.mem[r] += costs.memory_delta(s, kind)
+        if now < self.first_start[r]:
+            self.first_start[r] = now
+        self.mem[r] += self.memory_delta[kind][s]
         self.free_at[r] = end
         self.remaining[r] -= 1
         heapq.heappush(events, (end, r))
@@ -169,21 +172,39 @@ class _ListScheduler:
         returned = self.returned_gradient(group, now)
         if returned is not None:
             return self.backward(r, group, returned)
-        next_i = min((self.i_avail(s) for s in group if self.ni[s] < self.M), default=math.inf)
-        ready_f = [s for s in group if self.forward_allowed(s) and self.f_avail(s) <= now + _EPS]
-        fits = [s for s in ready_f if self.forward_fits(r, s)]
-        for s in fits:
-            if self.policy.f_gate == "eager" or now + self.costs.f[s] <= next_i + _EPS:
-                return s, "F"
-        return self.weight(r, group, now, next_i, ready_f, fits)
+        nf, ni, cap, M, f_end, f_delay = self.nf, self.ni, self.inflight_cap, self.M, self.f_end, self.f_delay
+        soon = now + _EPS
+        ready_f = [  # forward_allowed(s) and f_avail(s) <= soon, inline: the list scheduler's hottest line
+            s for s in group
+            if nf[s] < M and nf[s] - ni[s] < cap[s] and (s == 0 or f_end[s - 1][nf[s]] + f_delay[s] <= soon)
+        ]
+        fits = [s for s in ready_f if self.forward_fits(r, s)] if ready_f else ready_f
+        if fits and self.policy.f_gate == "eager":
+            return fits[0], "F"
+        if fits:
+            next_i = self.next_i(group)
+            for s in fits:
+                if now + self.costs.f[s] <= next_i + _EPS:
+                    return s, "F"
+        return self.weight(r, group, now, ready_f, fits)
+
+    def next_i(self, group: list[int]) -> float:
+        """When the next I of ``group``'s stages has its inputs (inf: none known)."""
+        return min((self.i_avail(s) for s in group if self.ni[s] < self.M), default=math.inf)
 
     def returned_gradient(self, group: list[int], now: float) -> int | None:
         """Step 1: the stage whose I has its inputs, oldest microbatch first, deeper stage on ties."""
         best = None
-        ni, M = self.ni, self.M
+        ni, nf, M, last = self.ni, self.nf, self.M, self.S - 1
+        f_end, i_end, i_delay = self.f_end, self.i_end, self.i_delay
+        soon = now + _EPS
         for s in group:
-            if ni[s] < M and self.i_avail(s) <= now + _EPS:
-                key = (ni[s], -s)
+            k = ni[s]
+            if k >= M or k >= nf[s]:  # i_avail(s) is inf
+                continue
+            avail = f_end[s][k] if s == last else max(f_end[s][k], i_end[s + 1][k] + i_delay[s])
+            if avail <= soon:
+                key = (k, -s)
                 if best is None or key < best[0]:
                     best = (key, s)
         return None if best is None else best[1]
@@ -199,18 +220,18 @@ class _ListScheduler:
         return None  # cannot happen on a single-chunk stage (see the module docstring)
 
     def weight(
-        self, r: int, group: list[int], now: float, next_i: float, ready_f: list[int], fits: list[int]
+        self, r: int, group: list[int], now: float, ready_f: list[int], fits: list[int]
     ) -> tuple[int, str] | None:
         """Steps 3 and 4: a W of the shallowest stage with one pending, to make room for a waiting
         forward, or to fill the gap as the policy's ``w_gate`` allows."""
-        w_stage = next((s for s in sorted(group) if self.nw[s] < self.ni[s]), None)
+        w_stage = next((s for s in self.shallow_first[r] if self.nw[s] < self.ni[s]), None)
         if w_stage is None:
             return None
         if (ready_f and not fits) or self.policy.w_gate == "fill":
             return w_stage, "W"
         waiting = [s for s in group if self.forward_allowed(s) and self.forward_fits(r, s)]
         next_f = min((self.f_avail(s) for s in waiting), default=math.inf)
-        upcoming = min(next_i, next_f)
+        upcoming = min(self.next_i(group), next_f)
         if fits or now + self.costs.w[w_stage] <= upcoming + _EPS or upcoming == math.inf:
             return w_stage, "W"
         return None
