@@ -20,7 +20,8 @@ from zbcompile.cli import main
 from zbcompile.compiler import compile_costs
 from zbcompile.passes.tensor_parallel_shares import annotate_shares, model_plan
 from zbcompile.planner.hardware import NAMED
-from zbcompile.planner.search import MENU, Layout, Pricer, SearchSettings, menu, search
+from zbcompile.planner.pricing import MENU, Layout, Pricer, SearchSettings
+from zbcompile.planner.search import menu, search
 from zbcompile.planner.units import LEVEL_NAMES, _costed_units, compiled_units, for_ranks, model_units
 from zbcompile.rehearsal.rehearse import plan_times
 from zbcompile.schedules import make_schedule, simulate

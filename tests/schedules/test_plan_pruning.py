@@ -3,7 +3,8 @@ menu that skips the options whose bound cannot beat the fastest fit found, and a
 at its bound, choose what pricing every option chooses; solves shared through one `Solves` are
 made once."""
 
-from zbcompile.planner.search import Layout, SearchSettings, Solves, menu, search
+from zbcompile.planner.pricing import Layout, SearchSettings, Solves
+from zbcompile.planner.search import menu, search
 
 N = 12  # positions
 # per recompute level: (F, I, W) seconds and M_B bytes per position; more recomputation, less memory

@@ -22,21 +22,9 @@ from zbcompile._torch_internals import pytree
 from zbcompile.compiler import CostedPipeline
 from zbcompile.passes.tensor_parallel_shares import model_plan, split_mismatch
 from zbcompile.planner.hardware import Hardware, resolve_hardware
+from zbcompile.planner.pricing import MENU, Layout, Option, Outcome, SearchSettings, Solves, Units
 from zbcompile.planner.report import search_text
-from zbcompile.planner.search import (
-    MENU,
-    Layout,
-    Option,
-    Outcome,
-    SearchResult,
-    SearchSettings,
-    Solves,
-    Units,
-    menu,
-    nearest_search,
-    search,
-    worth_recomputing,
-)
+from zbcompile.planner.search import SearchResult, menu, nearest_search, search, worth_recomputing
 from zbcompile.planner.units import LEVEL_NAMES, compiled_units, model_units
 from zbcompile.schedules.memory_limit import parse_bytes
 
@@ -72,7 +60,7 @@ def plan_layouts(
     the device's memory); tp > 1 where the model has a tensor-parallel plan (`tensor_parallel`,
     or a transformers model's own) that splits it. With `near`, the record also names the
     fitting layouts closest to it (`search.nearest_search`, within `near_seconds`). `solves`: the
-    plan's schedules made so far (`search.Solves`)."""
+    plan's schedules made so far (`pricing.Solves`)."""
     units, settings, device, refused = _searched_units(
         model, inputs, kwargs, target, gpus, gpus_per_node, hardware, memory_limit, loss_fn, optimizer_factor,
         grad_factor, tensor_parallel, sequence_parallel, tuple(data_parallel), keep,
@@ -201,12 +189,12 @@ def menu_record(
     costed: CostedPipeline, hardware: Hardware, o: Any, limit: float, solves: Solves | None = None
 ) -> dict[str, Any]:
     """What a given layout's plan (`plan.plan`, its `PlanOptions` `o`) says of the menu:
-    "menu" (`search.MENU`, each schedule without recomputation and, where `costed` has its
+    "menu" (`pricing.MENU`, each schedule without recomputation and, where `costed` has its
     recompute alternatives, with the fastest level that fits), "menu_choice", the fastest that
     fits (None: nothing does), "menu_binds": whether, without the alternatives, some recompute
     level would be priced (`search.worth_recomputing`), and with dp > 1 "other_mode": the
     fastest that fits keeping the state the other data-parallel way. `solves`: the plan's schedules
-    made so far (`search.Solves`)."""
+    made so far (`pricing.Solves`)."""
     solves = solves or Solves()
     stages = len(costed.costs)
     given = Layout(stages, o.tp, o.dp, o.data_parallel, 1, o.microbatches)

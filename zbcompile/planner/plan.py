@@ -30,8 +30,8 @@ from zbcompile.passes.tensor_parallel_shares import annotate_shares, model_plan
 from zbcompile.planner.cut import binds, cut_decision, decision_record, one_f_one_b_peaks
 from zbcompile.planner.hardware import Hardware, resolve_rank_hardware
 from zbcompile.planner.layouts import LayoutPlan, menu_record, nearest_layouts, plan_layouts
+from zbcompile.planner.pricing import Layout, Solves
 from zbcompile.planner.report import plan_text
-from zbcompile.planner.search import Layout, Solves
 from zbcompile.runtime.parallel.batch import split
 from zbcompile.schedules import Costs, Schedule, ScheduleError, make_schedule, simulate
 from zbcompile.schedules.costs import resolve_costs
@@ -254,7 +254,7 @@ def plan_compiled(
     """The plan of a compile (`compiler.compile_costs`) on `hardware` (one for every rank, or one
     per rank): per-stage times and state, every schedule of `options.schedules` simulated; no
     compiling (`Plan.on` re-plans on other hardware). `solves`: the schedules its plan made so far
-    (`search.Solves`), read by its menu."""
+    (`pricing.Solves`), read by its menu."""
     o = options
     _check_options(o.dp, o.data_parallel)
     ranks = resolve_rank_hardware(hardware, len(costed.costs))

@@ -33,7 +33,6 @@ from tqdm import tqdm
 
 from zbcompile.planner.memory import flights
 from zbcompile.planner.pricing import (
-    MENU,
     Layout,
     Option,
     Outcome,
@@ -41,13 +40,8 @@ from zbcompile.planner.pricing import (
     SearchSettings,
     Solves,
     Units,
-    replica_cut_settings,
 )
 from zbcompile.schedules.cut_search import Cut
-
-__all__ = ["MENU", "Layout", "Option", "Outcome", "Pricer", "SearchResult", "SearchSettings", "Solves", "Units",
-           "knobs_changed", "layouts", "menu", "nearest_search", "options_of", "replica_cut_settings", "search",
-           "worth_recomputing"]
 
 PROGRESS_AFTER = 3.0  # seconds of a search or menu before it prints a progress line (stderr)
 

@@ -151,7 +151,8 @@ def run_as(runner: Any, entrant: Entrant) -> None:
         runner.reschedule(entrant.schedule)
 
 
-def _why(entries: Sequence[Entrant], winner: Entrant, rounds_run: int) -> str:
+def _why(entries: Sequence[Entrant], rounds_run: int) -> str:
+    """How the contest over `entries` was decided after `rounds_run` rounds."""
     if decided(entries, rounds_run) and len(entries) > 1:
         return f"faster than every other with 95% confidence on paired rounds, after {rounds_run} round(s)"
     return f"the least median step over {rounds_run} round(s), undecided on paired rounds"
@@ -180,7 +181,7 @@ def race(
                             "why": "unraced"}, []
     winner = leader(running)
     record = {"entrants": [e.record() for e in entries], "chosen": winner.label,
-              "why": _why(running, winner, rounds_run)}
+              "why": _why(running, rounds_run)}
     return winner, record, sorted(still_in(running, rounds_run), key=lambda e: e.median_s)
 
 
@@ -250,4 +251,4 @@ class ScheduleTrial:
         winner = self.winner
         paired = {e.label: statistics.median(ratios(e, self.incumbent)) for e in self.entrants if e.samples}
         return {"entrants": [e.record() for e in self.entrants], "chosen": winner.label,
-                "why": _why(self.entrants, winner, self.rounds_run), "ratio_to_incumbent": paired}
+                "why": _why(self.entrants, self.rounds_run), "ratio_to_incumbent": paired}
